@@ -1,0 +1,33 @@
+# Entry points: `make demo` (set-up + main job on 8 simulated CPU devices) and
+# `make test` (set-up + whole test suite). Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= /tmp/foremoe_demo
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m experiments.rl_train --config=configs/tiny.py --workdir=$(DEMO_DIR)
+
+test: venv
+	$(PY) -m pytest -q -n 2 tests
+
+bench: venv
+	$(PY) -m experiments.bench_moe_layer --json
+	$(PY) -m experiments.bench_planner --json
+	$(PY) -m experiments.bench_msa --json
+	$(PY) -m experiments.bench_sampler --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

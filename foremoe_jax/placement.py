@@ -1,0 +1,201 @@
+"""Placement: which expert sits in each slot, and how tokens reach the slots.
+
+This is the contract between the host-side planner (which produces placements)
+and the device-side expert-parallel layer (which consumes them). It is plain
+numpy and never imports jax, so the planner stays importable without jax.
+
+Shape letters: L layers, E experts, D expert-parallel (EP) devices, which are
+both the sources and the destinations of dispatch, S slots (S = D * s, slot
+``j`` lives on device ``j // s``), M micro-steps.
+
+A placement (for one micro-step) is two arrays:
+
+* ``slot_expert_LS`` int32 ``[L, S]``: the canonical expert held by each slot.
+  Every expert has at least one slot; slots beyond E hold replicas.
+* ``slot_share_LDS`` float32 ``[L, D, S]``: the fraction of source device d's
+  tokens for expert ``slot_expert[l, s]`` that go to slot s. For every
+  (l, d, e) the shares over the slots holding e sum to 1.
+
+Split rule (shared bit-for-bit in spirit with the device code in
+``foremoe_jax.model.expert_parallel``): source d holds n assignments to expert
+e, ranked 0..n-1 in token order. The slots holding e, in slot order, have
+inclusive cumulative shares c_1 <= ... <= c_r = 1 (c_0 = 0). Slot i receives
+the ranks ``[round(c_{i-1} n), round(c_i n))`` with round(x) = floor(x + 0.5),
+so a slot's tokens from one source are one contiguous rank range, and shares
+built from exact counts (``shares_from_slot_counts``) reproduce those counts.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Placement(NamedTuple):
+  """One micro-step's placement of experts into slots. A jax pytree as-is."""
+
+  slot_expert: np.ndarray  # int32 [L, S]
+  slot_share: np.ndarray  # float32 [L, D, S]
+
+  @property
+  def num_layers(self) -> int:
+    return int(self.slot_expert.shape[0])
+
+  @property
+  def num_slots(self) -> int:
+    return int(self.slot_expert.shape[1])
+
+  @property
+  def num_devices(self) -> int:
+    return int(self.slot_share.shape[1])
+
+  @property
+  def slots_per_device(self) -> int:
+    return self.num_slots // self.num_devices
+
+
+def identity_placement(num_layers: int, num_experts: int, num_devices: int,
+                       slots_per_device: int) -> Placement:
+  """Static placement: slot j holds expert j % E; tokens use the first copy.
+
+  Redundant slots (j >= E) hold copies that receive no tokens, so the slot
+  budget matches the planners' while the load is that of plain EP.
+  """
+  num_slots = num_devices * slots_per_device
+  if num_slots < num_experts:
+    raise ValueError(f'num_devices * slots_per_device = {num_slots} < '
+                     f'num_experts = {num_experts}: some expert has no slot.')
+  slot_expert_S = (np.arange(num_slots) % num_experts).astype(np.int32)
+  share_S = (np.arange(num_slots) < num_experts).astype(np.float32)
+  slot_expert_LS = np.broadcast_to(slot_expert_S, (num_layers, num_slots))
+  share_LDS = np.broadcast_to(share_S, (num_layers, num_devices, num_slots))
+  return Placement(slot_expert_LS.copy(), share_LDS.copy())
+
+
+def stack_placements(placements) -> Placement:
+  """Stacks M placements into one with a leading micro-step axis."""
+  placements = list(placements)
+  return Placement(np.stack([p.slot_expert for p in placements]),
+                   np.stack([p.slot_share for p in placements]))
+
+
+def validate_placement(p: Placement, num_experts: int,
+                       slots_per_device: int | None = None,
+                       atol: float = 1e-4) -> None:
+  """Raises ValueError naming the first broken rule of a placement."""
+  se, share = np.asarray(p.slot_expert), np.asarray(p.slot_share)
+  if se.ndim != 2 or share.ndim != 3:
+    raise ValueError(f'slot_expert must be [L, S] and slot_share [L, D, S]; '
+                     f'got {se.shape} and {share.shape}.')
+  num_layers, num_slots = se.shape
+  if share.shape[0] != num_layers or share.shape[2] != num_slots:
+    raise ValueError(f'slot_share shape {share.shape} does not match '
+                     f'slot_expert shape {se.shape}.')
+  num_devices = share.shape[1]
+  if num_slots % num_devices:
+    raise ValueError(f'S = {num_slots} slots do not split evenly over '
+                     f'D = {num_devices} devices.')
+  if slots_per_device is not None and num_slots != num_devices * slots_per_device:
+    raise ValueError(f'S = {num_slots} != D * slots_per_device = '
+                     f'{num_devices * slots_per_device}.')
+  if se.min() < 0 or se.max() >= num_experts:
+    raise ValueError(f'slot_expert holds ids outside [0, {num_experts}).')
+  for l in range(num_layers):
+    held = np.bincount(se[l], minlength=num_experts)
+    if (held == 0).any():
+      missing = np.flatnonzero(held == 0)[:5].tolist()
+      raise ValueError(f'layer {l}: experts {missing} have no slot.')
+  if not np.isfinite(share).all() or share.min() < 0:
+    raise ValueError('slot_share must be finite and non-negative.')
+  sums_LDE = expert_share_sums(p, num_experts)
+  bad = np.abs(sums_LDE - 1.0) > atol
+  if bad.any():
+    l, d, e = np.argwhere(bad)[0]
+    raise ValueError(f'shares of expert {e} from source {d} in layer {l} sum '
+                     f'to {sums_LDE[l, d, e]:.6f}, not 1.')
+
+
+def expert_share_sums(p: Placement, num_experts: int) -> np.ndarray:
+  """Sum of shares over each expert's slots, per (layer, source): [L, D, E]."""
+  se, share = np.asarray(p.slot_expert), np.asarray(p.slot_share)
+  num_layers, num_devices, _ = share.shape
+  out = np.zeros((num_layers, num_devices, num_experts), np.float64)
+  for l in range(num_layers):
+    np.add.at(out[l].T, se[l], share[l].T)
+  return out
+
+
+def cumulative_shares(p: Placement) -> tuple[np.ndarray, np.ndarray]:
+  """(lo, hi) cumulative share bounds per slot, float32 [L, D, S] each.
+
+  lo[l, d, s] is the sum of shares of the slots before s holding the same
+  expert; hi = lo + share. Same-expert masks make this a matmul, which is also
+  how the device computes it.
+  """
+  se = np.asarray(p.slot_expert)
+  share = np.asarray(p.slot_share, np.float32)
+  num_slots = se.shape[1]
+  same_LSS = se[:, :, None] == se[:, None, :]
+  before_SS = np.tril(np.ones((num_slots, num_slots), bool), k=-1)
+  mask_LSS = (same_LSS & before_SS[None]).astype(np.float32)  # [l, s, s']
+  lo = np.einsum('ldt,lst->lds', share, mask_LSS).astype(np.float32)
+  return lo, (lo + share).astype(np.float32)
+
+
+def round_half_up(x):
+  return np.floor(x + np.float32(0.5))
+
+
+def slot_counts(counts_LDE: np.ndarray, p: Placement) -> np.ndarray:
+  """Tokens each slot receives from each source under the split rule: [L, D, S]."""
+  counts_LDE = np.asarray(counts_LDE)
+  se = np.asarray(p.slot_expert)
+  lo, hi = cumulative_shares(p)
+  n_LDS = np.take_along_axis(
+      counts_LDE, np.broadcast_to(se[:, None, :], lo.shape), axis=2
+  ).astype(np.float32)
+  start = round_half_up(lo * n_LDS)
+  stop = round_half_up(hi * n_LDS)
+  return (stop - start).astype(np.int64)
+
+
+def device_loads(counts_LDE: np.ndarray, p: Placement) -> np.ndarray:
+  """Tokens each destination device computes, per layer: [L, D]."""
+  sc_LDS = slot_counts(counts_LDE, p)
+  num_layers, num_devices, num_slots = sc_LDS.shape
+  per_slot_LS = sc_LDS.sum(axis=1)
+  return per_slot_LS.reshape(num_layers, num_devices, num_slots // num_devices
+                             ).sum(axis=2)
+
+
+def max_over_mean(loads: np.ndarray, axis=-1) -> np.ndarray:
+  """Straggler factor max/mean over devices (DeepSeek's MaxVio + 1)."""
+  loads = np.asarray(loads, np.float64)
+  mean = loads.mean(axis=axis)
+  return np.where(mean > 0, loads.max(axis=axis) / np.maximum(mean, 1e-12), 1.0)
+
+
+def shares_from_slot_counts(slot_counts_LDS: np.ndarray,
+                            slot_expert_LS: np.ndarray) -> np.ndarray:
+  """Shares that reproduce integer per-(source, slot) token counts exactly.
+
+  Where a source sends an expert no tokens, its share goes to the expert's
+  first slot so that shares still sum to 1.
+  """
+  sc = np.asarray(slot_counts_LDS, np.float64)
+  se = np.asarray(slot_expert_LS)
+  num_layers, num_devices, num_slots = sc.shape
+  num_experts = int(se.max()) + 1
+  totals_LDE = np.zeros((num_layers, num_devices, num_experts))
+  for l in range(num_layers):
+    np.add.at(totals_LDE[l].T, se[l], sc[l].T)
+  tot_LDS = np.take_along_axis(
+      totals_LDE, np.broadcast_to(se[:, None, :], sc.shape), axis=2)
+  share = np.where(tot_LDS > 0, sc / np.maximum(tot_LDS, 1), 0.0)
+  # First slot of each expert per layer takes the whole share when idle.
+  first_LS = np.zeros_like(se, dtype=bool)
+  for l in range(num_layers):
+    _, first = np.unique(se[l], return_index=True)
+    first_LS[l, first] = True
+  share = np.where((tot_LDS == 0) & first_LS[:, None, :], 1.0, share)
+  return share.astype(np.float32)
