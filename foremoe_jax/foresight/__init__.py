@@ -1,0 +1,1 @@
+"""Foresight: exact per-micro-step expert loads from routing records; traces."""

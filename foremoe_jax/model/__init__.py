@@ -1,0 +1,1 @@
+"""MoE decoder LM in Flax NNX, with placement-aware expert parallelism."""

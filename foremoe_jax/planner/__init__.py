@@ -1,0 +1,1 @@
+"""Host-side planners: per-micro-step placements from the foresight (numpy only)."""

@@ -1,0 +1,1 @@
+"""The RL step: GRPO with routing replay, as pure functions."""

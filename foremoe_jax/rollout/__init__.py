@@ -1,0 +1,1 @@
+"""Sampling phase: KV-cache decode that records the routing foresight."""

@@ -1,0 +1,1 @@
+"""Verifiable tasks: tokenizers, prompts and rewards."""

@@ -1,0 +1,1 @@
+"""Transfer engine: moves expert weights between micro-step placements."""

@@ -1,0 +1,1 @@
+"""Small shared utilities (logging, plots, environment report)."""
