@@ -1,0 +1,45 @@
+"""Multi-digit addition: "12+34=" -> "46".
+
+A verifiable task for the sampler and the GRPO verifier (see `base.Task`).
+Operands are zero-padded to `num_digits` digits so every prompt has the same
+length; the answer is written without leading zeros, so its length varies and
+the model must learn where to put EOS.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from foremoe_jax.tasks.base import Task
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditionTask(Task):
+  """a + b with a, b uniform in [0, 10**num_digits)."""
+
+  num_digits: int = 2
+  partial_credit: float = 0.0
+  name: str = 'addition'
+  alphabet: str = '0123456789+='
+
+  def __post_init__(self):
+    if self.num_digits < 1:
+      raise ValueError(f'num_digits must be >= 1, got {self.num_digits}.')
+
+  @property
+  def prompt_len(self) -> int:
+    return 1 + 2 * self.num_digits + 2  # BOS, a, '+', b, '='
+
+  @property
+  def max_answer_len(self) -> int:
+    return self.num_digits + 1  # The carry out of the top digit.
+
+  def sample_problems(self, rng: np.random.Generator, n: int) -> list[str]:
+    k = self.num_digits
+    a_N, b_N = rng.integers(0, 10**k, size=(2, n))
+    return [f'{a:0{k}d}+{b:0{k}d}=' for a, b in zip(a_N.tolist(), b_N.tolist())]
+
+  def solve(self, problem: str) -> str:
+    a, b = problem.rstrip('=').split('+')
+    return str(int(a) + int(b))

@@ -1,0 +1,158 @@
+"""The verifiable-task interface: prompts in, rewards out.
+
+Sits at both ends of the rollout: `sample_prompts` feeds the sampler, and
+`reward` scores what it generated (the verifier in the RL step, before the
+GRPO advantages). `supervised_batch` feeds the warm start that teaches a fresh
+model the answer format before RL.
+
+Shape letters: N problems, P prompt tokens, C completion tokens,
+S = P + C sequence tokens.
+
+Layout shared by every task:
+  prompt     = [BOS] + problem characters, exactly `prompt_len` ids (no PAD, so
+               prompts batch to a static shape and no attention mask is needed).
+  completion = answer characters + [EOS]; at most `completion_len` =
+               `max_answer_len` + 1 ids.
+Reward: 1.0 when the completion is exactly the answer followed by EOS (ids
+after that EOS, or beyond `lengths`, are ignored). Otherwise
+`partial_credit * (answer positions right) / len(answer)`, where positions past
+`lengths` count as wrong. With the default partial_credit = 0 the reward is
+the plain 0/1 verifier.
+"""
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from foremoe_jax.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+
+
+class Task(abc.ABC):
+  """A task with a character alphabet, fixed-length prompts and a verifier.
+
+  Subclasses give `name`, `alphabet`, `prompt_len`, `max_answer_len`,
+  `partial_credit`, and the two abstract methods below.
+  """
+
+  name: str
+  alphabet: str
+  partial_credit: float
+
+  @property
+  @abc.abstractmethod
+  def prompt_len(self) -> int:
+    """Prompt ids, BOS included."""
+
+  @property
+  @abc.abstractmethod
+  def max_answer_len(self) -> int:
+    """Answer characters at most, EOS excluded."""
+
+  @abc.abstractmethod
+  def sample_problems(self, rng: np.random.Generator, n: int) -> list[str]:
+    """n problem strings of length prompt_len - 1 (no BOS)."""
+
+  @abc.abstractmethod
+  def solve(self, problem: str) -> str:
+    """The one correct answer to a problem string."""
+
+  # Derived, shared by all tasks.
+
+  @property
+  def tokenizer(self) -> CharTokenizer:
+    return CharTokenizer(self.alphabet)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.vocab_size
+
+  @property
+  def completion_len(self) -> int:
+    """Tokens the sampler must be able to generate: answer plus EOS."""
+    return self.max_answer_len + 1
+
+  @property
+  def sequence_len(self) -> int:
+    return self.prompt_len + self.completion_len
+
+  def sample_prompts(self, rng, n: int) -> np.ndarray:
+    """int32 [n, prompt_len] prompt ids; rng is a Generator or a seed."""
+    rng = np.random.default_rng(rng)
+    problems = self.sample_problems(rng, n)
+    tok = self.tokenizer
+    prompts_NP = np.array([[BOS_ID] + tok.encode(p) for p in problems],
+                          np.int32).reshape(n, -1)
+    if prompts_NP.shape[1] != self.prompt_len:
+      raise AssertionError(f'{self.name}: prompts have {prompts_NP.shape[1]} '
+                           f'ids, expected {self.prompt_len}.')
+    return prompts_NP
+
+  def answers(self, prompts_NP: np.ndarray) -> list[str]:
+    """Correct answer text for each prompt row."""
+    tok = self.tokenizer
+    return [self.solve(tok.decode(p)) for p in np.asarray(prompts_NP)]
+
+  def targets(self, prompts_NP: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(answer ids + EOS, PAD-padded int32 [N, completion_len], answer_len_N)."""
+    tok = self.tokenizer
+    answers = self.answers(prompts_NP)
+    targets_NC = np.full((len(answers), self.completion_len), PAD_ID, np.int32)
+    answer_len_N = np.zeros(len(answers), np.int32)
+    for i, a in enumerate(answers):
+      ids = tok.encode(a) + [EOS_ID]
+      targets_NC[i, :len(ids)] = ids
+      answer_len_N[i] = len(a)
+    return targets_NC, answer_len_N
+
+  def reward(self, prompts_NP: np.ndarray, completions_NC: np.ndarray,
+             lengths_N: np.ndarray | None = None) -> np.ndarray:
+    """float32 [N] rewards (see the module docstring for the rule).
+
+    completions_NC may be longer than `completion_len` (a sampler that decodes
+    to a fixed budget). lengths_N, if given, is how many leading completion ids
+    are valid; by default, up to and including the first EOS.
+    """
+    completions_NC = np.asarray(completions_NC)
+    num, width = completions_NC.shape
+    if lengths_N is None:
+      is_eos_NC = completions_NC == EOS_ID
+      lengths_N = np.where(is_eos_NC.any(1), is_eos_NC.argmax(1) + 1, width)
+    lengths_N = np.asarray(lengths_N).reshape(num)
+    targets_NC, answer_len_N = self.targets(prompts_NP)
+    width_all = max(width, self.completion_len)
+    # -1 matches no id, so target positions past answer+EOS never count.
+    tgt_NC = np.full((num, width_all), -1, np.int64)
+    tgt_NC[:, :self.completion_len] = np.where(
+        np.arange(self.completion_len) < answer_len_N[:, None] + 1,
+        targets_NC, -1)
+    comp_NC = np.full((num, width_all), PAD_ID, np.int64)
+    comp_NC[:, :width] = completions_NC
+    valid_NC = np.arange(width_all) < lengths_N[:, None]
+    match_NC = (comp_NC == tgt_NC) & valid_NC
+    exact_N = match_NC.sum(1) == answer_len_N + 1
+    in_answer_NC = np.arange(width_all) < answer_len_N[:, None]
+    frac_N = (match_NC & in_answer_NC).sum(1) / np.maximum(answer_len_N, 1)
+    return np.where(exact_N, 1.0, self.partial_credit * frac_N
+                    ).astype(np.float32)
+
+  def supervised_batch(self, rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Warm-start examples: (tokens int32 [n, S], loss_mask float32 [n, S]).
+
+    tokens = prompt + answer + EOS, right-padded with PAD to sequence_len.
+    loss_mask is 1 at the positions of the answer and EOS ids, aligned with
+    `tokens`: a next-token loss weights (logits[:, :-1], tokens[:, 1:]) by
+    loss_mask[:, 1:].
+    """
+    prompts_NP = self.sample_prompts(rng, n)
+    targets_NC, answer_len_N = self.targets(prompts_NP)
+    tokens_NS = np.concatenate([prompts_NP, targets_NC], axis=1)
+    pos_C = np.arange(self.completion_len)
+    mask_NC = (pos_C < answer_len_N[:, None] + 1).astype(np.float32)
+    mask_NS = np.concatenate(
+        [np.zeros_like(prompts_NP, np.float32), mask_NC], axis=1)
+    return tokens_NS, mask_NS
+
+  def decode(self, ids) -> str:
+    """Text of a 1-D id sequence (PAD/BOS dropped, stops at EOS)."""
+    return self.tokenizer.decode(ids)
