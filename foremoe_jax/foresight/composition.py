@@ -1,0 +1,93 @@
+"""Micro-batch composition: which samples go into which micro-step.
+
+Sits between the verifier and the foresight loads: after rollout, the step's
+B samples are split into M equal micro-batches; `loads.microstep_loads` then
+counts what each micro-step will dispatch. Because the GRPO loss is a sum
+over sequences with a global normaliser (`rl.grpo.policy_loss`), any
+composition gives the same accumulated gradient, so composition is free to
+serve load balance.
+
+Shape letters: B samples, L MoE layers, E experts, M micro-batches.
+
+Balance objective: for micro-batch m, load[m, l, e] is the assignments its
+samples route to expert e in layer l, and cost(m) = sum_l max_e load[m, l, e]
+(layers run one after another, and each waits for its hottest expert, whose
+tokens no placement can split below max_e / replicas). `balance=True`
+minimises max_m cost(m) greedily, largest sample first (LPT scheduling): each
+sample, in order of its own cost sum_l max_e counts[b, l, e] (ties broken by
+a permutation drawn from `seed`), goes to the micro-batch with room whose cost
+after adding it is least (ties: lower current cost, then lower index). The
+result is kept only if its max cost beats the in-order composition, so
+balancing never makes the objective worse. Plain numpy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from foremoe_jax.foresight.loads import sample_expert_counts
+
+
+def max_expert_loads(counts_BLE: np.ndarray, microbatches) -> np.ndarray:
+  """int64 [M, L]: the hottest expert's load per micro-batch and layer."""
+  counts_BLE = np.asarray(counts_BLE, np.int64)
+  return np.stack([counts_BLE[np.asarray(idx, np.int64)].sum(0).max(-1)
+                   for idx in microbatches])
+
+
+def compose_microbatches(num_samples: int, num_microbatches: int, *,
+                         routes: np.ndarray | None = None,
+                         valid: np.ndarray | None = None,
+                         num_experts: int | None = None,
+                         balance: bool = False,
+                         seed: int = 0) -> list[np.ndarray]:
+  """M int64 arrays of B / M sample indices each, ascending within each.
+
+  balance=False keeps order: micro-batch m is samples [m B/M, (m+1) B/M).
+  balance=True needs the routing record (`routes` [L, B, T, K], optional
+  `valid` [B, T]) and evens expert load across micro-batches (see the module
+  docstring). num_experts defaults to the largest valid expert id + 1.
+  Deterministic for a given record and seed.
+  """
+  if num_microbatches < 1 or num_samples % num_microbatches:
+    raise ValueError(f'{num_samples} samples do not split into '
+                     f'{num_microbatches} equal micro-batches.')
+  per_mb = num_samples // num_microbatches
+  in_order = [np.arange(m * per_mb, (m + 1) * per_mb, dtype=np.int64)
+              for m in range(num_microbatches)]
+  if not balance:
+    return in_order
+  if routes is None:
+    raise ValueError('balance=True needs the routing record `routes`.')
+  routes = np.asarray(routes)
+  if routes.ndim != 4 or routes.shape[1] != num_samples:
+    raise ValueError(f'routes must be [L, B={num_samples}, T, K]; got '
+                     f'{routes.shape}.')
+  if num_experts is None:
+    ids = routes if valid is None else routes[:, np.asarray(valid, bool)]
+    num_experts = int(ids.max()) + 1 if ids.size else 1
+  counts_BLE = sample_expert_counts(routes, valid, num_experts)
+  balanced = _greedy_composition(counts_BLE, num_microbatches, per_mb, seed)
+  if (max_expert_loads(counts_BLE, balanced).sum(1).max()
+      < max_expert_loads(counts_BLE, in_order).sum(1).max()):
+    return balanced
+  return in_order
+
+
+def _greedy_composition(counts_BLE, num_microbatches, per_mb, seed):
+  """Largest-first greedy assignment; see the module docstring."""
+  num_samples, num_layers, num_experts = counts_BLE.shape
+  own_cost_B = counts_BLE.max(-1).sum(-1)
+  tie_B = np.random.default_rng(seed).permutation(num_samples)
+  order = np.lexsort((tie_B, -own_cost_B))  # Last key is the primary one.
+  load_MLE = np.zeros((num_microbatches, num_layers, num_experts), np.int64)
+  cost_M = np.zeros(num_microbatches, np.int64)
+  members = [[] for _ in range(num_microbatches)]
+  for b in order:
+    new_cost_M = (load_MLE + counts_BLE[b]).max(-1).sum(-1)
+    full_M = np.array([len(mb) >= per_mb for mb in members])
+    new_cost_M = np.where(full_M, np.iinfo(np.int64).max, new_cost_M)
+    m = np.lexsort((np.arange(num_microbatches), cost_M, new_cost_M))[0]
+    members[m].append(b)
+    load_MLE[m] += counts_BLE[b]
+    cost_M[m] = new_cost_M[m]
+  return [np.sort(np.asarray(mb, np.int64)) for mb in members]

@@ -1,0 +1,154 @@
+"""Micro-batch composition: exact partitions, balance, and that the GRPO
+gradient does not depend on the composition."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foremoe_jax.foresight.composition import (compose_microbatches,
+                                               max_expert_loads)
+from foremoe_jax.foresight.loads import microstep_loads
+from foremoe_jax.rl.grpo import policy_loss
+
+
+def _skewed_record(seed, num_layers=2, num_samples=16, num_tokens=8, top_k=2,
+                   num_experts=8):
+  """Samples in order come in 'topics': each block of 4 favours one expert."""
+  rng = np.random.default_rng(seed)
+  routes = rng.integers(0, num_experts, (num_layers, num_samples, num_tokens,
+                                         top_k))
+  hot_B = (np.arange(num_samples) // 4) % num_experts
+  is_hot = rng.random(routes.shape) < 0.7
+  routes = np.where(is_hot, hot_B[None, :, None, None], routes)
+  valid = rng.random((num_samples, num_tokens)) < 0.9
+  return routes.astype(np.int16), valid
+
+
+def _check_partition(mbs, num_samples, num_microbatches):
+  assert len(mbs) == num_microbatches
+  assert all(len(mb) == num_samples // num_microbatches for mb in mbs)
+  assert all((np.diff(mb) > 0).all() for mb in mbs)
+  np.testing.assert_array_equal(np.sort(np.concatenate(mbs)),
+                                np.arange(num_samples))
+
+
+def _max_expert_load(routes, valid, mbs, num_experts):
+  """Max over micro-batches and layers of the hottest expert's load, computed
+  via the foresight loads on one device (independent of composition.py)."""
+  loads_MLDE = microstep_loads(routes, valid, mbs, num_experts, 1, 1)
+  return loads_MLDE.sum(2).max()
+
+
+def test_default_keeps_order():
+  mbs = compose_microbatches(12, 3)
+  for m, mb in enumerate(mbs):
+    np.testing.assert_array_equal(mb, np.arange(4 * m, 4 * m + 4))
+
+
+@pytest.mark.parametrize('num_samples, num_microbatches',
+                         [(16, 4), (16, 2), (16, 16), (16, 1)])
+@pytest.mark.parametrize('seed', [0, 1])
+def test_balanced_is_exact_partition_and_deterministic(num_samples,
+                                                       num_microbatches, seed):
+  routes, valid = _skewed_record(seed, num_samples=num_samples)
+  kw = dict(routes=routes, valid=valid, num_experts=8, balance=True, seed=seed)
+  mbs = compose_microbatches(num_samples, num_microbatches, **kw)
+  _check_partition(mbs, num_samples, num_microbatches)
+  again = compose_microbatches(num_samples, num_microbatches, **kw)
+  chex.assert_trees_all_equal(mbs, again)
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2, 3])
+def test_balance_reduces_max_expert_load_on_skewed_record(seed):
+  routes, valid = _skewed_record(seed)
+  in_order = compose_microbatches(16, 4)
+  balanced = compose_microbatches(16, 4, routes=routes, valid=valid,
+                                  num_experts=8, balance=True, seed=seed)
+  before = _max_expert_load(routes, valid, in_order, 8)
+  after = _max_expert_load(routes, valid, balanced, 8)
+  # In order, a micro-batch is one topic; balanced, topics mix. The skew
+  # gives a wide margin, so demand a real reduction, not just any.
+  assert after < 0.6 * before, (before, after)
+
+
+def test_balance_finds_the_optimum_on_a_hand_case():
+  # 8 samples x 4 tokens, top-1, one layer: samples 0-3 use only expert 0,
+  # samples 4-7 only expert 1. In order: micro-batch 0 sends 16 tokens to
+  # expert 0. Best: two of each topic per micro-batch -> max load 8.
+  routes = np.zeros((1, 8, 4, 1), np.int8)
+  routes[0, 4:] = 1
+  in_order = compose_microbatches(8, 2)
+  assert _max_expert_load(routes, None, in_order, 2) == 16
+  for seed in range(4):
+    mbs = compose_microbatches(8, 2, routes=routes, balance=True, seed=seed)
+    assert _max_expert_load(routes, None, mbs, 2) == 8
+    assert all(np.isin(mb, [0, 1, 2, 3]).sum() == 2 for mb in mbs)
+
+
+@pytest.mark.parametrize('seed', range(5))
+def test_balance_never_worse_than_in_order(seed):
+  rng = np.random.default_rng(100 + seed)
+  routes = rng.integers(0, 4, (2, 12, 5, 2))
+  in_order = compose_microbatches(12, 3)
+  balanced = compose_microbatches(12, 3, routes=routes, balance=True,
+                                  seed=seed)
+  _check_partition(balanced, 12, 3)
+  counts = np.stack([np.stack([np.bincount(routes[l, b].ravel(), minlength=4)
+                               for l in range(2)]) for b in range(12)])
+  cost = lambda mbs: max_expert_loads(counts, mbs).sum(1).max()
+  assert cost(balanced) <= cost(in_order)
+
+
+def test_padding_does_not_count():
+  # Samples 0-3 would all be expert-0 heavy, but their tokens are padding.
+  routes = np.zeros((1, 8, 4, 1), np.int8)
+  routes[0, 4:] = 1
+  valid = np.ones((8, 4), bool)
+  valid[:4] = False
+  mbs = compose_microbatches(8, 2, routes=routes, valid=valid, balance=True)
+  assert _max_expert_load(routes, valid, mbs, 2) == 8  # 2 real samples each.
+
+
+def test_errors():
+  with pytest.raises(ValueError, match='equal micro-batches'):
+    compose_microbatches(10, 4)
+  with pytest.raises(ValueError, match='routing record'):
+    compose_microbatches(8, 2, balance=True)
+  with pytest.raises(ValueError, match=r'\[L, B=8, T, K\]'):
+    compose_microbatches(8, 2, routes=np.zeros((1, 6, 4, 1), int),
+                         balance=True)
+
+
+def test_grpo_gradient_is_invariant_to_composition():
+  """Toy linear 'LM': summed micro-batch grads equal the full-batch grad."""
+  rng = np.random.default_rng(0)
+  num_seq, num_tok, feat, vocab = 16, 5, 6, 7
+  x_BTF = jnp.asarray(rng.normal(size=(num_seq, num_tok, feat)), jnp.float32)
+  tok_BT = jnp.asarray(rng.integers(0, vocab, (num_seq, num_tok)))
+  w_FV = jnp.asarray(rng.normal(size=(feat, vocab)) * .3, jnp.float32)
+  old_BT = jnp.asarray(rng.normal(-2, .3, (num_seq, num_tok)), jnp.float32)
+  ref_BT = jnp.asarray(rng.normal(-2, .3, (num_seq, num_tok)), jnp.float32)
+  adv_B = jnp.asarray(rng.normal(size=num_seq), jnp.float32)
+  mask_BT = jnp.asarray(np.arange(num_tok) < rng.integers(0, num_tok + 1,
+                                                          num_seq)[:, None])
+
+  @jax.jit
+  def grad_fn(w, idx):
+    def loss(w):
+      logp_BTV = jax.nn.log_softmax(x_BTF[idx] @ w)
+      logp_BT = jnp.take_along_axis(logp_BTV, tok_BT[idx][..., None], -1)[..., 0]
+      return policy_loss(logp_BT, old_BT[idx], ref_BT[idx], adv_B[idx],
+                         mask_BT[idx], eps_low=.2, eps_high=.28, beta=.05,
+                         num_sequences_total=num_seq)[0]
+    return jax.grad(loss)(w)
+
+  full = grad_fn(w_FV, jnp.arange(num_seq))
+  routes, valid = _skewed_record(3, num_samples=num_seq)
+  balanced = compose_microbatches(num_seq, 4, routes=routes, valid=valid,
+                                  balance=True, seed=3)
+  in_order = compose_microbatches(num_seq, 4)
+  assert not all(np.array_equal(a, b) for a, b in zip(balanced, in_order))
+  for mbs in (in_order, balanced):
+    summed = sum(grad_fn(w_FV, jnp.asarray(mb)) for mb in mbs)
+    chex.assert_trees_all_close(summed, full, atol=1e-6, rtol=1e-5)
