@@ -1,0 +1,63 @@
+"""Tiny MoE for CPU: the main job (warm start, then GRPO) in minutes.
+
+Run:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+  python -m experiments.rl_train --config=configs/tiny.py --workdir=/tmp/foremoe_demo
+"""
+import ml_collections
+
+from foremoe_jax import config as config_lib
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.task = 'addition'
+
+  c.model = config_lib.model_defaults()
+  c.model.name = 'tiny'
+  c.model.vocab_size = 32
+  c.model.d_model = 64
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2
+  c.model.head_dim = 16
+  c.model.num_experts = 8
+  c.model.top_k = 2
+  c.model.moe_d_ff = 64
+  c.model.max_seq_len = 32
+  c.model.msa_block_size = 8
+  c.model.msa_top_k = 2
+
+  c.parallel = config_lib.parallel_defaults()
+  c.parallel.num_data = 1
+  c.parallel.num_expert = 8
+  c.parallel.slots_per_device = 2  # 16 slots for 8 experts: 8 redundant.
+
+  c.warmstart = ml_collections.ConfigDict()
+  c.warmstart.steps = 300
+  c.warmstart.batch_size = 64
+  c.warmstart.learning_rate = 3e-3
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.temperature = 1.0
+  c.sampler.top_k = 0
+  c.sampler.top_p = 1.0
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 30
+  c.rl.prompts_per_step = 16
+  c.rl.num_generations = 8
+  c.rl.num_microbatches = 4
+  c.rl.learning_rate = 1e-3
+  c.rl.eps_low = 0.2
+  c.rl.eps_high = 0.28
+  c.rl.beta = 0.0
+  c.rl.grad_clip = 1.0
+  c.rl.weight_decay = 0.0
+  c.rl.balance_microbatches = False
+
+  c.planner = ml_collections.ConfigDict()
+  c.planner.method = 'foremoe'  # static | eplb_step | eplb_microstep | foremoe
+  c.planner.deadline_ms = 200.0
+  return c

@@ -1,0 +1,174 @@
+"""Config schema helpers and the one place where every config is validated.
+
+Configs are ml_collections ConfigDicts built by `configs/*.py:get_config()`.
+`validate_config` checks every cross-field rule and raises one ConfigError
+naming the field and the rule, so a bad experiment fails before any compile.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+  """A config breaks a rule; the message names the field and the rule."""
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+  """Every model field with its default; real configs override shapes."""
+  m = ml_collections.ConfigDict()
+  m.name = 'tiny'
+  m.vocab_size = 32
+  m.d_model = 64
+  m.num_layers = 2
+  m.num_heads = 4
+  m.num_kv_heads = 2
+  m.head_dim = 16
+  m.rope_theta = 10_000.0
+  m.norm_eps = 1e-6
+  m.tie_embeddings = True
+  m.qk_norm = False
+  m.max_seq_len = 64
+  # Mixture of experts.
+  m.num_experts = 8
+  m.top_k = 2
+  m.moe_d_ff = 64
+  m.renormalize_topk = True  # Qwen3 / Mixtral: True; OLMoE: False.
+  m.num_shared_experts = 0
+  m.shared_d_ff = 0
+  m.first_dense_layers = 0  # DeepSeek-style dense FFN in the first layers.
+  m.dense_d_ff = 128
+  m.aux_loss_coef = 0.0  # Switch-style balance loss; off by default.
+  # Attention: 'dense' everywhere, or MSA from first_sparse_layer on.
+  m.attention_type = 'dense'
+  m.first_sparse_layer = 0
+  m.msa_block_size = 16
+  m.msa_top_k = 4
+  m.msa_index_dim = 16
+  m.msa_indexer_warmup = False  # Train the indexer while attention stays dense.
+  m.msa_indexer_loss_coef = 1.0
+  m.dtype = 'float32'
+  m.param_dtype = 'float32'
+  return m
+
+
+def parallel_defaults() -> ml_collections.ConfigDict:
+  p = ml_collections.ConfigDict()
+  p.num_data = 1  # 'data' mesh axis.
+  p.num_expert = 1  # 'expert' mesh axis (EP size, D).
+  p.slots_per_device = 0  # 0: E / D, no redundant slots.
+  # Capacity buckets per (source device, slot) cell, as multiples of the
+  # uniform expectation tokens * top_k / slots; the dropless bucket (every
+  # local token to one slot) is always added last.
+  p.capacity_factors = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+  return p
+
+
+def slots_per_device(config) -> int:
+  p, m = config.parallel, config.model
+  return p.slots_per_device or max(1, m.num_experts // p.num_expert)
+
+
+def num_moe_layers(model_config) -> int:
+  return model_config.num_layers - model_config.first_dense_layers
+
+
+def layer_attention_types(model_config) -> tuple[str, ...]:
+  """'dense' or 'msa' per layer, from attention_type and first_sparse_layer."""
+  if model_config.attention_type == 'dense':
+    return ('dense',) * model_config.num_layers
+  return tuple('msa' if i >= model_config.first_sparse_layer else 'dense'
+               for i in range(model_config.num_layers))
+
+
+def _require(cond: bool, field: str, rule: str) -> None:
+  if not cond:
+    raise ConfigError(f'{field}: {rule}')
+
+
+def validate_config(config) -> None:
+  """Checks every rule of a full experiment config; raises ConfigError."""
+  m = config.model
+  pos_int = ('vocab_size', 'd_model', 'num_layers', 'num_heads',
+             'num_kv_heads', 'head_dim', 'num_experts', 'top_k', 'moe_d_ff',
+             'max_seq_len')
+  for f in pos_int:
+    _require(int(m[f]) > 0, f'model.{f}', f'must be a positive integer, got {m[f]}')
+  _require(m.num_heads % m.num_kv_heads == 0, 'model.num_heads',
+           f'num_heads ({m.num_heads}) must be divisible by num_kv_heads '
+           f'({m.num_kv_heads}) for GQA')
+  _require(m.head_dim % 2 == 0, 'model.head_dim',
+           f'head_dim ({m.head_dim}) must be even for RoPE')
+  _require(m.top_k <= m.num_experts, 'model.top_k',
+           f'top_k ({m.top_k}) must be <= num_experts ({m.num_experts})')
+  _require(0 <= m.first_dense_layers < m.num_layers, 'model.first_dense_layers',
+           f'must be in [0, num_layers={m.num_layers}) so at least one layer '
+           f'is MoE, got {m.first_dense_layers}')
+  _require(m.first_dense_layers == 0 or m.dense_d_ff > 0, 'model.dense_d_ff',
+           'must be > 0 when first_dense_layers > 0')
+  _require(m.num_shared_experts >= 0, 'model.num_shared_experts', 'must be >= 0')
+  _require(m.num_shared_experts == 0 or m.shared_d_ff > 0, 'model.shared_d_ff',
+           'must be > 0 when num_shared_experts > 0')
+  _require(m.aux_loss_coef >= 0, 'model.aux_loss_coef', 'must be >= 0')
+  _require(m.attention_type in ('dense', 'msa'), 'model.attention_type',
+           f"must be 'dense' or 'msa', got {m.attention_type!r}")
+  _require(m.dtype in ('float32', 'bfloat16'), 'model.dtype',
+           f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
+  if m.attention_type == 'msa':
+    _require(0 <= m.first_sparse_layer < m.num_layers, 'model.first_sparse_layer',
+             f'must be in [0, num_layers={m.num_layers})')
+    _require(m.msa_block_size > 0, 'model.msa_block_size', 'must be > 0')
+    _require(m.msa_top_k >= 1, 'model.msa_top_k', 'must be >= 1 (the local block)')
+    _require(m.msa_index_dim > 0 and m.msa_index_dim % 2 == 0,
+             'model.msa_index_dim', 'must be a positive even number (RoPE)')
+    _require(m.max_seq_len % m.msa_block_size == 0, 'model.max_seq_len',
+             f'must be a multiple of msa_block_size ({m.msa_block_size})')
+  if 'parallel' in config:
+    p = config.parallel
+    _require(p.num_data >= 1, 'parallel.num_data', 'must be >= 1')
+    _require(p.num_expert >= 1, 'parallel.num_expert', 'must be >= 1')
+    _require(m.num_experts % p.num_expert == 0, 'parallel.num_expert',
+             f'num_experts ({m.num_experts}) must be divisible by the EP size '
+             f'num_expert ({p.num_expert}): canonical experts are sharded '
+             f'evenly over the expert axis')
+    spd = slots_per_device(config)
+    _require(spd * p.num_expert >= m.num_experts, 'parallel.slots_per_device',
+             f'num_expert * slots_per_device = {spd * p.num_expert} must be >= '
+             f'num_experts ({m.num_experts}): every expert needs a slot')
+    _require(len(p.capacity_factors) >= 1 and min(p.capacity_factors) > 0,
+             'parallel.capacity_factors', 'must be a non-empty list of '
+             'positive factors')
+  if 'rl' in config:
+    r = config.rl
+    _require(r.num_generations >= 2, 'rl.num_generations',
+             'GRPO needs >= 2 samples per prompt for a group baseline')
+    _require(r.num_microbatches >= 1, 'rl.num_microbatches', 'must be >= 1')
+    batch = r.prompts_per_step * r.num_generations
+    _require(batch % r.num_microbatches == 0, 'rl.num_microbatches',
+             f'prompts_per_step * num_generations ({batch}) must be divisible '
+             f'by num_microbatches ({r.num_microbatches})')
+    _require(0 <= r.eps_low < 1 and r.eps_high >= 0, 'rl.eps_low',
+             'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
+
+
+def capacity_buckets(tokens_per_device: int, top_k: int, num_slots: int,
+                     factors) -> tuple[int, ...]:
+  """Static per-(source, slot) capacities, ascending; the last is dropless.
+
+  Rounded up to a multiple of 8 (vector-friendly). A cell never holds more
+  than tokens_per_device assignments: a token picks an expert at most once.
+  """
+  uniform = tokens_per_device * top_k / num_slots
+  caps = {min(tokens_per_device, 8 * math.ceil(f * uniform / 8))
+          for f in factors}
+  caps.add(tokens_per_device)
+  return tuple(sorted(c for c in caps if c > 0))
+
+
+def pick_bucket(max_cell_tokens: int, buckets) -> int:
+  """Smallest bucket that drops nothing for the given max cell count."""
+  for c in buckets:
+    if c >= max_cell_tokens:
+      return int(c)
+  return int(buckets[-1])

@@ -1,0 +1,83 @@
+"""Mixture-of-experts FFN: router, canonical SwiGLU experts, optional shared expert.
+
+Shape letters: B batch, T tokens, N = B*T, M model dim, F expert hidden dim,
+E experts, K top-k, S slots, D EP devices.
+
+The routed experts run through `expert_parallel_ffn` with one layer of a
+`Placement`; the layer always returns the ids it used (the routing record),
+per-expert counts and the balance loss.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.model import expert_parallel, layers, router
+
+
+class MoEAux(NamedTuple):
+  ids_BTK: jax.Array  # int32 expert ids used (record these for replay).
+  counts_E: jax.Array  # int32 assignments per expert (valid tokens).
+  balance_loss: jax.Array  # float32 scalar (Switch-style).
+  stats: expert_parallel.DispatchStats
+
+
+class ExpertWeight(nnx.Param):
+  """Canonical expert weights [E, ...]: sharded over the 'expert' mesh axis."""
+
+
+class MoE(nnx.Module):
+
+  def __init__(self, cfg, mesh, *, rngs: nnx.Rngs):
+    m, f, e = cfg.d_model, cfg.moe_d_ff, cfg.num_experts
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.router = nnx.Linear(m, e, use_bias=False, param_dtype=pdt,
+                             kernel_init=layers.dense_init(m), rngs=rngs)
+    self.w_gate = ExpertWeight(layers.dense_init(m)(rngs.params(), (e, m, f), pdt))
+    self.w_up = ExpertWeight(layers.dense_init(m)(rngs.params(), (e, m, f), pdt))
+    self.w_down = ExpertWeight(layers.dense_init(f)(rngs.params(), (e, f, m), pdt))
+    if cfg.num_shared_experts:
+      self.shared = layers.SwiGLU(m, cfg.shared_d_ff * cfg.num_shared_experts,
+                                  rngs=rngs, param_dtype=pdt)
+    self.has_shared = bool(cfg.num_shared_experts)
+    self.num_experts, self.top_k = e, cfg.top_k
+    self.renormalize = bool(cfg.renormalize_topk)
+    self.mesh = mesh
+
+  def __call__(self, x_BTM, *, slot_expert_S=None, slot_share_DS=None,
+               capacity: int | None = None, replay_ids_BTK=None,
+               valid_BT=None):
+    b, t, m = x_BTM.shape
+    n = b * t
+    x_NM = x_BTM.reshape(n, m)
+    valid_N = (jnp.ones((n,), bool) if valid_BT is None
+               else valid_BT.reshape(n).astype(bool))
+    logits_NE = self.router(x_NM).astype(jnp.float32)
+    replay_NK = None if replay_ids_BTK is None else replay_ids_BTK.reshape(n, -1)
+    r = router.route(logits_NE, self.top_k, renormalize=self.renormalize,
+                     replay_ids_NK=replay_NK)
+    num_ep = self.mesh.shape[expert_parallel.EXPERT]
+    if slot_expert_S is None:
+      ident = placement_lib.identity_placement(1, self.num_experts, num_ep,
+                                               self.num_experts // num_ep)
+      slot_expert_S, slot_share_DS = ident.slot_expert[0], ident.slot_share[0]
+    if capacity is None:  # Dropless: a cell never exceeds the local tokens.
+      capacity = n // (num_ep * self.mesh.shape[expert_parallel.DATA])
+    y_NM, stats = expert_parallel.expert_parallel_ffn(
+        x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
+        self.w_gate[...], self.w_up[...], self.w_down[...],
+        jnp.asarray(slot_expert_S, jnp.int32),
+        jnp.asarray(slot_share_DS, jnp.float32),
+        mesh=self.mesh, capacity=capacity)
+    y_BTM = y_NM.reshape(b, t, m)
+    if self.has_shared:
+      y_BTM = y_BTM + self.shared(x_BTM)
+    counts_E = router.expert_counts(r.ids_NK, valid_N, self.num_experts)
+    aux = MoEAux(r.ids_NK.reshape(b, t, -1), counts_E,
+                 router.balance_loss(r.probs_NE, counts_E, valid_N), stats)
+    return y_BTM, aux

@@ -1,0 +1,114 @@
+"""Decoder-only MoE transformer (Qwen3-MoE / Mixtral / OLMoE families).
+
+Shape letters: B batch, T tokens, V vocab, M model dim, L MoE layers,
+K top-k, E experts, S slots, D EP devices.
+
+`__call__` takes the placement for the step's MoE layers ([L, ...] arrays),
+optional replayed routes [L, B, T, K] and a static capacity; it returns the
+logits, the routes it used (the routing record) and MoE statistics.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from foremoe_jax import config as config_lib
+from foremoe_jax.model import attention, expert_parallel, layers, moe
+
+
+class ModelAux(NamedTuple):
+  routes_LBTK: jax.Array  # int32 expert ids per MoE layer (routing record).
+  counts_LE: jax.Array  # int32 assignments per expert per MoE layer.
+  balance_loss: jax.Array  # float32 mean over MoE layers.
+  dropped_L: jax.Array  # int32 assignments over capacity per MoE layer.
+  max_cell_L: jax.Array  # int32 largest (source, slot) count per MoE layer.
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg, mesh, layer_idx: int, attention_type: str, *,
+               rngs: nnx.Rngs):
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.attn = attention.Attention(cfg, attention_type, rngs=rngs)
+    self.ffn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.is_moe = layer_idx >= cfg.first_dense_layers
+    if self.is_moe:
+      self.ffn = moe.MoE(cfg, mesh, rngs=rngs)
+    else:
+      self.ffn = layers.SwiGLU(cfg.d_model, cfg.dense_d_ff, rngs=rngs,
+                               param_dtype=pdt)
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg, mesh=None, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.mesh = expert_parallel.make_mesh(1, 1) if mesh is None else mesh
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt,
+                           embedding_init=nnx.initializers.normal(1.0),
+                           rngs=rngs)
+    types = config_lib.layer_attention_types(cfg)
+    self.blocks = nnx.List([Block(cfg, self.mesh, i, types[i], rngs=rngs)
+                            for i in range(cfg.num_layers)])
+    self.final_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                                param_dtype=pdt,
+                                kernel_init=layers.dense_init(cfg.d_model),
+                                rngs=rngs)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, tokens_BT, *, positions_BT=None, valid_BT=None,
+               placement=None, replay_routes_LBTK=None,
+               capacity: int | None = None, cache=None, cache_index=None):
+    """Returns (logits_BTV f32, ModelAux, new_cache or None)."""
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+      start = 0 if cache_index is None else cache_index
+      positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
+    x = self.embed(tokens_BT).astype(self.dtype)
+    moe_auxes, new_cache, moe_idx = [], [], 0
+    for i, block in enumerate(self.blocks):
+      h, c = block.attn(block.attn_norm(x), positions_BT,
+                        cache=None if cache is None else cache[i],
+                        cache_index=cache_index)
+      new_cache.append(c)
+      x = x + h
+      hn = block.ffn_norm(x)
+      if block.is_moe:
+        kw = {}
+        if placement is not None:
+          kw = dict(slot_expert_S=placement.slot_expert[moe_idx],
+                    slot_share_DS=placement.slot_share[moe_idx])
+        replay = (None if replay_routes_LBTK is None
+                  else replay_routes_LBTK[moe_idx])
+        h, aux = block.ffn(hn, capacity=capacity, replay_ids_BTK=replay,
+                           valid_BT=valid_BT, **kw)
+        moe_auxes.append(aux)
+        moe_idx += 1
+      else:
+        h = block.ffn(hn)
+      x = x + h
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:
+      logits = self.embed.attend(x.astype(jnp.float32))
+    else:
+      logits = self.lm_head(x)
+    aux = ModelAux(
+        routes_LBTK=jnp.stack([a.ids_BTK for a in moe_auxes]),
+        counts_LE=jnp.stack([a.counts_E for a in moe_auxes]),
+        balance_loss=jnp.mean(jnp.stack([a.balance_loss for a in moe_auxes])),
+        dropped_L=jnp.stack([a.stats.dropped for a in moe_auxes]),
+        max_cell_L=jnp.stack([a.stats.max_cell for a in moe_auxes]))
+    return logits.astype(jnp.float32), aux, (None if cache is None else new_cache)
+
+  def init_cache(self, batch: int, max_len: int):
+    cfg = self.cfg
+    return [attention.init_kv_cache(batch, max_len, cfg.num_kv_heads,
+                                    cfg.head_dim, jnp.dtype(cfg.dtype))
+            for _ in range(cfg.num_layers)]
