@@ -62,7 +62,8 @@ def _count_LDE(routes_LBTK, valid_BT, src_BT, num_experts, num_devices):
   ids_V = ids_LBTK[keep_LBTK]
   if ids_V.size and (ids_V.min() < 0 or ids_V.max() >= num_experts):
     raise ValueError(f'valid tokens route to expert ids outside '
-                     f'[0, {num_experts}): min {ids_V.min()}, max {ids_V.max()}.')
+                     f'[0, {num_experts}): min {ids_V.min()}, '
+                     f'max {ids_V.max()}.')
   layer_LBTK = np.broadcast_to(
       np.arange(num_layers)[:, None, None, None], ids_LBTK.shape)
   src_LBTK = np.broadcast_to(src_BT[None, :, :, None], ids_LBTK.shape)

@@ -4,6 +4,14 @@ A verifiable task for the sampler and the GRPO verifier (see `base.Task`).
 Operands are zero-padded to `num_digits` digits so every prompt has the same
 length; the answer is written without leading zeros, so its length varies and
 the model must learn where to put EOS.
+
+With `reverse_answer` the answer's digits come least significant first
+("12+39=" -> "15" for 51), so each digit depends only on digits already seen
+plus one carry; small causal models learn this order far faster (Lee et al.
+2023, "Teaching Arithmetic to Small Transformers"). Measured with a 2-layer
+d=64 dense transformer, warm start at batch 64, greedy exact answers:
+2 digits plain ~10% after 300 steps (~50% after 1000); 2 digits reversed
+~76% after 300; 3 digits, either order, ~1-2% after 300.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ class AdditionTask(Task):
 
   num_digits: int = 2
   partial_credit: float = 0.0
+  reverse_answer: bool = False
   name: str = 'addition'
   alphabet: str = '0123456789+='
 
@@ -42,4 +51,5 @@ class AdditionTask(Task):
 
   def solve(self, problem: str) -> str:
     a, b = problem.rstrip('=').split('+')
-    return str(int(a) + int(b))
+    answer = str(int(a) + int(b))
+    return answer[::-1] if self.reverse_answer else answer

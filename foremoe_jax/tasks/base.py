@@ -94,7 +94,7 @@ class Task(abc.ABC):
     return [self.solve(tok.decode(p)) for p in np.asarray(prompts_NP)]
 
   def targets(self, prompts_NP: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(answer ids + EOS, PAD-padded int32 [N, completion_len], answer_len_N)."""
+    """(targets_NC, answer_len_N): answer ids + EOS, PAD-padded, int32."""
     tok = self.tokenizer
     answers = self.answers(prompts_NP)
     targets_NC = np.full((len(answers), self.completion_len), PAD_ID, np.int32)

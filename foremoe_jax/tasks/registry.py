@@ -9,6 +9,8 @@ from foremoe_jax.tasks.sorting import SortTask
 _TASKS = {
     'addition': (AdditionTask, {'num_digits': 2}),
     'addition3': (AdditionTask, {'num_digits': 3}),
+    'addition_rev': (AdditionTask, {'num_digits': 2, 'reverse_answer': True}),
+    'addition3_rev': (AdditionTask, {'num_digits': 3, 'reverse_answer': True}),
     'sort': (SortTask, {'num_digits': 4}),
     'sort5': (SortTask, {'num_digits': 5}),
 }

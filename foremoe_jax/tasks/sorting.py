@@ -2,7 +2,9 @@
 
 A verifiable task for the sampler and the GRPO verifier (see `base.Task`).
 Digits are drawn with repetition, so the answer is a multiset sort; its length
-always equals `num_digits`.
+always equals `num_digits`. The easy task: a 2-layer d=64 dense transformer
+answers 4 or 5 digits exactly after 300 warm-start steps of batch 64, so RL on
+it mostly tests the machinery, not the learning.
 """
 from __future__ import annotations
 

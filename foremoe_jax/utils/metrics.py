@@ -172,7 +172,8 @@ def plot_metrics(workdir: str, records: list[dict] | None = None) -> list[str]:
         steps, mean, std = zip(*band)
         ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
                         [m + s for m, s in zip(mean, std)], alpha=0.15,
-                        color=ax.lines[0].get_color(), label='reward_mean ± reward_std')
+                        color=ax.lines[0].get_color(),
+                        label='reward_mean ± reward_std')
     if hline is not None:
       ax.axhline(hline, color='gray', lw=0.8, ls=':')
     for step, phase in boundaries:

@@ -137,7 +137,8 @@ def test_grpo_gradient_is_invariant_to_composition():
   def grad_fn(w, idx):
     def loss(w):
       logp_BTV = jax.nn.log_softmax(x_BTF[idx] @ w)
-      logp_BT = jnp.take_along_axis(logp_BTV, tok_BT[idx][..., None], -1)[..., 0]
+      logp_BT = jnp.take_along_axis(logp_BTV, tok_BT[idx][..., None],
+                                    -1)[..., 0]
       return policy_loss(logp_BT, old_BT[idx], ref_BT[idx], adv_B[idx],
                          mask_BT[idx], eps_low=.2, eps_high=.28, beta=.05,
                          num_sequences_total=num_seq)[0]

@@ -5,7 +5,8 @@ import pytest
 from foremoe_jax.tasks import BOS_ID, EOS_ID, PAD_ID, CharTokenizer, get_task
 from foremoe_jax.tasks import task_names
 
-ALL_TASKS = ['addition', 'addition3', 'sort', 'sort5']
+ALL_TASKS = ['addition', 'addition3', 'addition_rev', 'addition3_rev',
+             'sort', 'sort5']
 
 
 def _reference_answer(name, prompt_ids):
@@ -16,8 +17,9 @@ def _reference_answer(name, prompt_ids):
   if name.startswith('addition'):
     plus = body.index(tok.encode('+')[0])
     a = sum(digit_of[i] * 10**p for p, i in enumerate(reversed(body[:plus])))
-    b = sum(digit_of[i] * 10**p for p, i in enumerate(reversed(body[plus + 1:])))
-    return str(a + b)
+    b = sum(digit_of[i] * 10**p
+            for p, i in enumerate(reversed(body[plus + 1:])))
+    return str(a + b)[::-1] if name.endswith('_rev') else str(a + b)
   return ''.join(str(d) for d in np.sort([digit_of[i] for i in body]))
 
 
@@ -65,6 +67,10 @@ def test_addition_hand_examples():
                       ['012+345=', '999+001=', '000+000=']], np.int32)
   assert task.answers(prompts) == ['357', '1000', '0']
   assert task.decode(prompts[0]) == '012+345='
+  rev = get_task('addition3_rev')
+  assert rev.answers(prompts) == ['753', '0001', '0']
+  completion = np.array([tok.encode('753') + [EOS_ID, PAD_ID]])
+  assert rev.reward(prompts[:1], completion)[0] == 1.0
 
 
 def _addition_case(completion_text, partial_credit=0.0, lengths=None,
@@ -95,7 +101,8 @@ def _addition_case(completion_text, partial_credit=0.0, lengths=None,
     ('64$', 0.5, None, None, 0.0),         # Digits in the wrong places.
 ])
 def test_reward_hand_cases(text, partial, lengths, width, expected):
-  assert _addition_case(text, partial, lengths, width) == pytest.approx(expected)
+  got = _addition_case(text, partial, lengths, width)
+  assert got == pytest.approx(expected)
 
 
 @pytest.mark.parametrize('name', ALL_TASKS)

@@ -70,7 +70,8 @@ def _png_size(path):
 def _full_log(workdir):
   with MetricsWriter(workdir) as w:
     for step in range(10):
-      m = {'phase': 'warmstart' if step < 4 else 'rl', 'sft_loss': 1 / (step + 1)}
+      m = {'phase': 'warmstart' if step < 4 else 'rl',
+           'sft_loss': 1 / (step + 1)}
       if step >= 4:
         m.update(reward_mean=step / 10, reward_std=0.1, loss=0.1 * step,
                  kl=0.01 * step, microstep_max_over_mean=[1.1, 1.3, 1.2],
