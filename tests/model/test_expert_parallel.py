@@ -54,6 +54,11 @@ def setup():
   return rng, make_inputs(rng)
 
 
+def jitted_ffn(mesh):
+  return jax.jit(lambda *a, capacity: ep.expert_parallel_ffn(
+      *a, mesh=mesh, capacity=capacity), static_argnames='capacity')
+
+
 def _placements(rng, num_devices, spd):
   return ([placement_lib.identity_placement(1, E, num_devices, spd)]
           + [random_placement(rng, E, num_devices, spd) for _ in range(3)])
@@ -106,11 +111,11 @@ def test_one_compile_across_placements(setup):
 @pytest.mark.parametrize('capacity', [1, 3, 6])
 def test_dropped_counts_equal_numpy(setup, capacity):
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
-  mesh = ep.make_mesh(1, 8)
+  ffn = jitted_ffn(ep.make_mesh(1, 8))
   for p in _placements(rng, 8, 3):
-    _, stats = ep.expert_parallel_ffn(x, ids, gates, valid, wg, wu, wd,
+    _, stats = ffn(x, ids, gates, valid, wg, wu, wd,
                                       p.slot_expert[0], p.slot_share[0],
-                                      mesh=mesh, capacity=capacity)
+                   capacity=capacity)
     counts = numpy_counts(np.asarray(ids), np.asarray(valid), N, 8, 8)
     cells_LDS = placement_lib.slot_counts(counts, p)
     assert int(stats.dropped) == int(np.maximum(cells_LDS - capacity, 0).sum())
@@ -121,14 +126,11 @@ def test_dropped_counts_equal_numpy(setup, capacity):
 def test_dropped_tokens_are_zero_in_output(setup):
   """With capacity 0-ish, an assignment over capacity contributes nothing."""
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
-  mesh = ep.make_mesh(1, 8)
+  ffn = jitted_ffn(ep.make_mesh(1, 8))
   p = placement_lib.identity_placement(1, E, 8, 2)
-  y_full, _ = ep.expert_parallel_ffn(x, ids, gates, valid, wg, wu, wd,
-                                     p.slot_expert[0], p.slot_share[0],
-                                     mesh=mesh, capacity=N // 8)
-  y_cut, st = ep.expert_parallel_ffn(x, ids, gates, valid, wg, wu, wd,
-                                     p.slot_expert[0], p.slot_share[0],
-                                     mesh=mesh, capacity=1)
+  args = (x, ids, gates, valid, wg, wu, wd, p.slot_expert[0], p.slot_share[0])
+  y_full, _ = ffn(*args, capacity=N // 8)
+  y_cut, st = ffn(*args, capacity=1)
   assert int(st.dropped) > 0
   changed = np.abs(np.asarray(y_full - y_cut)).max(axis=1) > 1e-6
   assert changed.sum() > 0 and (~changed).sum() > 0

@@ -1,0 +1,26 @@
+"""Prints a config's parameter counts and bytes per expert, allocating nothing.
+
+  python -m experiments.model_shapes --config=configs/qwen3_30b_a3b.py
+"""
+import json
+
+from absl import app
+from ml_collections import config_flags
+
+from foremoe_jax import config as config_lib
+from foremoe_jax.model import shapes
+from foremoe_jax.utils.run_info import print_run_info
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
+
+
+def main(argv):
+  del argv
+  cfg = _CONFIG.value
+  config_lib.validate_config(cfg)
+  print_run_info({'config': cfg.model.name})
+  print(json.dumps({'name': cfg.model.name, **shapes.param_counts(cfg.model)}))
+
+
+if __name__ == '__main__':
+  app.run(main)

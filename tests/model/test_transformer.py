@@ -1,0 +1,88 @@
+"""The MoE transformer: EP on 8 devices equals 1 device; replay; real shapes."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.model import expert_parallel as ep
+from foremoe_jax.model import shapes, sharding, transformer
+
+
+def tiny_model_cfg(**overrides):
+  cfg = importlib.import_module('configs.tiny').get_config().model
+  for k, v in overrides.items():
+    cfg[k] = v
+  return cfg
+
+
+def loss_and_grads(cfg, mesh, tokens, placement=None):
+  model = transformer.Transformer(cfg, mesh, rngs=nnx.Rngs(0))
+  graphdef, state = sharding.split_model(model, mesh)
+
+  @jax.jit
+  def f(state, placement):
+    def loss(state):
+      logits, aux, _ = nnx.merge(graphdef, state)(tokens, placement=placement)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), (logits, aux)
+    return jax.value_and_grad(loss, has_aux=True)(state)
+  return f(state, placement)
+
+
+@pytest.mark.parametrize('overrides', [
+    {},  # Qwen3-like: renormalised top-k.
+    dict(renormalize_topk=False, qk_norm=True, tie_embeddings=False),  # OLMoE
+    dict(first_dense_layers=1, num_shared_experts=1, shared_d_ff=32),
+])
+def test_ep8_equals_single_device(overrides):
+  cfg = tiny_model_cfg(**overrides)
+  tokens = jax.random.randint(jax.random.key(0), (8, 16), 0, cfg.vocab_size)
+  (l1, (lg1, aux1)), g1 = loss_and_grads(cfg, ep.make_mesh(1, 1), tokens)
+  num_moe = cfg.num_layers - cfg.first_dense_layers
+  rng = np.random.default_rng(0)
+  # A random placement with replicas and splits on 8 EP devices, 2 slots each.
+  se = np.stack([rng.permutation(np.r_[np.arange(8), rng.integers(0, 8, 8)])
+                 for _ in range(num_moe)]).astype(np.int32)
+  cnt = np.stack([np.bincount(s, minlength=8) for s in se])
+  share = np.stack([np.broadcast_to(1.0 / cnt[l][se[l]], (8, 16))
+                    for l in range(num_moe)]).astype(np.float32)
+  p = placement_lib.Placement(se, share)
+  placement_lib.validate_placement(p, 8, 2)
+  (l8, (lg8, aux8)), g8 = loss_and_grads(cfg, ep.make_mesh(1, 8), tokens, p)
+  np.testing.assert_allclose(lg8, lg1, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(aux8.routes_LBTK, aux1.routes_LBTK)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+  assert int(aux8.dropped_L.sum()) == 0
+
+
+def test_replay_own_routes_identical_and_other_routes_differ():
+  cfg = tiny_model_cfg()
+  mesh = ep.make_mesh(1, 8)
+  model = transformer.Transformer(cfg, mesh, rngs=nnx.Rngs(1))
+  tokens = jax.random.randint(jax.random.key(1), (8, 8), 0, cfg.vocab_size)
+  graphdef, state = sharding.split_model(model, mesh)
+  fwd = jax.jit(lambda s, r: nnx.merge(graphdef, s)(
+      tokens, replay_routes_LBTK=r)[:2])
+  logits, aux = jax.jit(lambda s: nnx.merge(graphdef, s)(tokens)[:2])(state)
+  logits2, aux2 = fwd(state, aux.routes_LBTK)
+  np.testing.assert_array_equal(logits, logits2)
+  other = (aux.routes_LBTK + 1) % cfg.num_experts
+  logits3, aux3 = fwd(state, other)
+  np.testing.assert_array_equal(aux3.routes_LBTK, other)
+  assert float(jnp.abs(logits3 - logits).max()) > 1e-4
+
+
+@pytest.mark.parametrize('name,total,active', [
+    ('qwen3_30b_a3b', 30.5e9, 3.3e9),  # Public: 30.5B total, 3.3B active.
+    ('mixtral_8x7b', 46.7e9, 12.9e9),  # Public: 46.7B total, 12.9B active.
+    ('olmoe_1b_7b', 6.9e9, 1.3e9),  # Public: 6.9B total, 1.3B active.
+])
+def test_real_config_param_counts_match_public_figures(name, total, active):
+  cfg = importlib.import_module(f'configs.{name}').get_config().model
+  counts = shapes.param_counts(cfg)
+  assert abs(counts['total'] - total) / total < 0.01
+  assert abs(counts['active'] - active) / active < 0.03

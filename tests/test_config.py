@@ -1,0 +1,64 @@
+"""Every config-validation rule rejects a bad config with a message naming it."""
+import importlib
+
+import pytest
+
+from foremoe_jax import config as config_lib
+
+
+def tiny():
+  return importlib.import_module('configs.tiny').get_config()
+
+
+@pytest.mark.parametrize('name', ['tiny', 'qwen3_30b_a3b', 'mixtral_8x7b',
+                                  'olmoe_1b_7b'])
+def test_shipped_configs_validate(name):
+  config_lib.validate_config(importlib.import_module(f'configs.{name}').get_config())
+
+
+BAD = [
+    ('model.d_model', lambda c: setattr(c.model, 'd_model', 0), 'positive'),
+    ('model.num_heads', lambda c: setattr(c.model, 'num_heads', 5), 'divisible by num_kv_heads'),
+    ('model.head_dim', lambda c: setattr(c.model, 'head_dim', 15), 'even'),
+    ('model.top_k', lambda c: setattr(c.model, 'top_k', 9), 'top_k'),
+    ('model.first_dense_layers', lambda c: setattr(c.model, 'first_dense_layers', 2), 'at least one layer'),
+    ('model.dense_d_ff', lambda c: (setattr(c.model, 'first_dense_layers', 1), setattr(c.model, 'dense_d_ff', 0)), 'first_dense_layers'),
+    ('model.num_shared_experts', lambda c: setattr(c.model, 'num_shared_experts', -1), '>= 0'),
+    ('model.shared_d_ff', lambda c: (setattr(c.model, 'num_shared_experts', 1), setattr(c.model, 'shared_d_ff', 0)), 'num_shared_experts'),
+    ('model.aux_loss_coef', lambda c: setattr(c.model, 'aux_loss_coef', -1.0), '>= 0'),
+    ('model.attention_type', lambda c: setattr(c.model, 'attention_type', 'linear'), 'dense'),
+    ('model.dtype', lambda c: setattr(c.model, 'dtype', 'float16'), 'bfloat16'),
+    ('model.first_sparse_layer', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'first_sparse_layer', 5)), 'num_layers'),
+    ('model.msa_block_size', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'msa_block_size', 0)), '> 0'),
+    ('model.msa_top_k', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'msa_top_k', 0)), 'local block'),
+    ('model.msa_index_dim', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'msa_index_dim', 7)), 'even'),
+    ('model.max_seq_len', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'max_seq_len', 30)), 'multiple of msa_block_size'),
+    ('parallel.num_data', lambda c: setattr(c.parallel, 'num_data', 0), '>= 1'),
+    ('parallel.num_expert', lambda c: setattr(c.parallel, 'num_expert', 3), 'divisible by the EP size'),
+    ('parallel.slots_per_device', lambda c: (setattr(c.parallel, 'num_expert', 4), setattr(c.parallel, 'slots_per_device', 1)), 'every expert needs a slot'),
+    ('parallel.capacity_factors', lambda c: setattr(c.parallel, 'capacity_factors', (0.0,)), 'positive'),
+    ('rl.num_generations', lambda c: setattr(c.rl, 'num_generations', 1), 'group baseline'),
+    ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 0), '>= 1'),
+    ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 7), 'divisible by num_microbatches'),
+    ('rl.eps_low', lambda c: setattr(c.rl, 'eps_low', 1.5), 'clip range'),
+]
+
+
+@pytest.mark.parametrize('field,mutate,rule', BAD, ids=[f'{b[0]}-{i}' for i, b in enumerate(BAD)])
+def test_rule_rejects_with_clear_message(field, mutate, rule):
+  c = tiny()
+  mutate(c)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate_config(c)
+  msg = str(e.value)
+  assert msg.startswith(field + ':'), msg
+  assert rule in msg, msg
+
+
+def test_capacity_buckets_ascending_and_dropless_last():
+  caps = config_lib.capacity_buckets(64, 2, 16, (1.0, 1.5, 2.0, 100.0))
+  assert list(caps) == sorted(set(caps))
+  assert caps[-1] == 64  # dropless: every local token to one slot
+  assert caps[0] == 8  # 64 * 2 / 16 = 8
+  assert config_lib.pick_bucket(9, caps) == caps[1]
+  assert config_lib.pick_bucket(10_000, caps) == 64
