@@ -56,17 +56,25 @@ class Placement(NamedTuple):
 
 def identity_placement(num_layers: int, num_experts: int, num_devices: int,
                        slots_per_device: int) -> Placement:
-  """Static placement: slot j holds expert j % E; tokens use the first copy.
+  """Static EP: expert e lives on device e // (E / D); tokens use that copy.
 
-  Redundant slots (j >= E) hold copies that receive no tokens, so the slot
-  budget matches the planners' while the load is that of plain EP.
+  Device d's first E/D slots hold its home experts d*E/D, ...; its remaining
+  (redundant) slots hold copies of its own home experts that receive no
+  tokens, so the slot budget matches the planners' while the load, and the
+  weights each device holds, are those of plain expert parallelism.
   """
   num_slots = num_devices * slots_per_device
-  if num_slots < num_experts:
-    raise ValueError(f'num_devices * slots_per_device = {num_slots} < '
-                     f'num_experts = {num_experts}: some expert has no slot.')
-  slot_expert_S = (np.arange(num_slots) % num_experts).astype(np.int32)
-  share_S = (np.arange(num_slots) < num_experts).astype(np.float32)
+  if num_experts % num_devices:
+    raise ValueError(f'num_experts = {num_experts} is not divisible by '
+                     f'num_devices = {num_devices}.')
+  homes = num_experts // num_devices
+  if slots_per_device < homes:
+    raise ValueError(f'slots_per_device = {slots_per_device} < E / D = '
+                     f'{homes}: some expert has no slot.')
+  device_S = np.arange(num_slots) // slots_per_device
+  local_S = np.arange(num_slots) % slots_per_device
+  slot_expert_S = (device_S * homes + local_S % homes).astype(np.int32)
+  share_S = (local_S < homes).astype(np.float32)
   slot_expert_LS = np.broadcast_to(slot_expert_S, (num_layers, num_slots))
   share_LDS = np.broadcast_to(share_S, (num_layers, num_devices, num_slots))
   return Placement(slot_expert_LS.copy(), share_LDS.copy())
