@@ -73,9 +73,9 @@ def _swiglu_slots(x_DsCM, wg_sMF, wu_sMF, wd_sFM):
   return jnp.einsum('dscf,sfm->dscm', jax.nn.silu(g) * u, wd_sFM.astype(dtype))
 
 
-def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_eMF, wu_eMF, wd_eFM,
+def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
              slot_expert_S, slot_share_DS, *, capacity, num_experts):
-  """Per-device body under shard_map. Lower-case e: this device's experts."""
+  """Per-device body under shard_map; lower-case s: this device's slots."""
   num_ep = jax.lax.axis_size(EXPERT)
   me = jax.lax.axis_index(EXPERT)
   num_tokens, top_k = ids_NK.shape
@@ -95,17 +95,9 @@ def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_eMF, wu_eMF, wd_eFM,
   send_XM = send_XM.at[flat_A].add(x_NM[token_A], mode='drop')
   send_DsCM = send_XM.reshape(num_ep, spd, capacity, model_dim)
   recv_DsCM = jax.lax.all_to_all(send_DsCM, EXPERT, 0, 0, tiled=True)
-
-  # Slot weights are gathered from the canonical experts; the transpose of
-  # this gather sums a replicated expert's slot gradients onto its canonical
-  # weights (DESIGN.md §4).
-  local_experts_s = jax.lax.dynamic_slice_in_dim(slot_expert_S, me * spd, spd)
-  wg = jax.lax.all_gather(wg_eMF, EXPERT, tiled=True)[local_experts_s]
-  wu = jax.lax.all_gather(wu_eMF, EXPERT, tiled=True)[local_experts_s]
-  wd = jax.lax.all_gather(wd_eFM, EXPERT, tiled=True)[local_experts_s]
-  out_DsCM = _swiglu_slots(recv_DsCM, wg, wu, wd)
-
+  out_DsCM = _swiglu_slots(recv_DsCM, wg_sMF, wu_sMF, wd_sFM)
   back_DsCM = jax.lax.all_to_all(out_DsCM, EXPERT, 0, 0, tiled=True)
+
   back_XM = back_DsCM.reshape(num_slots * capacity, model_dim)
   y_AM = jnp.take(back_XM, jnp.minimum(flat_A, num_slots * capacity - 1), axis=0)
   w_A = jnp.where(keep_A, gates_NK.reshape(-1), 0).astype(y_AM.dtype)
@@ -118,19 +110,42 @@ def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_eMF, wu_eMF, wd_eFM,
   return y_NM, DispatchStats(dropped, max_cell, slot_tokens_S)
 
 
-def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_EMF, wu_EMF,
-                        wd_EFM, slot_expert_S, slot_share_DS, *, mesh,
-                        capacity: int):
+def _gather_body(w_eXY, slot_expert_S):
+  num_ep = jax.lax.axis_size(EXPERT)
+  spd = slot_expert_S.shape[0] // num_ep
+  local_experts_s = jax.lax.dynamic_slice_in_dim(
+      slot_expert_S, jax.lax.axis_index(EXPERT) * spd, spd)
+  return jax.lax.all_gather(w_eXY, EXPERT, tiled=True)[local_experts_s]
+
+
+def gather_slot_weights(w_EXY, slot_expert_S, *, mesh):
+  """Slot weights [S, ...] (sharded over 'expert') from canonical [E, ...].
+
+  This is the weight transfer of a placement; its transpose sums the slot
+  gradients of a replicated expert onto the canonical weights (DESIGN.md §4).
+  Computed once per placement, apart from the token path, so the transfer
+  can be scheduled (and overlapped) independently of dispatch.
+  """
+  return jax.shard_map(_gather_body, mesh=mesh,
+                       in_specs=(P(EXPERT), P()), out_specs=P(EXPERT))(
+                           w_EXY, slot_expert_S)
+
+
+def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
+                        wd_SFM, slot_expert_S, slot_share_DS, *, mesh,
+                        capacity: int, num_experts: int):
   """SwiGLU experts under expert parallelism with a runtime placement.
 
   Args:
     x_NM: all tokens (global view), sharded over ('data', 'expert').
     ids_NK, gates_NK: routed expert ids and gate weights per token.
     valid_N: bool; invalid tokens (padding) are not dispatched.
-    wg_EMF, wu_EMF, wd_EFM: canonical expert weights, sharded over 'expert'.
+    wg_SMF, wu_SMF, wd_SFM: slot weights (`gather_slot_weights` of the
+      canonical experts for this placement), sharded over 'expert'.
     slot_expert_S, slot_share_DS: one layer of a Placement.
     mesh: a mesh with 'data' and 'expert' axes.
     capacity: static per-(source device, slot) capacity C.
+    num_experts: E, the number of canonical experts.
   Returns:
     (y_NM, DispatchStats).
   """
@@ -147,14 +162,23 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_EMF, wu_EMF,
                      f'{mesh.shape[EXPERT]} EP devices.')
   tok = P((DATA, EXPERT))
   fn = jax.shard_map(
-      lambda *a: _ep_body(*a, capacity=int(capacity),
-                          num_experts=wg_EMF.shape[0]),
+      lambda *a: _ep_body(*a, capacity=int(capacity), num_experts=num_experts),
       mesh=mesh,
       in_specs=(tok, tok, tok, tok, P(EXPERT), P(EXPERT), P(EXPERT), P(), P()),
       out_specs=(tok, DispatchStats(P(), P(), P())),
   )
-  return fn(x_NM, ids_NK, gates_NK, valid_N, wg_EMF, wu_EMF, wd_EFM,
+  return fn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF, wd_SFM,
             slot_expert_S, slot_share_DS)
+
+
+def routed_experts(x_NM, ids_NK, gates_NK, valid_N, wg_EMF, wu_EMF, wd_EFM,
+                   slot_expert_S, slot_share_DS, *, mesh, capacity: int):
+  """Canonical weights in, routed-expert output out: transfer, then dispatch."""
+  slot_w = [gather_slot_weights(w, slot_expert_S, mesh=mesh)
+            for w in (wg_EMF, wu_EMF, wd_EFM)]
+  return expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, *slot_w,
+                             slot_expert_S, slot_share_DS, mesh=mesh,
+                             capacity=capacity, num_experts=wg_EMF.shape[0])
 
 
 def make_mesh(num_data: int = 1, num_expert: int = 1, devices=None):

@@ -3,7 +3,7 @@
 Shape letters: B batch, T tokens, N = B*T, M model dim, F expert hidden dim,
 E experts, K top-k, S slots, D EP devices.
 
-The routed experts run through `expert_parallel_ffn` with one layer of a
+The routed experts run through `expert_parallel.routed_experts` with one layer of a
 `Placement`; the layer always returns the ids it used (the routing record),
 per-expert counts and the balance loss.
 """
@@ -68,7 +68,7 @@ class MoE(nnx.Module):
       slot_expert_S, slot_share_DS = ident.slot_expert[0], ident.slot_share[0]
     if capacity is None:  # Dropless: a cell never exceeds the local tokens.
       capacity = n // (num_ep * self.mesh.shape[expert_parallel.DATA])
-    y_NM, stats = expert_parallel.expert_parallel_ffn(
+    y_NM, stats = expert_parallel.routed_experts(
         x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
         self.w_gate[...], self.w_up[...], self.w_down[...],
         jnp.asarray(slot_expert_S, jnp.int32),

@@ -55,7 +55,7 @@ def setup():
 
 
 def jitted_ffn(mesh):
-  return jax.jit(lambda *a, capacity: ep.expert_parallel_ffn(
+  return jax.jit(lambda *a, capacity: ep.routed_experts(
       *a, mesh=mesh, capacity=capacity), static_argnames='capacity')
 
 
@@ -71,7 +71,7 @@ def test_output_and_grads_match_reference(setup, num_data, num_expert, spd):
   dropless = N // (num_data * num_expert)
 
   def ep_loss(x, gates, wg, wu, wd, se, share):
-    y, _ = ep.expert_parallel_ffn(x, ids, gates, valid, wg, wu, wd, se, share,
+    y, _ = ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
                                   mesh=mesh, capacity=dropless)
     return jnp.sum(jnp.sin(y)), y
 
@@ -98,7 +98,7 @@ def test_one_compile_across_placements(setup):
 
   def fwd(x, se, share):
     traces.append(1)
-    return ep.expert_parallel_ffn(x, ids, gates, valid, wg, wu, wd, se, share,
+    return ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
                                   mesh=mesh, capacity=16)[0]
 
   f = jax.jit(fwd)
@@ -140,7 +140,7 @@ def test_rejects_token_count_not_divisible():
   mesh = ep.make_mesh(1, 8)
   x = jnp.zeros((12, M))
   with pytest.raises(ValueError, match='do not split evenly'):
-    ep.expert_parallel_ffn(x, jnp.zeros((12, K), jnp.int32), jnp.zeros((12, K)),
+    ep.routed_experts(x, jnp.zeros((12, K), jnp.int32), jnp.zeros((12, K)),
                            jnp.ones((12,), bool), jnp.zeros((E, M, F)),
                            jnp.zeros((E, M, F)), jnp.zeros((E, F, M)),
                            jnp.arange(E), jnp.ones((8, E)), mesh=mesh,

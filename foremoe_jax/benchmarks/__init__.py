@@ -1,0 +1,1 @@
+"""Benchmark bodies; experiments/bench_*.py are their thin entry points."""

@@ -1,0 +1,128 @@
+"""Does load balance turn into wall-clock? The EP MoE layer, static vs balanced.
+
+Skewed (Zipf-like) micro-batch-sized routing is dispatched through
+`expert_parallel_ffn` with the identity (static EP) placement and with a
+balanced greedy placement; each uses its smallest dropless capacity bucket,
+so the padded compute per device, and hence time, follows the worst
+(source, slot) cell. Repetitions are interleaved so the ratio is fair on a
+shared machine.
+
+Shape letters: N tokens, K top-k, E experts, D EP devices, M model dim,
+F expert hidden dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from foremoe_jax import config as config_lib
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.model import expert_parallel as ep
+from foremoe_jax.model.moe_reference import reference_moe_ffn
+from foremoe_jax.planner.greedy import greedy_placement
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayerBench:
+  tokens: int = 2048
+  experts: int = 64
+  top_k: int = 2
+  model_dim: int = 256
+  hidden_dim: int = 512
+  redundant_slots_per_device: int = 2
+  zipf_alpha: float = 1.0  # Expert popularity ~ 1 / rank^alpha, shuffled.
+  capacity_factors: tuple = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0,
+                             24.0, 32.0)
+  repeats: int = 5
+  seed: int = 0
+
+
+def zipf_routing(rng, num_tokens, num_experts, top_k, alpha):
+  """Top-k ids without replacement from a shuffled Zipf popularity."""
+  pop_E = 1.0 / np.arange(1, num_experts + 1) ** alpha
+  pop_E = rng.permutation(pop_E / pop_E.sum())
+  # Gumbel top-k = sampling k distinct experts with probability ~ popularity.
+  g = rng.gumbel(size=(num_tokens, num_experts)) + np.log(pop_E)
+  return np.argsort(-g, axis=1)[:, :top_k].astype(np.int32)
+
+
+def source_counts(ids_NK, num_devices, num_experts):
+  per = ids_NK.shape[0] // num_devices
+  src_N = np.arange(ids_NK.shape[0]) // per
+  c = np.zeros((1, num_devices, num_experts), np.int64)
+  np.add.at(c[0], (np.repeat(src_N, ids_NK.shape[1]), ids_NK.reshape(-1)), 1)
+  return c
+
+
+def run(cfg: MoELayerBench, mesh) -> dict:
+  rng = np.random.default_rng(cfg.seed)
+  num_dev = mesh.shape[ep.EXPERT]
+  spd = cfg.experts // num_dev + cfg.redundant_slots_per_device
+  ids = zipf_routing(rng, cfg.tokens, cfg.experts, cfg.top_k, cfg.zipf_alpha)
+  counts = source_counts(ids, num_dev, cfg.experts)
+  x = jnp.asarray(rng.normal(size=(cfg.tokens, cfg.model_dim)), jnp.float32)
+  gates = jnp.asarray(rng.random(ids.shape), jnp.float32)
+  valid = jnp.ones((cfg.tokens,), bool)
+  scale = cfg.model_dim ** -0.5
+  w = [jnp.asarray(rng.normal(size=s) * scale, jnp.float32) for s in
+       [(cfg.experts, cfg.model_dim, cfg.hidden_dim)] * 2
+       + [(cfg.experts, cfg.hidden_dim, cfg.model_dim)]]
+  placements = {
+      'static': placement_lib.identity_placement(1, cfg.experts, num_dev, spd),
+      'balanced': greedy_placement(counts, spd)}
+  buckets = config_lib.capacity_buckets(cfg.tokens // num_dev, cfg.top_k,
+                                        num_dev * spd, cfg.capacity_factors)
+  traces = []
+
+  # The weight transfer of a placement happens once per micro-step, overlapped
+  # with compute by the transfer engine; it is timed apart from the layer.
+  transfer = jax.jit(lambda se: [ep.gather_slot_weights(a, se, mesh=mesh)
+                                 for a in w])
+
+  def fwd(x, slot_w, se, share, capacity):
+    traces.append(capacity)
+    return ep.expert_parallel_ffn(x, jnp.asarray(ids), gates, valid, *slot_w,
+                                  se, share, mesh=mesh, capacity=capacity,
+                                  num_experts=cfg.experts)
+  f = jax.jit(fwd, static_argnums=4)
+  ref = reference_moe_ffn(x, jnp.asarray(ids), gates, valid, *w)
+  out = {}
+  for name, p in placements.items():
+    cells = placement_lib.slot_counts(counts, p)
+    cap = config_lib.pick_bucket(int(cells.max()), buckets)
+    se = jnp.asarray(p.slot_expert[0])
+    slot_w = jax.block_until_ready(transfer(se))
+    t0 = time.perf_counter()
+    jax.block_until_ready(transfer(se))
+    transfer_s = time.perf_counter() - t0
+    args = (x, slot_w, se, jnp.asarray(p.slot_share[0]), cap)
+    y, stats = f(*args)
+    assert int(stats.dropped) == 0, (name, int(stats.dropped))
+    out[name] = dict(args=args, capacity=cap, transfer_s=transfer_s, max_cell=int(cells.max()),
+                     err=float(jnp.abs(y - ref).max()),
+                     max_over_mean=float(placement_lib.max_over_mean(
+                         placement_lib.device_loads(counts, p))[0]), times=[])
+  for _ in range(cfg.repeats):  # Interleaved repetitions.
+    for name in placements:
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*out[name]['args']))
+      out[name]['times'].append(time.perf_counter() - t0)
+  s, b = out['static'], out['balanced']
+  static_s, balanced_s = np.median(s['times']), np.median(b['times'])
+  return dict(
+      devices=num_dev, tokens=cfg.tokens, experts=cfg.experts, top_k=cfg.top_k,
+      slots_per_device=spd, buckets=list(buckets),
+      static_max_over_mean=s['max_over_mean'],
+      balanced_max_over_mean=b['max_over_mean'],
+      static_capacity=s['capacity'], balanced_capacity=b['capacity'],
+      static_max_cell=s['max_cell'], balanced_max_cell=b['max_cell'],
+      static_s=float(static_s), balanced_s=float(balanced_s),
+      speedup=float(static_s / balanced_s),
+      target_speedup=0.8 * s['max_over_mean'] / b['max_over_mean'],
+      transfer_s=b['transfer_s'],
+      max_abs_err_vs_reference=max(s['err'], b['err']),
+      compiles=f._cache_size(), traces=len(traces))
