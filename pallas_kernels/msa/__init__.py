@@ -1,0 +1,1 @@
+"""MiniMax Sparse Attention (MSA): reference, CPU XLA path and Pallas kernels."""

@@ -1,0 +1,174 @@
+"""Pure-jnp reference of MiniMax Sparse Attention (DESIGN.md section 6).
+
+Everything here is dense and masked on purpose: it is slow, O(T*S) memory, and
+written to be read against the paper rather than to run fast. The XLA path
+(`xla.py`) and the Pallas kernels are tested against it.
+
+Pipeline (section 6, points 1-5):
+  index logits s[g,t,j]  ->  block scores S[g,t,n] (causal block max)
+  ->  selection sel[g,t,k] (local block last, ties to the lower id, -1 pad)
+  ->  main branch: exact softmax over the selected, causally visible keys
+  ->  indexer KL loss (index distribution vs head-averaged main attention).
+
+Letter key for shape suffixes:
+  B batch, T query tokens, S key/value tokens (kv_len), H query heads,
+  G KV groups, R query heads per group (H = G * R), D head dim,
+  I index head dim, N key blocks (ceil(S / block_size)),
+  C tokens per key block (block_size), K selected blocks per query (top_k).
+
+Head h belongs to group h // R, the layout `jax.nn.dot_product_attention`
+uses for GQA. Query t sits at absolute position t + o, where the offset o is
+kv_len - q_len for chunked prefill and length - 1 for decode; o may differ per
+sequence ([B]).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def query_positions_BT(q_offset, batch: int, q_len: int) -> jax.Array:
+  """Absolute position t + o of every query, for a scalar or per-sequence o."""
+  o_B = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (batch,))
+  return o_B[:, None] + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+
+
+def index_logits_BGTS(qi_BTGI, ki_BSI, q_offset=0) -> jax.Array:
+  """Point 1: s = <qI, kI> / sqrt(dI) in f32, -inf where j > t + o."""
+  b, t = qi_BTGI.shape[:2]
+  s = ki_BSI.shape[1]
+  logits_BGTS = jnp.einsum(
+      'btgi,bsi->bgts', qi_BTGI.astype(jnp.float32),
+      ki_BSI.astype(jnp.float32),
+      precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(qi_BTGI.shape[-1])
+  pos_BT = query_positions_BT(q_offset, b, t)
+  visible_BTS = jnp.arange(s)[None, None, :] <= pos_BT[:, :, None]
+  return jnp.where(visible_BTS[:, None], logits_BGTS, NEG_INF)
+
+
+def block_scores_BGTN(logits_BGTS, block_size: int) -> jax.Array:
+  """Point 2: max of the visible logits in each key block (-inf if none)."""
+  b, g, t, s = logits_BGTS.shape
+  n = -(-s // block_size)
+  padded = jnp.pad(logits_BGTS, ((0, 0), (0, 0), (0, 0), (0, n * block_size - s)),
+                   constant_values=NEG_INF)
+  return padded.reshape(b, g, t, n, block_size).max(axis=-1)
+
+
+def select_blocks_BGTK(scores_BGTN, *, block_size: int, top_k: int,
+                       q_offset=0) -> jax.Array:
+  """Point 3: local block in the last valid slot, top K-1 earlier blocks before it.
+
+  The earlier blocks are ranked by a stable sort on the negated score, so equal
+  scores keep the lower block id first (the tie rule); -1 pads the row when
+  fewer than K blocks are visible.
+  """
+  b, g, t, n = scores_BGTN.shape
+  local_BT = query_positions_BT(q_offset, b, t) // block_size
+  ids_N = jnp.arange(n, dtype=jnp.int32)
+  earlier_BGTN = ids_N[None, None, None, :] < local_BT[:, None, :, None]
+  ranked = jnp.where(earlier_BGTN, scores_BGTN, NEG_INF)
+  order_BGTN = jnp.argsort(-ranked, axis=-1, stable=True).astype(jnp.int32)
+  # Pad with -1 columns so a row with fewer than K-1 candidates still has K-1.
+  order_BGTN = jnp.pad(order_BGTN, ((0, 0), (0, 0), (0, 0), (0, top_k)),
+                       constant_values=-1)
+  cand_BGTK = order_BGTN[..., :top_k]
+  n_earlier_BT = jnp.minimum(local_BT, top_k - 1)
+  slot_K = jnp.arange(top_k, dtype=jnp.int32)
+  n_e = n_earlier_BT[:, None, :, None]
+  l = local_BT[:, None, :, None]
+  return jnp.where(slot_K < n_e, cand_BGTK,
+                   jnp.where(slot_K == n_e, l, -1)).astype(jnp.int32)
+
+
+def selection_BGTK(qi_BTGI, ki_BSI, *, block_size: int, top_k: int,
+                   q_offset=0) -> jax.Array:
+  """Points 1-3 end to end."""
+  logits = index_logits_BGTS(qi_BTGI, ki_BSI, q_offset)
+  return select_blocks_BGTK(block_scores_BGTN(logits, block_size),
+                            block_size=block_size, top_k=top_k,
+                            q_offset=q_offset)
+
+
+def allowed_keys_BGTS(sel_BGTK, kv_len: int, *, block_size: int,
+                      q_offset=0) -> jax.Array:
+  """Mask of keys a query may attend: block selected AND causally visible."""
+  b, g, t, _ = sel_BGTK.shape
+  block_S = jnp.arange(kv_len) // block_size
+  chosen_BGTS = jnp.any(sel_BGTK[..., :, None] == block_S, axis=-2)
+  pos_BT = query_positions_BT(q_offset, b, t)
+  causal_BTS = jnp.arange(kv_len)[None, None, :] <= pos_BT[:, :, None]
+  return chosen_BGTS & causal_BTS[:, None]
+
+
+def attention_logits_BGRTS(q_BTHD, k_BSGD) -> jax.Array:
+  """Main-branch logits q.k / sqrt(D), f32, per group and group head."""
+  b, t, h, d = q_BTHD.shape
+  g = k_BSGD.shape[2]
+  q_BTGRD = q_BTHD.reshape(b, t, g, h // g, d).astype(jnp.float32)
+  return jnp.einsum('btgrd,bsgd->bgrts', q_BTGRD, k_BSGD.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(d)
+
+
+def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
+                     q_offset=0):
+  """Point 4: exact softmax over the allowed keys. Returns (out_BTHD, lse_BTH)."""
+  b, t, h, d = q_BTHD.shape
+  s, g = k_BSGD.shape[1:3]
+  allowed_BGTS = allowed_keys_BGTS(sel_BGTK, s, block_size=block_size,
+                                   q_offset=q_offset)
+  logits = attention_logits_BGRTS(q_BTHD, k_BSGD)
+  logits = jnp.where(allowed_BGTS[:, :, None], logits, NEG_INF)
+  lse_BGRT = jax.nn.logsumexp(logits, axis=-1)
+  p_BGRTS = jnp.exp(logits - lse_BGRT[..., None])
+  out_BGRTD = jnp.einsum('bgrts,bsgd->bgrtd', p_BGRTS,
+                         v_BSGD.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+  out_BTHD = out_BGRTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+  lse_BTH = lse_BGRT.transpose(0, 3, 1, 2).reshape(b, t, h)
+  return out_BTHD.astype(q_BTHD.dtype), lse_BTH
+
+
+def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
+                  top_k: int, q_offset=0):
+  """Points 1-4: (out_BTHD, {'sel_BGTK', 'lse_BTH'})."""
+  sel = selection_BGTK(qi_BTGI, ki_BSI, block_size=block_size, top_k=top_k,
+                       q_offset=q_offset)
+  out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel,
+                              block_size=block_size, q_offset=q_offset)
+  return out, {'sel_BGTK': sel, 'lse_BTH': lse}
+
+
+def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, *,
+                    block_size: int, q_offset=0) -> jax.Array:
+  """Point 5: mean over (b, g, t) of KL(main || index) on the allowed keys.
+
+  The target is the main-branch attention averaged over the group's R heads;
+  it is a stop-gradient, so only the index branch (qi, ki) learns from it.
+  """
+  s = k_BSGD.shape[1]
+  allowed_BGTS = allowed_keys_BGTS(sel_BGTK, s, block_size=block_size,
+                                   q_offset=q_offset)
+  logits = attention_logits_BGRTS(jax.lax.stop_gradient(q_BTHD),
+                                  jax.lax.stop_gradient(k_BSGD))
+  logits = jnp.where(allowed_BGTS[:, :, None], logits, NEG_INF)
+  p_BGTS = jax.nn.softmax(logits, axis=-1).mean(axis=2)
+  idx = index_logits_BGTS(qi_BTGI, ki_BSI, q_offset)
+  idx = jnp.where(allowed_BGTS, idx, NEG_INF)
+  logq_BGTS = jax.nn.log_softmax(idx, axis=-1)
+  safe_logp = jnp.log(jnp.where(p_BGTS > 0, p_BGTS, 1.0))
+  safe_logq = jnp.where(allowed_BGTS, logq_BGTS, 0.0)
+  kl_BGT = jnp.sum(p_BGTS * (safe_logp - safe_logq), axis=-1)
+  return kl_BGT.mean()
+
+
+def dense_causal_attention(q_BTHD, k_BSGD, v_BSGD, q_offset=0):
+  """Plain causal GQA with an offset: what MSA must equal when K >= N."""
+  b, t, h, d = q_BTHD.shape
+  s = k_BSGD.shape[1]
+  pos_BT = query_positions_BT(q_offset, b, t)
+  causal_BTS = jnp.arange(s)[None, None, :] <= pos_BT[:, :, None]
+  return jax.nn.dot_product_attention(q_BTHD, k_BSGD, v_BSGD,
+                                      mask=causal_BTS[:, None])
