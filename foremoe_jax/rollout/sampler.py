@@ -1,0 +1,307 @@
+"""The sampler: prompts -> completions, their log-probs and the routing record.
+
+First stage of the RL step (DESIGN.md §2). One prefill call runs the prompts
+through the model and fills a preallocated KV cache; a jit'd `lax.while_loop`
+then decodes one token per step over that cache (donated, so it is updated in
+place) until every sequence has emitted EOS or `max_new_tokens` are out.
+Along the way it records, for every MoE layer, the top-k experts of every
+token fed to the model: the routing record that foresight turns into exact
+per-micro-step loads and that recompute/update replay (R3).
+
+Shape letters: N prompts, G generations per prompt, B = N * G samples
+(padded to Bp rows inside, see below), P prompt tokens, C completion tokens
+(= max_new_tokens), T = P + C, V vocab, L MoE layers, K top-k, E experts.
+
+Position conventions (what RL must reproduce):
+  * tokens_BT[:, :P] is the prompt, tokens_BT[:, P:] the completion
+    (completion_BC); after a sequence's EOS the sampler writes PAD.
+  * logp_BC[b, c] = log_softmax(logits)[tokens_BT[b, P + c]], with logits the
+    model's *raw* output (temperature 1, no top-k/top-p) at position P + c - 1,
+    i.e. given tokens_BT[b, :P + c]. This is what the old-policy recompute
+    reproduces: a forward over tokens_BT[:, :-1] gives logits_B(T-1)V whose
+    shifted log-probs at [:, P - 1:] equal logp_BC on valid positions. The
+    sampling distribution itself (temperature, top-k, top-p, greedy) is NOT
+    what logp_BC measures. 0 where the completion token is not valid.
+  * routes_LBTK[l, b, t] = top-k expert ids of tokens_BT[b, t] at MoE layer l,
+    for every t in [0, T), position T - 1 included: the decode loop makes one
+    extra model call on the last sampled token when a sequence runs to
+    max_new_tokens, so the record covers every valid position, and RL, which
+    feeds tokens_BT[:, :-1], replays routes_LBTK[:, :, :-1]. Positions that were
+    never fed (after every sequence in the batch finished) hold 0, a placeholder
+    that is a legal expert id; they are never valid.
+  * valid_BT = prompt positions and completion positions up to and including
+    EOS (or all C when there is no EOS). Padding tokens are not dispatched to
+    experts while sampling, matching what recompute does with valid_BT.
+
+Batch padding: the expert-parallel layer needs every call's token count to
+split over the mesh's devices, and a decode step feeds one token per row, so
+the B rows are padded to a multiple of the device count with invalid rows
+(never dispatched, dropped before returning).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from foremoe_jax.model import expert_parallel
+from foremoe_jax.tasks.tokenizer import EOS_ID, PAD_ID
+
+
+class Rollout(NamedTuple):
+  """One batch of samples, on the host (numpy). See the module docstring."""
+
+  tokens_BT: np.ndarray  # int32: prompt + completion, PAD after EOS.
+  completion_BC: np.ndarray  # int32: tokens_BT[:, P:].
+  logp_BC: np.ndarray  # float32: raw-model (temperature 1) log-probs, 0 if invalid.
+  lengths_B: np.ndarray  # int32: completion tokens, EOS included.
+  done_B: np.ndarray  # bool: the completion holds an EOS.
+  valid_BT: np.ndarray  # bool: prompt + completion up to and including EOS.
+  routes_LBTK: np.ndarray | None  # int8/int16/int32 routing record, [0, T).
+  prompt_len: int  # P.
+  decode_steps: int  # Model calls after prefill (< C when all stop early).
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Static sampling settings; one compile per distinct value.
+
+  temperature == 0 or greedy=True: argmax. top_k = 0 and top_p = 1 are off.
+  record_routes=False skips the routing record (for measuring its cost).
+  """
+
+  max_new_tokens: int
+  num_generations: int = 1
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  greedy: bool = False
+  eos_id: int = EOS_ID
+  pad_id: int = PAD_ID
+  record_routes: bool = True
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f'max_new_tokens must be >= 1, got {self.max_new_tokens}.')
+    if self.num_generations < 1:
+      raise ValueError(f'num_generations must be >= 1, got {self.num_generations}.')
+    if self.temperature < 0:
+      raise ValueError(f'temperature must be >= 0, got {self.temperature}.')
+    if self.top_k < 0:
+      raise ValueError(f'top_k must be >= 0 (0 = off), got {self.top_k}.')
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f'top_p must be in (0, 1], got {self.top_p}.')
+
+  @property
+  def is_greedy(self) -> bool:
+    return self.greedy or self.temperature == 0
+
+
+def routes_dtype(num_experts: int):
+  """Narrowest signed int holding ids [0, E): the record is L*T*K per sample."""
+  if num_experts <= 127:
+    return jnp.int8
+  if num_experts <= 32767:
+    return jnp.int16
+  return jnp.int32
+
+
+def sample_tokens(logits_BV, key, params: SamplingParams):
+  """Next token per row from f32 logits under temperature / top-k / top-p."""
+  if params.is_greedy:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  x_BV = logits_BV.astype(jnp.float32) / params.temperature
+  neg = jnp.finfo(jnp.float32).min
+  if params.top_k:
+    kth_B1 = jax.lax.top_k(x_BV, min(params.top_k, x_BV.shape[-1]))[0][:, -1:]
+    x_BV = jnp.where(x_BV < kth_B1, neg, x_BV)
+  if params.top_p < 1:
+    # Nucleus: keep the smallest prefix of the sorted distribution whose mass
+    # reaches top_p; a token is kept when the mass strictly before it is
+    # < top_p, so the most likely token always survives.
+    sorted_BV = -jnp.sort(-x_BV, axis=-1)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept = jnp.where(before_BV < params.top_p, sorted_BV, jnp.inf)
+    x_BV = jnp.where(x_BV < kept.min(axis=-1, keepdims=True), neg, x_BV)
+  return jax.random.categorical(key, x_BV, axis=-1).astype(jnp.int32)
+
+
+def _token_logp(logits_BV, tokens_B):
+  logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+class _Decode(NamedTuple):
+  """Loop carry. Column P + step of tokens is the next token to feed."""
+
+  step: jax.Array  # int32 [].
+  alive_B: jax.Array  # bool: the token to feed is a valid completion token.
+  tokens_BX: jax.Array  # int32 [Bp, T + 1]; the last column takes the
+  # throwaway sample of the extra call on position T - 1.
+  logp_BX: jax.Array  # float32 [Bp, C + 1].
+  routes_LBTK: jax.Array | None
+  cache: list
+
+
+def _call_capacity(capacity, num_tokens: int, mesh):
+  # A (source, slot) cell never holds more than the source's tokens, so
+  # clamping keeps a capacity dropless-equivalent and avoids padded compute
+  # for the one-token decode calls.
+  if capacity is None:
+    return None
+  return int(min(capacity, num_tokens // mesh.size))
+
+
+class Sampler:
+  """Jit'd prefill and decode for one model graph and one SamplingParams.
+
+  Build once and call many times: the jitted functions live on the instance,
+  so each (batch, prompt length) shape compiles once.
+  """
+
+  def __init__(self, graphdef, model_cfg, mesh, params: SamplingParams):
+    self.graphdef, self.cfg, self.mesh, self.params = (graphdef, model_cfg,
+                                                       mesh, params)
+    self.record_dtype = routes_dtype(int(model_cfg.num_experts))
+    rows = NamedSharding(mesh, P((expert_parallel.DATA, expert_parallel.EXPERT)))
+    self._rows = rows
+    self._prefill = jax.jit(self._prefill_fn, static_argnames=('capacity',),
+                            donate_argnames=('cache',))
+    self._decode = jax.jit(self._decode_fn, static_argnames=('capacity',),
+                           donate_argnames=('carry',))
+
+  # Device side: pure functions of (state, batch, plan).
+
+  def _init_cache(self, state, batch: int, max_len: int):
+    cache = nnx.merge(self.graphdef, state).init_cache(batch, max_len)
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, self._rows),
+                        cache)
+
+  def _prefill_fn(self, state, prompts_BP, row_valid_B, key, placement, cache,
+                  *, capacity):
+    p = self.params
+    num_rows, plen = prompts_BP.shape
+    model = nnx.merge(self.graphdef, state)
+    valid_BP = jnp.broadcast_to(row_valid_B[:, None], prompts_BP.shape)
+    logits_BPV, aux, cache = model(
+        prompts_BP, valid_BT=valid_BP, placement=placement, capacity=capacity,
+        cache=cache, cache_index=0)
+    tok_B = sample_tokens(logits_BPV[:, -1], jax.random.fold_in(key, 0), p)
+    tok_B = jnp.where(row_valid_B, tok_B, p.pad_id)
+    total = plen + p.max_new_tokens
+    tokens_BX = jnp.full((num_rows, total + 1), p.pad_id, jnp.int32)
+    tokens_BX = tokens_BX.at[:, :plen].set(prompts_BP).at[:, plen].set(tok_B)
+    logp_BX = jnp.zeros((num_rows, p.max_new_tokens + 1), jnp.float32)
+    logp_BX = logp_BX.at[:, 0].set(
+        jnp.where(row_valid_B, _token_logp(logits_BPV[:, -1], tok_B), 0.0))
+    routes = None
+    if p.record_routes:
+      num_layers, _, _, top_k = aux.routes_LBTK.shape
+      routes = jnp.zeros((num_layers, num_rows, total, top_k), self.record_dtype)
+      routes = routes.at[:, :, :plen].set(aux.routes_LBTK.astype(self.record_dtype))
+    return _Decode(jnp.zeros((), jnp.int32), row_valid_B, tokens_BX, logp_BX,
+                   routes, cache)
+
+  def _decode_fn(self, state, carry: _Decode, key, placement, *, capacity):
+    p = self.params
+    plen = carry.tokens_BX.shape[1] - 1 - p.max_new_tokens
+    model = nnx.merge(self.graphdef, state)
+
+    def cond(c: _Decode):
+      return (c.step < p.max_new_tokens) & jnp.any(c.alive_B)
+
+    def body(c: _Decode):
+      pos = plen + c.step
+      tok_B1 = jax.lax.dynamic_slice_in_dim(c.tokens_BX, pos, 1, axis=1)
+      logits_B1V, aux, cache = model(
+          tok_B1, valid_BT=c.alive_B[:, None], placement=placement,
+          capacity=capacity, cache=c.cache, cache_index=pos)
+      routes = c.routes_LBTK
+      if routes is not None:
+        routes = jax.lax.dynamic_update_slice_in_dim(
+            routes, aux.routes_LBTK.astype(routes.dtype), pos, axis=2)
+      new_B = sample_tokens(logits_B1V[:, 0],
+                            jax.random.fold_in(key, c.step + 1), p)
+      # The next token is valid iff the one just fed was valid and not EOS.
+      alive_B = c.alive_B & (tok_B1[:, 0] != p.eos_id)
+      new_B = jnp.where(alive_B, new_B, p.pad_id)
+      lp_B = jnp.where(alive_B, _token_logp(logits_B1V[:, 0], new_B), 0.0)
+      tokens_BX = jax.lax.dynamic_update_slice_in_dim(
+          c.tokens_BX, new_B[:, None], pos + 1, axis=1)
+      logp_BX = jax.lax.dynamic_update_slice_in_dim(
+          c.logp_BX, lp_B[:, None], c.step + 1, axis=1)
+      return _Decode(c.step + 1, alive_B, tokens_BX, logp_BX, routes, cache)
+
+    return jax.lax.while_loop(cond, body, carry)
+
+  # Host side.
+
+  def __call__(self, state, prompts_NP, key, *, placement=None,
+               capacity: int | None = None) -> Rollout:
+    """Samples num_generations completions of each prompt.
+
+    Args:
+      state: the model state (from `sharding.split_model`).
+      prompts_NP: int32 [N, P] prompts, no padding (fixed-length tasks).
+      key: a jax.random key.
+      placement: optional Placement for the MoE layers (None = identity).
+      capacity: optional static per-(source, slot) capacity; clamped per call
+        to the tokens each device holds (None = dropless).
+    Returns:
+      A Rollout with B = N * num_generations rows, prompt i's samples at rows
+      [i * G, (i + 1) * G) (GRPO groups are consecutive).
+    """
+    p = self.params
+    prompts_NP = np.asarray(prompts_NP, np.int32)
+    prompts_BP = np.repeat(prompts_NP, p.num_generations, axis=0)
+    num_samples, plen = prompts_BP.shape
+    total = plen + p.max_new_tokens
+    if total > self.cfg.max_seq_len:
+      raise ValueError(
+          f'prompt ({plen}) + max_new_tokens ({p.max_new_tokens}) = {total} '
+          f'exceeds model.max_seq_len ({self.cfg.max_seq_len}).')
+    num_rows = -(-num_samples // self.mesh.size) * self.mesh.size
+    pad = num_rows - num_samples
+    prompts_BP = np.concatenate(
+        [prompts_BP, np.full((pad, plen), p.pad_id, np.int32)])
+    row_valid_B = np.arange(num_rows) < num_samples
+    prompts_BP, row_valid_B = jax.device_put((prompts_BP, row_valid_B),
+                                             self._rows)
+    cache = self._init_cache_jit(state, num_rows, total)
+    carry = self._prefill(state, prompts_BP, row_valid_B, key, placement, cache,
+                          capacity=_call_capacity(capacity, num_rows * plen,
+                                                  self.mesh))
+    carry = self._decode(state, carry, key, placement,
+                         capacity=_call_capacity(capacity, num_rows, self.mesh))
+    return self._to_host(carry, num_samples, plen)
+
+  @functools.cached_property
+  def _init_cache_jit(self):
+    return jax.jit(self._init_cache, static_argnums=(1, 2))
+
+  def _to_host(self, carry: _Decode, num_samples: int, plen: int) -> Rollout:
+    p = self.params
+    tokens_BX, logp_BX, routes, steps = jax.device_get(
+        (carry.tokens_BX, carry.logp_BX, carry.routes_LBTK, carry.step))
+    tokens_BT = tokens_BX[:num_samples, :-1]
+    completion_BC = tokens_BT[:, plen:]
+    is_eos_BC = completion_BC == p.eos_id
+    done_B = is_eos_BC.any(axis=1)
+    lengths_B = np.where(done_B, is_eos_BC.argmax(axis=1) + 1,
+                         p.max_new_tokens).astype(np.int32)
+    valid_BC = np.arange(p.max_new_tokens) < lengths_B[:, None]
+    valid_BT = np.concatenate(
+        [np.ones((num_samples, plen), bool), valid_BC], axis=1)
+    return Rollout(
+        tokens_BT=tokens_BT, completion_BC=completion_BC,
+        logp_BC=logp_BX[:num_samples, :-1], lengths_B=lengths_B, done_B=done_B,
+        valid_BT=valid_BT,
+        routes_LBTK=None if routes is None else routes[:, :num_samples],
+        prompt_len=plen, decode_steps=int(steps))
