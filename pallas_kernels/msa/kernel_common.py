@@ -1,0 +1,76 @@
+"""Helpers shared by the MSA Pallas kernels (TPU and GPU lowerings).
+
+Letter key: X rows of a score tile (query tokens on TPU, heads on GPU),
+C keys of a block, D head dim.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite stand-in for -inf: keeps exp() NaN-free on rows that have not met a
+# visible key yet (the convention of jax's own flash kernels).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def div(x, d: int):
+  """x // d for non-negative int32 positions.
+
+  `//` lowers through sign(), which Mosaic refuses to lower without a TPU
+  attached; positions are never negative, so truncation is floor.
+  """
+  return jax.lax.div(x, jnp.asarray(d, jnp.int32))
+
+
+def precision_for(dtype):
+  # f32 operands on the TPU MXU default to bf16 passes; the f32 tests need
+  # the exact product. bf16 operands are exact at the default.
+  return (jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32
+          else jax.lax.Precision.DEFAULT)
+
+
+def dot_nt(a_XD, b_CD, precision):
+  """a @ b.T with f32 accumulation."""
+  return jax.lax.dot_general(a_XD, b_CD, (((1,), (1,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def dot_nn(a_XC, b_CD, precision):
+  return jax.lax.dot_general(a_XC, b_CD, (((1,), (0,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def dot_tn(a_CX, b_CD, precision):
+  """a.T @ b with f32 accumulation."""
+  return jax.lax.dot_general(a_CX, b_CD, (((0,), (0,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(m_X1, l_X1, acc_XD, s_XC, mask_XC, v_CD, precision):
+  """One key block of flash attention; masked keys contribute exactly zero."""
+  s_XC = jnp.where(mask_XC, s_XC, MASK_VALUE)
+  m_next = jnp.maximum(m_X1, jnp.max(s_XC, axis=1, keepdims=True))
+  alpha = jnp.exp(m_X1 - m_next)
+  p_XC = jnp.where(mask_XC, jnp.exp(s_XC - m_next), 0.0)
+  l_next = alpha * l_X1 + jnp.sum(p_XC, axis=1, keepdims=True)
+  acc_next = acc_XD * alpha + dot_nn(p_XC.astype(v_CD.dtype), v_CD, precision)
+  return m_next, l_next, acc_next
+
+
+def finish_softmax(m_X1, l_X1, acc_XD):
+  """(out, lse); rows that saw no key (query padding) get out 0, lse -inf."""
+  l_safe = jnp.where(l_X1 == 0.0, 1.0, l_X1)
+  lse = jnp.where(l_X1 == 0.0, -jnp.inf, m_X1 + jnp.log(l_safe))
+  return acc_XD / l_safe, lse

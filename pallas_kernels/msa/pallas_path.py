@@ -1,0 +1,234 @@
+"""MSA on the Pallas kernels: layouts, padding and the custom_vjp.
+
+The kernels want padded, backend-specific layouts; this module converts the
+model's [B, T, H, D] / [B, S, G, D] arrays in and out, so the API stays the
+same on every backend:
+
+* TPU: group-major q [B, G, T, R*D] and k/v [B, G, S, D] (every block then
+  ends in full-extent dims, which Mosaic always accepts), T padded to the
+  query tile, S to the block size.
+* GPU: q [B, T, G, R', D'] with the group's heads padded to R' >= 16 rows
+  (tl.dot's minimum) and D, K padded to powers of two, as Triton tiles need.
+
+Padding is inert: padded keys sit past every query position, padded query
+rows and -1 selection slots see no key, and zero rows of q and dO add nothing
+to dK/dV.
+
+Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
+R heads per group, D head dim, I index head dim, K selected blocks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.msa import backward_kernel
+from pallas_kernels.msa import decode_kernel
+from pallas_kernels.msa import forward_kernel
+from pallas_kernels.msa import kernel_common as kc
+from pallas_kernels.msa import select_kernel
+
+
+def default_backend() -> str:
+  """'gpu' on CUDA/ROCm devices, else 'tpu' (also the CPU interpret choice)."""
+  return 'gpu' if jax.default_backend() in ('gpu', 'cuda', 'rocm') else 'tpu'
+
+
+def tpu_q_tile(t: int) -> int:
+  # Lane-dim blocks of the dK/dV kernel need Tq % 128 == 0 or Tq == T.
+  return kc.round_up(t, 8) if t <= 128 else 128
+
+
+def check_block_size(block_size: int, backend: str):
+  if backend == 'gpu' and (block_size < 16 or
+                           block_size != kc.next_pow2(block_size)):
+    raise ValueError(f'GPU MSA kernels need a power-of-two block_size >= 16 '
+                     f'(Triton tiles), got {block_size}.')
+  if backend == 'tpu' and block_size % 8:
+    raise ValueError(f'TPU MSA kernels need block_size % 8 == 0 (sublane '
+                     f'tiling), got {block_size}.')
+
+
+# ----------------------------------------------------------------------------
+# Layouts
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _to_group_major_q(x_BTHD, g: int, tp: int):
+  b, t, h, d = x_BTHD.shape
+  x = x_BTHD.reshape(b, t, g, (h // g) * d).transpose(0, 2, 1, 3)
+  return _pad_axis(x, 2, tp)
+
+
+def _from_group_major_q(x_BGTX, t: int, h: int):
+  b, g, _, x = x_BGTX.shape
+  d = x // (h // g)
+  return x_BGTX[:, :, :t].transpose(0, 2, 1, 3).reshape(b, t, h, d)
+
+
+def _to_group_major_kv(x_BSGD, sp: int):
+  return _pad_axis(x_BSGD, 1, sp).transpose(0, 2, 1, 3)
+
+
+def _rows_BTH(x_BGTR, t: int):
+  b, g, _, r = x_BGTR.shape
+  return x_BGTR[:, :, :t].transpose(0, 2, 1, 3).reshape(b, t, g * r)
+
+
+def _to_gpu_q(x_BTHD, g: int, rp: int, dp: int):
+  b, t, h, d = x_BTHD.shape
+  x = x_BTHD.reshape(b, t, g, h // g, d)
+  return _pad_axis(_pad_axis(x, 3, rp), 4, dp)
+
+
+def _gpu_dims(r: int, d: int, k: int):
+  return max(16, kc.next_pow2(r)), max(16, kc.next_pow2(d)), kc.next_pow2(k)
+
+
+# ----------------------------------------------------------------------------
+# Forward / backward
+
+
+def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, *, block_size,
+                   backend, interpret):
+  """(out_BTHD, lse_BTH f32) from the kernel of the chosen backend."""
+  b, t, h, d = q_BTHD.shape
+  s, g = k_BSGD.shape[1:3]
+  r = h // g
+  scale = 1.0 / math.sqrt(d)
+  sp = kc.round_up(s, block_size)
+  if backend == 'tpu':
+    tq = tpu_q_tile(t)
+    tp = kc.round_up(t, tq)
+    o, lse = forward_kernel.forward_tpu(
+        _to_group_major_q(q_BTHD, g, tp), _to_group_major_kv(k_BSGD, sp),
+        _to_group_major_kv(v_BSGD, sp), _pad_axis(sel_BGTK, 2, tp, -1), off_B,
+        block_size=block_size, n_heads=r, q_tile=tq, scale=scale,
+        interpret=interpret)
+    return _from_group_major_q(o, t, h), _rows_BTH(lse, t)
+  rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
+  o, lse = forward_kernel.forward_gpu(
+      _to_gpu_q(q_BTHD, g, rp, dp), _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp),
+      _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp), _pad_axis(sel_BGTK, 3, kp, -1),
+      off_B, block_size=block_size, scale=scale, interpret=interpret)
+  return (o[:, :, :, :r, :d].reshape(b, t, h, d),
+          lse[..., :r].reshape(b, t, h))
+
+
+def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, out_BTHD, lse_BTH,
+                    dout_BTHD, dlse_BTH, *, block_size, backend, interpret):
+  """(dq, dk, dv) in the input dtypes."""
+  b, t, h, d = q_BTHD.shape
+  s, g = k_BSGD.shape[1:3]
+  r = h // g
+  scale = 1.0 / math.sqrt(d)
+  sp = kc.round_up(s, block_size)
+  # delta - dlse: a cotangent on the LSE output enters exactly here, since
+  # d lse / d s = p.
+  delta_BTH = jnp.sum(dout_BTHD.astype(jnp.float32) *
+                      out_BTHD.astype(jnp.float32), axis=-1)
+  if dlse_BTH is not None:
+    delta_BTH = delta_BTH - dlse_BTH.astype(jnp.float32)
+  dout = dout_BTHD.astype(q_BTHD.dtype)
+  if backend == 'tpu':
+    tq = tpu_q_tile(t)
+    tp = kc.round_up(t, tq)
+    rows = lambda x: _pad_axis(x.reshape(b, t, g, r).transpose(0, 2, 1, 3), 2,
+                               tp)
+    dq, dk, dv = backward_kernel.backward_tpu(
+        _to_group_major_q(q_BTHD, g, tp), _to_group_major_kv(k_BSGD, sp),
+        _to_group_major_kv(v_BSGD, sp), _pad_axis(sel_BGTK, 2, tp, -1), off_B,
+        _to_group_major_q(dout, g, tp), rows(lse_BTH), rows(delta_BTH),
+        block_size=block_size, n_heads=r, q_tile=tq, scale=scale,
+        interpret=interpret)
+    return (_from_group_major_q(dq, t, h),
+            dk.transpose(0, 2, 1, 3)[:, :s], dv.transpose(0, 2, 1, 3)[:, :s])
+  rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
+  rows = lambda x: _pad_axis(x.reshape(b, t, g, r), 3, rp)
+  dq, dk, dv = backward_kernel.backward_gpu(
+      _to_gpu_q(q_BTHD, g, rp, dp), _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp),
+      _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp),
+      _pad_axis(sel_BGTK, 3, kp, -1), off_B, _to_gpu_q(dout, g, rp, dp),
+      rows(lse_BTH), rows(delta_BTH), block_size=block_size, scale=scale,
+      interpret=interpret)
+  return (dq[:, :, :, :r, :d].reshape(b, t, h, d),
+          dk[:, :s, :, :d].astype(k_BSGD.dtype),
+          dv[:, :s, :, :d].astype(v_BSGD.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, block_size,
+                     backend, interpret):
+  """Main branch on the kernels: (out_BTHD, lse_BTH), differentiable."""
+  return sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B,
+                        block_size=block_size, backend=backend,
+                        interpret=interpret)
+
+
+def _sparse_attention_fwd(q, k, v, sel, off, block_size, backend, interpret):
+  out, lse = sparse_forward(q, k, v, sel, off, block_size=block_size,
+                            backend=backend, interpret=interpret)
+  return (out, lse), (q, k, v, sel, off, out, lse)
+
+
+def _sparse_attention_bwd(block_size, backend, interpret, res, cts):
+  q, k, v, sel, off, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv = sparse_backward(q, k, v, sel, off, out, lse, dout, dlse,
+                               block_size=block_size, backend=backend,
+                               interpret=interpret)
+  return dq, dk, dv, None, None
+
+
+sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
+
+
+# ----------------------------------------------------------------------------
+# End to end
+
+
+def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
+                  top_k, q_offset, backend, interpret):
+  """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'})."""
+  check_block_size(block_size, backend)
+  b = q_BTHD.shape[0]
+  off_B = jnp.full((b,), q_offset, jnp.int32)
+  sel = select_kernel.select_blocks_BGTK(
+      jax.lax.stop_gradient(qi_BTGI), jax.lax.stop_gradient(ki_BSI), off_B,
+      block_size=block_size, top_k=top_k, backend=backend, interpret=interpret)
+  out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
+                              backend, interpret)
+  return out, {'sel_BGTK': sel, 'lse_BTH': lse}
+
+
+def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
+               lengths_B, *, block_size, top_k, backend, interpret):
+  """Kernel (a) at T = 1 then kernel (d): (out_BHD, {'sel_BGK', 'lse_BH'})."""
+  check_block_size(block_size, backend)
+  b, h, d = q_BHD.shape
+  s, g = k_cache_BSGD.shape[1:3]
+  off_B = lengths_B.astype(jnp.int32) - 1
+  sel = select_kernel.select_blocks_BGTK(
+      qi_BGI[:, None], ki_cache_BSI, off_B, block_size=block_size,
+      top_k=top_k, backend=backend, interpret=interpret)[:, :, 0]
+  if backend == 'tpu':
+    sp = kc.round_up(s, block_size)
+    out, lse = decode_kernel.decode_tpu(
+        q_BHD.reshape(b, g, h // g, d), _pad_axis(k_cache_BSGD, 1, sp),
+        _pad_axis(v_cache_BSGD, 1, sp), sel, off_B + 1,
+        block_size=block_size, scale=1.0 / math.sqrt(d), interpret=interpret)
+    return out.reshape(b, h, d), {'sel_BGK': sel, 'lse_BH': lse.reshape(b, h)}
+  out, lse = sparse_forward(q_BHD[:, None], k_cache_BSGD, v_cache_BSGD,
+                            sel[:, :, None], off_B, block_size=block_size,
+                            backend=backend, interpret=interpret)
+  return out[:, 0], {'sel_BGK': sel, 'lse_BH': lse[:, 0]}
