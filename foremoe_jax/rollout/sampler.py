@@ -138,16 +138,21 @@ def _token_logp(logits_BV, tokens_B):
   return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
 
 
-class _Decode(NamedTuple):
-  """Loop carry. Column P + step of tokens is the next token to feed."""
+class DecodeState(NamedTuple):
+  """The decode loop's carry (device arrays, rows padded to Bp).
 
-  step: jax.Array  # int32 [].
+  Column P + step of tokens_BX is the next token to feed.
+  """
+
+  step: jax.Array  # int32 []: decode calls made so far.
+  row_valid_B: jax.Array  # bool: a real sample, not batch padding.
   alive_B: jax.Array  # bool: the token to feed is a valid completion token.
-  tokens_BX: jax.Array  # int32 [Bp, T + 1]; the last column takes the
-  # throwaway sample of the extra call on position T - 1.
+  # int32 [Bp, T + 1]; the last column takes the throwaway sample of the
+  # extra call on position T - 1.
+  tokens_BX: jax.Array
   logp_BX: jax.Array  # float32 [Bp, C + 1].
-  routes_LBTK: jax.Array | None
-  cache: list
+  routes_LBTK: jax.Array | None  # The routing record, in routes_dtype(E).
+  cache: list  # KVCache per layer, [Bp, T, G, D].
 
 
 def _call_capacity(capacity, num_tokens: int, mesh):
@@ -163,15 +168,19 @@ class Sampler:
   """Jit'd prefill and decode for one model graph and one SamplingParams.
 
   Build once and call many times: the jitted functions live on the instance,
-  so each (batch, prompt length) shape compiles once.
+  so each (batch, prompt length) shape compiles once. `__call__` is
+  `prefill` -> `decode` -> `rollout`; the steps are public for benchmarks.
   """
 
   def __init__(self, graphdef, model_cfg, mesh, params: SamplingParams):
     self.graphdef, self.cfg, self.mesh, self.params = (graphdef, model_cfg,
                                                        mesh, params)
     self.record_dtype = routes_dtype(int(model_cfg.num_experts))
-    rows = NamedSharding(mesh, P((expert_parallel.DATA, expert_parallel.EXPERT)))
-    self._rows = rows
+    # Every per-sample array is split by rows like the tokens of a one-token
+    # decode call, so attention and the cache stay local to a device.
+    self._rows = NamedSharding(
+        mesh, P((expert_parallel.DATA, expert_parallel.EXPERT)))
+    self._init_cache = jax.jit(self._init_cache_fn, static_argnums=(1, 2))
     self._prefill = jax.jit(self._prefill_fn, static_argnames=('capacity',),
                             donate_argnames=('cache',))
     self._decode = jax.jit(self._decode_fn, static_argnames=('capacity',),
@@ -179,10 +188,10 @@ class Sampler:
 
   # Device side: pure functions of (state, batch, plan).
 
-  def _init_cache(self, state, batch: int, max_len: int):
+  def _init_cache_fn(self, state, batch: int, max_len: int):
     cache = nnx.merge(self.graphdef, state).init_cache(batch, max_len)
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, self._rows),
-                        cache)
+    return jax.tree.map(
+        lambda a: jax.lax.with_sharding_constraint(a, self._rows), cache)
 
   def _prefill_fn(self, state, prompts_BP, row_valid_B, key, placement, cache,
                   *, capacity):
@@ -205,19 +214,20 @@ class Sampler:
     if p.record_routes:
       num_layers, _, _, top_k = aux.routes_LBTK.shape
       routes = jnp.zeros((num_layers, num_rows, total, top_k), self.record_dtype)
-      routes = routes.at[:, :, :plen].set(aux.routes_LBTK.astype(self.record_dtype))
-    return _Decode(jnp.zeros((), jnp.int32), row_valid_B, tokens_BX, logp_BX,
-                   routes, cache)
+      routes = routes.at[:, :, :plen].set(aux.routes_LBTK.astype(routes.dtype))
+    return DecodeState(jnp.zeros((), jnp.int32), row_valid_B, row_valid_B,
+                       tokens_BX, logp_BX, routes, cache)
 
-  def _decode_fn(self, state, carry: _Decode, key, placement, *, capacity):
+  def _decode_fn(self, state, carry: DecodeState, key, placement, *,
+                 capacity):
     p = self.params
     plen = carry.tokens_BX.shape[1] - 1 - p.max_new_tokens
     model = nnx.merge(self.graphdef, state)
 
-    def cond(c: _Decode):
+    def cond(c: DecodeState):
       return (c.step < p.max_new_tokens) & jnp.any(c.alive_B)
 
-    def body(c: _Decode):
+    def body(c: DecodeState):
       pos = plen + c.step
       tok_B1 = jax.lax.dynamic_slice_in_dim(c.tokens_BX, pos, 1, axis=1)
       logits_B1V, aux, cache = model(
@@ -237,7 +247,8 @@ class Sampler:
           c.tokens_BX, new_B[:, None], pos + 1, axis=1)
       logp_BX = jax.lax.dynamic_update_slice_in_dim(
           c.logp_BX, lp_B[:, None], c.step + 1, axis=1)
-      return _Decode(c.step + 1, alive_B, tokens_BX, logp_BX, routes, cache)
+      return DecodeState(c.step + 1, c.row_valid_B, alive_B, tokens_BX,
+                         logp_BX, routes, cache)
 
     return jax.lax.while_loop(cond, body, carry)
 
@@ -258,9 +269,18 @@ class Sampler:
       A Rollout with B = N * num_generations rows, prompt i's samples at rows
       [i * G, (i + 1) * G) (GRPO groups are consecutive).
     """
+    carry = self.prefill(state, prompts_NP, key, placement=placement,
+                         capacity=capacity)
+    carry = self.decode(state, carry, key, placement=placement,
+                        capacity=capacity)
+    return self.rollout(carry)
+
+  def prefill(self, state, prompts_NP, key, *, placement=None,
+              capacity: int | None = None) -> DecodeState:
+    """Repeats and pads the prompts, allocates the cache, runs the prompts."""
     p = self.params
-    prompts_NP = np.asarray(prompts_NP, np.int32)
-    prompts_BP = np.repeat(prompts_NP, p.num_generations, axis=0)
+    prompts_BP = np.repeat(np.asarray(prompts_NP, np.int32), p.num_generations,
+                           axis=0)
     num_samples, plen = prompts_BP.shape
     total = plen + p.max_new_tokens
     if total > self.cfg.max_seq_len:
@@ -268,28 +288,32 @@ class Sampler:
           f'prompt ({plen}) + max_new_tokens ({p.max_new_tokens}) = {total} '
           f'exceeds model.max_seq_len ({self.cfg.max_seq_len}).')
     num_rows = -(-num_samples // self.mesh.size) * self.mesh.size
-    pad = num_rows - num_samples
     prompts_BP = np.concatenate(
-        [prompts_BP, np.full((pad, plen), p.pad_id, np.int32)])
+        [prompts_BP, np.full((num_rows - num_samples, plen), p.pad_id,
+                             np.int32)])
     row_valid_B = np.arange(num_rows) < num_samples
     prompts_BP, row_valid_B = jax.device_put((prompts_BP, row_valid_B),
                                              self._rows)
-    cache = self._init_cache_jit(state, num_rows, total)
-    carry = self._prefill(state, prompts_BP, row_valid_B, key, placement, cache,
-                          capacity=_call_capacity(capacity, num_rows * plen,
-                                                  self.mesh))
-    carry = self._decode(state, carry, key, placement,
-                         capacity=_call_capacity(capacity, num_rows, self.mesh))
-    return self._to_host(carry, num_samples, plen)
+    cache = self._init_cache(state, num_rows, total)
+    return self._prefill(
+        state, prompts_BP, row_valid_B, key, placement, cache,
+        capacity=_call_capacity(capacity, num_rows * plen, self.mesh))
 
-  @functools.cached_property
-  def _init_cache_jit(self):
-    return jax.jit(self._init_cache, static_argnums=(1, 2))
+  def decode(self, state, carry: DecodeState, key, *, placement=None,
+             capacity: int | None = None) -> DecodeState:
+    """Runs the decode loop to the end; `carry` is donated (do not reuse)."""
+    num_rows = carry.tokens_BX.shape[0]
+    return self._decode(state, carry, key, placement,
+                        capacity=_call_capacity(capacity, num_rows, self.mesh))
 
-  def _to_host(self, carry: _Decode, num_samples: int, plen: int) -> Rollout:
+  def rollout(self, carry: DecodeState) -> Rollout:
+    """The host-side Rollout of a finished decode, batch padding dropped."""
     p = self.params
-    tokens_BX, logp_BX, routes, steps = jax.device_get(
-        (carry.tokens_BX, carry.logp_BX, carry.routes_LBTK, carry.step))
+    tokens_BX, logp_BX, routes, steps, row_valid_B = jax.device_get(
+        (carry.tokens_BX, carry.logp_BX, carry.routes_LBTK, carry.step,
+         carry.row_valid_B))
+    num_samples = int(row_valid_B.sum())  # Padding rows come last.
+    plen = tokens_BX.shape[1] - 1 - p.max_new_tokens
     tokens_BT = tokens_BX[:num_samples, :-1]
     completion_BC = tokens_BT[:, plen:]
     is_eos_BC = completion_BC == p.eos_id

@@ -7,6 +7,7 @@ model run once, without a cache, over the final tokens (tiny config, mesh
 Shape letters: N prompts, B samples, P prompt tokens, C completion tokens,
 T = P + C, V vocab, L MoE layers, K top-k.
 """
+import functools
 import importlib
 
 import jax
@@ -17,6 +18,7 @@ from flax import nnx
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model import sharding, transformer
+from foremoe_jax.rollout import recompute
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
 from foremoe_jax.tasks.tokenizer import EOS_ID, PAD_ID
@@ -107,6 +109,11 @@ def test_greedy_deterministic_and_equals_full_forward_argmax(setup):
   argmax_BC = logits_BTV[:, plen - 1:-1].argmax(-1)
   valid_BC = r1.valid_BT[:, plen:]
   np.testing.assert_array_equal(r1.completion_BC[valid_BC], argmax_BC[valid_BC])
+  # The no-cache baseline of the benchmark decodes the same greedy tokens.
+  tokens_BT = jax.jit(functools.partial(
+      recompute.recompute_decode, setup[2], params=smp.params))(
+          setup[3], np.repeat(setup[5], 2, axis=0), jax.random.key(0))
+  np.testing.assert_array_equal(tokens_BT, r1.tokens_BT)
   # One compile per shape: the second call reused the first's executables.
   assert smp._decode._cache_size() == 1 and smp._prefill._cache_size() == 1
 
