@@ -1,0 +1,91 @@
+"""Baseline planners, same inputs, outputs and slot budget as ForeMoE.
+
+* ``plan_static``: the identity placement (plain EP; redundant slots idle).
+* ``plan_eplb_step``: DeepSeek-EPLB style from step-level history: a moving
+  average of past steps' loads, one hierarchical placement per step, tokens
+  split evenly over replicas. This is what step-level balancers can do.
+* ``plan_eplb_microstep``: the same hierarchical placement recomputed from
+  each micro-step's exact loads, with ForeMoE's token split: an ablation of
+  ForeMoE without transfer awareness (it re-packs from scratch every time).
+
+The exact MILP, for the optimality gap, is in ``planner.milp``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.planner import packing, split
+from foremoe_jax.planner.plan import StepPlan, assemble_plan
+from foremoe_jax.planner.topology import CostModel, Topology
+
+
+def _dims(loads_MLDE, topo: Topology):
+  num_micro, num_layers, num_devices, num_experts = np.shape(loads_MLDE)
+  if num_devices != topo.num_devices:
+    raise ValueError(f'loads have {num_devices} source devices, topology '
+                     f'{topo.num_devices}.')
+  topo.check_experts(num_experts)
+  return num_micro, num_layers, num_experts
+
+
+def plan_static(loads_MLDE, topo: Topology, cost: CostModel,
+                current: placement_lib.Placement | None = None) -> StepPlan:
+  """Identity placement for every micro-step; tokens go to the first copy."""
+  num_micro, num_layers, num_experts = _dims(loads_MLDE, topo)
+  ident = placement_lib.identity_placement(
+      num_layers, num_experts, topo.num_devices, topo.slots_per_device)
+  se_LS = ident.slot_expert.astype(np.int64)
+  first_S = np.arange(topo.num_slots) < num_experts
+  w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
+  x_MLS = np.stack([np.take_along_axis(w_MLE[m], se_LS, 1) * first_S
+                    for m in range(num_micro)])
+  prev = ident.slot_expert if current is None else current.slot_expert
+  return assemble_plan(loads_MLDE, np.broadcast_to(se_LS, x_MLS.shape),
+                       x_MLS, topo, cost, prev, prefer_local=False)
+
+
+def update_history(history_LE, loads_MLDE, decay: float):
+  """Exponential moving average of step-level loads per expert: [L, E]."""
+  w_LE = np.asarray(loads_MLDE).sum(axis=(0, 2)).astype(np.float64)
+  if history_LE is None:
+    return w_LE
+  return decay * np.asarray(history_LE) + (1.0 - decay) * w_LE
+
+
+def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
+                   current: placement_lib.Placement,
+                   history_LE: np.ndarray | None) -> StepPlan:
+  """One placement for the whole step from past steps' average loads.
+
+  With no history yet the current placement is kept. The caller folds the
+  step's loads into the history afterwards (``update_history``): the planner
+  must not see the step it plans.
+  """
+  num_micro, _, _ = _dims(loads_MLDE, topo)
+  cur_LS = np.asarray(current.slot_expert, np.int64)
+  if history_LE is None:
+    se_LS = cur_LS
+  else:
+    se_LS = packing.hierarchical_placement(history_LE, topo).astype(np.int64)
+  w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
+  x_MLS = np.stack([split.uniform_flows(se_LS, w_MLE[m])
+                    for m in range(num_micro)])
+  return assemble_plan(loads_MLDE, np.broadcast_to(se_LS, x_MLS.shape), x_MLS,
+                       topo, cost, cur_LS, prefer_local=False)
+
+
+def plan_eplb_microstep(loads_MLDE, topo: Topology, cost: CostModel,
+                        current: placement_lib.Placement,
+                        sweeps: int = 4, prefer_local: bool = True) -> StepPlan:
+  """A fresh hierarchical placement per micro-step from its exact loads."""
+  num_micro, _, _ = _dims(loads_MLDE, topo)
+  w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
+  se_list, x_list = [], []
+  for m in range(num_micro):
+    se_LS = packing.hierarchical_placement(w_MLE[m], topo).astype(np.int64)
+    x_LS, _ = split.balanced_flows(se_LS, w_MLE[m], topo, sweeps=sweeps)
+    se_list.append(se_LS)
+    x_list.append(x_LS)
+  return assemble_plan(loads_MLDE, np.stack(se_list), np.stack(x_list), topo,
+                       cost, current.slot_expert, prefer_local)

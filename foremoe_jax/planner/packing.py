@@ -1,0 +1,241 @@
+"""Hierarchical placement from a load matrix: steps 1-3 of DESIGN.md §5.
+
+Given expert loads per layer (a step's totals, a moving average of past
+steps, or one micro-step's foresight) this module decides
+
+1. ``replica_counts``: how many slots each expert gets (water-filling on
+   load per replica, as EPLB does),
+2. ``pack_nodes``: which node each replica goes to (largest replica first to
+   the least-loaded node with room, spreading an expert's replicas over nodes
+   so that sources find a replica on their own node),
+3. ``pack_devices``: which device of its node it goes to (same rule, never
+   two copies of one expert on a device),
+
+and ``align_to_current`` relabels the result's nodes and devices (which are
+interchangeable) to keep as many experts where they already are as possible.
+The EPLB baselines use ``hierarchical_placement`` as is; the ForeMoE planner
+uses it for its step-level anchor. The token split (step 4) lives in
+``split``, the transfer-aware refinement (step 5) in ``foremoe``.
+
+Shape letters: L layers, E experts, N nodes, G devices per node, D devices,
+S slots, I replica items (= S).
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from foremoe_jax.planner.topology import Topology
+
+
+def replica_counts(w_LE: np.ndarray, num_slots: int,
+                   max_replicas: int) -> np.ndarray:
+  """Replicas per expert minimising the max load per replica: int [L, E].
+
+  Every expert gets at least one and at most `max_replicas`; the counts sum
+  to `num_slots`. Same result as EPLB's greedy (give the next slot to the
+  expert with the largest load per replica), found by bisection on the
+  per-replica load and a short greedy top-up.
+  """
+  w_LE = np.asarray(w_LE, np.float64)
+  num_layers, num_experts = w_LE.shape
+  max_replicas = max(max_replicas, -(-num_slots // num_experts))
+  if num_slots < num_experts:
+    raise ValueError(f'{num_slots} slots < {num_experts} experts.')
+
+  def counts(tau_L):
+    r = np.ceil(w_LE / np.maximum(tau_L[:, None], 1e-300))
+    return np.clip(r, 1, max_replicas).astype(np.int64)
+
+  lo = np.zeros(num_layers)
+  hi = np.maximum(w_LE.max(axis=1), 1.0)
+  for _ in range(60):
+    mid = 0.5 * (lo + hi)
+    over = counts(mid).sum(axis=1) > num_slots
+    lo = np.where(over, mid, lo)
+    hi = np.where(over, hi, mid)
+  r_LE = counts(hi)
+  # The bisection lands at most a tie-group short of num_slots.
+  left_L = num_slots - r_LE.sum(axis=1)
+  lk = np.arange(num_layers)
+  while (left_L > 0).any():
+    per = np.where(r_LE < max_replicas, w_LE / r_LE, -1.0)
+    e_L = np.argmax(per - 1e-12 * np.arange(num_experts), axis=1)
+    r_LE[lk, e_L] += (left_L > 0)
+    left_L -= 1
+  return r_LE
+
+
+def _replica_items(r_LE, w_LE):
+  """Replicas as items sorted by load per replica, heaviest first."""
+  num_layers, num_experts = r_LE.shape
+  r_max = int(r_LE.max())
+  expert_LER = np.broadcast_to(np.arange(num_experts)[None, :, None],
+                               (num_layers, num_experts, r_max))
+  used_LER = np.arange(r_max)[None, None] < r_LE[..., None]
+  unit_LE = w_LE / r_LE
+  unit_LER = np.where(used_LER, unit_LE[..., None], -np.inf)
+  # Ties broken by expert id, so the result is deterministic.
+  key = unit_LER.reshape(num_layers, -1)
+  order = np.lexsort((expert_LER.reshape(num_layers, -1), -key), axis=1)
+  num_items = int(r_LE.sum(axis=1)[0])
+  order = order[:, :num_items]
+  return (np.take_along_axis(expert_LER.reshape(num_layers, -1), order, 1),
+          np.take_along_axis(key, order, 1))
+
+
+def _greedy_pack(expert_BI, unit_BI, num_bins, capacity, num_experts,
+                 hard_distinct):
+  """Largest-first packing of items into bins of `capacity` items each.
+
+  Batched over B independent problems. An item goes to the least-loaded bin
+  with room that does not hold its expert yet (a hard rule when
+  `hard_distinct`, else a preference). Returns bin per item, [B, I].
+  """
+  num_b, num_items = expert_BI.shape
+  load_BN = np.zeros((num_b, num_bins))
+  fill_BN = np.zeros((num_b, num_bins), np.int64)
+  holds_BNE = np.zeros((num_b, num_bins, num_experts), bool)
+  bin_BI = np.empty((num_b, num_items), np.int64)
+  bk = np.arange(num_b)
+  big = 1e30
+  for i in range(num_items):
+    e_B = expert_BI[:, i]
+    held_BN = holds_BNE[bk, :, e_B]
+    cost_BN = load_BN + np.where(fill_BN >= capacity, 4 * big, 0.0)
+    cost_BN = cost_BN + np.where(held_BN, 2 * big if hard_distinct else big, 0.0)
+    b_B = np.argmin(cost_BN, axis=1)
+    bin_BI[:, i] = b_B
+    load_BN[bk, b_B] += np.maximum(unit_BI[:, i], 0.0)
+    fill_BN[bk, b_B] += 1
+    holds_BNE[bk, b_B, e_B] = True
+  return bin_BI
+
+
+def hierarchical_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
+  """slot_expert [L, S] from loads [L, E]: replica counts, nodes, devices."""
+  w_LE = np.asarray(w_LE, np.float64)
+  num_layers, num_experts = w_LE.shape
+  topo.check_experts(num_experts)
+  n_nodes, g, s = topo.num_nodes, topo.devices_per_node, topo.slots_per_device
+  r_LE = replica_counts(w_LE, topo.num_slots, topo.num_devices)
+  expert_LI, unit_LI = _replica_items(r_LE, w_LE)
+  if n_nodes > 1:
+    node_LI = _greedy_pack(expert_LI, unit_LI, n_nodes, g * s, num_experts,
+                           hard_distinct=False)
+  else:
+    node_LI = np.zeros_like(expert_LI)
+  # Items of each node, still heaviest first: [L * N, G * s].
+  order = np.argsort(node_LI, axis=1, kind='stable')
+  expert_BJ = np.take_along_axis(expert_LI, order, 1).reshape(
+      num_layers * n_nodes, g * s)
+  unit_BJ = np.take_along_axis(unit_LI, order, 1).reshape(
+      num_layers * n_nodes, g * s)
+  dev_BJ = _greedy_pack(expert_BJ, unit_BJ, g, s, num_experts,
+                        hard_distinct=True)
+  # Slots of a device in item order (heaviest first).
+  order = np.argsort(dev_BJ, axis=1, kind='stable')
+  se_BJ = np.take_along_axis(expert_BJ, order, 1)
+  return se_BJ.reshape(num_layers, topo.num_slots).astype(np.int32)
+
+
+def device_sets(slot_expert_LS, topo: Topology) -> np.ndarray:
+  """slot_expert viewed per device: [L, D, s]."""
+  se = np.asarray(slot_expert_LS)
+  return se.reshape(se.shape[0], topo.num_devices, topo.slots_per_device)
+
+
+def _incoming(new_LDs, old_LDs, s):
+  """Slots whose expert is new on their device (not there before, and not a
+  second copy within the device): bool [L, D, s]."""
+  present = (new_LDs[..., :, None] == old_LDs[..., None, :]).any(axis=-1)
+  dup = ((new_LDs[..., :, None] == new_LDs[..., None, :])
+         & np.tril(np.ones((s, s), bool), k=-1)).any(axis=-1)
+  return ~present & ~dup
+
+
+def new_copies(slot_expert_LS, prev_LS, topo: Topology) -> np.ndarray:
+  """Experts newly copied into each device (absent there before): [L, D]."""
+  return _incoming(device_sets(slot_expert_LS, topo),
+                   device_sets(prev_LS, topo),
+                   topo.slots_per_device).sum(axis=-1)
+
+
+def new_copies_by_link(slot_expert_LS, prev_LS, topo: Topology):
+  """(intra, inter) [L, D]: new copies with a source replica on the same
+  node before, and those that must cross nodes."""
+  new_LDs = device_sets(slot_expert_LS, topo)
+  old_LDs = device_sets(prev_LS, topo)
+  incoming = _incoming(new_LDs, old_LDs, topo.slots_per_device)
+  num_layers = new_LDs.shape[0]
+  old_LNx = np.asarray(prev_LS).reshape(num_layers, topo.num_nodes, -1)
+  old_LDx = old_LNx[:, topo.node_of_device()]
+  on_node = (new_LDs[..., :, None] == old_LDx[:, :, None, :]).any(axis=-1)
+  return ((incoming & on_node).sum(axis=-1),
+          (incoming & ~on_node).sum(axis=-1))
+
+
+def align_slots(slot_expert_LS, prev_LS, topo: Topology) -> np.ndarray:
+  """Reorders each device's slots so kept experts keep their slot index."""
+  new_LDs = device_sets(slot_expert_LS, topo)
+  old_LDs = device_sets(prev_LS, topo)
+  keep_LDs = (old_LDs[..., :, None] == new_LDs[..., None, :]).any(axis=-1)
+  incoming = ~(new_LDs[..., :, None] == old_LDs[..., None, :]).any(axis=-1)
+  n_in = incoming.sum(axis=-1)
+  # Free positions and incoming experts are paired in order.
+  pos_order = np.argsort(keep_LDs, axis=-1, kind='stable')
+  item_order = np.argsort(~incoming, axis=-1, kind='stable')
+  out = old_LDs.copy()
+  vals = np.take_along_axis(new_LDs, item_order, -1)
+  take = np.arange(topo.slots_per_device) < n_in[..., None]
+  cur = np.take_along_axis(out, pos_order, -1)
+  np.put_along_axis(out, pos_order, np.where(take, vals, cur), -1)
+  # Duplicates inside a device break the pairing; keep those devices as given.
+  ok = (np.sort(out, -1) == np.sort(new_LDs, -1)).all(-1)
+  out = np.where(ok[..., None], out, new_LDs)
+  return out.reshape(slot_expert_LS.shape).astype(np.int32)
+
+
+def device_overlap(a_LS, b_LS, topo: Topology) -> np.ndarray:
+  """Experts shared by device i of `a` and device j of `b`: int [L, D, D]."""
+  from foremoe_jax.planner.split import replica_table  # Avoids an import cycle.
+  a_LS, b_LS = np.asarray(a_LS, np.int64), np.asarray(b_LS, np.int64)
+  num_layers, num_slots = a_LS.shape
+  num_devices = topo.num_devices
+  num_experts = int(max(a_LS.max(), b_LS.max())) + 1
+  _, table_LER = replica_table(b_LS, num_experts)
+  lk = np.arange(num_layers)[:, None]
+  # Each slot of `a` paired with every device of `b` holding its expert.
+  b_LSR = table_LER[lk, a_LS]
+  dev_a_S = topo.device_of_slot()
+  idx = ((lk[..., None] * num_devices + dev_a_S[None, :, None]) * num_devices
+         + np.maximum(b_LSR, 0) // topo.slots_per_device)
+  return np.bincount(idx[b_LSR >= 0], minlength=num_layers * num_devices ** 2
+                     ).reshape(num_layers, num_devices, num_devices)
+
+
+def align_to_current(slot_expert_LS, current_LS, topo: Topology) -> np.ndarray:
+  """Relabels nodes, then devices within nodes, to maximise experts kept.
+
+  Any permutation of nodes (and of devices within a node) is as balanced as
+  the original, so choosing the one that overlaps the current placement most
+  (a linear assignment on overlap counts) removes moves for free.
+  """
+  new_LDs = device_sets(slot_expert_LS, topo)
+  num_layers = new_LDs.shape[0]
+  n_nodes, g = topo.num_nodes, topo.devices_per_node
+  overlap_LDD = device_overlap(slot_expert_LS, current_LS, topo)
+  out = np.empty_like(new_LDs)
+  for l in range(num_layers):
+    overlap_DD = overlap_LDD[l]  # [new device, current device]
+    if n_nodes > 1:
+      node_NN = overlap_DD.reshape(n_nodes, g, n_nodes, g).sum(axis=(1, 3))
+      _, node_to = linear_sum_assignment(-node_NN)
+    else:
+      node_to = np.zeros(1, np.int64)
+    for nu in range(n_nodes):
+      src = np.arange(nu * g, (nu + 1) * g)
+      dst = np.arange(node_to[nu] * g, (node_to[nu] + 1) * g)
+      _, col = linear_sum_assignment(-overlap_DD[np.ix_(src, dst)])
+      out[l, dst[col]] = new_LDs[l, src]
+  return align_slots(out.reshape(num_layers, -1), current_LS, topo)

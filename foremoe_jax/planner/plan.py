@@ -1,0 +1,93 @@
+"""A planned RL step: one placement per micro-step plus what it will cost.
+
+Every planner (ForeMoE and the baselines) ends here: it hands over, per
+micro-step, slot_expert and per-slot flows, and ``assemble_plan`` turns them
+into exact integer token counts per (source, slot), the Placement's shares,
+and the predictions the transfer engine and the benchmark read: per-device
+and per-slot loads, experts newly copied into each device, bytes moved.
+The model consumes ``StepPlan.placement`` (stacked over micro-steps).
+
+Shape letters: M micro-steps, L layers, D devices, E experts, S slots.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.planner import packing, split
+from foremoe_jax.planner.topology import CostModel, Topology
+
+
+class StepPlan(NamedTuple):
+  """Placements of one RL step and their predicted effects."""
+
+  placement: placement_lib.Placement  # slot_expert [M, L, S], share [M, L, D, S]
+  loads_MLD: np.ndarray  # int64: tokens each device computes
+  slot_loads_MLS: np.ndarray  # int64: tokens each slot computes
+  moves_MLD: np.ndarray  # int64: experts newly copied into each device
+  bytes_moved_M: np.ndarray  # float64: bytes copied before each micro-step
+  fell_back: bool = False  # True when the previous placement was reused
+
+  @property
+  def num_microsteps(self) -> int:
+    return int(self.loads_MLD.shape[0])
+
+  def microstep(self, m: int) -> placement_lib.Placement:
+    return placement_lib.Placement(self.placement.slot_expert[m],
+                                   self.placement.slot_share[m])
+
+  def last(self) -> placement_lib.Placement:
+    """The placement the next step starts from."""
+    return self.microstep(self.num_microsteps - 1)
+
+
+def assemble_plan(loads_MLDE, slot_expert_MLS, flows_MLS, topo: Topology,
+                  cost: CostModel, current_LS,
+                  prefer_local: bool = True) -> StepPlan:
+  """Builds the StepPlan from per-micro-step slot_expert and flows."""
+  loads_MLDE = np.asarray(loads_MLDE)
+  num_micro = loads_MLDE.shape[0]
+  shares, slot_loads, moves = [], [], []
+  prev_LS = np.asarray(current_LS)
+  loads_MLED = split.slot_major(loads_MLDE)
+  for m in range(num_micro):
+    share_LDS, slot_LS = split.split_tokens(
+        loads_MLDE[m], slot_expert_MLS[m], flows_MLS[m], topo, prefer_local,
+        loads_LED=loads_MLED[m])
+    shares.append(share_LDS)
+    slot_loads.append(slot_LS)
+    moves.append(packing.new_copies(slot_expert_MLS[m], prev_LS, topo))
+    prev_LS = slot_expert_MLS[m]
+  slot_loads_MLS = np.stack(slot_loads)
+  moves_MLD = np.stack(moves).astype(np.int64)
+  num_layers = slot_loads_MLS.shape[1]
+  loads_MLD = slot_loads_MLS.reshape(num_micro, num_layers, topo.num_devices,
+                                     -1).sum(axis=3)
+  placement = placement_lib.Placement(
+      np.asarray(slot_expert_MLS, np.int32), np.stack(shares))
+  return StepPlan(placement, loads_MLD, slot_loads_MLS, moves_MLD,
+                  moves_MLD.sum(axis=(1, 2)) * float(cost.bytes_per_expert))
+
+
+def fallback_plan(loads_MLDE, current: placement_lib.Placement,
+                  topo: Topology, cost: CostModel) -> StepPlan:
+  """The previous placement for every micro-step (nothing moves)."""
+  loads_MLDE = np.asarray(loads_MLDE)
+  num_micro = loads_MLDE.shape[0]
+  se_LS = np.asarray(current.slot_expert, np.int32)
+  share_LDS = np.asarray(current.slot_share, np.float32)
+  slot_loads = [placement_lib.slot_counts(loads_MLDE[m], current).sum(axis=1)
+                for m in range(num_micro)]
+  slot_loads_MLS = np.stack(slot_loads).astype(np.int64)
+  num_layers = se_LS.shape[0]
+  loads_MLD = slot_loads_MLS.reshape(num_micro, num_layers, topo.num_devices,
+                                     -1).sum(axis=3)
+  placement = placement_lib.Placement(
+      np.broadcast_to(se_LS, (num_micro,) + se_LS.shape).copy(),
+      np.broadcast_to(share_LDS, (num_micro,) + share_LDS.shape).copy())
+  del cost  # Nothing is copied.
+  return StepPlan(placement, loads_MLD, slot_loads_MLS,
+                  np.zeros(loads_MLD.shape, np.int64), np.zeros(num_micro),
+                  fell_back=True)

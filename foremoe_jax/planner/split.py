@@ -1,0 +1,494 @@
+"""Token split: how an expert's tokens spread over its replicas.
+
+Step 4 of the hierarchical planner (DESIGN.md §5), also used by the
+baselines. Given a placement's slot_expert and a micro-step's exact loads it
+produces, in two stages:
+
+1. ``balanced_flows``: real-valued tokens per slot that level the device
+   loads (min max load; water-filling one expert at a time over its
+   replicas, Gauss-Seidel). ``uniform_flows`` is EPLB's even split.
+2. ``split_counts``: exact integer tokens per (source device, slot), each
+   source sending an expert's tokens to the replicas in the same proportions
+   (so a hot expert's capacity-bucket cells shrink evenly), optionally
+   preferring replicas on the source's own node. ``shares_from_counts`` then
+   gives the Placement's slot_share, which reproduces those counts exactly
+   under the placement's split rule.
+
+Shape letters: L layers, D devices, N nodes, E experts, S slots, R replicas
+of one expert (padded), C colours, K experts of one colour (padded).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from foremoe_jax.planner.topology import Topology
+
+
+def replica_table(slot_expert_LS: np.ndarray, num_experts: int):
+  """Replica counts [L, E] and each expert's slots in slot order [L, E, R].
+
+  Unused table entries are -1.
+  """
+  se = np.asarray(slot_expert_LS, np.int64)
+  num_layers, num_slots = se.shape
+  flat_LS = np.arange(num_layers)[:, None] * num_experts + se
+  count_LE = np.bincount(flat_LS.ravel(), minlength=num_layers * num_experts
+                         ).reshape(num_layers, num_experts)
+  order_LS = np.argsort(flat_LS, axis=1, kind='stable')
+  se_sorted = np.take_along_axis(se, order_LS, axis=1)
+  start_LE = np.cumsum(count_LE, axis=1) - count_LE
+  rank_LS = np.arange(num_slots)[None] - np.take_along_axis(start_LE, se_sorted, 1)
+  table_LER = np.full((num_layers, num_experts, max(int(count_LE.max()), 1)), -1,
+                      np.int64)
+  table_LER[np.arange(num_layers)[:, None], se_sorted, rank_LS] = order_LS
+  return count_LE, table_LER
+
+
+# Height of padding bins: far above any load, so water never reaches them,
+# yet finite, so sums stay exact for the real bins sorted before them.
+_WALL = 1e18
+
+
+def second_copies(slot_expert_LS, slots_per_device: int) -> np.ndarray:
+  """Slots holding an expert that an earlier slot of the same device holds
+  too: bool [L, S]."""
+  se = np.asarray(slot_expert_LS)
+  num_layers, num_slots = se.shape
+  se_LDs = se.reshape(num_layers, -1, slots_per_device)
+  earlier = np.tril(np.ones((slots_per_device,) * 2, bool), k=-1)
+  dup = ((se_LDs[..., :, None] == se_LDs[..., None, :]) & earlier).any(-1)
+  return dup.reshape(num_layers, num_slots)
+
+
+def fill_level(base_NR: np.ndarray, amount_N: np.ndarray,
+               valid_NR: np.ndarray | None = None) -> np.ndarray:
+  """Water level after pouring `amount` onto bins of height `base`: [N].
+
+  The level is min over k of (amount + sum of the k lowest bases) / k: the
+  candidates fall while the next base is below them and rise after.
+  Invalid bins (or bases >= _WALL) take no water; with no valid bin the
+  level is >= _WALL.
+  """
+  b_NR = base_NR if valid_NR is None else np.where(valid_NR, base_NR, _WALL)
+  cum_NR = np.cumsum(np.sort(b_NR, axis=-1), axis=-1)
+  cum_NR += amount_N[..., None]
+  cum_NR *= 1.0 / np.arange(1, b_NR.shape[-1] + 1)
+  return cum_NR.min(axis=-1)
+
+
+def water_fill(base_NR: np.ndarray, amount_N: np.ndarray,
+               valid_NR: np.ndarray | None = None) -> np.ndarray:
+  """Pours `amount` onto bins of height `base`, lowest first: x [N, R].
+
+  This is the exact minimiser of the max (and of the sum of squares) of
+  base + x over one expert's replicas, given everything else fixed.
+  """
+  b_NR = base_NR if valid_NR is None else np.where(valid_NR, base_NR, _WALL)
+  return np.maximum(fill_level(b_NR, amount_N)[..., None] - b_NR, 0.0)
+
+
+def uniform_flows(slot_expert_LS: np.ndarray, w_LE: np.ndarray) -> np.ndarray:
+  """EPLB's split: each replica gets an equal part of its expert's load."""
+  count_LE, _ = replica_table(slot_expert_LS, w_LE.shape[1])
+  se = np.asarray(slot_expert_LS)
+  return (np.take_along_axis(np.asarray(w_LE, np.float64), se, 1)
+          / np.take_along_axis(count_LE, se, 1))
+
+
+def device_totals(x_LS: np.ndarray, topo: Topology) -> np.ndarray:
+  """Per-device sums of per-slot values: [L, D]."""
+  return x_LS.reshape(x_LS.shape[0], topo.num_devices, -1).sum(axis=2)
+
+
+class FlowGraph:
+  """A placement's replica structure, prepared for repeated balancing.
+
+  Holds each expert's replica slots and one micro-step's expert loads. For
+  Gauss-Seidel sweeps the replicated experts are coloured so that experts of
+  one colour share no device: their water-fills are independent, so a sweep
+  runs one vectorised update per colour instead of one per expert. The
+  colouring depends only on the placement and is reused (``with_loads``)
+  while the placement stays.
+  """
+
+  def __init__(self, slot_expert_LS, w_LE, topo: Topology):
+    se = np.asarray(slot_expert_LS, np.int64)
+    self.topo = topo
+    self.slot_expert_LS = se
+    self.w_LE = np.asarray(w_LE, np.float64)
+    self.num_layers, self.num_slots = se.shape
+    num_experts = self.w_LE.shape[1]
+    self.count_LE, table_LER = replica_table(se, num_experts)
+    valid_LER = table_LER >= 0
+    # A second copy on the same device adds nothing; it gets no flow.
+    dup_LS = second_copies(se, topo.slots_per_device)
+    if dup_LS.any():
+      lk = np.arange(self.num_layers)[:, None, None]
+      valid_LER &= ~dup_LS[lk, np.maximum(table_LER, 0)]
+    self.valid_LER = valid_LER
+    self.table_LER = table_LER
+    self._colours = None  # [L, C, K] expert ids, -1 padded; built on demand.
+    self._tables = None  # Per colour (fx, fy, (layer, expert), ok); on demand.
+    self._amounts = None  # Per colour, the loads to pour [L, K].
+
+  def with_loads(self, w_LE) -> 'FlowGraph':
+    """The same placement with another micro-step's loads."""
+    other = object.__new__(FlowGraph)
+    other.__dict__.update(self.__dict__)
+    other.w_LE = np.asarray(w_LE, np.float64)
+    other._amounts = None
+    return other
+
+  def _colour(self):
+    """Greedy colouring, heaviest expert first, one vectorised pass per
+    colour: an expert takes the colour when it outranks every uncoloured
+    expert on each of its devices."""
+    topo, se, w_LE = self.topo, self.slot_expert_LS, self.w_LE
+    num_layers, num_experts = w_LE.shape
+    lk = np.arange(num_layers)[:, None]
+    slot_ok_LS = np.zeros(se.shape, bool)
+    slot_ok_LS[lk[..., None], np.maximum(self.table_LER, 0)] |= self.valid_LER
+    left_LE = self.valid_LER.sum(axis=2) >= 2
+    rank_LE = np.argsort(np.argsort(-w_LE, axis=1, kind='stable'), axis=1)
+    prio_LE = num_experts - rank_LE
+    colour_LE = np.full((num_layers, num_experts), -1, np.int64)
+    flat_LS = (lk * num_experts + se).ravel()
+    c = 0
+    while left_LE.any():
+      p_LS = np.where(slot_ok_LS, np.where(left_LE, prio_LE, 0)[lk, se], 0)
+      top_LD = p_LS.reshape(num_layers, topo.num_devices, -1).max(axis=2)
+      lose_LS = slot_ok_LS & (p_LS < np.repeat(top_LD, topo.slots_per_device, 1))
+      lost_LE = np.bincount(flat_LS, weights=lose_LS.ravel(),
+                            minlength=num_layers * num_experts
+                            ).reshape(num_layers, num_experts)
+      pick_LE = left_LE & (lost_LE == 0)
+      colour_LE[pick_LE] = c
+      left_LE &= ~pick_LE
+      c += 1
+    if c == 0:
+      return np.zeros((num_layers, 0, 1), np.int64)
+    key_LE = np.where(colour_LE >= 0, colour_LE, c) * num_experts + np.arange(
+        num_experts)
+    order_LE = np.argsort(key_LE, axis=1)
+    col_sorted = np.take_along_axis(colour_LE, order_LE, 1)
+    per_LC = np.stack([(colour_LE == k).sum(axis=1) for k in range(c)], 1)
+    start_LC = np.cumsum(per_LC, axis=1) - per_LC
+    ok = col_sorted >= 0
+    rank = np.arange(num_experts)[None] - np.take_along_axis(
+        start_LC, np.maximum(col_sorted, 0), 1)
+    colours_LCK = np.full((num_layers, c, max(int(per_LC.max()), 1)), -1,
+                          np.int64)
+    colours_LCK[np.broadcast_to(lk, ok.shape)[ok], col_sorted[ok], rank[ok]] = (
+        order_LE[ok])
+    return colours_LCK
+
+  def _colour_tables(self):
+    """Per colour: flat indices of its replicas into x [L, S+1] and y
+    [L, D+1] (the extra column absorbs padding), trimmed to the colour's
+    widest expert, and the (layer, expert) each row pours."""
+    if self._colours is None:
+      self._colours = self._colour()
+    topo = self.topo
+    num_layers, num_slots = self.num_layers, self.num_slots
+    lk = np.arange(num_layers)[:, None]
+    tables = []
+    for c in range(self._colours.shape[1]):
+      e_LK = self._colours[:, c]
+      ok_LK = e_LK >= 0
+      e_LK = np.maximum(e_LK, 0)
+      valid_LKR = self.valid_LER[lk, e_LK] & ok_LK[..., None]
+      width = max(int(valid_LKR.sum(axis=2).max()), 1)
+      # Valid entries first, so trimming to `width` drops only padding.
+      order = np.argsort(~valid_LKR, axis=2, kind='stable')[..., :width]
+      valid_LKR = np.take_along_axis(valid_LKR, order, 2)
+      slot_LKR = np.take_along_axis(self.table_LER[lk, e_LK], order, 2)
+      slot_LKR = np.where(valid_LKR, slot_LKR, num_slots)
+      dev_LKR = np.where(valid_LKR, slot_LKR // topo.slots_per_device,
+                         topo.num_devices)
+      fx = lk[..., None] * (num_slots + 1) + slot_LKR
+      fy = lk[..., None] * (topo.num_devices + 1) + dev_LKR
+      tables.append((fx, fy, (np.broadcast_to(lk, e_LK.shape), e_LK), ok_LK))
+    return tables
+
+  def initial_flows(self, frac_LS=None):
+    """Flows from fractions of each expert's load (default: even split)."""
+    w_LE = self.w_LE
+    li = np.arange(self.num_layers)[:, None, None]
+    n_valid_LE = np.maximum(self.valid_LER.sum(axis=2), 1)
+    if frac_LS is None:
+      f_LER = self.valid_LER / n_valid_LE[..., None]
+    else:
+      f_LER = np.where(self.valid_LER,
+                       frac_LS[li, np.maximum(self.table_LER, 0)], 0.0)
+      tot_LE = f_LER.sum(axis=2)
+      f_LER = np.where(tot_LE[..., None] > 0,
+                       f_LER / np.maximum(tot_LE, 1e-300)[..., None],
+                       self.valid_LER / n_valid_LE[..., None])
+    x_LS = np.zeros((self.num_layers, self.num_slots + 1))
+    x_LS[li, np.where(self.valid_LER, self.table_LER, self.num_slots)] = (
+        f_LER * w_LE[..., None])
+    return x_LS[:, :-1]
+
+  def sweep(self, x_LS, sweeps=1, skip_LE=None):
+    """Gauss-Seidel sweeps of per-expert water-fills; returns (x_LS, y_LD).
+
+    Experts flagged in `skip_LE` (bool [L, E]) keep their flows: they are
+    the ones whose replicas changed since this graph was built, so their
+    rows here are stale (see `refill`).
+    """
+    if self._tables is None:
+      self._tables = self._colour_tables()
+    if self._amounts is None:
+      self._amounts = [np.where(ok_LK, self.w_LE[lk_e], 0.0)
+                       for _, _, lk_e, ok_LK in self._tables]
+    tables = self._tables
+    if skip_LE is not None and skip_LE.any():
+      tables = []
+      num_layers = self.num_layers
+      spare_x = (np.arange(num_layers) * (self.num_slots + 1) + self.num_slots)
+      spare_y = (np.arange(num_layers) * (self.topo.num_devices + 1)
+                 + self.topo.num_devices)
+      for fx, fy, lk_e, ok_LK in self._tables:
+        stale_LK = skip_LE[lk_e] & ok_LK
+        if stale_LK.any():
+          # Stale rows pour nothing onto a walled spare device.
+          fx = np.where(stale_LK[..., None], spare_x[:, None, None], fx)
+          fy = np.where(stale_LK[..., None], spare_y[:, None, None], fy)
+        tables.append((fx, fy, lk_e, ok_LK))
+    num_layers = self.num_layers
+    x_LX = np.concatenate([x_LS, np.zeros((num_layers, 1))], axis=1)
+    # The spare device is a wall: padding entries never take water.
+    y_LY = np.concatenate([device_totals(x_LS, self.topo),
+                           np.full((num_layers, 1), _WALL)], axis=1)
+    x_flat, y_flat = x_LX.reshape(-1), y_LY.reshape(-1)
+    for _ in range(sweeps):
+      for (fx, fy, _, _), amount_LK in zip(tables, self._amounts):
+        old_LKR = x_flat[fx]
+        base_LKR = y_flat[fy] - old_LKR
+        new_LKR = water_fill(base_LKR, amount_LK)
+        # Devices within a colour are distinct, so += has no collisions
+        # except on the spare device, where only zeros are added.
+        y_flat[fy] += new_LKR - old_LKR
+        x_flat[fx] = new_LKR
+    return x_LX[:, :-1], device_totals(x_LX[:, :-1], self.topo)
+
+  def refill(self, x_LS, layer_N, expert_N):
+    """Water-fills the listed (layer, expert) pairs over their replicas, all
+    at once against the same device loads, then recomputes the loads.
+
+    Used after a round of moves, where only the moved experts changed;
+    pairs sharing a device may overshoot a little, which later sweeps fix.
+    """
+    topo = self.topo
+    if not len(layer_N):
+      return x_LS, device_totals(x_LS, topo)
+    y_LD = device_totals(x_LS, topo)
+    valid_NR = self.valid_LER[layer_N, expert_N]
+    # Padding points at a spare slot, so the write-back cannot collide.
+    slot_NR = np.where(valid_NR, self.table_LER[layer_N, expert_N],
+                       self.num_slots)
+    x_LX = np.concatenate([x_LS, np.zeros((self.num_layers, 1))], axis=1)
+    y_LY = np.concatenate([y_LD, np.zeros((self.num_layers, 1))], axis=1)
+    dev_NR = np.minimum(slot_NR // topo.slots_per_device, topo.num_devices)
+    own_NR = x_LX[layer_N[:, None], slot_NR]
+    base_NR = y_LY[layer_N[:, None], dev_NR] - own_NR
+    x_LX[layer_N[:, None], slot_NR] = water_fill(
+        base_NR, self.w_LE[layer_N, expert_N], valid_NR)
+    x_LS = x_LX[:, :-1]
+    return x_LS, device_totals(x_LS, topo)
+
+
+def balanced_flows(slot_expert_LS, w_LE, topo: Topology, frac_LS=None,
+                   sweeps=3):
+  """Per-slot flows that level device loads: (x_LS, y_LD)."""
+  graph = FlowGraph(slot_expert_LS, w_LE, topo)
+  return graph.sweep(graph.initial_flows(frac_LS), sweeps)
+
+
+def first_replica(slot_expert_LS) -> np.ndarray:
+  """Whether each slot is the first (in slot order) holding its expert."""
+  se = np.asarray(slot_expert_LS, np.int64)
+  num_slots = se.shape[1]
+  order_LS = np.argsort(se * num_slots + np.arange(num_slots), axis=1)
+  se_sorted = np.take_along_axis(se, order_LS, 1)
+  first_sorted = np.ones_like(se_sorted, bool)
+  first_sorted[:, 1:] = se_sorted[:, 1:] != se_sorted[:, :-1]
+  first_LS = np.empty_like(first_sorted)
+  np.put_along_axis(first_LS, order_LS, first_sorted, axis=1)
+  return first_LS
+
+
+def slot_major(loads_LDE) -> np.ndarray:
+  """Loads as float32 [..., E, D], so that gathering an expert's sources is
+  a contiguous row copy (exact: counts stay far below 2**24)."""
+  return np.ascontiguousarray(np.swapaxes(np.asarray(loads_LDE), -1, -2),
+                              dtype=np.float32)
+
+
+def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
+                 prefer_local: bool = True, loads_LED=None):
+  """Exact tokens per (source, slot) following per-slot flows, as shares.
+
+  Every source splits its tokens for an expert across the replicas in the
+  flows' proportions; with `prefer_local` and several nodes, a source first
+  fills replicas on its own node (up to what they take in total), and only
+  the rest crosses nodes. Counts are cumulative roundings in slot order, so
+  per (l, d, e) they add up to the loads exactly.
+
+  Args:
+    loads_LED: `slot_major(loads_LDE)` if the caller has it already.
+  Returns:
+    slot_share [L, D, S] float32: count / tokens, which the placement's split
+      rule turns back into the same counts (an idle (source, expert) sends
+      its share to the expert's first slot, as in
+      `placement.shares_from_slot_counts`).
+    slot loads [L, S] int64: tokens each slot computes.
+  """
+  if loads_LED is None:
+    loads_LED = slot_major(loads_LDE)
+  se = np.asarray(slot_expert_LS, np.int64)
+  num_layers, num_experts, num_devices = loads_LED.shape
+  num_slots = se.shape[1]
+  lk = np.arange(num_layers)[:, None]
+  flat_LS = (lk * num_experts + se).ravel()
+  count_LE = np.bincount(flat_LS, minlength=num_layers * num_experts
+                         ).reshape(num_layers, num_experts)
+  w_LE = loads_LED.sum(axis=2, dtype=np.float64)
+  # An expert's only slot takes all its tokens (share 1); only replicated
+  # experts' slots, Q of them, need the per-source arithmetic.
+  multi_LS = count_LE[lk, se] >= 2
+  slot_loads_LS = np.where(multi_LS, 0.0, w_LE[lk, se])
+  share_LDS = np.ones((num_layers, num_devices, num_slots), np.float32)
+  width = int(multi_LS.sum(axis=1).max())
+  if width == 0:
+    return share_LDS, np.rint(slot_loads_LS).astype(np.int64)
+  # Replicated slots sorted by (expert, slot): each expert's replicas are
+  # consecutive, in the slot order the split rule uses.
+  key_LS = np.where(multi_LS, se * num_slots + np.arange(num_slots),
+                    num_experts * num_slots)
+  q_LQ = np.argsort(key_LS, axis=1)[:, :width]
+  ok_LQ = multi_LS[lk, q_LQ]
+  e_LQ = se[lk, q_LQ]
+  first_LQ = np.ones_like(ok_LQ)
+  first_LQ[:, 1:] = e_LQ[:, 1:] != e_LQ[:, :-1]
+  last_LQ = np.ones_like(ok_LQ)
+  last_LQ[:, :-1] = first_LQ[:, 1:]
+  x_LQ = np.maximum(np.asarray(x_LS, np.float64)[lk, q_LQ], 0.0)
+  x_LQ = np.where(ok_LQ, x_LQ, 0.0)
+  xsum_LQ = _run_sums(x_LQ, first_LQ, last_LQ)
+  f_LQ = np.where(xsum_LQ > 0, x_LQ / np.maximum(xsum_LQ, 1e-300), 0.0)
+  if prefer_local and topo.num_nodes > 1:
+    f_LQN = _node_local_fractions(loads_LED, w_LE, q_LQ, e_LQ, ok_LQ, f_LQ,
+                                  first_LQ, last_LQ, topo)
+    groups = (topo.num_nodes, topo.devices_per_node)
+  else:
+    f_LQN = f_LQ[..., None]
+    groups = (1, num_devices)
+  lo_LQN, hi_LQN = _cumulative_fractions(f_LQN, first_LQ, last_LQ)
+  n_LQD = loads_LED[lk, e_LQ]
+  # Sources grouped by node ([L, Q, N, G]) meet their node's fractions by
+  # broadcasting; with one fraction row for all sources N = 1 broadcasts.
+  n_LQNG = n_LQD.reshape(num_layers, width, *groups)
+  # Any rounding works as long as the counts telescope: shares are read back
+  # from the counts, not from the fractions.
+  count = np.rint(hi_LQN.astype(np.float32)[..., None] * n_LQNG)
+  count -= np.rint(lo_LQN.astype(np.float32)[..., None] * n_LQNG)
+  count_LQD = count.reshape(num_layers, width, num_devices)
+  q_loads_LQ = count_LQD.sum(axis=2, dtype=np.float64)
+  slot_loads_LS[lk, q_LQ] = np.where(ok_LQ, q_loads_LQ, slot_loads_LS[lk, q_LQ])
+  share_LQD = np.where(n_LQD > 0, count_LQD / np.maximum(n_LQD, np.float32(1.0)),
+                       (first_LQ | ~ok_LQ)[..., None].astype(np.float32))
+  share_LDS[lk[..., None], np.arange(num_devices), q_LQ[..., None]] = share_LQD
+  return share_LDS, np.rint(slot_loads_LS).astype(np.int64)
+
+
+def split_counts(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
+                 prefer_local: bool = True) -> np.ndarray:
+  """Exact tokens per (source, slot) of `split_tokens`: int64 [L, D, S]."""
+  share_LDS, _ = split_tokens(loads_LDE, slot_expert_LS, x_LS, topo,
+                              prefer_local)
+  se = np.asarray(slot_expert_LS, np.int64)
+  n_LDS = np.take_along_axis(np.asarray(loads_LDE), np.broadcast_to(
+      se[:, None, :], share_LDS.shape), axis=2)
+  return np.rint(share_LDS.astype(np.float64) * n_LDS).astype(np.int64)
+
+
+def _run_starts(first_LQ):
+  """Index of the first slot of each slot's expert run: [L, Q]."""
+  pos = np.broadcast_to(np.arange(first_LQ.shape[1]), first_LQ.shape)
+  return np.maximum.accumulate(np.where(first_LQ, pos, 0), axis=1)
+
+
+def _run_sums(v_LQX, first_LQ, last_LQ):
+  """Sum of v over each expert's run, broadcast back to its slots."""
+  del last_LQ  # The runs are fully described by their first slots.
+  num_layers, width = first_LQ.shape
+  run_LQ = np.arange(num_layers)[:, None] * width + _run_starts(first_LQ)
+  if v_LQX.ndim == 3:
+    x = v_LQX.shape[2]
+    idx = (run_LQ[..., None] * x + np.arange(x)).ravel()
+    sums = np.bincount(idx, weights=v_LQX.ravel(),
+                       minlength=num_layers * width * x)
+    return sums[idx].reshape(v_LQX.shape)
+  sums = np.bincount(run_LQ.ravel(), weights=v_LQX.ravel(),
+                     minlength=num_layers * width)
+  return sums[run_LQ]
+
+
+def _cumulative_fractions(f_LQX, first_LQ, last_LQ):
+  """Cumulative fractions over each expert's run of slots: (lo, hi), shaped
+  like f [L, Q, X] (X: source nodes, or 1).
+
+  hi of an expert's last slot is exactly 1 and lo of the next slot is the
+  previous hi, so rounded counts telescope to the exact total.
+  """
+  lk = np.arange(first_LQ.shape[0])[:, None]
+  start_LQ = _run_starts(first_LQ)
+  cum = np.cumsum(f_LQX, axis=1)
+  before = cum[lk, start_LQ] - f_LQX[lk, start_LQ]
+  last = last_LQ[..., None] if f_LQX.ndim == 3 else last_LQ
+  first = first_LQ[..., None] if f_LQX.ndim == 3 else first_LQ
+  hi = np.where(last, 1.0, np.minimum(cum - before, 1.0))
+  lo = np.zeros_like(hi)
+  lo[:, 1:] = np.where(first[:, 1:], 0.0, hi[:, :-1])
+  return lo, hi
+
+
+def _node_local_fractions(loads_LED, w_LE, q_LQ, e_LQ, ok_LQ, f_LQ, first_LQ,
+                          last_LQ, topo: Topology):
+  """Per source node, fractions of an expert's tokens to each replicated
+  slot q: [L, Q, N].
+
+  Replica totals t (= f * load) stay as the flows set them; each node's
+  sources first fill the replicas on their node (min of node supply and
+  node demand), the remainder goes to the replicas with demand left, in
+  proportion. Column sums equal t, row sums are 1.
+  """
+  num_layers, _, _ = loads_LED.shape
+  n_nodes, g = topo.num_nodes, topo.devices_per_node
+  lk = np.arange(num_layers)[:, None]
+  supply_LQN = loads_LED[lk, e_LQ].reshape(*e_LQ.shape, n_nodes, g).sum(
+      axis=3, dtype=np.float64)
+  t_LQ = f_LQ * w_LE[lk, e_LQ]
+  node_LQ = topo.node_of_device()[q_LQ // topo.slots_per_device]
+  on_node_LQN = node_LQ[..., None] == np.arange(n_nodes)
+  # Node demand of an expert: its replicas' totals on that node.
+  demand_LQN = _run_sums(np.where(on_node_LQN, t_LQ[..., None], 0.0),
+                         first_LQ, last_LQ)
+  local_LQN = np.minimum(supply_LQN, demand_LQN)
+  alpha_LQN = np.where(supply_LQN > 0,
+                       local_LQN / np.maximum(supply_LQN, 1e-300), 1.0)
+  # How much of slot q's total its own node's sources cover.
+  demand_own = np.where(on_node_LQN, demand_LQN, 0.0).sum(axis=2)
+  local_own = np.where(on_node_LQN, local_LQN, 0.0).sum(axis=2)
+  keep_LQ = np.where(demand_own > 0, local_own / np.maximum(demand_own, 1e-300),
+                     0.0)
+  resid_LQ = t_LQ * (1.0 - keep_LQ)
+  resid_tot = _run_sums(resid_LQ, first_LQ, last_LQ)
+  resid_frac_LQ = np.where(resid_tot > 0, resid_LQ / np.maximum(resid_tot, 1e-300),
+                           0.0)
+  local_part = np.where(on_node_LQN & (demand_LQN > 0),
+                        alpha_LQN * t_LQ[..., None]
+                        / np.maximum(demand_LQN, 1e-300), 0.0)
+  f_LQN = local_part + (1.0 - alpha_LQN) * resid_frac_LQ[..., None]
+  return np.where(ok_LQ[..., None], f_LQN, 0.0)

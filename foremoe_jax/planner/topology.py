@@ -1,0 +1,100 @@
+"""What the planner knows about the machine: device layout and costs.
+
+Inputs of every planner (``foremoe_jax.planner.foremoe`` and the baselines):
+the expert-parallel devices grouped into nodes with a fixed number of slots
+each, and a cost model that turns token counts and expert copies into
+seconds, so that a placement's gain (less straggler compute) and its cost
+(expert weights copied between micro-steps) are compared in one unit.
+
+Slot ``j`` lives on device ``j // slots_per_device``; device ``d`` on node
+``d // devices_per_node`` (nodes are consecutive device ids).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """Nodes x devices per node, each device with `slots_per_device` slots."""
+
+  num_nodes: int
+  devices_per_node: int
+  slots_per_device: int
+
+  def __post_init__(self):
+    for name in ('num_nodes', 'devices_per_node', 'slots_per_device'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'Topology.{name} must be >= 1.')
+
+  @property
+  def num_devices(self) -> int:
+    return self.num_nodes * self.devices_per_node
+
+  @property
+  def num_slots(self) -> int:
+    return self.num_devices * self.slots_per_device
+
+  def device_of_slot(self) -> np.ndarray:
+    """int [S]."""
+    return np.arange(self.num_slots) // self.slots_per_device
+
+  def node_of_device(self) -> np.ndarray:
+    """int [D]."""
+    return np.arange(self.num_devices) // self.devices_per_node
+
+  def check_experts(self, num_experts: int) -> None:
+    if self.num_slots < num_experts:
+      raise ValueError(f'{self.num_slots} slots cannot hold {num_experts} '
+                       f'experts: raise slots_per_device.')
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Seconds per token of expert compute and per expert copied.
+
+  Defaults describe a Qwen3-30B-A3B expert (d_model 2048, d_ff 768, bf16) on
+  an H100-class node; see ``from_expert_shape``.
+  """
+
+  token_time_s: float = 7.08e-8
+  """Forward + backward time of one token-assignment in one expert, one
+  layer (the straggler's compute is its load times this)."""
+  bytes_per_expert: float = 9.44e6
+  """Bytes copied to place one replica (weights only: gradients are summed
+  back onto the canonical expert, optimizer state never moves)."""
+  intra_node_bw: float = 3.5e11
+  """Bytes/s one device receives from a peer in its node (NVLink-class)."""
+  inter_node_bw: float = 5e10
+  """Bytes/s one device receives from another node (400 Gb/s NIC)."""
+  overlap: float = 0.5
+  """Fraction of a micro-step's expert compute that transfers can hide
+  under (the overlap window); copies beyond it would stall the step."""
+
+  def __post_init__(self):
+    if self.token_time_s <= 0 or self.bytes_per_expert < 0:
+      raise ValueError('token_time_s must be > 0, bytes_per_expert >= 0.')
+    if self.intra_node_bw <= 0 or self.inter_node_bw <= 0:
+      raise ValueError('bandwidths must be > 0.')
+    if not 0.0 <= self.overlap <= 1.0:
+      raise ValueError(f'overlap = {self.overlap} must be in [0, 1].')
+
+  @classmethod
+  def from_expert_shape(cls, d_model: int, d_ff: int, bytes_per_param=2,
+                        flops_per_s=4e14, **kwargs) -> 'CostModel':
+    """A SwiGLU expert has 3 d_model x d_ff matrices; fwd + bwd costs 6 flops
+    per parameter per token (2 forward, 4 backward)."""
+    params = 3 * d_model * d_ff
+    return cls(token_time_s=6.0 * params / flops_per_s,
+               bytes_per_expert=float(params * bytes_per_param), **kwargs)
+
+  def move_time_s(self, inter_node):
+    """Seconds to copy one expert, per move (array-friendly)."""
+    bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
+    return self.bytes_per_expert / bw
+
+  def move_tokens(self, inter_node):
+    """A move's cost in token-assignments of straggler compute."""
+    return self.move_time_s(inter_node) / self.token_time_s
