@@ -33,6 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallel.num_data = 1
   c.parallel.num_expert = 8
   c.parallel.slots_per_device = 2  # 16 slots for 8 experts: 8 redundant.
+  # Few buckets: each one used is one more compile of the step.
+  c.parallel.capacity_factors = (1.0, 2.0, 4.0)
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 300
@@ -52,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.learning_rate = 1e-3
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
-  c.rl.beta = 0.0
+  c.rl.beta = 0.01
   c.rl.grad_clip = 1.0
   c.rl.weight_decay = 0.0
   c.rl.balance_microbatches = False

@@ -50,7 +50,9 @@ class Transformer(nnx.Module):
     self.mesh = expert_parallel.make_mesh(1, 1) if mesh is None else mesh
     pdt = jnp.dtype(cfg.param_dtype)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt,
-                           embedding_init=nnx.initializers.normal(1.0),
+                           # Row norm ~1: with tied embeddings the initial
+                           # logits are ~N(0, 1), not saturated.
+                           embedding_init=layers.dense_init(cfg.d_model),
                            rngs=rngs)
     types = config_lib.layer_attention_types(cfg)
     self.blocks = nnx.List([Block(cfg, self.mesh, i, types[i], rngs=rngs)
