@@ -30,22 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.msa import kernel_common as kc
+
 NEG_INF = float('-inf')
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _div(x, d: int):
-  # Positions are never negative, so truncating division is floor division;
-  # `//` would lower through sign(), which Mosaic cannot lower off-device.
-  return jax.lax.div(x, jnp.asarray(d, jnp.int32))
-
-
-def next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
 
 
 def insert_candidate(vals, ids, score, block_id, n_live: int):
@@ -116,7 +104,7 @@ def _tpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, vals_ref, ids_ref, *,
       score = jnp.max(logits[:, jb * block_size:(jb + 1) * block_size], axis=1,
                       keepdims=True)
       block_id = j * (chunk // block_size) + jb
-      score = jnp.where(block_id < _div(qpos, block_size), score, NEG_INF)
+      score = jnp.where(block_id < kc.div(qpos, block_size), score, NEG_INF)
       vals, ids = insert_candidate(vals, ids, score, block_id, n_live)
     vals_ref[...] = vals
     ids_ref[...] = ids
@@ -124,19 +112,19 @@ def _tpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, vals_ref, ids_ref, *,
   @pl.when(j == pl.num_programs(3) - 1)
   def _emit():
     sel_ref[...] = compose_selection(vals_ref[...], ids_ref[...],
-                                     _div(qpos, block_size), n_live, top_k)
+                                     kc.div(qpos, block_size), n_live, top_k)
 
 
 def _select_tpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
                 chunk, scale, interpret):
   b, g, tp, di = qi_BGTI.shape
   sp = ki_BSI.shape[1]
-  lanes = _round_up(max(top_k - 1, 1), 128)
+  lanes = kc.round_up(max(top_k - 1, 1), 128)
   n_chunks = sp // chunk
 
   def ki_map(bb, gg, ii, jj, off_ref):
     # Past the last visible chunk keep the same block index: no new DMA.
-    last = _div(off_ref[bb] + ii * q_tile + q_tile - 1, chunk)
+    last = kc.div(off_ref[bb] + ii * q_tile + q_tile - 1, chunk)
     return bb, jnp.minimum(jj, last), 0
 
   kernel = functools.partial(_tpu_kernel, block_size=block_size, chunk=chunk,
@@ -173,7 +161,7 @@ def _gpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, *, block_size: int,
   i = pl.program_id(2)
   tq = qi_ref.shape[0]
   n_live = top_k - 1
-  lanes = next_pow2(max(n_live, 1))
+  lanes = kc.next_pow2(max(n_live, 1))
   offset = offset_ref[0]
   qpos = offset + i * tq + jax.lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
   qi = qi_ref[...].astype(jnp.float32)
@@ -188,15 +176,15 @@ def _gpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, *, block_size: int,
         jnp.int32, (1, block_size), 1)
     logits = jnp.where(kpos <= qpos, logits, NEG_INF)
     score = jnp.max(logits, axis=1, keepdims=True)
-    score = jnp.where(jb < _div(qpos, block_size), score, NEG_INF)
+    score = jnp.where(jb < kc.div(qpos, block_size), score, NEG_INF)
     return insert_candidate(vals, ids, score, jb, n_live)
 
   # Blocks below the tile's last local block are the only candidates.
-  n_scan = jnp.minimum(_div(offset + i * tq + tq - 1, block_size), n_blocks)
+  n_scan = jnp.minimum(kc.div(offset + i * tq + tq - 1, block_size), n_blocks)
   vals, ids = jax.lax.fori_loop(
       0, n_scan, body, (jnp.full((tq, lanes), NEG_INF, jnp.float32),
                         jnp.full((tq, lanes), -1, jnp.int32)))
-  sel_ref[...] = compose_selection(vals, ids, _div(qpos, block_size), n_live,
+  sel_ref[...] = compose_selection(vals, ids, kc.div(qpos, block_size), n_live,
                                    sel_ref.shape[-1])
 
 
@@ -204,7 +192,7 @@ def _select_gpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
                 scale, interpret):
   b, g, tp, di = qi_BGTI.shape
   sp = ki_BSI.shape[1]
-  kp = next_pow2(top_k)
+  kp = kc.next_pow2(top_k)
   kernel = functools.partial(_gpu_kernel, block_size=block_size, top_k=top_k,
                              scale=scale,
                              n_blocks=sp // block_size)
@@ -245,9 +233,9 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
   else:
     q_tile = q_tile or (16 if t <= 16 else 64)
     chunk = block_size
-    dip = max(16, next_pow2(di))
-  tp = _round_up(t, q_tile)
-  sp = _round_up(s, chunk)
+    dip = max(16, kc.next_pow2(di))
+  tp = kc.round_up(t, q_tile)
+  sp = kc.round_up(s, chunk)
   qi = jnp.pad(qi_BTGI.astype(jnp.float32).transpose(0, 2, 1, 3),
                ((0, 0), (0, 0), (0, tp - t), (0, dip - di)))
   ki = jnp.pad(ki_BSI.astype(jnp.float32), ((0, 0), (0, sp - s),

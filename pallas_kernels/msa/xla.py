@@ -246,3 +246,47 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
   out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel,
                               block_size=block_size, q_offset=q_offset)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
+
+
+def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
+               lengths_B, *, block_size: int, top_k: int):
+  """One token per sequence at position length-1; gathers its K blocks.
+
+  At decode every (sequence, group) has its own K blocks and only one query
+  row, so a direct gather is already minimal traffic (K*C keys).
+  """
+  b, h, d = q_BHD.shape
+  s, g = k_cache_BSGD.shape[1:3]
+  r = h // g
+  di = qi_BGI.shape[-1]
+  n = -(-s // block_size)
+  sp = n * block_size
+  off_B = lengths_B.astype(jnp.int32) - 1
+  logits_BGS = jnp.einsum('bgi,bsi->bgs', qi_BGI.astype(jnp.float32),
+                          ki_cache_BSI.astype(jnp.float32)) / math.sqrt(di)
+  visible_BS = jnp.arange(s)[None, :] <= off_B[:, None]
+  logits_BGS = jnp.where(visible_BS[:, None], logits_BGS, -jnp.inf)
+  logits_BGS = jnp.pad(logits_BGS, ((0, 0), (0, 0), (0, sp - s)),
+                       constant_values=-jnp.inf)
+  scores_BGN = logits_BGS.reshape(b, g, n, block_size).max(axis=-1)
+  sel_BGK = select_blocks_BGTK(scores_BGN[:, :, None], block_size=block_size,
+                               top_k=top_k, q_offset=off_B)[:, :, 0]
+  sel_BGK = jax.lax.stop_gradient(sel_BGK)
+  pad = ((0, 0), (0, sp - s), (0, 0), (0, 0))
+  blocks = lambda x: jnp.pad(x.astype(jnp.float32), pad).reshape(
+      b, n, block_size, g, d).transpose(0, 3, 1, 2, 4)
+  take = jnp.maximum(sel_BGK, 0)[..., None, None]
+  k_BGKCD = jnp.take_along_axis(blocks(k_cache_BSGD), take, axis=2)
+  v_BGKCD = jnp.take_along_axis(blocks(v_cache_BSGD), take, axis=2)
+  q_BGRD = q_BHD.astype(jnp.float32).reshape(b, g, r, d)
+  logits = jnp.einsum('bgrd,bgkcd->bgrkc', q_BGRD, k_BGKCD) / math.sqrt(d)
+  kpos_BGKC = sel_BGK[..., None] * block_size + jnp.arange(block_size)
+  ok_BGKC = (sel_BGK[..., None] >= 0) & (kpos_BGKC <= off_B[:, None, None,
+                                                             None])
+  logits = jnp.where(ok_BGKC[:, :, None], logits, MASK_VALUE)
+  lse_BGR = jax.nn.logsumexp(logits, axis=(-2, -1))
+  p = jnp.where(ok_BGKC[:, :, None],
+                jnp.exp(logits - lse_BGR[..., None, None]), 0.0)
+  out_BGRD = jnp.einsum('bgrkc,bgkcd->bgrd', p, v_BGKCD)
+  return (out_BGRD.reshape(b, h, d).astype(q_BHD.dtype),
+          {'sel_BGK': sel_BGK, 'lse_BH': lse_BGR.reshape(b, h)})
