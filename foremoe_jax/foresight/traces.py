@@ -162,16 +162,42 @@ def calibrate_temperature(h_KE, hot_share, lo=0.0, hi=50.0, iters=60):
   return 0.5 * (lo + hi)
 
 
-def domain_distributions(cfg: SyntheticTraceConfig, rng) -> np.ndarray:
-  """Per layer and domain expert distributions [L, K, E], calibrated."""
+def _sequence_distributions(alpha_QE, top_k, rng):
+  """Capped Dirichlet draws: each row is one sequence's expert distribution."""
+  # Gamma draws normalised are Dirichlet; the floor keeps tiny shapes from
+  # underflowing to an all-zero row.
+  g_QE = rng.standard_gamma(np.maximum(alpha_QE, 1e-6)) + 1e-300
+  return _cap_simplex(g_QE / g_QE.sum(axis=1, keepdims=True), 1.0 / top_k)
+
+
+def domain_distributions(cfg: SyntheticTraceConfig, rng,
+                         calibration_rounds: int = 3,
+                         samples_per_domain: int = 64) -> np.ndarray:
+  """Per layer and domain expert distributions [L, K, E], calibrated.
+
+  The cap of 1/top_k per sequence flattens the hottest experts, so the
+  temperature is re-solved a few times against a Monte-Carlo estimate of the
+  capped step-level distribution (a fixed point on the target share).
+  """
   L, K, E = cfg.num_layers, cfg.num_domains, cfg.num_experts
   g_LE = rng.standard_normal((L, E))
   h_LKE = g_LE[:, None, :] + cfg.domain_spread * rng.standard_normal((L, K, E))
   lo, hi = cfg.hot_share_range
   # Layers get evenly spread targets, shuffled so depth and skew are unrelated.
-  hot_L = rng.permutation(np.linspace(lo, hi, L))
-  tau_L = np.array([calibrate_temperature(h_LKE[l], hot_L[l]) for l in range(L)])
-  return _softmax(tau_L[:, None, None] * h_LKE)
+  goal_L = rng.permutation(np.linspace(lo, hi, L))
+  aim_L = goal_L.copy()
+  cal_rng = np.random.default_rng(rng.integers(2**63))
+  for r in range(calibration_rounds + 1):
+    tau_L = np.array([calibrate_temperature(h_LKE[l], min(aim_L[l], 0.99))
+                      for l in range(L)])
+    p_LKE = _softmax(tau_L[:, None, None] * h_LKE)
+    if r == calibration_rounds:
+      break
+    for l in range(L):
+      alpha = cfg.seq_concentration * np.repeat(p_LKE[l], samples_per_domain, 0)
+      got = _sequence_distributions(alpha, cfg.top_k, cal_rng).mean(0).max()
+      aim_L[l] *= goal_L[l] / got
+  return p_LKE
 
 
 def synthetic_trace(cfg: SyntheticTraceConfig) -> Trace:
@@ -187,11 +213,8 @@ def synthetic_trace(cfg: SyntheticTraceConfig) -> Trace:
       cfg.tokens_per_seq_sigma * rng.standard_normal(n_seqs)))).astype(np.int64)
   loads_QLE = np.empty((n_seqs, L, E), np.int64)
   for l in range(L):
-    alpha_QE = cfg.seq_concentration * p_LKE[l, domain_Q]
-    # Gamma draws normalised are Dirichlet; the floor keeps tiny shapes from
-    # underflowing to an all-zero row.
-    g_QE = rng.standard_gamma(np.maximum(alpha_QE, 1e-6)) + 1e-300
-    p_QE = _cap_simplex(g_QE / g_QE.sum(axis=1, keepdims=True), 1.0 / cfg.top_k)
+    p_QE = _sequence_distributions(cfg.seq_concentration * p_LKE[l, domain_Q],
+                                   cfg.top_k, rng)
     loads_QLE[:, l] = rng.multinomial(tokens_Q * cfg.top_k, p_QE)
   loads_RMDBLE = loads_QLE.reshape(R, M, D, B, L, E)
   loads_RMLDE = loads_RMDBLE.sum(axis=3).transpose(0, 1, 3, 2, 4)

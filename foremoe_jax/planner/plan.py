@@ -26,6 +26,7 @@ class StepPlan(NamedTuple):
   placement: placement_lib.Placement  # slot_expert [M, L, S], share [M, L, D, S]
   loads_MLD: np.ndarray  # int64: tokens each device computes
   slot_loads_MLS: np.ndarray  # int64: tokens each slot computes
+  max_cell_ML: np.ndarray  # int64: largest (source, slot) count (capacity)
   moves_MLD: np.ndarray  # int64: experts newly copied into each device
   bytes_moved_M: np.ndarray  # float64: bytes copied before each micro-step
   fell_back: bool = False  # True when the previous placement was reused
@@ -43,51 +44,57 @@ class StepPlan(NamedTuple):
     return self.microstep(self.num_microsteps - 1)
 
 
+def _loads_by_device(slot_loads_MLS, topo: Topology):
+  num_micro, num_layers = slot_loads_MLS.shape[:2]
+  return slot_loads_MLS.reshape(num_micro, num_layers, topo.num_devices,
+                                -1).sum(axis=3)
+
+
 def assemble_plan(loads_MLDE, slot_expert_MLS, flows_MLS, topo: Topology,
                   cost: CostModel, current_LS,
                   prefer_local: bool = True) -> StepPlan:
   """Builds the StepPlan from per-micro-step slot_expert and flows."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro = loads_MLDE.shape[0]
-  shares, slot_loads, moves = [], [], []
+  shares, slot_loads, cells, moves = [], [], [], []
   prev_LS = np.asarray(current_LS)
   loads_MLED = split.slot_major(loads_MLDE)
   for m in range(num_micro):
-    share_LDS, slot_LS = split.split_tokens(
+    share_LDS, slot_LS, cell_L = split.split_tokens(
         loads_MLDE[m], slot_expert_MLS[m], flows_MLS[m], topo, prefer_local,
         loads_LED=loads_MLED[m])
     shares.append(share_LDS)
     slot_loads.append(slot_LS)
+    cells.append(cell_L)
     moves.append(packing.new_copies(slot_expert_MLS[m], prev_LS, topo))
     prev_LS = slot_expert_MLS[m]
   slot_loads_MLS = np.stack(slot_loads)
   moves_MLD = np.stack(moves).astype(np.int64)
-  num_layers = slot_loads_MLS.shape[1]
-  loads_MLD = slot_loads_MLS.reshape(num_micro, num_layers, topo.num_devices,
-                                     -1).sum(axis=3)
   placement = placement_lib.Placement(
       np.asarray(slot_expert_MLS, np.int32), np.stack(shares))
-  return StepPlan(placement, loads_MLD, slot_loads_MLS, moves_MLD,
+  return StepPlan(placement, _loads_by_device(slot_loads_MLS, topo),
+                  slot_loads_MLS, np.stack(cells), moves_MLD,
                   moves_MLD.sum(axis=(1, 2)) * float(cost.bytes_per_expert))
 
 
 def fallback_plan(loads_MLDE, current: placement_lib.Placement,
                   topo: Topology, cost: CostModel) -> StepPlan:
   """The previous placement for every micro-step (nothing moves)."""
+  del cost  # Nothing is copied.
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro = loads_MLDE.shape[0]
   se_LS = np.asarray(current.slot_expert, np.int32)
   share_LDS = np.asarray(current.slot_share, np.float32)
-  slot_loads = [placement_lib.slot_counts(loads_MLDE[m], current).sum(axis=1)
-                for m in range(num_micro)]
-  slot_loads_MLS = np.stack(slot_loads).astype(np.int64)
-  num_layers = se_LS.shape[0]
-  loads_MLD = slot_loads_MLS.reshape(num_micro, num_layers, topo.num_devices,
-                                     -1).sum(axis=3)
+  loads_MLED = split.slot_major(loads_MLDE)
+  counted = [split.counts_under_shares(loads_MLDE[m], se_LS, share_LDS,
+                                       loads_LED=loads_MLED[m])
+             for m in range(num_micro)]
+  slot_loads_MLS = np.stack([c[0] for c in counted])
+  loads_MLD = _loads_by_device(slot_loads_MLS, topo)
   placement = placement_lib.Placement(
       np.broadcast_to(se_LS, (num_micro,) + se_LS.shape).copy(),
       np.broadcast_to(share_LDS, (num_micro,) + share_LDS.shape).copy())
-  del cost  # Nothing is copied.
   return StepPlan(placement, loads_MLD, slot_loads_MLS,
+                  np.stack([c[1] for c in counted]),
                   np.zeros(loads_MLD.shape, np.int64), np.zeros(num_micro),
                   fell_back=True)

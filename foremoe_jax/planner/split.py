@@ -343,6 +343,8 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
       its share to the expert's first slot, as in
       `placement.shares_from_slot_counts`).
     slot loads [L, S] int64: tokens each slot computes.
+    max cell [L] int64: the largest (source, slot) count, which sets the
+      smallest capacity bucket that drops nothing.
   """
   if loads_LED is None:
     loads_LED = slot_major(loads_LDE)
@@ -359,9 +361,11 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   multi_LS = count_LE[lk, se] >= 2
   slot_loads_LS = np.where(multi_LS, 0.0, w_LE[lk, se])
   share_LDS = np.ones((num_layers, num_devices, num_slots), np.float32)
+  single_cell_L = np.where(count_LE == 1, loads_LED.max(axis=2), 0).max(axis=1)
   width = int(multi_LS.sum(axis=1).max())
   if width == 0:
-    return share_LDS, np.rint(slot_loads_LS).astype(np.int64)
+    return (share_LDS, np.rint(slot_loads_LS).astype(np.int64),
+            single_cell_L.astype(np.int64))
   # Replicated slots sorted by (expert, slot): each expert's replicas are
   # consecutive, in the slot order the split rule uses.
   key_LS = np.where(multi_LS, se * num_slots + np.arange(num_slots),
@@ -399,14 +403,46 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   share_LQD = np.where(n_LQD > 0, count_LQD / np.maximum(n_LQD, np.float32(1.0)),
                        (first_LQ | ~ok_LQ)[..., None].astype(np.float32))
   share_LDS[lk[..., None], np.arange(num_devices), q_LQ[..., None]] = share_LQD
-  return share_LDS, np.rint(slot_loads_LS).astype(np.int64)
+  max_cell_L = np.maximum(single_cell_L, np.where(
+      ok_LQ[..., None], count_LQD, 0).max(axis=(1, 2)))
+  return (share_LDS, np.rint(slot_loads_LS).astype(np.int64),
+          max_cell_L.astype(np.int64))
+
+
+def counts_under_shares(loads_LDE, slot_expert_LS, share_LDS, loads_LED=None):
+  """Slot loads [L, S] and max cell [L] of given shares under the
+  placement's split rule (as `placement.slot_counts`, vectorised; the same
+  counts whenever no cumulative share times a count lands within float32
+  rounding of a half, which shares made from counts never do)."""
+  if loads_LED is None:
+    loads_LED = slot_major(loads_LDE)
+  se = np.asarray(slot_expert_LS, np.int64)
+  num_layers, num_slots = se.shape
+  lk = np.arange(num_layers)[:, None]
+  order_LS = np.argsort(se * num_slots + np.arange(num_slots), axis=1)
+  e_sorted = se[lk, order_LS]
+  first_LS = np.ones_like(e_sorted, bool)
+  first_LS[:, 1:] = e_sorted[:, 1:] != e_sorted[:, :-1]
+  share_sorted = np.swapaxes(np.asarray(share_LDS, np.float32), 1, 2)[
+      lk, order_LS]
+  cum = np.cumsum(share_sorted, axis=1, dtype=np.float32)
+  start_LS = _run_starts(first_LS)
+  lo = (cum - share_sorted) - (cum[lk, start_LS] - share_sorted[lk, start_LS])
+  hi = lo + share_sorted
+  n = loads_LED[lk, e_sorted]
+  count = (np.floor(hi * n + np.float32(0.5))
+           - np.floor(lo * n + np.float32(0.5)))
+  slot_loads_LS = np.empty((num_layers, num_slots), np.int64)
+  slot_loads_LS[lk, order_LS] = count.sum(axis=2, dtype=np.float64).astype(
+      np.int64)
+  return slot_loads_LS, count.max(axis=(1, 2)).astype(np.int64)
 
 
 def split_counts(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
                  prefer_local: bool = True) -> np.ndarray:
   """Exact tokens per (source, slot) of `split_tokens`: int64 [L, D, S]."""
-  share_LDS, _ = split_tokens(loads_LDE, slot_expert_LS, x_LS, topo,
-                              prefer_local)
+  share_LDS, _, _ = split_tokens(loads_LDE, slot_expert_LS, x_LS, topo,
+                                 prefer_local)
   se = np.asarray(slot_expert_LS, np.int64)
   n_LDS = np.take_along_axis(np.asarray(loads_LDE), np.broadcast_to(
       se[:, None, :], share_LDS.shape), axis=2)
