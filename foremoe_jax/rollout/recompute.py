@@ -1,4 +1,4 @@
-"""Decoding without a KV cache: the full forward over the whole buffer per token.
+"""Decoding without a KV cache: one full forward over the buffer per token.
 
 The baseline the cached sampler is measured against (experiments/
 bench_sampler.py) and an independent reference for it: one `lax.fori_loop`

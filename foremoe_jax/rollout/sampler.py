@@ -11,6 +11,8 @@ per-micro-step loads and that recompute/update replay (R3).
 Shape letters: N prompts, G generations per prompt, B = N * G samples
 (padded to Bp rows inside, see below), P prompt tokens, C completion tokens
 (= max_new_tokens), T = P + C, V vocab, L MoE layers, K top-k, E experts.
+Inside jit, B counts the padded rows and X is a column axis one longer than
+T (tokens) or C (log-probs), holding the extra call's throwaway sample.
 
 Position conventions (what RL must reproduce):
   * tokens_BT[:, :P] is the prompt, tokens_BT[:, P:] the completion
@@ -59,7 +61,7 @@ class Rollout(NamedTuple):
 
   tokens_BT: np.ndarray  # int32: prompt + completion, PAD after EOS.
   completion_BC: np.ndarray  # int32: tokens_BT[:, P:].
-  logp_BC: np.ndarray  # float32: raw-model (temperature 1) log-probs, 0 if invalid.
+  logp_BC: np.ndarray  # float32: log_softmax(raw logits)[token]; 0 if invalid.
   lengths_B: np.ndarray  # int32: completion tokens, EOS included.
   done_B: np.ndarray  # bool: the completion holds an EOS.
   valid_BT: np.ndarray  # bool: prompt + completion up to and including EOS.
@@ -88,9 +90,11 @@ class SamplingParams:
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
-      raise ValueError(f'max_new_tokens must be >= 1, got {self.max_new_tokens}.')
+      raise ValueError(
+          f'max_new_tokens must be >= 1, got {self.max_new_tokens}.')
     if self.num_generations < 1:
-      raise ValueError(f'num_generations must be >= 1, got {self.num_generations}.')
+      raise ValueError(
+          f'num_generations must be >= 1, got {self.num_generations}.')
     if self.temperature < 0:
       raise ValueError(f'temperature must be >= 0, got {self.temperature}.')
     if self.top_k < 0:
@@ -213,7 +217,8 @@ class Sampler:
     routes = None
     if p.record_routes:
       num_layers, _, _, top_k = aux.routes_LBTK.shape
-      routes = jnp.zeros((num_layers, num_rows, total, top_k), self.record_dtype)
+      routes = jnp.zeros((num_layers, num_rows, total, top_k),
+                         self.record_dtype)
       routes = routes.at[:, :, :plen].set(aux.routes_LBTK.astype(routes.dtype))
     return DecodeState(jnp.zeros((), jnp.int32), row_valid_B, row_valid_B,
                        tokens_BX, logp_BX, routes, cache)

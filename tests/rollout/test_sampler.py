@@ -1,4 +1,4 @@
-"""The sampler against a full forward pass: log-probs, greedy tokens, routes, EOS.
+"""The sampler vs a full forward pass: log-probs, greedy tokens, routes, EOS.
 
 Every check compares the KV-cache decode with an independent reference: the
 model run once, without a cache, over the final tokens (tiny config, mesh
@@ -9,6 +9,7 @@ T = P + C, V vocab, L MoE layers, K top-k.
 """
 import functools
 import importlib
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -27,6 +28,15 @@ TASK = get_task('addition')
 C = TASK.completion_len
 
 
+class Setup(NamedTuple):
+  cfg: object
+  mesh: object
+  graphdef: object
+  state: object
+  forward: object  # jit'd (state, tokens_BT, valid_BT) -> (logits, aux).
+  prompts_NP: np.ndarray
+
+
 @pytest.fixture(scope='module')
 def setup():
   cfg = importlib.import_module('configs.tiny').get_config().model
@@ -40,15 +50,15 @@ def setup():
   forward = jax.jit(lambda s, tok, valid: nnx.merge(graphdef, s)(
       tok, valid_BT=valid)[:2])
   prompts_NP = TASK.sample_prompts(0, 4)
-  return cfg, mesh, graphdef, state, forward, prompts_NP
+  return Setup(cfg, mesh, graphdef, state, forward, prompts_NP)
 
 
 _SAMPLERS = {}
 
 
 def make_sampler(setup, **kw):
-  """One Sampler per distinct SamplingParams, shared by tests (compiles once)."""
-  cfg, mesh, graphdef = setup[:3]
+  """One Sampler per distinct SamplingParams, shared by tests (one compile)."""
+  cfg, mesh, graphdef = setup.cfg, setup.mesh, setup.graphdef
   kw.setdefault('max_new_tokens', C)
   params = sampler_lib.SamplingParams(**kw)
   if params not in _SAMPLERS:
@@ -61,7 +71,7 @@ def full_forward(setup, r):
 
   Rows are padded to 16 so every call splits over 8 devices with one compile.
   """
-  forward, state = setup[4], setup[3]
+  forward, state = setup.forward, setup.state
   num = r.tokens_BT.shape[0]
   pad = 16 - num
   tokens_BT = np.pad(r.tokens_BT, ((0, pad), (0, 0)))
@@ -75,9 +85,9 @@ def full_forward(setup, r):
 
 
 def test_logp_and_routes_equal_full_forward(setup):
-  prompts_NP = setup[5]
+  prompts_NP = setup.prompts_NP
   smp = make_sampler(setup, num_generations=4)
-  r = smp(setup[3], prompts_NP, jax.random.key(0))
+  r = smp(setup.state, prompts_NP, jax.random.key(0))
   plen = prompts_NP.shape[1]
   assert r.tokens_BT.shape == (16, plen + C) and r.prompt_len == plen
   assert r.logp_BC.dtype == np.float32 and r.routes_LBTK.dtype == np.int8
@@ -100,8 +110,8 @@ def test_logp_and_routes_equal_full_forward(setup):
 
 def test_greedy_deterministic_and_equals_full_forward_argmax(setup):
   smp = make_sampler(setup, num_generations=2, greedy=True)
-  r1 = smp(setup[3], setup[5], jax.random.key(0))
-  r2 = smp(setup[3], setup[5], jax.random.key(1))
+  r1 = smp(setup.state, setup.prompts_NP, jax.random.key(0))
+  r2 = smp(setup.state, setup.prompts_NP, jax.random.key(1))
   np.testing.assert_array_equal(r1.tokens_BT, r2.tokens_BT)
   np.testing.assert_array_equal(r1.routes_LBTK, r2.routes_LBTK)
   _, _, logits_BTV = full_forward(setup, r1)
@@ -110,9 +120,10 @@ def test_greedy_deterministic_and_equals_full_forward_argmax(setup):
   valid_BC = r1.valid_BT[:, plen:]
   np.testing.assert_array_equal(r1.completion_BC[valid_BC], argmax_BC[valid_BC])
   # The no-cache baseline of the benchmark decodes the same greedy tokens.
-  tokens_BT = jax.jit(functools.partial(
-      recompute.recompute_decode, setup[2], params=smp.params))(
-          setup[3], np.repeat(setup[5], 2, axis=0), jax.random.key(0))
+  recompute_fn = jax.jit(functools.partial(
+      recompute.recompute_decode, setup.graphdef, params=smp.params))
+  tokens_BT = recompute_fn(setup.state, np.repeat(setup.prompts_NP, 2, axis=0),
+                           jax.random.key(0))
   np.testing.assert_array_equal(tokens_BT, r1.tokens_BT)
   # One compile per shape: the second call reused the first's executables.
   assert smp._decode._cache_size() == 1 and smp._prefill._cache_size() == 1
@@ -122,9 +133,9 @@ def test_greedy_deterministic_and_equals_full_forward_argmax(setup):
                                 dict(top_p=1e-6)])
 def test_top_k_one_and_tiny_top_p_equal_greedy(setup, kw):
   greedy = make_sampler(setup, num_generations=2, greedy=True)(
-      setup[3], setup[5], jax.random.key(0))
+      setup.state, setup.prompts_NP, jax.random.key(0))
   r = make_sampler(setup, num_generations=2, **kw)(
-      setup[3], setup[5], jax.random.key(7))
+      setup.state, setup.prompts_NP, jax.random.key(7))
   np.testing.assert_array_equal(r.tokens_BT, greedy.tokens_BT)
   np.testing.assert_allclose(r.logp_BC, greedy.logp_BC, atol=1e-6)
 
@@ -148,7 +159,7 @@ def test_top_k_and_top_p_keep_only_the_nucleus():
 
 def test_eos_stops_each_sequence_and_matches_an_eos_free_run(setup):
   """With EOS disabled the same key gives the same tokens up to the EOS."""
-  state, prompts_NP = setup[3], setup[5]
+  state, prompts_NP = setup.state, setup.prompts_NP
   key, max_new = jax.random.key(0), C
   free = make_sampler(setup, num_generations=4, eos_id=-1)(
       state, prompts_NP, key)
@@ -175,7 +186,7 @@ def test_eos_stops_each_sequence_and_matches_an_eos_free_run(setup):
 
 def test_loop_stops_once_all_sequences_end(setup):
   """Greedy with EOS set to the first greedy token: every row ends at once."""
-  state, prompts_NP = setup[3], setup[5]
+  state, prompts_NP = setup.state, setup.prompts_NP
   first = make_sampler(setup, num_generations=2, greedy=True)(
       state, prompts_NP, jax.random.key(0))
   eos = int(first.completion_BC[0, 0])
@@ -191,8 +202,8 @@ def test_loop_stops_once_all_sequences_end(setup):
 
 
 def test_odd_batch_is_padded_and_placement_passes_through(setup):
-  """6 samples on 8 devices; a random placement with replicas changes nothing."""
-  cfg, state, prompts_NP = setup[0], setup[3], setup[5][:3]
+  """6 samples on 8 devices; a placement with replicas changes nothing."""
+  cfg, state, prompts_NP = setup.cfg, setup.state, setup.prompts_NP[:3]
   smp = make_sampler(setup, num_generations=2, greedy=True)
   base = smp(state, prompts_NP, jax.random.key(0))
   assert base.tokens_BT.shape[0] == 6 and base.routes_LBTK.shape[1] == 6
@@ -214,6 +225,6 @@ def test_routes_dtype_and_length_check(setup):
   assert sampler_lib.routes_dtype(127) == np.int8
   assert sampler_lib.routes_dtype(128) == np.int16
   assert sampler_lib.routes_dtype(40000) == np.int32
-  smp = make_sampler(setup, max_new_tokens=setup[0].max_seq_len)
+  smp = make_sampler(setup, max_new_tokens=setup.cfg.max_seq_len)
   with pytest.raises(ValueError, match='max_seq_len'):
-    smp(setup[3], setup[5], jax.random.key(0))
+    smp(setup.state, setup.prompts_NP, jax.random.key(0))
