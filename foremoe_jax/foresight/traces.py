@@ -112,7 +112,12 @@ def trace_from_step_loads(step_loads, meta: dict | None = None) -> Trace:
   if loads_RMLDE.ndim != 5:
     raise ValueError(f'each step must be [M, L, D, E]; got '
                      f'{loads_RMLDE.shape[1:]}.')
-  return Trace(loads_RMLDE, dict(meta or {'source': 'routing records'}))
+  return Trace(loads_RMLDE, _jsonable(meta or {'source': 'routing records'}))
+
+
+def _jsonable(meta: dict) -> dict:
+  """The meta as it will read back from disk (tuples become lists)."""
+  return json.loads(json.dumps(meta))
 
 
 def save_trace(path: str, trace: Trace) -> None:
@@ -218,7 +223,7 @@ def synthetic_trace(cfg: SyntheticTraceConfig) -> Trace:
     loads_QLE[:, l] = rng.multinomial(tokens_Q * cfg.top_k, p_QE)
   loads_RMDBLE = loads_QLE.reshape(R, M, D, B, L, E)
   loads_RMLDE = loads_RMDBLE.sum(axis=3).transpose(0, 1, 3, 2, 4)
-  meta = {'source': 'synthetic', **dataclasses.asdict(cfg)}
+  meta = _jsonable({'source': 'synthetic', **dataclasses.asdict(cfg)})
   return Trace(np.ascontiguousarray(loads_RMLDE), meta)
 
 

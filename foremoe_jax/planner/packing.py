@@ -5,10 +5,10 @@ steps, or one micro-step's foresight) this module decides
 
 1. ``replica_counts``: how many slots each expert gets (water-filling on
    load per replica, as EPLB does),
-2. ``pack_nodes``: which node each replica goes to (largest replica first to
-   the least-loaded node with room, spreading an expert's replicas over nodes
-   so that sources find a replica on their own node),
-3. ``pack_devices``: which device of its node it goes to (same rule, never
+2. node packing: which node each replica goes to (largest replica first to
+   the least-loaded node with room, spreading an expert's replicas over
+   nodes so that sources find a replica on their own node),
+3. device packing: which device of its node it goes to (same rule, never
    two copies of one expert on a device),
 
 and ``align_to_current`` relabels the result's nodes and devices (which are
@@ -85,30 +85,31 @@ def _replica_items(r_LE, w_LE):
 
 
 def _greedy_pack(expert_BI, unit_BI, num_bins, capacity, num_experts,
-                 hard_distinct):
+                 max_copies):
   """Largest-first packing of items into bins of `capacity` items each.
 
   Batched over B independent problems. An item goes to the least-loaded bin
-  with room that does not hold its expert yet (a hard rule when
-  `hard_distinct`, else a preference). Returns bin per item, [B, I].
+  with room that holds fewer than `max_copies` of its expert, preferring
+  bins that hold none (spreading replicas). Returns bin per item, [B, I].
   """
   num_b, num_items = expert_BI.shape
   load_BN = np.zeros((num_b, num_bins))
   fill_BN = np.zeros((num_b, num_bins), np.int64)
-  holds_BNE = np.zeros((num_b, num_bins, num_experts), bool)
+  held_BNE = np.zeros((num_b, num_bins, num_experts), np.int64)
   bin_BI = np.empty((num_b, num_items), np.int64)
   bk = np.arange(num_b)
   big = 1e30
   for i in range(num_items):
     e_B = expert_BI[:, i]
-    held_BN = holds_BNE[bk, :, e_B]
-    cost_BN = load_BN + np.where(fill_BN >= capacity, 4 * big, 0.0)
-    cost_BN = cost_BN + np.where(held_BN, 2 * big if hard_distinct else big, 0.0)
+    held_BN = held_BNE[bk, :, e_B]
+    cost_BN = (load_BN + np.where(fill_BN >= capacity, 4 * big, 0.0)
+               + np.where(held_BN >= max_copies, 2 * big, 0.0)
+               + np.where(held_BN > 0, big, 0.0))
     b_B = np.argmin(cost_BN, axis=1)
     bin_BI[:, i] = b_B
     load_BN[bk, b_B] += np.maximum(unit_BI[:, i], 0.0)
     fill_BN[bk, b_B] += 1
-    holds_BNE[bk, b_B, e_B] = True
+    held_BNE[bk, b_B, e_B] += 1
   return bin_BI
 
 
@@ -121,8 +122,9 @@ def hierarchical_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
   r_LE = replica_counts(w_LE, topo.num_slots, topo.num_devices)
   expert_LI, unit_LI = _replica_items(r_LE, w_LE)
   if n_nodes > 1:
+    # A node can use at most one copy per device.
     node_LI = _greedy_pack(expert_LI, unit_LI, n_nodes, g * s, num_experts,
-                           hard_distinct=False)
+                           max_copies=g)
   else:
     node_LI = np.zeros_like(expert_LI)
   # Items of each node, still heaviest first: [L * N, G * s].
@@ -131,8 +133,7 @@ def hierarchical_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
       num_layers * n_nodes, g * s)
   unit_BJ = np.take_along_axis(unit_LI, order, 1).reshape(
       num_layers * n_nodes, g * s)
-  dev_BJ = _greedy_pack(expert_BJ, unit_BJ, g, s, num_experts,
-                        hard_distinct=True)
+  dev_BJ = _greedy_pack(expert_BJ, unit_BJ, g, s, num_experts, max_copies=1)
   # Slots of a device in item order (heaviest first).
   order = np.argsort(dev_BJ, axis=1, kind='stable')
   se_BJ = np.take_along_axis(expert_BJ, order, 1)

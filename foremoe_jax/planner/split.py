@@ -146,8 +146,7 @@ class FlowGraph:
     topo, se, w_LE = self.topo, self.slot_expert_LS, self.w_LE
     num_layers, num_experts = w_LE.shape
     lk = np.arange(num_layers)[:, None]
-    slot_ok_LS = np.zeros(se.shape, bool)
-    slot_ok_LS[lk[..., None], np.maximum(self.table_LER, 0)] |= self.valid_LER
+    slot_ok_LS = ~second_copies(se, topo.slots_per_device)
     left_LE = self.valid_LER.sum(axis=2) >= 2
     rank_LE = np.argsort(np.argsort(-w_LE, axis=1, kind='stable'), axis=1)
     prio_LE = num_experts - rank_LE

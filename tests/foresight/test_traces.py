@@ -1,0 +1,74 @@
+"""Load traces (foresight.traces): calibration, structure, .npz round trip."""
+import numpy as np
+import pytest
+
+from foremoe_jax.foresight import traces
+
+
+def test_qwen3_like_hottest_expert_share():
+  """Step-level hottest expert: 4-6% at 128 experts, top-8 (Qwen3-30B-A3B)."""
+  cfg = traces.SyntheticTraceConfig(num_steps=4, num_layers=8)
+  trace = traces.synthetic_trace(cfg)
+  share_RL = np.stack([traces.hottest_expert_share(trace.step(r))
+                       for r in range(trace.num_steps)])
+  assert 0.04 <= share_RL.mean() <= 0.06
+  assert 0.03 <= share_RL.mean(axis=0).min()
+  assert share_RL.mean(axis=0).max() <= 0.07
+  # The skew differs per layer.
+  assert np.ptp(share_RL.mean(axis=0)) > 0.005
+
+
+def test_shapes_counts_and_determinism():
+  cfg = traces.SyntheticTraceConfig(num_steps=2, num_microsteps=3, num_layers=2,
+                                    num_experts=16, top_k=2, num_devices=4,
+                                    seqs_per_microbatch=3, tokens_per_seq=64,
+                                    tokens_per_seq_sigma=0.0,
+                                    hot_share_range=(0.1, 0.15))
+  trace = traces.synthetic_trace(cfg)
+  assert trace.loads_RMLDE.shape == (2, 3, 2, 4, 16)
+  # Every source holds 3 sequences of 64 tokens, top-2.
+  np.testing.assert_array_equal(trace.loads_RMLDE.sum(axis=-1), 3 * 64 * 2)
+  # No expert takes more than one selection per token of a sequence.
+  assert trace.loads_RMLDE.max() <= 3 * 64
+  np.testing.assert_array_equal(trace.loads_RMLDE,
+                                traces.synthetic_trace(cfg).loads_RMLDE)
+  other = traces.synthetic_trace(traces.SyntheticTraceConfig(
+      **{**cfg.__dict__, 'seed': 1}))
+  assert not np.array_equal(other.loads_RMLDE, trace.loads_RMLDE)
+
+
+def test_microsteps_swing_more_than_steps():
+  """Per-sequence correlation: a micro-step's expert mix strays far from its
+  step's, while steps stay close to each other (what step-level balancers
+  rely on and cannot follow within a step)."""
+  trace = traces.synthetic_trace(traces.SyntheticTraceConfig(num_steps=2,
+                                                            num_microsteps=16))
+  loads = trace.loads_RMLDE.astype(np.float64).sum(axis=3)  # [R, M, L, E]
+  micro = loads / loads.sum(-1, keepdims=True)
+  step = loads.sum(1) / loads.sum((1, 3))[..., None]  # [R, L, E]
+  tv_micro = 0.5 * np.abs(micro - step[:, None]).sum(-1).mean()
+  tv_steps = 0.5 * np.abs(step[0] - step[1]).sum(-1).mean()
+  assert tv_micro > 2.0 * tv_steps
+
+
+def test_npz_round_trip(tmp_path):
+  trace = traces.synthetic_trace(traces.SyntheticTraceConfig(
+      num_steps=2, num_microsteps=2, num_layers=2, num_experts=16, top_k=2,
+      num_devices=2, hot_share_range=(0.1, 0.15)))
+  path = str(tmp_path / 'trace.npz')
+  traces.save_trace(path, trace)
+  back = traces.load_trace(path)
+  np.testing.assert_array_equal(back.loads_RMLDE, trace.loads_RMLDE)
+  assert back.meta == trace.meta
+  assert back.meta['num_experts'] == 16
+
+
+def test_trace_from_step_loads_and_config_checks():
+  steps = [np.ones((2, 3, 4, 5), np.int64) * r for r in range(3)]
+  trace = traces.trace_from_step_loads(steps, {'source': 'test'})
+  assert trace.loads_RMLDE.shape == (3, 2, 3, 4, 5)
+  np.testing.assert_array_equal(trace.step(2), steps[2])
+  with pytest.raises(ValueError, match='M, L, D, E'):
+    traces.trace_from_step_loads([np.ones((2, 3))])
+  with pytest.raises(ValueError, match='hot_share_range'):
+    traces.SyntheticTraceConfig(num_experts=16)

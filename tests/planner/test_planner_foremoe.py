@@ -1,0 +1,111 @@
+"""ForeMoE planner: valid, exact, deterministic, transfer-aware, and no worse
+than the static and EPLB-step baselines on a fixed trace."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.planner import baselines, evaluate, foremoe
+from foremoe_jax.planner.topology import CostModel
+
+import planner_testlib as lib
+
+
+def plan_all_steps(trace, topo, cost, config=foremoe.ForeMoEConfig()):
+  plans, current = [], lib.identity_for(trace, topo)
+  for r in range(trace.num_steps):
+    plans.append(foremoe.plan_step(trace.step(r), topo, cost, current, config))
+    current = plans[-1].last()
+  return plans
+
+
+@pytest.mark.parametrize('machine', ['one_node', 'two_nodes'])
+def test_plans_are_valid_and_predictions_exact(machine):
+  trace, topo = getattr(lib, machine)()
+  for r, plan in enumerate(plan_all_steps(trace, topo, lib.COST)):
+    lib.check_plan(plan, trace.step(r), topo)
+    assert plan.bytes_moved_M.shape == (trace.step(r).shape[0],)
+    np.testing.assert_allclose(
+        plan.bytes_moved_M,
+        plan.moves_MLD.sum(axis=(1, 2)) * lib.COST.bytes_per_expert)
+
+
+def test_same_input_same_output():
+  trace, topo = lib.two_nodes()
+  a = foremoe.plan_step(trace.step(1), topo, lib.COST,
+                        lib.identity_for(trace, topo))
+  b = foremoe.plan_step(trace.step(1).copy(), topo, lib.COST,
+                        lib.identity_for(trace, topo))
+  for x, y in zip(a, b):
+    if isinstance(x, placement_lib.Placement):
+      np.testing.assert_array_equal(x.slot_expert, y.slot_expert)
+      np.testing.assert_array_equal(x.slot_share, y.slot_share)
+    else:
+      np.testing.assert_array_equal(x, y)
+
+
+def test_no_worse_than_static_or_eplb_step_on_any_microstep():
+  trace = lib.small_trace(num_experts=64, top_k=8, num_layers=4, num_steps=4,
+                          num_microsteps=6, tokens_per_seq=4096,
+                          hot_share_range=(0.04, 0.06))
+  topo = evaluate.BenchConfig('t', 64, 8).topology()
+  runs = evaluate.run_methods(trace, topo, lib.COST,
+                              methods=('static', 'eplb_step', 'foremoe'))
+  for r in range(1, trace.num_steps):  # Step 0 is the warm-up.
+    mm = {k: placement_lib.max_over_mean(v[0][r].loads_MLD)
+          for k, v in runs.items()}
+    best_baseline = np.minimum(mm['static'], mm['eplb_step'])
+    assert (mm['foremoe'] <= best_baseline * 1.01).all(), (
+        r, mm['foremoe'].max(), best_baseline.min())
+
+
+def test_expensive_copies_are_not_made():
+  trace, topo = lib.one_node()
+  slow = CostModel(intra_node_bw=1e3, inter_node_bw=1e3)
+  config = foremoe.ForeMoEConfig(step_anchor=False)
+  current = lib.identity_for(trace, topo)
+  plan = foremoe.plan_step(trace.step(1), topo, slow, current, config)
+  assert plan.moves_MLD.sum() == 0
+  np.testing.assert_array_equal(
+      plan.placement.slot_expert,
+      np.broadcast_to(current.slot_expert, plan.placement.slot_expert.shape))
+  # Free copies do get made, and they pay off.
+  free = CostModel(bytes_per_expert=0.0)
+  moved = foremoe.plan_step(trace.step(1), topo, free, current, config)
+  assert moved.moves_MLD.sum() > 0
+  assert (placement_lib.max_over_mean(moved.loads_MLD).mean()
+          < placement_lib.max_over_mean(plan.loads_MLD).mean())
+
+
+def test_copies_fit_the_overlap_window_and_cap():
+  trace, topo = lib.one_node()
+  cost = CostModel(bytes_per_expert=0.0)
+  current = lib.identity_for(trace, topo)
+  config = foremoe.ForeMoEConfig(step_anchor=False, max_moves_per_device=1)
+  plan = foremoe.plan_step(trace.step(1), topo, cost, current, config)
+  assert plan.moves_MLD.max() <= 1
+  # With no overlap window nothing can hide, so nothing is copied.
+  no_window = dataclasses.replace(lib.COST, overlap=0.0)
+  plan = foremoe.plan_step(trace.step(1), topo, no_window, current,
+                           foremoe.ForeMoEConfig(step_anchor=False))
+  assert plan.moves_MLD.sum() == 0
+
+
+def test_baselines_are_valid():
+  trace, topo = lib.two_nodes()
+  current = lib.identity_for(trace, topo)
+  loads = trace.step(1)
+  static = baselines.plan_static(loads, topo, lib.COST, current)
+  lib.check_plan(static, loads, topo)
+  np.testing.assert_array_equal(static.placement.slot_expert[0],
+                                current.slot_expert)
+  assert static.moves_MLD.sum() == 0
+  history = baselines.update_history(None, trace.step(0), 0.5)
+  step = baselines.plan_eplb_step(loads, topo, lib.COST, current, history)
+  lib.check_plan(step, loads, topo)
+  # One placement for the whole step: moves only before micro-step 0.
+  assert (step.placement.slot_expert == step.placement.slot_expert[0]).all()
+  assert step.moves_MLD[1:].sum() == 0
+  micro = baselines.plan_eplb_microstep(loads, topo, lib.COST, current)
+  lib.check_plan(micro, loads, topo)

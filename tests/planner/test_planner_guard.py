@@ -1,0 +1,54 @@
+"""Deadline and fallback (planner.guard): planning never blocks training."""
+import numpy as np
+import pytest
+
+from foremoe_jax.planner import guard
+
+import planner_testlib as lib
+
+
+def test_plans_and_tracks_current():
+  trace, topo = lib.one_node()
+  planner = guard.StepPlanner('foremoe', topo, lib.COST,
+                              lib.identity_for(trace, topo), deadline_s=30.0,
+                              validate=True)
+  for r in range(2):
+    plan = planner.plan(trace.step(r))
+    assert not plan.fell_back
+    lib.check_plan(plan, trace.step(r), topo)
+    np.testing.assert_array_equal(planner.current.slot_expert,
+                                  plan.placement.slot_expert[-1])
+  assert planner.stats()['fallbacks'] == 0
+  planner.close()
+
+
+@pytest.mark.parametrize('method', guard.METHODS)
+def test_missed_deadline_reuses_previous_placement(method):
+  trace, topo = lib.one_node()
+  first = lib.identity_for(trace, topo)
+  planner = guard.StepPlanner(method, topo, lib.COST, first, deadline_s=0.0)
+  plan = planner.plan(trace.step(1))
+  if plan.fell_back:  # A trivial planner may still beat a zero deadline.
+    assert planner.num_fallbacks == 1 and planner.num_timeouts == 1
+    np.testing.assert_array_equal(
+        plan.placement.slot_expert,
+        np.broadcast_to(first.slot_expert, plan.placement.slot_expert.shape))
+    assert plan.moves_MLD.sum() == 0
+  lib.check_plan(plan, trace.step(1), topo)
+  planner.close()
+
+
+def test_failure_falls_back_and_is_counted():
+  trace, topo = lib.one_node()
+  planner = guard.StepPlanner('foremoe', topo, lib.COST,
+                              lib.identity_for(trace, topo), deadline_s=30.0)
+
+  def broken(*args):
+    raise RuntimeError('planner bug')
+
+  planner._run = broken  # pylint: disable=protected-access
+  plan = planner.plan(trace.step(1))
+  assert plan.fell_back
+  assert planner.num_failures == 1 and planner.num_fallbacks == 1
+  lib.check_plan(plan, trace.step(1), topo)
+  planner.close()
