@@ -11,8 +11,9 @@ per-micro-step loads and that recompute/update replay (R3).
 Shape letters: N prompts, G generations per prompt, B = N * G samples
 (padded to Bp rows inside, see below), P prompt tokens, C completion tokens
 (= max_new_tokens), T = P + C, V vocab, L MoE layers, K top-k, E experts.
-Inside jit, B counts the padded rows and X is a column axis one longer than
-T (tokens) or C (log-probs), holding the extra call's throwaway sample.
+Inside jit, arrays named _B hold the Bp rows, and X is a column axis one
+longer than T (tokens) or C (log-probs), for the extra call's throwaway
+sample.
 
 Position conventions (what RL must reproduce):
   * tokens_BT[:, :P] is the prompt, tokens_BT[:, P:] the completion
@@ -28,9 +29,10 @@ Position conventions (what RL must reproduce):
     for every t in [0, T), position T - 1 included: the decode loop makes one
     extra model call on the last sampled token when a sequence runs to
     max_new_tokens, so the record covers every valid position, and RL, which
-    feeds tokens_BT[:, :-1], replays routes_LBTK[:, :, :-1]. Positions that were
-    never fed (after every sequence in the batch finished) hold 0, a placeholder
-    that is a legal expert id; they are never valid.
+    feeds tokens_BT[:, :-1], replays routes_LBTK[:, :, :-1]. Invalid positions
+    hold the router's choice for the PAD fed there, or 0 (a legal expert id)
+    where nothing was fed because the whole batch had finished: never use
+    them.
   * valid_BT = prompt positions and completion positions up to and including
     EOS (or all C when there is no EOS). Padding tokens are not dispatched to
     experts while sampling, matching what recompute does with valid_BT.
@@ -43,7 +45,6 @@ the B rows are padded to a multiple of the device count with invalid rows
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
