@@ -1,0 +1,89 @@
+"""Inputs and checks shared by the MSA tests.
+
+A plain module (not a conftest) so tests import its helpers by name. The
+brute-force selection here is deliberately loop-and-numpy, independent of the
+vectorised reference it checks.
+
+Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
+D head dim, I index head dim, K selected blocks.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# (b, t, s, g, r, d, di, block, top_k, q_offset): small shapes that still
+# cover GQA (r > 1), K below and above the number of blocks, lengths that are
+# not multiples of the block size and a chunked-prefill offset.
+SHAPES = {
+    'gqa': (2, 96, 96, 2, 2, 16, 8, 16, 3, 0),
+    'ragged_chunk': (1, 40, 100, 2, 3, 16, 8, 16, 4, 60),
+}
+
+
+def make_inputs(b, t, s, g, r, d, di, *, dtype=jnp.float32, seed=0):
+  """(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, w_BTHD) from a normal draw.
+
+  Normal draws are tie-free with probability one, so selections are unique.
+  """
+  ks = jax.random.split(jax.random.key(seed), 6)
+  n = jax.random.normal
+  return (n(ks[0], (b, t, g * r, d)).astype(dtype),
+          n(ks[1], (b, s, g, d)).astype(dtype),
+          n(ks[2], (b, s, g, d)).astype(dtype),
+          n(ks[3], (b, t, g, di)), n(ks[4], (b, s, di)),
+          n(ks[5], (b, t, g * r, d)).astype(jnp.float32))
+
+
+def assert_close(actual, expected, tol, what=''):
+  """max |a - e| <= tol * max(1, max |e|): absolute for O(1) values."""
+  a = np.asarray(jnp.asarray(actual, jnp.float32))
+  e = np.asarray(jnp.asarray(expected, jnp.float32))
+  assert a.shape == e.shape, (what, a.shape, e.shape)
+  err = np.max(np.abs(a - e)) if a.size else 0.0
+  bound = tol * max(1.0, float(np.max(np.abs(e))) if e.size else 1.0)
+  assert err <= bound, f'{what}: max abs err {err:.3g} > {bound:.3g}'
+
+
+def brute_force_selection(qi_BTGI, ki_BSI, block_size, top_k, q_offset):
+  """DESIGN 6.1-6.3 with Python loops over (b, g, t) and numpy."""
+  qi = np.asarray(qi_BTGI, np.float64)
+  ki = np.asarray(ki_BSI, np.float64)
+  b, t, g, di = qi.shape
+  out = np.full((b, g, t, top_k), -1, np.int32)
+  for bb in range(b):
+    for gg in range(g):
+      for tt in range(t):
+        pos = tt + q_offset
+        local = pos // block_size
+        logits = ki[bb, :pos + 1] @ qi[bb, tt, gg] / np.sqrt(di)
+        scores = [logits[n * block_size:(n + 1) * block_size].max()
+                  for n in range(local)]
+        # Stable sort on -score: lower block id first among ties.
+        earlier = sorted(range(local), key=lambda n: (-scores[n], n))
+        keep = earlier[:top_k - 1]
+        row = keep + [local]
+        out[bb, gg, tt, :len(row)] = row
+  return out
+
+
+def check_selection_invariants(sel_BGTK, block_size, q_offset):
+  """No duplicates, local block last among the valid, ids below visible."""
+  sel = np.asarray(sel_BGTK)
+  b, g, t, k = sel.shape
+  for bb in range(b):
+    for gg in range(g):
+      for tt in range(t):
+        row = sel[bb, gg, tt]
+        valid = row[row >= 0]
+        local = (tt + q_offset) // block_size
+        n_valid = min(local + 1, k)
+        assert len(valid) == n_valid, (bb, gg, tt, row)
+        assert np.all(row[:n_valid] >= 0) and np.all(row[n_valid:] == -1), row
+        assert len(set(valid.tolist())) == len(valid), f'duplicate in {row}'
+        assert valid[-1] == local, f'local {local} not last in {row}'
+        assert np.all(valid <= local), f'invisible block in {row}'
+
+
+def as_sets(sel_BGTK):
+  s = np.sort(np.asarray(sel_BGTK), axis=-1)
+  return s

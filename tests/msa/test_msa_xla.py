@@ -1,0 +1,123 @@
+"""The XLA (CPU) path against the reference: same API, same numbers."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import msa_testlib as lib
+from pallas_kernels.msa import reference as ref
+from pallas_kernels.msa import xla
+
+# Small tiles so a short test still spans several tiles and loop steps.
+SMALL = dict(pairs_per_tile=8, tiles_per_step=4)
+
+
+def _loss(attn, w):
+  def f(q, k, v):
+    out, lse = attn(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.sin(lse))
+  return f
+
+
+@pytest.mark.parametrize('name', sorted(lib.SHAPES))
+def test_selection_and_forward_match_reference(name):
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES[name]
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  scores = xla.block_scores_BGTN(qi, ki, block_size=c, q_offset=o,
+                                 q_chunk=16, k_chunk=32)
+  want_scores = ref.block_scores_BGTN(ref.index_logits_BGTS(qi, ki, o), c)
+  np.testing.assert_array_equal(np.isinf(scores), np.isinf(want_scores))
+  lib.assert_close(jnp.where(jnp.isinf(scores), 0, scores),
+                   jnp.where(jnp.isinf(want_scores), 0, want_scores), 1e-5)
+  kw = dict(block_size=c, top_k=k, q_offset=o)
+  out, aux = jax.jit(functools.partial(xla.msa_attention, **kw))(
+      q, kk, v, qi, ki)
+  want, want_aux = jax.jit(functools.partial(ref.msa_attention, **kw))(
+      q, kk, v, qi, ki)
+  np.testing.assert_array_equal(lib.as_sets(aux['sel_BGTK']),
+                                lib.as_sets(want_aux['sel_BGTK']))
+  lib.check_selection_invariants(aux['sel_BGTK'], c, o)
+  lib.assert_close(out, want, 1e-5, 'out')
+  lib.assert_close(aux['lse_BTH'], want_aux['lse_BTH'], 1e-5, 'lse')
+
+
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5),
+                                       (jnp.bfloat16, 2e-2)])
+def test_forward_and_gradients_match_reference(dtype, tol):
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
+  q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di, dtype=dtype)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o, **SMALL)
+  slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o)
+  got, want = jax.jit(fast)(q, kk, v), jax.jit(slow)(q, kk, v)
+  lib.assert_close(got[0], want[0], tol, 'out')
+  lib.assert_close(got[1], want[1], tol, 'lse')
+  g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
+  g_slow = jax.jit(jax.grad(_loss(slow, w), argnums=(0, 1, 2)))(q, kk, v)
+  for name, a, e in zip('qkv', g_fast, g_slow):
+    lib.assert_close(a, e, tol, f'd{name}')
+
+
+def test_shuffled_and_padded_selection_changes_nothing():
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['gqa']
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  perm = np.random.default_rng(1).permutation(k)
+  padded = jnp.concatenate([-jnp.ones_like(sel[..., :2]), sel[..., perm]], -1)
+  attn = jax.jit(functools.partial(xla.sparse_attention, block_size=c,
+                                   q_chunk=32, **SMALL))
+  a, z = attn(q, kk, v, sel), attn(q, kk, v, padded)
+  lib.assert_close(z[0], a[0], 1e-6)
+  lib.assert_close(z[1], a[1], 1e-6)
+
+
+def test_full_budget_equals_dense_causal_gqa():
+  b, t, s, g, r, d, di, c, _, o = lib.SHAPES['ragged_chunk']
+  q, k, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  out, _ = jax.jit(functools.partial(
+      xla.msa_attention, block_size=c, top_k=-(-s // c) + 2, q_offset=o))(
+          q, k, v, qi, ki)
+  lib.assert_close(out, ref.dense_causal_attention(q, k, v, o), 1e-5)
+
+
+def test_decode_equals_last_row_of_prefill():
+  b, s, g, r, d, di, c, k = 3, 100, 2, 2, 16, 8, 16, 3
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, s, s, g, r, d, di)
+  lengths = np.array([100, 37, 1])  # not multiples of the block size
+  out, aux = jax.jit(functools.partial(xla.msa_decode, block_size=c, top_k=k))(
+      q[np.arange(b), lengths - 1], kk, v, qi[np.arange(b), lengths - 1], ki,
+      jnp.asarray(lengths))
+  for i, n in enumerate(lengths):
+    # A full prefill of the first n tokens; its last row is the decode step.
+    row, row_aux = jax.jit(functools.partial(
+        ref.msa_attention, block_size=c, top_k=k))(
+            q[i:i + 1, :n], kk[i:i + 1, :n], v[i:i + 1, :n], qi[i:i + 1, :n],
+            ki[i:i + 1, :n])
+    row, row_aux = row[:, -1:], {kk_: x[:, -1:] if kk_ == 'lse_BTH'
+                                 else x[:, :, -1:]
+                                 for kk_, x in row_aux.items()}
+    lib.assert_close(out[i], row[0, 0], 1e-5, f'seq {i}')
+    lib.assert_close(aux['lse_BH'][i], row_aux['lse_BTH'][0, 0], 1e-5)
+    np.testing.assert_array_equal(aux['sel_BGK'][i], row_aux['sel_BGTK'][0, :, 0])
+
+
+def test_indexer_kl_loss_and_gradients_match_reference():
+  from pallas_kernels.msa import indexer_loss
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  _, aux = ref.msa_attention(q, kk, v, qi, ki, block_size=c, top_k=k,
+                             q_offset=o)
+  fast = lambda qi, ki: indexer_loss.indexer_kl_loss(
+      q, kk, qi, ki, aux['sel_BGTK'], aux['lse_BTH'], block_size=c,
+      q_offset=o, pairs_per_tile=8, tiles_per_step=4)
+  slow = lambda qi, ki: ref.indexer_kl_loss(q, kk, qi, ki, aux['sel_BGTK'],
+                                            block_size=c, q_offset=o)
+  l_fast, g_fast = jax.jit(jax.value_and_grad(fast, argnums=(0, 1)))(qi, ki)
+  l_slow, g_slow = jax.jit(jax.value_and_grad(slow, argnums=(0, 1)))(qi, ki)
+  lib.assert_close(l_fast, l_slow, 1e-5, 'loss')
+  for a, e in zip(g_fast, g_slow):
+    lib.assert_close(a, e, 1e-5, 'grad')
