@@ -13,6 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.task = 'addition'
+  c.task_kwargs = ml_collections.ConfigDict({'partial_credit': 0.0})
 
   c.model = config_lib.model_defaults()
   c.model.name = 'tiny'

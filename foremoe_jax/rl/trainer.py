@@ -68,7 +68,7 @@ def train(config, workdir: str) -> dict:
   """Runs warm start + RL; writes metrics.jsonl, PNG plots and checkpoints."""
   config_lib.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
-  task = get_task(config.task)
+  task = get_task(config.task, **config.get('task_kwargs', {}))
   mcfg = config.model
   if mcfg.vocab_size < task.vocab_size:
     raise config_lib.ConfigError(
