@@ -50,17 +50,17 @@ class ForeMoEConfig:
   min_gain_frac: float = 0.002
   """Moves must save at least this fraction of the mean device load, even
   when copies are free (keeps free moves from chasing noise)."""
-  max_rounds: int = 6
+  max_rounds: int = 4
   """Rounds of moves per micro-step; each round moves at most one expert
   into each cold device."""
   pairs_per_round: int = 0
   """Hot/cold device pairs tried per round per layer (0: half the devices)."""
-  sweeps: int = 2
+  sweeps: int = 3
   """Gauss-Seidel sweeps of the token split before the first round."""
   round_sweeps: int = 1
   """Sweeps after each round of moves."""
   final_sweeps: int = 2
-  """Sweeps once the placement of the micro-step is fixed."""
+  """Sweeps of the layers that moved, once their placement is final."""
   max_moves_per_device: int | None = None
   """Hard cap on copies into one device per layer and micro-step, on top of
   the overlap window (None: the window alone)."""
@@ -68,6 +68,13 @@ class ForeMoEConfig:
   """Sources send tokens to replicas on their own node first."""
   step_anchor: bool = True
   """Re-anchor layers on the step-level hierarchical placement when it pays."""
+  anchor_tol: float = 0.02
+  """Layers whose step-level max/mean is within this are not re-anchored."""
+  band_cost_scale: float = 0.5
+  """Which devices count as hot: bringing the j hottest down to the next
+  load is deemed worth it when the straggler time saved exceeds j copies
+  times this scale (below 1: one copy often relieves several devices,
+  since the split then spreads the slack)."""
   warm_start: bool = True
   """Start each micro-step's split from the previous one's proportions."""
 
@@ -79,35 +86,71 @@ def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel):
           + inter_LD * cost.move_tokens(True)).sum(axis=1)
 
 
-def step_anchor(w_LE, current_LS, topo: Topology, cost: CostModel,
-                cfg: ForeMoEConfig):
+def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
+                cost: CostModel, cfg: ForeMoEConfig):
   """Per layer, the current placement or the step-level hierarchical one.
 
-  The hierarchical placement (steps 1-3) is adopted for a layer when the
-  step's straggler load it removes is worth more than copying it in.
+  `graph` holds the current placement with the step's total loads. Layers
+  whose step-level balance (with the best split) is within `anchor_tol` keep
+  their placement; for the others the hierarchical placement (steps 1-3) is
+  adopted when the step's straggler load it removes is worth more than
+  copying it in. Returns (slot_expert [L, S], changed layers [L]).
   """
-  target_LS = packing.hierarchical_placement(w_LE, topo)
-  target_LS = packing.align_to_current(target_LS, current_LS, topo)
+  current_LS = np.asarray(current_LS, np.int64)
+  changed_L = np.zeros(current_LS.shape[0], bool)
   sweeps = cfg.sweeps + cfg.final_sweeps
-  _, y_cur_LD = split.balanced_flows(current_LS, w_LE, topo, sweeps=sweeps)
+  _, y_cur_LD = graph.sweep(graph.initial_flows(), sweeps)
+  bad = np.flatnonzero(placement_lib.max_over_mean(y_cur_LD)
+                       > 1 + cfg.anchor_tol)
+  if not len(bad):
+    return current_LS, changed_L
+  w_LE = graph.w_LE[bad]
+  target_LS = packing.hierarchical_placement(w_LE, topo)
+  target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
   _, y_tgt_LD = split.balanced_flows(target_LS, w_LE, topo, sweeps=sweeps)
-  gain_L = y_cur_LD.max(axis=1) - y_tgt_LD.max(axis=1)
-  adopt_L = gain_L > _move_tokens(target_LS, current_LS, topo, cost)
-  return np.where(adopt_L[:, None], target_LS, current_LS).astype(np.int64)
+  gain_L = y_cur_LD[bad].max(axis=1) - y_tgt_LD.max(axis=1)
+  adopt = gain_L > _move_tokens(target_LS, current_LS[bad], topo, cost)
+  out_LS = current_LS.copy()
+  out_LS[bad[adopt]] = target_LS[adopt]
+  changed_L[bad[adopt]] = True
+  return out_LS, changed_L
 
 
-def _propose_moves(se_LS, x_LS, y_LD, graph: split.FlowGraph, budget_LD,
-                   moves_LD, active_L, topo: Topology, cost: CostModel,
+def _target_level(y_LD, move_tokens: float, cfg: ForeMoEConfig):
+  """Load level above which devices should shed load, per layer: [L].
+
+  Bringing the j hottest devices down to the (j+1)-th load shortens the
+  straggler by the gap at the cost of about j copies; the level is the one
+  where that pays most (never below mean * (1 + balance_tol)). Many devices
+  slightly above the rest are thus left alone: fixing all of them would
+  cost more copies than the straggler time it saves.
+  """
+  num_devices = y_LD.shape[1]
+  desc_LD = -np.sort(-y_LD, axis=1)
+  j = np.arange(1, num_devices)
+  net_LJ = (desc_LD[:, :1] - desc_LD[:, 1:]) - j * move_tokens
+  best_L = np.argmax(net_LJ, axis=1)
+  level_L = np.where(net_LJ[np.arange(len(y_LD)), best_L] > 0,
+                     desc_LD[np.arange(len(y_LD)), best_L + 1], desc_LD[:, 0])
+  return np.maximum(level_L, y_LD.mean(axis=1) * (1 + cfg.balance_tol))
+
+
+def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
+                   budget_LD, moves_LD, topo: Topology, cost: CostModel,
                    cfg: ForeMoEConfig):
-  """One round of moves, at most one per cold device: accepted
-  (layer, slot, expert, device, cost) arrays."""
-  num_layers = se_LS.shape[0]
+  """One round of moves in the given layers, at most one per cold device:
+  accepted (layer, slot, expert, device, cost) arrays."""
+  # Work on the active layers only (later rounds have few).
+  se_LS, x_LS, y_LD = se_LS[layers], x_LS[layers], y_LD[layers]
+  budget_LD, moves_LD = budget_LD[layers], moves_LD[layers]
+  count_LE = graph.count_LE[layers]
+  table_LER, valid_LER = graph.table_LER[layers], graph.valid_LER[layers]
+  num_layers = len(layers)
   num_devices, s = topo.num_devices, topo.slots_per_device
   mean_L = y_LD.mean(axis=1)
-  # Only devices above the tolerance can give; pair no more than that.
-  n_hot = int((active_L[:, None]
-               & (y_LD > (mean_L * (1 + cfg.balance_tol))[:, None])
-               ).sum(axis=1).max())
+  cheapest = float(cost.move_tokens(False))
+  hot_LD = y_LD > _target_level(y_LD, cfg.band_cost_scale * cheapest, cfg)[:, None]
+  n_hot = int(hot_LD.sum(axis=1).max())
   n_pairs = min(cfg.pairs_per_round or num_devices // 2, num_devices // 2,
                 n_hot)
   empty = (np.zeros(0, np.int64),) * 4 + (np.zeros(0),)
@@ -115,77 +158,102 @@ def _propose_moves(se_LS, x_LS, y_LD, graph: split.FlowGraph, budget_LD,
     return empty
   lk = np.arange(num_layers)[:, None]
   l3 = lk[:, :, None]
-  count_LS = graph.count_LE[lk, se_LS]
+  count_LS = count_LE[lk, se_LS]
   evictable_LS = count_LS >= 2
-  cheapest = float(cost.move_tokens(False))
   cap = np.inf if cfg.max_moves_per_device is None else cfg.max_moves_per_device
   can_take_LD = (evictable_LS.reshape(num_layers, num_devices, s).any(axis=2)
-                 & (budget_LD >= cheapest) & (moves_LD < cap))
+                 & (budget_LD >= cheapest) & (moves_LD < cap) & ~hot_LD)
   hot_LP = np.argsort(-y_LD, axis=1, kind='stable')[:, :n_pairs]
+  # Each hot device may pick among the few coldest devices that can take a
+  # copy (the very coldest may only hold replicas whose eviction hurts).
+  n_cold = min(n_pairs + 2, num_devices)
   cold_key_LD = np.where(can_take_LD, y_LD, np.inf)
-  cold_LP = np.argsort(cold_key_LD, axis=1, kind='stable')[:, :n_pairs]
-  y_hot_LP, y_cold_LP = y_LD[lk, hot_LP], y_LD[lk, cold_LP]
-  pair_ok_LP = (active_L[:, None]
-                & (y_hot_LP > (mean_L * (1 + cfg.balance_tol))[:, None])
-                & np.isfinite(cold_key_LD[lk, cold_LP])
-                & (y_cold_LP < y_hot_LP))
+  cold_LQ = np.argsort(cold_key_LD, axis=1, kind='stable')[:, :n_cold]
+  y_hot_LP, y_cold_LQ = y_LD[lk, hot_LP], y_LD[lk, cold_LQ]
+  hot_ok_LP = hot_LD[lk, hot_LP]
+  cold_ok_LQ = np.isfinite(cold_key_LD[lk, cold_LQ])
   slot_hot_LPi = hot_LP[..., None] * s + np.arange(s)
-  slot_cold_LPk = cold_LP[..., None] * s + np.arange(s)
+  slot_cold_LQk = cold_LQ[..., None] * s + np.arange(s)
   e_hot_LPi, x_hot_LPi = se_LS[l3, slot_hot_LPi], x_LS[l3, slot_hot_LPi]
-  e_cold_LPk, x_cold_LPk = se_LS[l3, slot_cold_LPk], x_LS[l3, slot_cold_LPk]
-  on_cold_LPi = (e_hot_LPi[..., :, None] == e_cold_LPk[..., None, :]).any(-1)
+  e_cold_LQk, x_cold_LQk = se_LS[l3, slot_cold_LQk], x_LS[l3, slot_cold_LQk]
   # Evicting a replica sends its flow to the expert's other replicas; the
   # level they reach is the damage the eviction does.
-  l4 = l3[..., None]
-  rep_LPkR = graph.table_LER[l3, e_cold_LPk]
-  rep_ok_LPkR = graph.valid_LER[l3, e_cold_LPk] & (rep_LPkR != slot_cold_LPk[..., None])
-  base_LPkR = y_LD[l4, np.maximum(rep_LPkR, 0) // s]
-  level_LPk = split.fill_level(base_LPkR, x_cold_LPk, rep_ok_LPkR)
-  level_LPk = np.where(x_cold_LPk > 0, level_LPk, -np.inf)
-  y_after_LPk = y_cold_LP[..., None] - x_cold_LPk
-  gap_LPik = y_hot_LP[..., None, None] - y_after_LPk[..., None, :]
-  shift_LPik = np.minimum(x_hot_LPi[..., :, None], 0.5 * gap_LPik)
-  new_max_LPik = np.maximum(
-      np.maximum(y_hot_LP[..., None, None] - shift_LPik,
-                 y_after_LPk[..., None, :] + shift_LPik),
-      level_LPk[..., None, :])
-  gain_LPik = y_hot_LP[..., None, None] - new_max_LPik
+  ev_ok_LQk = evictable_LS[l3, slot_cold_LQk] & cold_ok_LQ[..., None]
+  rep_LQkR = table_LER[l3, e_cold_LQk]
+  rep_ok_LQkR = (valid_LER[l3, e_cold_LQk] & ev_ok_LQk[..., None]
+                 & (rep_LQkR != slot_cold_LQk[..., None]))
+  base_LQkR = y_LD[l3[..., None], np.maximum(rep_LQkR, 0) // s]
+  level_LQk = split.fill_level(base_LQkR, x_cold_LQk, rep_ok_LQkR)
+  level_LQk = np.where(x_cold_LQk > 0, level_LQk, -np.inf)
+  y_after_LQk = y_cold_LQ[..., None] - x_cold_LQk
+  # Each cold device offers the slot whose eviction leaves the most room
+  # without lifting the evicted expert's other replicas too high (judged
+  # against the hottest device, for which it matters most).
+  y_ref_L1 = y_hot_LP[:, :1]
+  offer_LQk = np.where(ev_ok_LQk, np.maximum(
+      level_LQk, 0.5 * (y_ref_L1[..., None] + y_after_LQk)), np.inf)
+  k_LQ = np.argmin(offer_LQk, axis=2)
+  offer_ok_LQ = np.isfinite(np.take_along_axis(offer_LQk, k_LQ[..., None], 2)
+                            [..., 0])
+  pick = lambda a_LQk: np.take_along_axis(a_LQk, k_LQ[..., None], 2)[..., 0]
+  level_LQ, y_after_LQ = pick(level_LQk), pick(y_after_LQk)
+  e_ev_LQ, slot_ev_LQ = pick(e_cold_LQk), pick(slot_cold_LQk)
+  # Copy expert i of hot device p to cold device q: [L, P, Q, i].
+  yh = y_hot_LP[:, :, None, None]
+  shift = np.minimum(x_hot_LPi[:, :, None, :],
+                     0.5 * (yh - y_after_LQ[:, None, :, None]))
+  new_max = np.maximum(np.maximum(yh - shift, y_after_LQ[:, None, :, None]
+                                  + shift), level_LQ[:, None, :, None])
+  gain = yh - new_max
+  holds_LDE = np.zeros((num_layers, num_devices, count_LE.shape[1]), bool)
+  holds_LDE[lk, topo.device_of_slot()[None], se_LS] = True
+  on_cold_LPQi = holds_LDE[l3[..., None], cold_LQ[:, None, :, None],
+                           e_hot_LPi[:, :, None, :]]
   if topo.num_nodes > 1:
     # The copy comes from a replica on the cold device's node if there is one.
-    node_S = topo.node_of_device()[topo.device_of_slot()]
-    rep_hot_LPiR = graph.table_LER[l3, e_hot_LPi]
-    rep_node = np.where(rep_hot_LPiR >= 0, node_S[np.maximum(rep_hot_LPiR, 0)], -1)
-    cold_node_LP = topo.node_of_device()[cold_LP]
-    inter_LPi = ~(rep_node == cold_node_LP[..., None, None]).any(-1)
-    cost_LPi = cost.move_tokens(inter_LPi)
+    node_of = topo.node_of_device()
+    on_node_LNE = holds_LDE.reshape(num_layers, topo.num_nodes,
+                                    topo.devices_per_node, -1).any(axis=2)
+    inter_LPQi = ~on_node_LNE[l3[..., None], node_of[cold_LQ][:, None, :, None],
+                              e_hot_LPi[:, :, None, :]]
+    cost_LPQi = cost.move_tokens(inter_LPQi)
   else:
-    cost_LPi = np.full(e_hot_LPi.shape, cheapest)
-  budget_LP = budget_LD[lk, cold_LP]
-  ok = (pair_ok_LP[..., None, None]
-        & ~on_cold_LPi[..., :, None]
-        & evictable_LS[l3, slot_cold_LPk][..., None, :]
-        & (e_hot_LPi[..., :, None] != e_cold_LPk[..., None, :])
-        & (x_hot_LPi[..., :, None] > 0)
-        & (cost_LPi <= budget_LP[..., None])[..., None]
-        & (gain_LPik > cfg.min_gain_frac * mean_L[:, None, None, None]))
-  net_LPik = np.where(ok, gain_LPik - cost_LPi[..., None], -np.inf)
-  flat = net_LPik.reshape(num_layers, n_pairs, s * s)
-  best_LP = np.argmax(flat, axis=2)
-  best_net_LP = np.take_along_axis(flat, best_LP[..., None], 2)[..., 0]
-  i_LP, k_LP = best_LP // s, best_LP % s
-  accept_LP = best_net_LP > 0
-  evict_LP = np.take_along_axis(e_cold_LPk, k_LP[..., None], 2)[..., 0]
-  # One eviction per expert per round, so no expert loses its last replica.
-  earlier_PP = np.tril(np.ones((n_pairs, n_pairs), bool), k=-1)
-  same = ((evict_LP[:, :, None] == evict_LP[:, None, :])
-          & accept_LP[:, None, :] & earlier_PP[None])
-  accept_LP &= ~same.any(axis=2)
-  layer, pair = np.nonzero(accept_LP)
-  return (layer,
-          slot_cold_LPk[layer, pair, k_LP[layer, pair]],
-          e_hot_LPi[layer, pair, i_LP[layer, pair]],
-          cold_LP[layer, pair],
-          cost_LPi[layer, pair, i_LP[layer, pair]])
+    cost_LPQi = np.full(on_cold_LPQi.shape, cheapest)
+  budget_LQ = budget_LD[lk, cold_LQ]
+  ok = (hot_ok_LP[:, :, None, None]
+        & offer_ok_LQ[:, None, :, None]
+        & ~on_cold_LPQi
+        & (e_hot_LPi[:, :, None, :] != e_ev_LQ[:, None, :, None])
+        & (x_hot_LPi[:, :, None, :] > 0)
+        & (y_cold_LQ[:, None, :] < y_hot_LP[:, :, None])[..., None]
+        & (cost_LPQi <= budget_LQ[:, None, :, None])
+        & (gain > cfg.min_gain_frac * mean_L[:, None, None, None]))
+  net = np.where(ok, gain - cost_LPQi, -np.inf)
+  # Hottest device chooses first; a cold device takes one copy per round,
+  # an expert loses one replica per round (so never its last).
+  best_LPQ = np.argmax(net, axis=3)
+  best_net_LPQ = np.take_along_axis(net, best_LPQ[..., None], 3)[..., 0]
+  taken_LQ = np.zeros((num_layers, n_cold), bool)
+  evicted_LE = np.zeros(count_LE.shape, bool)
+  out = []
+  for p in range(n_pairs):
+    cand_LQ = np.where(taken_LQ | evicted_LE[lk, e_ev_LQ], -np.inf,
+                       best_net_LPQ[:, p])
+    q_L = np.argmax(cand_LQ, axis=1)
+    take_L = cand_LQ[np.arange(num_layers), q_L] > 0
+    if not take_L.any():
+      continue
+    layer = np.flatnonzero(take_L)
+    q = q_L[layer]
+    i = best_LPQ[layer, p, q]
+    taken_LQ[layer, q] = True
+    evicted_LE[layer, e_ev_LQ[layer, q]] = True
+    out.append((layer, slot_ev_LQ[layer, q], e_hot_LPi[layer, p, i],
+                cold_LQ[layer, q], cost_LPQi[layer, p, q, i]))
+  if not out:
+    return empty
+  layer, slot, expert, device, tokens = (np.concatenate(v) for v in zip(*out))
+  return np.asarray(layers)[layer], slot, expert, device, tokens
 
 
 def _fractions(x_LS, se_LS, w_LE):
@@ -228,8 +296,8 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
     if not active_L.any():
       break
     layer, slot, expert, device, tokens = _propose_moves(
-        se_LS, x_LS, y_LD, graph, budget_LD, moves_LD, active_L, topo, cost,
-        cfg)
+        np.flatnonzero(active_L), se_LS, x_LS, y_LD, graph, budget_LD,
+        moves_LD, topo, cost, cfg)
     moved_L = np.zeros(num_layers, bool)
     moved_L[layer] = True
     active_L &= moved_L
@@ -249,9 +317,14 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
         np.stack([layer, expert], 1), np.stack([layer, evicted], 1)]), axis=0)
     moved_LE[pairs[:, 0], pairs[:, 1]] = True
     x_LS, y_LD = graph.refill(x_LS, pairs[:, 0], pairs[:, 1])
-    x_LS, y_LD = start_graph.sweep(x_LS, cfg.round_sweeps, skip_LE=moved_LE)
+    x_LS, y_LD = start_graph.sweep(x_LS, cfg.round_sweeps, skip_LE=moved_LE,
+                                   layers=np.unique(layer))
   if moved_LE.any():
-    x_LS, y_LD = graph.sweep(x_LS, cfg.final_sweeps)
+    # Layers without moves keep their first sweeps' split.
+    moved_L = moved_LE.any(axis=1)
+    graph.colour_like(start_graph, moved_L)
+    x_LS, y_LD = graph.sweep(x_LS, cfg.final_sweeps,
+                             layers=np.flatnonzero(moved_L))
   return graph, x_LS, y_LD
 
 
@@ -283,10 +356,13 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
     raise ValueError(f'current placement is {cur_LS.shape}, expected '
                      f'{(num_layers, topo.num_slots)}.')
   w_MLE = loads_MLDE.sum(axis=2).astype(np.float64)
-  se_LS = cur_LS
+  graph = split.FlowGraph(cur_LS, w_MLE.sum(axis=0), topo)
   if config.step_anchor:
-    se_LS = step_anchor(w_MLE.sum(axis=0), cur_LS, topo, cost, config)
-  graph = split.FlowGraph(se_LS, w_MLE[0], topo)
+    se_LS, changed_L = step_anchor(graph, cur_LS, topo, cost, config)
+    if changed_L.any():
+      anchored = split.FlowGraph(se_LS, w_MLE[0], topo)
+      anchored.colour_like(graph, changed_L)
+      graph = anchored
   frac_LS, window_L = None, None
   se_list, x_list = [], []
   for m in range(num_micro):

@@ -47,6 +47,8 @@ def replica_table(slot_expert_LS: np.ndarray, num_experts: int):
 # Height of padding bins: far above any load, so water never reaches them,
 # yet finite, so sums stay exact for the real bins sorted before them.
 _WALL = 1e18
+_INV_K = 1.0 / np.arange(1, 4097)  # Read-only: 1/k for water levels.
+_INV_K.flags.writeable = False
 
 
 def second_copies(slot_expert_LS, slots_per_device: int) -> np.ndarray:
@@ -72,7 +74,8 @@ def fill_level(base_NR: np.ndarray, amount_N: np.ndarray,
   b_NR = base_NR if valid_NR is None else np.where(valid_NR, base_NR, _WALL)
   cum_NR = np.cumsum(np.sort(b_NR, axis=-1), axis=-1)
   cum_NR += amount_N[..., None]
-  cum_NR *= 1.0 / np.arange(1, b_NR.shape[-1] + 1)
+  r = b_NR.shape[-1]
+  cum_NR *= _INV_K[:r] if r <= len(_INV_K) else 1.0 / np.arange(1, r + 1)
   return cum_NR.min(axis=-1)
 
 
@@ -127,7 +130,7 @@ class FlowGraph:
       valid_LER &= ~dup_LS[lk, np.maximum(table_LER, 0)]
     self.valid_LER = valid_LER
     self.table_LER = table_LER
-    self._colours = None  # [L, C, K] expert ids, -1 padded; built on demand.
+    self._colour_LE = None  # Colour per expert (-1: single); on demand.
     self._tables = None  # Per colour (fx, fy, (layer, expert), ok); on demand.
     self._amounts = None  # Per colour, the loads to pour [L, K].
 
@@ -139,73 +142,104 @@ class FlowGraph:
     other._amounts = None
     return other
 
-  def _colour(self):
-    """Greedy colouring, heaviest expert first, one vectorised pass per
-    colour: an expert takes the colour when it outranks every uncoloured
-    expert on each of its devices."""
-    topo, se, w_LE = self.topo, self.slot_expert_LS, self.w_LE
+  def _colour(self, layers):
+    """Colour of each replicated expert of the given layers, -1 for the
+    rest: [len(layers), E].
+
+    Greedy colouring, vectorised over layers. Each colour is a maximal set
+    of experts with pairwise distinct devices, grown in a few passes: an
+    expert joins when all its devices are still free in this colour and it
+    outranks (heaviest first) every other candidate on them.
+    """
+    topo, s = self.topo, self.topo.slots_per_device
+    se, w_LE = self.slot_expert_LS[layers], self.w_LE[layers]
     num_layers, num_experts = w_LE.shape
     lk = np.arange(num_layers)[:, None]
-    slot_ok_LS = ~second_copies(se, topo.slots_per_device)
-    left_LE = self.valid_LER.sum(axis=2) >= 2
+    slot_ok_LS = ~second_copies(se, s)
+    left_LE = self.valid_LER[layers].sum(axis=2) >= 2
     rank_LE = np.argsort(np.argsort(-w_LE, axis=1, kind='stable'), axis=1)
     prio_LE = num_experts - rank_LE
     colour_LE = np.full((num_layers, num_experts), -1, np.int64)
     flat_LS = (lk * num_experts + se).ravel()
+
+    def per_expert_any(flag_LS):
+      return np.bincount(flat_LS, weights=flag_LS.ravel(),
+                         minlength=num_layers * num_experts
+                         ).reshape(num_layers, num_experts) > 0
+
     c = 0
     while left_LE.any():
-      p_LS = np.where(slot_ok_LS, np.where(left_LE, prio_LE, 0)[lk, se], 0)
-      top_LD = p_LS.reshape(num_layers, topo.num_devices, -1).max(axis=2)
-      lose_LS = slot_ok_LS & (p_LS < np.repeat(top_LD, topo.slots_per_device, 1))
-      lost_LE = np.bincount(flat_LS, weights=lose_LS.ravel(),
-                            minlength=num_layers * num_experts
-                            ).reshape(num_layers, num_experts)
-      pick_LE = left_LE & (lost_LE == 0)
-      colour_LE[pick_LE] = c
-      left_LE &= ~pick_LE
+      used_LD = np.zeros((num_layers, topo.num_devices), bool)
+      cand_LE = left_LE.copy()
+      while cand_LE.any():
+        p_LS = np.where(slot_ok_LS, np.where(cand_LE, prio_LE, 0)[lk, se], 0)
+        top_LD = p_LS.reshape(num_layers, topo.num_devices, s).max(axis=2)
+        lose_LS = slot_ok_LS & (p_LS < np.repeat(top_LD, s, 1))
+        pick_LE = cand_LE & ~per_expert_any(lose_LS)
+        colour_LE[pick_LE] = c
+        left_LE &= ~pick_LE
+        picked_LS = slot_ok_LS & pick_LE[lk, se]
+        used_LD |= picked_LS.reshape(num_layers, topo.num_devices, s).any(2)
+        # Candidates touching a device this colour now uses drop out.
+        blocked_LS = slot_ok_LS & np.repeat(used_LD, s, 1)
+        cand_LE &= ~pick_LE & ~per_expert_any(blocked_LS)
       c += 1
-    if c == 0:
-      return np.zeros((num_layers, 0, 1), np.int64)
-    key_LE = np.where(colour_LE >= 0, colour_LE, c) * num_experts + np.arange(
-        num_experts)
-    order_LE = np.argsort(key_LE, axis=1)
-    col_sorted = np.take_along_axis(colour_LE, order_LE, 1)
-    per_LC = np.stack([(colour_LE == k).sum(axis=1) for k in range(c)], 1)
-    start_LC = np.cumsum(per_LC, axis=1) - per_LC
-    ok = col_sorted >= 0
-    rank = np.arange(num_experts)[None] - np.take_along_axis(
-        start_LC, np.maximum(col_sorted, 0), 1)
-    colours_LCK = np.full((num_layers, c, max(int(per_LC.max()), 1)), -1,
-                          np.int64)
-    colours_LCK[np.broadcast_to(lk, ok.shape)[ok], col_sorted[ok], rank[ok]] = (
-        order_LE[ok])
-    return colours_LCK
+    return colour_LE
+
+  def colour_like(self, other: 'FlowGraph', changed_L) -> None:
+    """Takes `other`'s colours for the layers whose placement is unchanged
+    (colouring is the costly part of a graph) and colours the others."""
+    if other._colour_LE is None:
+      return
+    colour_LE = other._colour_LE.copy()
+    changed = np.flatnonzero(changed_L)
+    if len(changed):
+      colour_LE[changed] = self._colour(changed)
+    self._colour_LE = colour_LE
 
   def _colour_tables(self):
     """Per colour: flat indices of its replicas into x [L, S+1] and y
     [L, D+1] (the extra column absorbs padding), trimmed to the colour's
-    widest expert, and the (layer, expert) each row pours."""
-    if self._colours is None:
-      self._colours = self._colour()
+    size and widest expert, and the (layer, expert) each row pours."""
+    if self._colour_LE is None:
+      self._colour_LE = self._colour(np.arange(self.num_layers))
+    colour_LE = self._colour_LE
     topo = self.topo
     num_layers, num_slots = self.num_layers, self.num_slots
+    num_experts = colour_LE.shape[1]
+    num_colours = int(colour_LE.max()) + 1
+    if num_colours == 0:
+      return []
     lk = np.arange(num_layers)[:, None]
+    # Experts sorted by colour: colour c's experts are a run of the row.
+    key_LE = np.where(colour_LE >= 0, colour_LE, num_colours)
+    order_LE = np.argsort(key_LE * num_experts + np.arange(num_experts), axis=1)
+    col_sorted = key_LE[lk, order_LE]
+    valid_LER = self.valid_LER[lk, order_LE]
+    # Valid replicas first, so trimming drops only padding.
+    rorder = np.argsort(~valid_LER, axis=2, kind='stable')
+    valid_LER = np.take_along_axis(valid_LER, rorder, 2)
+    slot_LER = np.take_along_axis(self.table_LER[lk, order_LE], rorder, 2)
+    slot_LER = np.where(valid_LER, slot_LER, num_slots)
+    dev_LER = np.where(valid_LER, slot_LER // topo.slots_per_device,
+                       topo.num_devices)
+    fx_LER = lk[..., None] * (num_slots + 1) + slot_LER
+    fy_LER = lk[..., None] * (topo.num_devices + 1) + dev_LER
+    width_LE = valid_LER.sum(axis=2)
+    count_LC = np.stack([(colour_LE == c).sum(axis=1)
+                         for c in range(num_colours)], axis=1)
+    start_LC = np.cumsum(count_LC, axis=1) - count_LC
     tables = []
-    for c in range(self._colours.shape[1]):
-      e_LK = self._colours[:, c]
-      ok_LK = e_LK >= 0
-      e_LK = np.maximum(e_LK, 0)
-      valid_LKR = self.valid_LER[lk, e_LK] & ok_LK[..., None]
-      width = max(int(valid_LKR.sum(axis=2).max()), 1)
-      # Valid entries first, so trimming to `width` drops only padding.
-      order = np.argsort(~valid_LKR, axis=2, kind='stable')[..., :width]
-      valid_LKR = np.take_along_axis(valid_LKR, order, 2)
-      slot_LKR = np.take_along_axis(self.table_LER[lk, e_LK], order, 2)
-      slot_LKR = np.where(valid_LKR, slot_LKR, num_slots)
-      dev_LKR = np.where(valid_LKR, slot_LKR // topo.slots_per_device,
-                         topo.num_devices)
-      fx = lk[..., None] * (num_slots + 1) + slot_LKR
-      fy = lk[..., None] * (topo.num_devices + 1) + dev_LKR
+    for c in range(num_colours):
+      k = max(int(count_LC[:, c].max()), 1)
+      pos_LK = np.minimum(start_LC[:, c:c + 1] + np.arange(k), num_experts - 1)
+      ok_LK = col_sorted[lk, pos_LK] == c
+      r = max(int(np.where(ok_LK, width_LE[lk, pos_LK], 0).max()), 1)
+      spare_x = lk[..., None] * (num_slots + 1) + num_slots
+      spare_y = lk[..., None] * (topo.num_devices + 1) + topo.num_devices
+      fx = np.where(ok_LK[..., None], fx_LER[lk, pos_LK, :r], spare_x)
+      fy = np.where(ok_LK[..., None], fy_LER[lk, pos_LK, :r], spare_y)
+      e_LK = order_LE[lk, pos_LK]
       tables.append((fx, fy, (np.broadcast_to(lk, e_LK.shape), e_LK), ok_LK))
     return tables
 
@@ -228,12 +262,13 @@ class FlowGraph:
         f_LER * w_LE[..., None])
     return x_LS[:, :-1]
 
-  def sweep(self, x_LS, sweeps=1, skip_LE=None):
+  def sweep(self, x_LS, sweeps=1, skip_LE=None, layers=None):
     """Gauss-Seidel sweeps of per-expert water-fills; returns (x_LS, y_LD).
 
     Experts flagged in `skip_LE` (bool [L, E]) keep their flows: they are
     the ones whose replicas changed since this graph was built, so their
-    rows here are stale (see `refill`).
+    rows here are stale (see `refill`). With `layers`, only those layers
+    are swept (the others keep their flows).
     """
     if self._tables is None:
       self._tables = self._colour_tables()
@@ -254,6 +289,11 @@ class FlowGraph:
           fx = np.where(stale_LK[..., None], spare_x[:, None, None], fx)
           fy = np.where(stale_LK[..., None], spare_y[:, None, None], fy)
         tables.append((fx, fy, lk_e, ok_LK))
+    amounts = self._amounts
+    if layers is not None:
+      tables = [(fx[layers], fy[layers], None, None)
+                for fx, fy, _, _ in tables]
+      amounts = [a[layers] for a in amounts]
     num_layers = self.num_layers
     x_LX = np.concatenate([x_LS, np.zeros((num_layers, 1))], axis=1)
     # The spare device is a wall: padding entries never take water.
@@ -261,14 +301,14 @@ class FlowGraph:
                            np.full((num_layers, 1), _WALL)], axis=1)
     x_flat, y_flat = x_LX.reshape(-1), y_LY.reshape(-1)
     for _ in range(sweeps):
-      for (fx, fy, _, _), amount_LK in zip(tables, self._amounts):
-        old_LKR = x_flat[fx]
-        base_LKR = y_flat[fy] - old_LKR
+      for (fx, fy, _, _), amount_LK in zip(tables, amounts):
+        base_LKR = y_flat[fy] - x_flat[fx]
         new_LKR = water_fill(base_LKR, amount_LK)
-        # Devices within a colour are distinct, so += has no collisions
-        # except on the spare device, where only zeros are added.
-        y_flat[fy] += new_LKR - old_LKR
+        # Devices within a colour are distinct, so the writes cannot collide
+        # except on the spare device, which stays a wall (nothing pours).
         x_flat[fx] = new_LKR
+        base_LKR += new_LKR
+        y_flat[fy] = base_LKR
     return x_LX[:, :-1], device_totals(x_LX[:, :-1], self.topo)
 
   def refill(self, x_LS, layer_N, expert_N):
@@ -373,7 +413,7 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   ok_LQ = multi_LS[lk, q_LQ]
   e_LQ = se[lk, q_LQ]
   first_LQ = np.ones_like(ok_LQ)
-  first_LQ[:, 1:] = e_LQ[:, 1:] != e_LQ[:, :-1]
+  first_LQ[:, 1:] = (e_LQ[:, 1:] != e_LQ[:, :-1]) | ~ok_LQ[:, 1:]
   last_LQ = np.ones_like(ok_LQ)
   last_LQ[:, :-1] = first_LQ[:, 1:]
   x_LQ = np.maximum(np.asarray(x_LS, np.float64)[lk, q_LQ], 0.0)
@@ -391,19 +431,27 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   n_LQD = loads_LED[lk, e_LQ]
   # Sources grouped by node ([L, Q, N, G]) meet their node's fractions by
   # broadcasting; with one fraction row for all sources N = 1 broadcasts.
+  # Padding rows (q beyond the replicated slots) are single-replica slots
+  # with lo = 0, hi = 1: count = n and share 1, which is right for them.
   n_LQNG = n_LQD.reshape(num_layers, width, *groups)
   # Any rounding works as long as the counts telescope: shares are read back
-  # from the counts, not from the fractions.
-  count = np.rint(hi_LQN.astype(np.float32)[..., None] * n_LQNG)
-  count -= np.rint(lo_LQN.astype(np.float32)[..., None] * n_LQNG)
+  # from the counts, not from the fractions. In place: these are the
+  # planner's largest arrays.
+  count = hi_LQN.astype(np.float32)[..., None] * n_LQNG
+  np.rint(count, out=count)
+  low = lo_LQN.astype(np.float32)[..., None] * n_LQNG
+  np.rint(low, out=low)
+  count -= low
   count_LQD = count.reshape(num_layers, width, num_devices)
   q_loads_LQ = count_LQD.sum(axis=2, dtype=np.float64)
-  slot_loads_LS[lk, q_LQ] = np.where(ok_LQ, q_loads_LQ, slot_loads_LS[lk, q_LQ])
-  share_LQD = np.where(n_LQD > 0, count_LQD / np.maximum(n_LQD, np.float32(1.0)),
-                       (first_LQ | ~ok_LQ)[..., None].astype(np.float32))
+  slot_loads_LS[lk, q_LQ] = q_loads_LQ
+  share_LQD = low.reshape(num_layers, width, num_devices)
+  np.maximum(n_LQD, np.float32(1.0), out=share_LQD)
+  np.divide(count_LQD, share_LQD, out=share_LQD)
+  # A source with no tokens for the expert gives its share to the first slot.
+  share_LQD += (n_LQD == 0) & first_LQ[..., None]
   share_LDS[lk[..., None], np.arange(num_devices), q_LQ[..., None]] = share_LQD
-  max_cell_L = np.maximum(single_cell_L, np.where(
-      ok_LQ[..., None], count_LQD, 0).max(axis=(1, 2)))
+  max_cell_L = np.maximum(single_cell_L, count_LQD.max(axis=(1, 2)))
   return (share_LDS, np.rint(slot_loads_LS).astype(np.int64),
           max_cell_L.astype(np.int64))
 
