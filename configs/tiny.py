@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallel.capacity_factors = (1.0, 2.0, 4.0)
 
   c.warmstart = ml_collections.ConfigDict()
-  c.warmstart.steps = 300
+  c.warmstart.steps = 800
   c.warmstart.batch_size = 64
   c.warmstart.learning_rate = 3e-3
 
@@ -48,11 +48,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.top_p = 1.0
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 30
+  c.rl.steps = 100
   c.rl.prompts_per_step = 16
   c.rl.num_generations = 8
   c.rl.num_microbatches = 4
-  c.rl.learning_rate = 1e-3
+  c.rl.learning_rate = 5e-4
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
   c.rl.beta = 0.01
