@@ -11,18 +11,23 @@ StepPlan). It follows the hierarchical decomposition of DESIGN.md §5:
 * Micro-step level (steps 4-5, ``refine_microstep``), starting from the
   previous micro-step's placement: the token split levels device loads over
   the replicas there are (``split.FlowGraph``); then, in a few vectorised
-  rounds, each of the hottest devices may hand one expert to a cold device
-  by copying it into a slot whose replica is least missed there. A move is
-  taken only when the straggler time it saves exceeds the time the copy
-  takes, and a device copies in only what hides under the overlap window of
-  a micro-step's compute. Everything else stays where it is.
+  rounds, each hot device (those whose relief pays for the copies it needs,
+  ``_target_level``) may copy one of its experts into a nearly cold device,
+  over a slot whose replica is least missed there. A move is taken only
+  when the straggler time it saves exceeds the time the copy takes, and a
+  device copies in only what hides under the overlap window of the previous
+  micro-step's compute. Everything else stays where it is.
+
+Copies made by the step-level anchor happen between RL steps (under rollout
+and recompute), so they are not held to a micro-step's window; they are
+counted in micro-step 0's moves.
 
 All layers are planned together (arrays over L); only the rounds and the
 colours of the Gauss-Seidel split are Python loops.
 
 Shape letters: M micro-steps, L layers, D devices, E experts, S slots,
-P hot/cold device pairs, s slots per device (i on the hot device, k on the
-cold one), R replicas of one expert.
+P hot devices, Q cold devices, s slots per device (i on the hot device, k
+on the cold one), R replicas of one expert.
 """
 from __future__ import annotations
 
@@ -52,9 +57,9 @@ class ForeMoEConfig:
   when copies are free (keeps free moves from chasing noise)."""
   max_rounds: int = 4
   """Rounds of moves per micro-step; each round moves at most one expert
-  into each cold device."""
+  out of each hot device and into each cold device."""
   pairs_per_round: int = 0
-  """Hot/cold device pairs tried per round per layer (0: half the devices)."""
+  """Most hot devices served per round and layer (0: half the devices)."""
   sweeps: int = 3
   """Gauss-Seidel sweeps of the token split before the first round."""
   round_sweeps: int = 1
@@ -126,13 +131,16 @@ def _target_level(y_LD, move_tokens: float, cfg: ForeMoEConfig):
   cost more copies than the straggler time it saves.
   """
   num_devices = y_LD.shape[1]
+  floor_L = y_LD.mean(axis=1) * (1 + cfg.balance_tol)
+  if num_devices < 2:
+    return np.maximum(y_LD[:, 0], floor_L)
   desc_LD = -np.sort(-y_LD, axis=1)
   j = np.arange(1, num_devices)
   net_LJ = (desc_LD[:, :1] - desc_LD[:, 1:]) - j * move_tokens
   best_L = np.argmax(net_LJ, axis=1)
   level_L = np.where(net_LJ[np.arange(len(y_LD)), best_L] > 0,
                      desc_LD[np.arange(len(y_LD)), best_L + 1], desc_LD[:, 0])
-  return np.maximum(level_L, y_LD.mean(axis=1) * (1 + cfg.balance_tol))
+  return np.maximum(level_L, floor_L)
 
 
 def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
@@ -233,27 +241,42 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   # an expert loses one replica per round (so never its last).
   best_LPQ = np.argmax(net, axis=3)
   best_net_LPQ = np.take_along_axis(net, best_LPQ[..., None], 3)[..., 0]
-  taken_LQ = np.zeros((num_layers, n_cold), bool)
-  evicted_LE = np.zeros(count_LE.shape, bool)
-  out = []
-  for p in range(n_pairs):
-    cand_LQ = np.where(taken_LQ | evicted_LE[lk, e_ev_LQ], -np.inf,
-                       best_net_LPQ[:, p])
-    q_L = np.argmax(cand_LQ, axis=1)
-    take_L = cand_LQ[np.arange(num_layers), q_L] > 0
-    if not take_L.any():
-      continue
-    layer = np.flatnonzero(take_L)
-    q = q_L[layer]
-    i = best_LPQ[layer, p, q]
-    taken_LQ[layer, q] = True
-    evicted_LE[layer, e_ev_LQ[layer, q]] = True
-    out.append((layer, slot_ev_LQ[layer, q], e_hot_LPi[layer, p, i],
-                cold_LQ[layer, q], cost_LPQi[layer, p, q, i]))
-  if not out:
+  # Each hot device takes its best cold device; when several pick the same
+  # cold device or evict the same expert, the hottest wins and the others
+  # choose again among what is left (so an expert never loses its last
+  # replica in one round).
+  earlier_PP = np.tril(np.ones((n_pairs, n_pairs), bool), k=-1)
+  free_LPQ = np.ones(best_net_LPQ.shape, bool)
+  done_LP = np.zeros((num_layers, n_pairs), bool)
+  picks = []
+  for _ in range(3):
+    net_LPQ = np.where(free_LPQ & ~done_LP[..., None], best_net_LPQ, -np.inf)
+    q_LP = np.argmax(net_LPQ, axis=2)
+    take_LP = np.take_along_axis(net_LPQ, q_LP[..., None], 2)[..., 0] > 0
+    if not take_LP.any():
+      break
+    ev_LP = np.take_along_axis(e_ev_LQ, q_LP, 1)
+    clash = (((q_LP[:, :, None] == q_LP[:, None, :])
+              | (ev_LP[:, :, None] == ev_LP[:, None, :]))
+             & take_LP[:, None, :] & earlier_PP)
+    take_LP &= ~clash.any(axis=2)
+    layer, p = np.nonzero(take_LP)
+    picks.append((layer, p, q_LP[layer, p]))
+    done_LP[layer, p] = True
+    # Cold devices taken and experts evicted are off the table for the rest.
+    taken_LQ = np.zeros((num_layers, n_cold), bool)
+    taken_LQ[layer, q_LP[layer, p]] = True
+    evicted_LE = np.zeros(count_LE.shape, bool)
+    evicted_LE[layer, ev_LP[layer, p]] = True
+    free_LPQ &= ~(taken_LQ | evicted_LE[lk, e_ev_LQ])[:, None, :]
+  if not picks:
     return empty
-  layer, slot, expert, device, tokens = (np.concatenate(v) for v in zip(*out))
-  return np.asarray(layers)[layer], slot, expert, device, tokens
+  layer, p, q = (np.concatenate(v) for v in zip(*picks))
+  if not len(layer):
+    return empty
+  i = best_LPQ[layer, p, q]
+  return (np.asarray(layers)[layer], slot_ev_LQ[layer, q],
+          e_hot_LPi[layer, p, i], cold_LQ[layer, q], cost_LPQi[layer, p, q, i])
 
 
 def _fractions(x_LS, se_LS, w_LE):
@@ -283,7 +306,14 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
   start_graph = graph
   se_LS = graph.slot_expert_LS.copy()
   num_layers = se_LS.shape[0]
-  x_LS, y_LD = graph.sweep(graph.initial_flows(frac_LS), cfg.sweeps)
+  # Balanced layers stop sweeping early; the others get all `sweeps`.
+  x_LS, y_LD = graph.sweep(graph.initial_flows(frac_LS), min(cfg.sweeps, 2))
+  for _ in range(cfg.sweeps - 2):
+    unbalanced = np.flatnonzero(placement_lib.max_over_mean(y_LD)
+                                > 1 + cfg.balance_tol)
+    if not len(unbalanced):
+      break
+    x_LS, y_LD = graph.sweep(x_LS, 1, layers=unbalanced)
   if window_L is None:
     window_L = cost.overlap * y_LD.max(axis=1)
   budget_LD = np.repeat(np.asarray(window_L, np.float64)[:, None],

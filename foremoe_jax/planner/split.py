@@ -4,18 +4,22 @@ Step 4 of the hierarchical planner (DESIGN.md §5), also used by the
 baselines. Given a placement's slot_expert and a micro-step's exact loads it
 produces, in two stages:
 
-1. ``balanced_flows``: real-valued tokens per slot that level the device
-   loads (min max load; water-filling one expert at a time over its
-   replicas, Gauss-Seidel). ``uniform_flows`` is EPLB's even split.
-2. ``split_counts``: exact integer tokens per (source device, slot), each
-   source sending an expert's tokens to the replicas in the same proportions
-   (so a hot expert's capacity-bucket cells shrink evenly), optionally
-   preferring replicas on the source's own node. ``shares_from_counts`` then
-   gives the Placement's slot_share, which reproduces those counts exactly
-   under the placement's split rule.
+1. Flows: real-valued tokens per slot. ``FlowGraph`` / ``balanced_flows``
+   level the device loads (min max load, which for splittable loads is the
+   min sum of squares: water-filling one expert at a time over its replicas,
+   Gauss-Seidel, vectorised per colour). ``uniform_flows`` is EPLB's even
+   split.
+2. ``split_tokens``: exact integer tokens per (source device, slot), each
+   source sending an expert's tokens to the replicas in the flows'
+   proportions (so a hot expert's capacity-bucket cells shrink evenly),
+   optionally preferring replicas on the source's own node, returned as the
+   Placement's slot_share (count / tokens), which reproduces those counts
+   exactly under the placement's split rule, plus per-slot loads and the
+   largest cell. ``counts_under_shares`` does the same for given shares.
 
-Shape letters: L layers, D devices, N nodes, E experts, S slots, R replicas
-of one expert (padded), C colours, K experts of one colour (padded).
+Shape letters: L layers, D devices, N nodes, G devices per node, E experts,
+S slots, R replicas of one expert (padded), K experts of one colour
+(padded), Q replicated slots (padded).
 """
 from __future__ import annotations
 
@@ -115,7 +119,8 @@ class FlowGraph:
   """
 
   def __init__(self, slot_expert_LS, w_LE, topo: Topology):
-    se = np.asarray(slot_expert_LS, np.int64)
+    # A copy: callers keep editing their placement after building a graph.
+    se = np.array(slot_expert_LS, np.int64)
     self.topo = topo
     self.slot_expert_LS = se
     self.w_LE = np.asarray(w_LE, np.float64)
@@ -437,12 +442,15 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   # Any rounding works as long as the counts telescope: shares are read back
   # from the counts, not from the fractions. In place: these are the
   # planner's largest arrays.
-  count = hi_LQN.astype(np.float32)[..., None] * n_LQNG
-  np.rint(count, out=count)
-  low = lo_LQN.astype(np.float32)[..., None] * n_LQNG
-  np.rint(low, out=low)
-  count -= low
+  upto = hi_LQN.astype(np.float32)[..., None] * n_LQNG
+  np.rint(upto, out=upto)
+  # lo of a slot is hi of the slot before it in its expert's run, so the
+  # rounded cumulative counts are reused rather than recomputed.
+  count = upto.copy()
+  np.subtract(count[:, 1:], upto[:, :-1], out=count[:, 1:],
+              where=~first_LQ[:, 1:, None, None])
   count_LQD = count.reshape(num_layers, width, num_devices)
+  low = upto
   q_loads_LQ = count_LQD.sum(axis=2, dtype=np.float64)
   slot_loads_LS[lk, q_LQ] = q_loads_LQ
   share_LQD = low.reshape(num_layers, width, num_devices)
