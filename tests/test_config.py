@@ -10,7 +10,7 @@ def tiny():
   return importlib.import_module('configs.tiny').get_config()
 
 
-@pytest.mark.parametrize('name', ['tiny', 'qwen3_30b_a3b', 'mixtral_8x7b',
+@pytest.mark.parametrize('name', ['tiny', 'tiny_msa', 'qwen3_30b_a3b', 'mixtral_8x7b',
                                   'olmoe_1b_7b'])
 def test_shipped_configs_validate(name):
   config_lib.validate_config(importlib.import_module(f'configs.{name}').get_config())

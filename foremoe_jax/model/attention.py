@@ -1,12 +1,16 @@
 """GQA self-attention with RoPE and an optional KV cache.
 
-`attend` is the seam where the attention kernel is chosen per layer: 'dense'
-is exact causal GQA in jnp; 'msa' (MiniMax Sparse Attention) plugs in from
-pallas_kernels/msa.
+The layer type picks the attention kernel: 'dense' is exact causal GQA in
+jnp; 'msa' is MiniMax Sparse Attention (pallas_kernels/msa, DESIGN.md §6):
+an index branch (one query head per group, one shared key head, RMSNorm and
+RoPE) selects top-k key blocks and the main branch attends only to them. The
+index branch trains on its own KL loss, computed from a detached backbone;
+with `msa_indexer_warmup` the layer keeps dense attention while the indexer
+learns.
 
 Shape letters: B batch, T query tokens, S key tokens (cache length),
 H query heads, G KV groups (heads), R = H / G heads per group, D head dim,
-M model dim.
+I index head dim, M model dim.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from foremoe_jax.model import layers
+from pallas_kernels import msa
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -24,12 +29,15 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 class KVCache(NamedTuple):
   k_BSGD: jax.Array
   v_BSGD: jax.Array
+  ki_BSI: jax.Array | None = None  # MSA index keys (MSA layers only).
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.float32) -> KVCache:
+                  dtype=jnp.float32, index_dim: int | None = None) -> KVCache:
   shape = (batch, max_len, num_kv_heads, head_dim)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  ki = (None if index_dim is None
+        else jnp.zeros((batch, max_len, index_dim), dtype))
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ki)
 
 
 def dense_attention(q_BTHD, k_BSGD, v_BSGD, mask_BTS):
@@ -60,13 +68,25 @@ class Attention(nnx.Module):
       self.k_norm = layers.RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     self.qk_norm = bool(cfg.qk_norm)
     self.layer_type = layer_type
+    if layer_type == 'msa':
+      i = cfg.msa_index_dim
+      self.qi_proj = nnx.Linear(m, g * i, kernel_init=layers.dense_init(m), **kw)
+      self.ki_proj = nnx.Linear(m, i, kernel_init=layers.dense_init(m), **kw)
+      self.qi_norm = layers.RMSNorm(i, eps=cfg.norm_eps, param_dtype=pdt)
+      self.ki_norm = layers.RMSNorm(i, eps=cfg.norm_eps, param_dtype=pdt)
+      self.index_dim = i
+      self.block_size, self.top_k = cfg.msa_block_size, cfg.msa_top_k
+      self.indexer_warmup = bool(cfg.msa_indexer_warmup)
     self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
     self.rope_theta = cfg.rope_theta
 
   def __call__(self, x_BTM, positions_BT, *, cache: KVCache | None = None,
                cache_index=None):
-    """Returns (y_BTM, new_cache). With a cache, positions must be
-    cache_index + arange(T) for every row (prompts share one length)."""
+    """Returns (y_BTM, new_cache, indexer_loss).
+
+    With a cache, positions must be cache_index + arange(T) for every row
+    (prompts share one length). indexer_loss is 0 for dense layers.
+    """
     b, t, _ = x_BTM.shape
     q = self.q_proj(x_BTM).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x_BTM).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -75,24 +95,66 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = layers.apply_rope(q, positions_BT, self.rope_theta)
     k = layers.apply_rope(k, positions_BT, self.rope_theta)
+    qi = ki = None
+    if self.layer_type == 'msa':
+      qi, ki = self._index_branch(x_BTM, positions_BT)
     if cache is None:
-      k_all, v_all, key_pos_BS = k, v, positions_BT
+      k_all, v_all, ki_all, key_pos_BS = k, v, ki, positions_BT
       new_cache = None
     else:
       idx = jnp.asarray(cache_index, jnp.int32)
-      k_all = jax.lax.dynamic_update_slice_in_dim(cache.k_BSGD, k.astype(
-          cache.k_BSGD.dtype), idx, axis=1)
-      v_all = jax.lax.dynamic_update_slice_in_dim(cache.v_BSGD, v.astype(
-          cache.v_BSGD.dtype), idx, axis=1)
-      new_cache = KVCache(k_all, v_all)
+      put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(
+          c, x.astype(c.dtype), idx, axis=1)
+      k_all, v_all = put(cache.k_BSGD, k), put(cache.v_BSGD, v)
+      ki_all = None if ki is None else put(cache.ki_BSI, ki)
+      new_cache = KVCache(k_all, v_all, ki_all)
       key_pos_BS = jnp.broadcast_to(jnp.arange(k_all.shape[1]),
                                     (b, k_all.shape[1]))
-    mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-    out = self.attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BTS)
-    return self.o_proj(out.reshape(b, t, -1)), new_cache
-
-  def attend(self, q_BTHD, k_BSGD, v_BSGD, mask_BTS):
+    k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
     if self.layer_type == 'dense':
-      return dense_attention(q_BTHD, k_BSGD, v_BSGD, mask_BTS)
-    raise NotImplementedError(
-        f'attention layer type {self.layer_type!r} is not wired into the model.')
+      mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+      out, index_loss = dense_attention(q, k_all, v_all, mask_BTS), 0.0
+    else:
+      out, index_loss = self._msa(q, k, v, qi, ki, k_all, v_all, ki_all,
+                                  positions_BT, cache, cache_index)
+    return self.o_proj(out.reshape(b, t, -1)), new_cache, index_loss
+
+  def _index_branch(self, x_BTM, positions_BT):
+    """Index queries [B, T, G, I] and keys [B, T, I] from a detached backbone."""
+    b, t, _ = x_BTM.shape
+    x = jax.lax.stop_gradient(x_BTM)  # DESIGN.md §6.5: the KL trains the indexer only.
+    qi = self.qi_norm(self.qi_proj(x).reshape(b, t, self.num_kv_heads,
+                                              self.index_dim))
+    ki = self.ki_norm(self.ki_proj(x))
+    qi = layers.apply_rope(qi, positions_BT, self.rope_theta)
+    ki = layers.apply_rope(ki[:, :, None], positions_BT, self.rope_theta)[:, :, 0]
+    return qi, ki
+
+  def _msa(self, q, k, v, qi, ki, k_all, v_all, ki_all, positions_BT, cache,
+           cache_index):
+    b, t = q.shape[:2]
+    kw = dict(block_size=self.block_size)
+    if cache is not None and t == 1:  # Decode: one token against the cache.
+      lengths_B = positions_BT[:, 0].astype(jnp.int32) + 1
+      if self.indexer_warmup:
+        mask = jnp.arange(k_all.shape[1])[None, None, :] < lengths_B[:, None, None]
+        return dense_attention(q, k_all, v_all, mask), 0.0
+      out, _ = msa.msa_decode(q[:, 0], k_all, v_all, qi[:, 0], ki_all,
+                              lengths_B, top_k=self.top_k, **kw)
+      return out[:, None], 0.0
+    if cache is not None and not (isinstance(cache_index, int)
+                                  and cache_index == 0):
+      raise NotImplementedError(
+          'MSA layers prefill from an empty cache (cache_index=0) or decode '
+          'one token at a time; chunked prefill into a filled cache is not '
+          'wired into the model.')
+    # Training, or prefill from position 0: keys are this call's tokens.
+    out, aux = msa.msa_attention(q, k.astype(q.dtype), v.astype(q.dtype), qi,
+                                 ki, top_k=self.top_k, **kw)
+    sg = jax.lax.stop_gradient
+    index_loss = msa.msa_indexer_kl_loss(sg(q), sg(k.astype(q.dtype)), qi, ki,
+                                         jax.tree.map(sg, aux), **kw)
+    if self.indexer_warmup:
+      mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
+      out = dense_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    return out, index_loss

@@ -25,6 +25,7 @@ class ModelAux(NamedTuple):
   balance_loss: jax.Array  # float32 mean over MoE layers.
   dropped_L: jax.Array  # int32 assignments over capacity per MoE layer.
   max_cell_L: jax.Array  # int32 largest (source, slot) count per MoE layer.
+  indexer_loss: jax.Array  # float32 sum over MSA layers of the indexer KL.
 
 
 class Block(nnx.Module):
@@ -74,12 +75,13 @@ class Transformer(nnx.Module):
       start = 0 if cache_index is None else cache_index
       positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
     x = self.embed(tokens_BT).astype(self.dtype)
-    moe_auxes, new_cache, moe_idx = [], [], 0
+    moe_auxes, new_cache, index_losses, moe_idx = [], [], [], 0
     for i, block in enumerate(self.blocks):
-      h, c = block.attn(block.attn_norm(x), positions_BT,
-                        cache=None if cache is None else cache[i],
-                        cache_index=cache_index)
+      h, c, index_loss = block.attn(block.attn_norm(x), positions_BT,
+                                    cache=None if cache is None else cache[i],
+                                    cache_index=cache_index)
       new_cache.append(c)
+      index_losses.append(index_loss)
       x = x + h
       hn = block.ffn_norm(x)
       if block.is_moe:
@@ -106,11 +108,13 @@ class Transformer(nnx.Module):
         counts_LE=jnp.stack([a.counts_E for a in moe_auxes]),
         balance_loss=jnp.mean(jnp.stack([a.balance_loss for a in moe_auxes])),
         dropped_L=jnp.stack([a.stats.dropped for a in moe_auxes]),
-        max_cell_L=jnp.stack([a.stats.max_cell for a in moe_auxes]))
+        max_cell_L=jnp.stack([a.stats.max_cell for a in moe_auxes]),
+        indexer_loss=jnp.asarray(sum(index_losses), jnp.float32))
     return logits.astype(jnp.float32), aux, (None if cache is None else new_cache)
 
   def init_cache(self, batch: int, max_len: int):
     cfg = self.cfg
-    return [attention.init_kv_cache(batch, max_len, cfg.num_kv_heads,
-                                    cfg.head_dim, jnp.dtype(cfg.dtype))
-            for _ in range(cfg.num_layers)]
+    return [attention.init_kv_cache(
+        batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
+        index_dim=cfg.msa_index_dim if t == 'msa' else None)
+            for t in config_lib.layer_attention_types(cfg)]

@@ -101,7 +101,7 @@ def train(config, workdir: str) -> dict:
     tx = step_lib.make_optimizer(config.warmstart.learning_rate, 1.0)
     state = step_lib.init_train_state(graphdef, params, tx, mesh,
                                       with_ref=False)
-    sft_step = step_lib.make_sft_step(tx)
+    sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef)
     t0 = time.perf_counter()
     for i in range(config.warmstart.steps):
       tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
@@ -145,7 +145,8 @@ def train(config, workdir: str) -> dict:
     start = restored['step']
   rl_step = step_lib.make_rl_step(tx, num_generations=num_gen,
                                   eps_low=rl.eps_low, eps_high=rl.eps_high,
-                                  beta=rl.beta)
+                                  beta=rl.beta,
+                                  indexer_loss_coef=mcfg.msa_indexer_loss_coef)
   bytes_per_expert = shapes.param_counts(mcfg)['bytes_per_expert']
   planner = planning.StepPlanner(
       method=config.planner.method, num_experts=num_experts, num_devices=d_ep,
@@ -200,6 +201,7 @@ def train(config, workdir: str) -> dict:
         phase='rl', reward_mean=float(rewards.mean()),
         reward_std=float(rewards.std()), kl=float(m['kl']),
         loss=float(m['loss']), clip_frac=float(m['clip_frac']),
+        indexer_loss=float(m['indexer_loss']),
         grad_norm=float(m['grad_norm']), completion_len=float(
             rollout.lengths_B.mean()),
         microstep_max_over_mean=mom, microstep_max_over_mean_static=mom_static,
