@@ -3,9 +3,10 @@
 Every planner (ForeMoE and the baselines) ends here: it hands over, per
 micro-step, slot_expert and per-slot flows, and ``assemble_plan`` turns them
 into exact integer token counts per (source, slot), the Placement's shares,
-and the predictions the transfer engine and the benchmark read: per-device
-and per-slot loads, experts newly copied into each device, bytes moved.
-The model consumes ``StepPlan.placement`` (stacked over micro-steps).
+and the predictions the transfer engine and the trainer read: per-device
+and per-slot loads, the largest (source, slot) cell (the smallest capacity
+bucket that drops nothing), experts newly copied into each device, bytes
+moved. The model consumes ``StepPlan.placement`` (stacked over micro-steps).
 
 Shape letters: M micro-steps, L layers, D devices, E experts, S slots.
 """
@@ -79,22 +80,22 @@ def assemble_plan(loads_MLDE, slot_expert_MLS, flows_MLS, topo: Topology,
 
 def fallback_plan(loads_MLDE, current: placement_lib.Placement,
                   topo: Topology, cost: CostModel) -> StepPlan:
-  """The previous placement for every micro-step (nothing moves)."""
+  """The previous placement for every micro-step: no expert moves.
+
+  Its experts stay in their slots; each replica keeps its share of its
+  expert's tokens (averaged over sources), re-applied to these loads as
+  exact counts. Re-deriving the shares costs one split per micro-step and
+  keeps the predictions exact (a source that sent an expert nothing before
+  would otherwise send it all to the first replica now).
+  """
   del cost  # Nothing is copied.
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro = loads_MLDE.shape[0]
-  se_LS = np.asarray(current.slot_expert, np.int32)
-  share_LDS = np.asarray(current.slot_share, np.float32)
-  loads_MLED = split.slot_major(loads_MLDE)
-  counted = [split.counts_under_shares(loads_MLDE[m], se_LS, share_LDS,
-                                       loads_LED=loads_MLED[m])
-             for m in range(num_micro)]
-  slot_loads_MLS = np.stack([c[0] for c in counted])
-  loads_MLD = _loads_by_device(slot_loads_MLS, topo)
-  placement = placement_lib.Placement(
-      np.broadcast_to(se_LS, (num_micro,) + se_LS.shape).copy(),
-      np.broadcast_to(share_LDS, (num_micro,) + share_LDS.shape).copy())
-  return StepPlan(placement, loads_MLD, slot_loads_MLS,
-                  np.stack([c[1] for c in counted]),
-                  np.zeros(loads_MLD.shape, np.int64), np.zeros(num_micro),
-                  fell_back=True)
+  se_LS = np.asarray(current.slot_expert, np.int64)
+  frac_LS = np.asarray(current.slot_share, np.float64).mean(axis=1)
+  w_MLE = loads_MLDE.sum(axis=2).astype(np.float64)
+  x_MLS = np.stack([frac_LS * np.take_along_axis(w_MLE[m], se_LS, 1)
+                    for m in range(num_micro)])
+  plan = assemble_plan(loads_MLDE, np.broadcast_to(se_LS, x_MLS.shape), x_MLS,
+                       topo, CostModel(), se_LS, prefer_local=False)
+  return plan._replace(fell_back=True)

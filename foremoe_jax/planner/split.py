@@ -15,7 +15,7 @@ produces, in two stages:
    optionally preferring replicas on the source's own node, returned as the
    Placement's slot_share (count / tokens), which reproduces those counts
    exactly under the placement's split rule, plus per-slot loads and the
-   largest cell. ``counts_under_shares`` does the same for given shares.
+   largest cell.
 
 Shape letters: L layers, D devices, N nodes, G devices per node, E experts,
 S slots, R replicas of one expert (padded), K experts of one colour
@@ -462,35 +462,6 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   max_cell_L = np.maximum(single_cell_L, count_LQD.max(axis=(1, 2)))
   return (share_LDS, np.rint(slot_loads_LS).astype(np.int64),
           max_cell_L.astype(np.int64))
-
-
-def counts_under_shares(loads_LDE, slot_expert_LS, share_LDS, loads_LED=None):
-  """Slot loads [L, S] and max cell [L] of given shares under the
-  placement's split rule (as `placement.slot_counts`, vectorised; the same
-  counts whenever no cumulative share times a count lands within float32
-  rounding of a half, which shares made from counts never do)."""
-  if loads_LED is None:
-    loads_LED = slot_major(loads_LDE)
-  se = np.asarray(slot_expert_LS, np.int64)
-  num_layers, num_slots = se.shape
-  lk = np.arange(num_layers)[:, None]
-  order_LS = np.argsort(se * num_slots + np.arange(num_slots), axis=1)
-  e_sorted = se[lk, order_LS]
-  first_LS = np.ones_like(e_sorted, bool)
-  first_LS[:, 1:] = e_sorted[:, 1:] != e_sorted[:, :-1]
-  share_sorted = np.swapaxes(np.asarray(share_LDS, np.float32), 1, 2)[
-      lk, order_LS]
-  cum = np.cumsum(share_sorted, axis=1, dtype=np.float32)
-  start_LS = _run_starts(first_LS)
-  lo = (cum - share_sorted) - (cum[lk, start_LS] - share_sorted[lk, start_LS])
-  hi = lo + share_sorted
-  n = loads_LED[lk, e_sorted]
-  count = (np.floor(hi * n + np.float32(0.5))
-           - np.floor(lo * n + np.float32(0.5)))
-  slot_loads_LS = np.empty((num_layers, num_slots), np.int64)
-  slot_loads_LS[lk, order_LS] = count.sum(axis=2, dtype=np.float64).astype(
-      np.int64)
-  return slot_loads_LS, count.max(axis=(1, 2)).astype(np.int64)
 
 
 def split_counts(loads_LDE, slot_expert_LS, x_LS, topo: Topology,

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from foremoe_jax.planner import guard
+from foremoe_jax.planner.plan import fallback_plan
 
 import planner_testlib as lib
 
@@ -50,5 +51,18 @@ def test_failure_falls_back_and_is_counted():
   plan = planner.plan(trace.step(1))
   assert plan.fell_back
   assert planner.num_failures == 1 and planner.num_fallbacks == 1
+  lib.check_plan(plan, trace.step(1), topo)
+  planner.close()
+
+
+def test_fallback_predictions_match_the_placement():
+  """The previous placement's shares (made for other loads) still give
+  predictions equal to the placement's own split rule."""
+  trace, topo = lib.two_nodes()
+  planner = guard.StepPlanner('foremoe', topo, lib.COST,
+                              lib.identity_for(trace, topo), deadline_s=30.0)
+  planner.plan(trace.step(0))
+  plan = fallback_plan(trace.step(1), planner.current, topo, lib.COST)
+  assert plan.fell_back
   lib.check_plan(plan, trace.step(1), topo)
   planner.close()

@@ -96,30 +96,6 @@ def test_prefer_local_keeps_tokens_on_node():
   assert np.abs(a - b).max() <= topo.num_devices
 
 
-def test_counts_under_shares_matches_placement():
-  trace, topo = lib.one_node()
-  loads_LDE = trace.step(0)[1]
-  ident = lib.identity_for(trace, topo)
-  slot_LS, cell_L = split.counts_under_shares(loads_LDE, ident.slot_expert,
-                                              ident.slot_share)
-  counts = placement_lib.slot_counts(loads_LDE, ident)
-  np.testing.assert_array_equal(slot_LS, counts.sum(1))
-  np.testing.assert_array_equal(cell_L, counts.max(axis=(1, 2)))
-  # Uneven shares that do not come from counts.
-  rng = np.random.default_rng(0)
-  se_LS = packing.hierarchical_placement(loads_LDE.sum(1), topo)
-  raw = rng.random((se_LS.shape[0], topo.num_devices, topo.num_slots))
-  sums = np.zeros((se_LS.shape[0], topo.num_devices, loads_LDE.shape[-1]))
-  for l in range(se_LS.shape[0]):
-    np.add.at(sums[l].T, se_LS[l], raw[l].T)
-  share = (raw / np.take_along_axis(sums, np.broadcast_to(
-      se_LS[:, None, :], raw.shape), 2)).astype(np.float32)
-  p = placement_lib.Placement(se_LS, share)
-  slot_LS, _ = split.counts_under_shares(loads_LDE, se_LS, share)
-  np.testing.assert_array_equal(
-      slot_LS, placement_lib.slot_counts(loads_LDE, p).sum(1))
-
-
 def test_uniform_flows_is_even_split():
   se = np.array([[0, 1, 0, 2, 0, 1]])
   w = np.array([[6.0, 4.0, 1.0]])
