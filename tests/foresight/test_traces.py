@@ -72,3 +72,35 @@ def test_trace_from_step_loads_and_config_checks():
     traces.trace_from_step_loads([np.ones((2, 3))])
   with pytest.raises(ValueError, match='hot_share_range'):
     traces.SyntheticTraceConfig(num_experts=16)
+
+
+def test_routing_records_to_trace_to_planner(tmp_path):
+  """(a) Real loads: routing record -> foresight.loads -> trace -> planner."""
+  from foremoe_jax import placement as placement_lib
+  from foremoe_jax.foresight import loads as loads_lib
+  from foremoe_jax.planner import CostModel, Topology, plan_step
+
+  rng = np.random.default_rng(0)
+  num_layers, num_samples, num_tokens, top_k, num_experts = 2, 8, 16, 2, 8
+  steps = []
+  for _ in range(2):
+    routes = np.stack([np.stack([rng.choice(num_experts, (num_tokens, top_k),
+                                            replace=True)
+                                 for _ in range(num_samples)])
+                       for _ in range(num_layers)])
+    micro = [np.array([2 * m, 2 * m + 1]) for m in range(4)]
+    steps.append(loads_lib.microstep_loads(routes, None, micro, num_experts,
+                                           d_data=1, d_ep=4))
+  trace = traces.trace_from_step_loads(steps)
+  path = str(tmp_path / 'record.npz')
+  traces.save_trace(path, trace)
+  trace = traces.load_trace(path)
+  assert trace.loads_RMLDE.shape == (2, 4, num_layers, 4, num_experts)
+  topo = Topology(1, 4, num_experts // 4 + 2)
+  current = placement_lib.identity_placement(num_layers, num_experts, 4,
+                                             topo.slots_per_device)
+  plan = plan_step(trace.step(1), topo, CostModel(), current)
+  for m in range(plan.num_microsteps):
+    np.testing.assert_array_equal(
+        placement_lib.device_loads(trace.step(1)[m], plan.microstep(m)),
+        plan.loads_MLD[m])
