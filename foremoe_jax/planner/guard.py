@@ -6,8 +6,9 @@ the deadline. Planning runs in one worker thread (numpy releases the GIL in
 its kernels, so it overlaps the recompute phase), and ForeMoE also checks
 the deadline between micro-steps and gives up early. When the planner
 fails, misses the deadline, or is still busy with an abandoned step, the
-previous placement is reused for every micro-step and the event is counted:
-planning never blocks or breaks training (issue 5, item 5).
+previous placement is reused for every micro-step (``plan.fallback_plan``:
+no expert moves) and the event is counted: planning never blocks or breaks
+training (issue 5, item 5).
 
 State (the current placement, EPLB's load history, the counters) lives on
 the instance, never in the module.

@@ -60,7 +60,7 @@ def replica_counts(w_LE: np.ndarray, num_slots: int,
   lk = np.arange(num_layers)
   while (left_L > 0).any():
     per = np.where(r_LE < max_replicas, w_LE / r_LE, -1.0)
-    e_L = np.argmax(per - 1e-12 * np.arange(num_experts), axis=1)
+    e_L = np.argmax(per, axis=1)  # Ties: the lowest expert id.
     r_LE[lk, e_L] += (left_L > 0)
     left_L -= 1
   return r_LE
