@@ -207,3 +207,15 @@ def shares_from_slot_counts(slot_counts_LDS: np.ndarray,
     first_LS[l, first] = True
   share = np.where((tot_LDS == 0) & first_LS[:, None, :], 1.0, share)
   return share.astype(np.float32)
+
+
+def cell_counts(counts_LDE: np.ndarray, p: Placement) -> np.ndarray:
+  """Tokens each source sends each destination device: [L, D_src, D_dst].
+
+  The expert-parallel layer pads every (source, destination) cell to one
+  static capacity, so the largest cell picks the capacity bucket.
+  """
+  sc_LDS = slot_counts(counts_LDE, p)
+  num_layers, num_devices, num_slots = sc_LDS.shape
+  return sc_LDS.reshape(num_layers, num_devices, num_devices,
+                        num_slots // num_devices).sum(axis=3)
