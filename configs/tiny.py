@@ -62,5 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.planner = ml_collections.ConfigDict()
   c.planner.method = 'foremoe'  # static | eplb_step | eplb_microstep | foremoe
-  c.planner.deadline_ms = 200.0
+  c.planner.deadline_ms = 200.0  # Past it, the previous placement is reused.
+  c.planner.num_nodes = 1
+  c.planner.flops_per_s = 4e14  # Cost model: an accelerator, not this CPU.
+  c.planner.overlap = 0.5  # Share of a micro-step's compute that hides copies.
   return c

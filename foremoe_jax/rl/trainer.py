@@ -20,20 +20,13 @@ from flax import nnx
 
 from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
+from foremoe_jax import planner as planner_lib
 from foremoe_jax.foresight import composition, loads as loads_lib
-from foremoe_jax.model import expert_parallel, sharding, shapes, transformer
-from foremoe_jax.rl import checkpoint, planning, step as step_lib
+from foremoe_jax.model import expert_parallel, sharding, transformer
+from foremoe_jax.rl import checkpoint, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
 from foremoe_jax.utils import metrics as metrics_lib
-
-
-@dataclasses.dataclass
-class RLBatchInputs:
-  """Host arrays for one rl_step, built from a Rollout."""
-  batch: dict
-  loads_MLDE: np.ndarray
-  microbatches: list
 
 
 def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
@@ -147,18 +140,22 @@ def train(config, workdir: str) -> dict:
                                   eps_low=rl.eps_low, eps_high=rl.eps_high,
                                   beta=rl.beta,
                                   indexer_loss_coef=mcfg.msa_indexer_loss_coef)
-  bytes_per_expert = shapes.param_counts(mcfg)['bytes_per_expert']
-  planner = planning.StepPlanner(
-      method=config.planner.method, num_experts=num_experts, num_devices=d_ep,
-      slots_per_device=spd, num_moe_layers=num_moe,
-      bytes_per_expert=bytes_per_expert,
-      deadline_ms=config.planner.deadline_ms)
+  pcfg = config.planner
+  cost = planner_lib.CostModel.from_expert_shape(
+      mcfg.d_model, mcfg.moe_d_ff,
+      bytes_per_param=jnp.dtype(mcfg.param_dtype).itemsize,
+      flops_per_s=pcfg.get('flops_per_s', 4e14),
+      overlap=pcfg.get('overlap', 0.5))
+  topo = planner_lib.Topology(pcfg.get('num_nodes', 1),
+                              d_ep // pcfg.get('num_nodes', 1), spd)
+  identity = placement_lib.identity_placement(num_moe, num_experts, d_ep, spd)
+  planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
+                                    deadline_s=pcfg.deadline_ms / 1e3)
   batch_size = rl.prompts_per_step * num_gen
   seq_in = task.sequence_len - 1
   buckets = config_lib.capacity_buckets(
       batch_size // num_mb * seq_in // (d_ep * d_data), mcfg.top_k,
       d_ep * spd, config.parallel.capacity_factors)
-  identity = placement_lib.identity_placement(num_moe, num_experts, d_ep, spd)
 
   rewards_hist = []
   for step in range(start, rl.steps):
@@ -181,7 +178,7 @@ def train(config, workdir: str) -> dict:
     t0 = time.perf_counter()
     plan = planner.plan(loads_MLDE)
     plan_s = time.perf_counter() - t0
-    cells = [placement_lib.slot_counts(loads_MLDE[m], plan.placement_m(m)).max()
+    cells = [placement_lib.slot_counts(loads_MLDE[m], plan.microstep(m)).max()
              for m in range(num_mb)]
     cells_static = [placement_lib.slot_counts(loads_MLDE[m], identity).max()
                     for m in range(num_mb)]
@@ -193,7 +190,7 @@ def train(config, workdir: str) -> dict:
     m = jax.device_get(m)
     update_s = time.perf_counter() - t0
     mom = [float(placement_lib.max_over_mean(placement_lib.device_loads(
-        loads_MLDE[i], plan.placement_m(i))).mean()) for i in range(num_mb)]
+        loads_MLDE[i], plan.microstep(i))).mean()) for i in range(num_mb)]
     mom_static = [float(placement_lib.max_over_mean(placement_lib.device_loads(
         loads_MLDE[i], identity)).mean()) for i in range(num_mb)]
     rewards_hist.append(float(rewards.mean()))
@@ -207,8 +204,9 @@ def train(config, workdir: str) -> dict:
         microstep_max_over_mean=mom, microstep_max_over_mean_static=mom_static,
         capacity=capacity, capacity_static=config_lib.pick_bucket(
             int(max(cells_static)), buckets),
-        dropped=int(m['dropped']), planner=config.planner.method,
-        plan_fallbacks=planner.fallbacks, moves=plan.moves,
+        dropped=int(m['dropped']), planner=pcfg.method,
+        plan_fallbacks=planner.num_fallbacks,
+        moves_per_device_per_microstep=float(plan.moves_MLD.mean()),
         replay_logp_gap=float(m.get('rollout_vs_recompute_logp_max_abs', 0.0)),
         sample_s=sample_s, plan_s=plan_s, update_s=update_s,
         step_s=time.perf_counter() - t_step)
@@ -222,7 +220,8 @@ def train(config, workdir: str) -> dict:
   summary.update(
       reward_first=float(np.mean(rewards_hist[:k])) if rewards_hist else None,
       reward_last=float(np.mean(rewards_hist[-k:])) if rewards_hist else None,
-      plan_fallbacks=planner.fallbacks)
+      plan_fallbacks=planner.num_fallbacks)
+  planner.close()
   writer.write(rl.steps + 1, dict(phase='summary', **summary))
   writer.close()
   summary['plots'] = metrics_lib.plot_metrics(workdir)
