@@ -64,6 +64,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.planner.method = 'foremoe'  # static | eplb_step | eplb_microstep | foremoe
   c.planner.deadline_ms = 200.0  # Past it, the previous placement is reused.
   c.planner.num_nodes = 1
-  c.planner.flops_per_s = 4e14  # Cost model: an accelerator, not this CPU.
+  # Cost model of the simulated devices (this CPU): ~10 GFLOP/s of expert
+  # compute and ~10 GB/s memcpy, so a tiny expert copies in about the time of
+  # one token's expert compute. Accelerator figures (400 TFLOP/s, NVLink)
+  # would make every copy cost more than a whole tiny micro-step.
+  c.planner.flops_per_s = 1e10
+  c.planner.intra_node_bw = 1e10
+  c.planner.inter_node_bw = 1e10
   c.planner.overlap = 0.5  # Share of a micro-step's compute that hides copies.
   return c

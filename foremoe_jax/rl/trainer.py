@@ -48,6 +48,21 @@ def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
       rollout_logp_BT=rollout_logp)
 
 
+def planner_setup(config):
+  """(Topology, CostModel) of the EP group the config describes."""
+  m, p = config.model, config.planner
+  cost = planner_lib.CostModel.from_expert_shape(
+      m.d_model, m.moe_d_ff, bytes_per_param=jnp.dtype(m.param_dtype).itemsize,
+      flops_per_s=p.get('flops_per_s', 4e14),
+      intra_node_bw=p.get('intra_node_bw', 3.5e11),
+      inter_node_bw=p.get('inter_node_bw', 5e10),
+      overlap=p.get('overlap', 0.5))
+  num_nodes = p.get('num_nodes', 1)
+  topo = planner_lib.Topology(num_nodes, config.parallel.num_expert // num_nodes,
+                              config_lib.slots_per_device(config))
+  return topo, cost
+
+
 def _log_line(step, m):
   mom = np.mean(m['microstep_max_over_mean'])
   mom_s = np.mean(m['microstep_max_over_mean_static'])
@@ -141,13 +156,7 @@ def train(config, workdir: str) -> dict:
                                   beta=rl.beta,
                                   indexer_loss_coef=mcfg.msa_indexer_loss_coef)
   pcfg = config.planner
-  cost = planner_lib.CostModel.from_expert_shape(
-      mcfg.d_model, mcfg.moe_d_ff,
-      bytes_per_param=jnp.dtype(mcfg.param_dtype).itemsize,
-      flops_per_s=pcfg.get('flops_per_s', 4e14),
-      overlap=pcfg.get('overlap', 0.5))
-  topo = planner_lib.Topology(pcfg.get('num_nodes', 1),
-                              d_ep // pcfg.get('num_nodes', 1), spd)
+  topo, cost = planner_setup(config)
   identity = placement_lib.identity_placement(num_moe, num_experts, d_ep, spd)
   planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
                                     deadline_s=pcfg.deadline_ms / 1e3)
