@@ -82,6 +82,16 @@ def test_end_to_end_with_shuffled_padded_selection(backend):
 
 
 @pytest.mark.parametrize('backend', BACKENDS)
+def test_full_budget_equals_dense_causal_gqa(backend):
+  b, t, s, g, r, d, di, c, o = 1, 24, 40, 2, 2, 16, 8, 16, 16
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  out, _ = jax.jit(functools.partial(
+      pallas_path.msa_attention, block_size=c, top_k=-(-s // c) + 1,
+      q_offset=o, backend=backend, interpret=True))(q, kk, v, qi, ki)
+  lib.assert_close(out, ref.dense_causal_attention(q, kk, v, o), 1e-5)
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
 def test_decode_equals_last_row_of_prefill(backend):
   # d = 128 takes the TPU kernel's in-place cache path ([B, S, G*D] view).
   b, s, g, r, d, di, c, k = 2, 80, 2, 2, 128, 8, 16, 3
