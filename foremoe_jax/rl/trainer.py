@@ -10,6 +10,7 @@ only moves arrays between them and the host-side planner.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -73,7 +74,12 @@ def _log_line(step, m):
 
 
 def train(config, workdir: str) -> dict:
-  """Runs warm start + RL; writes metrics.jsonl, PNG plots and checkpoints."""
+  """Runs warm start + RL in `workdir`; returns the summary.
+
+  Writes warmstart.jsonl (SFT loss), metrics.jsonl (one line per RL step),
+  summary.json, PNG plots and orbax checkpoints; a rerun with the same
+  workdir resumes from the latest checkpoint.
+  """
   config_lib.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   task = get_task(config.task, **config.get('task_kwargs', {}))
@@ -110,16 +116,18 @@ def train(config, workdir: str) -> dict:
     state = step_lib.init_train_state(graphdef, params, tx, mesh,
                                       with_ref=False)
     sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef)
+    warm_writer = metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl')
     t0 = time.perf_counter()
     for i in range(config.warmstart.steps):
       tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
       state, m = sft_step(state, jnp.asarray(tokens), jnp.asarray(mask))
       if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
         m = jax.device_get(m)
-        writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
+        warm_writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
                                  elapsed_s=time.perf_counter() - t0))
         print(f"warm start {i + 1:4d}/{config.warmstart.steps} | loss "
               f"{m['loss']:.4f} | {time.perf_counter() - t0:.1f}s", flush=True)
+    warm_writer.close()
     params = state.params
     ckpt.save(0, params, phase='warmstart_done')
 
@@ -231,7 +239,8 @@ def train(config, workdir: str) -> dict:
       reward_last=float(np.mean(rewards_hist[-k:])) if rewards_hist else None,
       plan_fallbacks=planner.num_fallbacks)
   planner.close()
-  writer.write(rl.steps + 1, dict(phase='summary', **summary))
   writer.close()
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=1)
   summary['plots'] = metrics_lib.plot_metrics(workdir)
   return summary

@@ -42,9 +42,9 @@ class MetricsWriter:
   from a crash is closed off first so the next record starts on its own line.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, filename: str = METRICS_FILE):
     os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, METRICS_FILE)
+    self.path = os.path.join(workdir, filename)
     needs_newline = False
     if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
       with open(self.path, 'rb') as f:
