@@ -58,9 +58,9 @@ def parallel_defaults() -> ml_collections.ConfigDict:
   p.num_data = 1  # 'data' mesh axis.
   p.num_expert = 1  # 'expert' mesh axis (EP size, D).
   p.slots_per_device = 0  # 0: E / D, no redundant slots.
-  # Capacity buckets per (source device, slot) cell, as multiples of the
-  # uniform expectation tokens * top_k / slots; the dropless bucket (every
-  # local token to one slot) is always added last.
+  # Capacity buckets per (source device, destination device) cell, as
+  # multiples of the uniform expectation tokens * top_k / D; the dropless
+  # bucket (every local token's top-k to one device) is always added last.
   p.capacity_factors = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
   return p
 
@@ -152,17 +152,19 @@ def validate_config(config) -> None:
              'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
 
 
-def capacity_buckets(tokens_per_device: int, top_k: int, num_slots: int,
+def capacity_buckets(tokens_per_device: int, top_k: int, num_devices: int,
                      factors) -> tuple[int, ...]:
-  """Static per-(source, slot) capacities, ascending; the last is dropless.
+  """Static per-(source, destination device) capacities, ascending.
 
-  Rounded up to a multiple of 8 (vector-friendly). A cell never holds more
-  than tokens_per_device assignments: a token picks an expert at most once.
+  A cell's uniform expectation is tokens_per_device * top_k / D (D = EP
+  devices); each factor scales it, rounded up to a multiple of 8 (vector-
+  friendly). The last bucket, tokens_per_device * top_k, is dropless: a
+  token can send each of its top-k choices to the same device.
   """
-  uniform = tokens_per_device * top_k / num_slots
-  caps = {min(tokens_per_device, 8 * math.ceil(f * uniform / 8))
-          for f in factors}
-  caps.add(tokens_per_device)
+  dropless = tokens_per_device * top_k
+  uniform = dropless / num_devices
+  caps = {min(dropless, 8 * math.ceil(f * uniform / 8)) for f in factors}
+  caps.add(dropless)
   return tuple(sorted(c for c in caps if c > 0))
 
 

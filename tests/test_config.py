@@ -56,9 +56,9 @@ def test_rule_rejects_with_clear_message(field, mutate, rule):
 
 
 def test_capacity_buckets_ascending_and_dropless_last():
-  caps = config_lib.capacity_buckets(64, 2, 16, (1.0, 1.5, 2.0, 100.0))
+  caps = config_lib.capacity_buckets(64, 2, 8, (1.0, 1.5, 2.0, 100.0))
   assert list(caps) == sorted(set(caps))
-  assert caps[-1] == 64  # dropless: every local token to one slot
-  assert caps[0] == 8  # 64 * 2 / 16 = 8
-  assert config_lib.pick_bucket(9, caps) == caps[1]
-  assert config_lib.pick_bucket(10_000, caps) == 64
+  assert caps[-1] == 128  # dropless: every local token's top-2 to one device
+  assert caps[0] == 16  # a cell's uniform share: 64 * 2 / 8
+  assert config_lib.pick_bucket(17, caps) == caps[1] == 24
+  assert config_lib.pick_bucket(10_000, caps) == 128

@@ -8,16 +8,23 @@ sits in each slot and how each source device splits its tokens for an expert
 across that expert's replicas. Placement arrays are ordinary jit inputs, so a
 new placement never recompiles anything.
 
-Dispatch is into per-(source device, slot) capacity buffers of static size C,
-exchanged by `all_to_all` over 'expert'; every device computes D * s * C rows,
-so C (picked from a few static buckets) is what balance buys back.
+Dispatch is into per-(source device, destination device) cells of static
+capacity C, exchanged by `all_to_all` over 'expert' with each row's local
+slot as a label. The receiver groups its R = D * C rows by slot into tiles
+of t rows and runs a tiled grouped GEMM, so it computes ~R + s * t rows: the
+busiest (source, destination) cell picks C (from a few static buckets), and
+device balance, which is what the planner optimises, is what sets C.
+(`jax.lax.ragged_dot` would be the natural op, but on CPU it lowers to a
+dense matmul per group.)
 
 Shape letters: N tokens on this device, K top-k, A = N*K assignments,
-E experts, D EP devices, S slots (= D * s), C capacity per cell,
-M model dim, F expert hidden dim.
+E experts, D EP devices, S slots (= D * s), C capacity per cell, R = D * C
+rows a device receives, n tiles of t rows (T = n * t), M model dim,
+F expert hidden dim.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,7 +37,8 @@ DATA, EXPERT = 'data', 'expert'
 class DispatchStats(NamedTuple):
   """Per-layer dispatch statistics, summed over all devices."""
   dropped: jax.Array  # int32 []: assignments over capacity (not computed).
-  max_cell: jax.Array  # int32 []: largest (source, slot) count; <= C is dropless.
+  # int32 []: largest (source, destination device) count; <= C is dropless.
+  max_cell: jax.Array
   slot_tokens_S: jax.Array  # int32 [S]: assignments each slot received.
 
 
@@ -66,15 +74,102 @@ def slot_assignment(e_A, valid_A, slot_expert_S, share_S, num_experts):
   return slot_A, pos_A, found_A, stop_S - start_S
 
 
-def _swiglu_slots(x_DsCM, wg_sMF, wu_sMF, wd_sFM):
-  dtype = x_DsCM.dtype
-  g = jnp.einsum('dscm,smf->dscf', x_DsCM, wg_sMF.astype(dtype))
-  u = jnp.einsum('dscm,smf->dscf', x_DsCM, wu_sMF.astype(dtype))
-  return jnp.einsum('dscf,sfm->dscm', jax.nn.silu(g) * u, wd_sFM.astype(dtype))
+def default_tile(num_rows: int, slots_per_device: int) -> int:
+  """Rows per tile of the grouped GEMM: a power of two in [8, 128].
+
+  Each slot pads its rows up to a whole tile (s * t rows of waste), and each
+  tile costs a weight slice and a loop step (about h rows' worth of compute;
+  h ~ 10 measured on CPU), so the work is ~R + s * t + h * R / t rows, least
+  at t ~ sqrt(h * R / s). On an accelerator the matrix unit (e.g. 128 rows)
+  would set t instead.
+  """
+  best = (10.0 * num_rows / max(slots_per_device, 1)) ** 0.5
+  return int(min(128, max(8, 2 ** round(math.log2(max(best, 1.0))))))
+
+
+@jax.custom_vjp
+def _grouped_matmul(x_ntI, w_sIO, slot_n):
+  """Tile n times its slot's matrix: y[n] = x[n] @ w[slot[n]], [n, t, O].
+
+  A scan over tiles that slices the weights in place. The batched einsum
+  'ntm,nmf->ntf' on gathered weights [n, M, F] is the same math, but on CPU
+  the weight gather costs several times the matmuls.
+  """
+  def tile_product(carry, xs):
+    x_tI, slot = xs
+    return carry, x_tI @ w_sIO[slot]
+  return jax.lax.scan(tile_product, None, (x_ntI, slot_n))[1]
+
+
+def _grouped_matmul_fwd(x_ntI, w_sIO, slot_n):
+  return _grouped_matmul(x_ntI, w_sIO, slot_n), (x_ntI, w_sIO, slot_n)
+
+
+def _grouped_matmul_bwd(res, dy_ntO):
+  # Autodiff of the scan would add a full [s, I, O] zero-padded cotangent
+  # per tile; accumulating into one carry updates only the tile's slot.
+  x_ntI, w_sIO, slot_n = res
+
+  def tile_grads(dw_sIO, xs):
+    x_tI, dy_tO, slot = xs
+    dw_sIO = dw_sIO.at[slot].add(
+        jnp.dot(x_tI.T, dy_tO, preferred_element_type=jnp.float32))
+    return dw_sIO, dy_tO @ w_sIO[slot].T
+
+  dw_sIO, dx_ntI = jax.lax.scan(tile_grads,
+                                jnp.zeros_like(w_sIO, jnp.float32),
+                                (x_ntI, dy_ntO, slot_n))
+  return dx_ntI, dw_sIO.astype(w_sIO.dtype), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, tile):
+  """SwiGLU of each row with its local slot's weights (rows labelled -1: any).
+
+  A tiled grouped GEMM (as in MegaBlocks' grouped matmul): rows are grouped
+  by slot, each group padded to whole tiles of `tile` rows, and every tile
+  runs against one slot's weights. The static tile count floor(R / t) + s
+  covers any split of R rows over s slots (each slot wastes less than one
+  tile), so the padded work is ~R + s * t rows however unevenly the rows
+  fall on the slots.
+  """
+  num_rows, _ = x_RM.shape
+  spd = wg_sMF.shape[0]
+  num_tiles = num_rows // tile + spd
+  onehot_Rs = (label_R[:, None] == jnp.arange(spd)[None, :]).astype(jnp.int32)
+  count_s = onehot_Rs.sum(axis=0)
+  rank_R = jnp.take_along_axis(jnp.cumsum(onehot_Rs, axis=0) - 1,
+                               jnp.maximum(label_R, 0)[:, None], axis=1)[:, 0]
+  padded_s = (count_s + tile - 1) // tile * tile
+  end_s = jnp.cumsum(padded_s)
+  start_s = end_s - padded_s
+  # Row r's place in the tiled layout; empty rows land out of range.
+  dest_R = jnp.where(label_R >= 0, start_s[jnp.maximum(label_R, 0)] + rank_R,
+                     num_tiles * tile)
+  # Gather (not scatter) the tiled rows: the inverse map is an int scatter.
+  src_T = jnp.full((num_tiles * tile,), num_rows, jnp.int32)
+  src_T = src_T.at[dest_R].set(jnp.arange(num_rows, dtype=jnp.int32),
+                               mode='drop')
+  x_pad_RM = jnp.concatenate([x_RM, jnp.zeros_like(x_RM[:1])])
+  x_ntM = x_pad_RM[src_T].reshape(num_tiles, tile, -1)
+  # A tile's slot: how many slot groups end at or before its first row.
+  first_n = jnp.arange(num_tiles) * tile
+  slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
+                       spd - 1)
+  dtype = x_RM.dtype
+  g_ntF = _grouped_matmul(x_ntM, wg_sMF.astype(dtype), slot_n)
+  u_ntF = _grouped_matmul(x_ntM, wu_sMF.astype(dtype), slot_n)
+  y_ntM = _grouped_matmul(jax.nn.silu(g_ntF) * u_ntF, wd_sFM.astype(dtype),
+                          slot_n)
+  y_TM = y_ntM.reshape(num_tiles * tile, -1)
+  # Empty rows read some tile's row; the combine never reads them back.
+  return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles * tile - 1), axis=0)
 
 
 def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
-             slot_expert_S, slot_share_DS, *, capacity, num_experts):
+             slot_expert_S, slot_share_DS, *, capacity, num_experts, tile):
   """Per-device body under shard_map; lower-case s: this device's slots."""
   num_ep = jax.lax.axis_size(EXPERT)
   me = jax.lax.axis_index(EXPERT)
@@ -82,30 +177,48 @@ def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   num_slots = slot_expert_S.shape[0]
   spd = num_slots // num_ep
   model_dim = x_NM.shape[-1]
+  num_rows = num_ep * capacity
 
   e_A = ids_NK.reshape(-1).astype(jnp.int32)
   valid_A = jnp.repeat(valid_N, top_k)
   token_A = jnp.repeat(jnp.arange(num_tokens), top_k)
   slot_A, pos_A, found_A, count_S = slot_assignment(
       e_A, valid_A, slot_expert_S, slot_share_DS[me], num_experts)
-  keep_A = found_A & (pos_A < capacity)
-  flat_A = jnp.where(keep_A, slot_A * capacity + pos_A, num_slots * capacity)
+  # Within a (source, destination device) cell, slot-major: a slot's tokens
+  # stay one contiguous run, and over capacity drops the last slots' tail.
+  count_Ds = count_S.reshape(num_ep, spd)
+  offset_S = (jnp.cumsum(count_Ds, axis=1) - count_Ds).reshape(num_slots)
+  cell_pos_A = offset_S[slot_A] + pos_A
+  keep_A = found_A & (cell_pos_A < capacity)
+  flat_A = jnp.where(keep_A, slot_A // spd * capacity + cell_pos_A, num_rows)
 
-  send_XM = jnp.zeros((num_slots * capacity, model_dim), x_NM.dtype)
-  send_XM = send_XM.at[flat_A].add(x_NM[token_A], mode='drop')
-  send_DsCM = send_XM.reshape(num_ep, spd, capacity, model_dim)
-  recv_DsCM = jax.lax.all_to_all(send_DsCM, EXPERT, 0, 0, tiled=True)
-  out_DsCM = _swiglu_slots(recv_DsCM, wg_sMF, wu_sMF, wd_sFM)
-  back_DsCM = jax.lax.all_to_all(out_DsCM, EXPERT, 0, 0, tiled=True)
+  send_RM = jnp.zeros((num_rows, model_dim), x_NM.dtype)
+  send_RM = send_RM.at[flat_A].add(x_NM[token_A], mode='drop')
+  label_R = jnp.full((num_rows,), -1, jnp.int32)
+  label_R = label_R.at[flat_A].set(slot_A % spd, mode='drop')
+  # The slot weights are the same on every 'data' shard, the rows are not;
+  # saying so up front gives the grouped matmul's hand-written VJP one type,
+  # and its transpose sums the weight gradients over 'data'.
+  wg_sMF, wu_sMF, wd_sFM = (jax.lax.pcast(w, DATA, to='varying')
+                            for w in (wg_sMF, wu_sMF, wd_sFM))
+  recv_DCM = jax.lax.all_to_all(send_RM.reshape(num_ep, capacity, model_dim),
+                                EXPERT, 0, 0, tiled=True)
+  recv_label_DC = jax.lax.all_to_all(label_R.reshape(num_ep, capacity),
+                                     EXPERT, 0, 0, tiled=True)
+  out_RM = _grouped_swiglu(recv_DCM.reshape(num_rows, model_dim),
+                           recv_label_DC.reshape(num_rows), wg_sMF, wu_sMF,
+                           wd_sFM, tile)
+  back_DCM = jax.lax.all_to_all(out_RM.reshape(num_ep, capacity, model_dim),
+                                EXPERT, 0, 0, tiled=True)
 
-  back_XM = back_DsCM.reshape(num_slots * capacity, model_dim)
-  y_AM = jnp.take(back_XM, jnp.minimum(flat_A, num_slots * capacity - 1), axis=0)
+  back_RM = back_DCM.reshape(num_rows, model_dim)
+  y_AM = jnp.take(back_RM, jnp.minimum(flat_A, num_rows - 1), axis=0)
   w_A = jnp.where(keep_A, gates_NK.reshape(-1), 0).astype(y_AM.dtype)
   y_NM = (y_AM * w_A[:, None]).reshape(num_tokens, top_k, model_dim).sum(axis=1)
 
   axes = (DATA, EXPERT)
   dropped = jax.lax.psum((found_A & ~keep_A).sum().astype(jnp.int32), axes)
-  max_cell = jax.lax.pmax(count_S.max().astype(jnp.int32), axes)
+  max_cell = jax.lax.pmax(count_Ds.sum(axis=1).max().astype(jnp.int32), axes)
   slot_tokens_S = jax.lax.psum(count_S.astype(jnp.int32), axes)
   return y_NM, DispatchStats(dropped, max_cell, slot_tokens_S)
 
@@ -133,7 +246,8 @@ def gather_slot_weights(w_EXY, slot_expert_S, *, mesh):
 
 def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
                         wd_SFM, slot_expert_S, slot_share_DS, *, mesh,
-                        capacity: int, num_experts: int):
+                        capacity: int, num_experts: int,
+                        tile: int | None = None):
   """SwiGLU experts under expert parallelism with a runtime placement.
 
   Args:
@@ -144,8 +258,12 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
       canonical experts for this placement), sharded over 'expert'.
     slot_expert_S, slot_share_DS: one layer of a Placement.
     mesh: a mesh with 'data' and 'expert' axes.
-    capacity: static per-(source device, slot) capacity C.
+    capacity: static per-(source device, destination device) capacity C.
+      A token never sends one expert two rows, so C = local tokens *
+      min(top_k, s) is dropless.
     num_experts: E, the number of canonical experts.
+    tile: rows per tile of the grouped GEMM (static); None picks
+      `default_tile(D * C, s)`.
   Returns:
     (y_NM, DispatchStats).
   """
@@ -160,9 +278,13 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
   if slot_expert_S.shape[0] % mesh.shape[EXPERT]:
     raise ValueError(f'{slot_expert_S.shape[0]} slots do not split over '
                      f'{mesh.shape[EXPERT]} EP devices.')
+  if tile is None:
+    tile = default_tile(mesh.shape[EXPERT] * int(capacity),
+                        slot_expert_S.shape[0] // mesh.shape[EXPERT])
   tok = P((DATA, EXPERT))
   fn = jax.shard_map(
-      lambda *a: _ep_body(*a, capacity=int(capacity), num_experts=num_experts),
+      lambda *a: _ep_body(*a, capacity=int(capacity), num_experts=num_experts,
+                          tile=int(tile)),
       mesh=mesh,
       in_specs=(tok, tok, tok, tok, P(EXPERT), P(EXPERT), P(EXPERT), P(), P()),
       out_specs=(tok, DispatchStats(P(), P(), P())),
@@ -172,13 +294,15 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
 
 
 def routed_experts(x_NM, ids_NK, gates_NK, valid_N, wg_EMF, wu_EMF, wd_EFM,
-                   slot_expert_S, slot_share_DS, *, mesh, capacity: int):
+                   slot_expert_S, slot_share_DS, *, mesh, capacity: int,
+                   tile: int | None = None):
   """Canonical weights in, routed-expert output out: transfer, then dispatch."""
   slot_w = [gather_slot_weights(w, slot_expert_S, mesh=mesh)
             for w in (wg_EMF, wu_EMF, wd_EFM)]
   return expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, *slot_w,
                              slot_expert_S, slot_share_DS, mesh=mesh,
-                             capacity=capacity, num_experts=wg_EMF.shape[0])
+                             capacity=capacity, num_experts=wg_EMF.shape[0],
+                             tile=tile)
 
 
 def make_mesh(num_data: int = 1, num_expert: int = 1, devices=None):

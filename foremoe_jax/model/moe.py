@@ -66,8 +66,12 @@ class MoE(nnx.Module):
       ident = placement_lib.identity_placement(1, self.num_experts, num_ep,
                                                self.num_experts // num_ep)
       slot_expert_S, slot_share_DS = ident.slot_expert[0], ident.slot_share[0]
-    if capacity is None:  # Dropless: a cell never exceeds the local tokens.
-      capacity = n // (num_ep * self.mesh.shape[expert_parallel.DATA])
+    if capacity is None:
+      # Dropless: a (source, destination device) cell gets at most one row
+      # per local token and slot of that device, and at most top_k.
+      spd = len(slot_expert_S) // num_ep
+      capacity = (n // (num_ep * self.mesh.shape[expert_parallel.DATA])
+                  * min(self.top_k, spd))
     y_NM, stats = expert_parallel.routed_experts(
         x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
         self.w_gate[...], self.w_up[...], self.w_down[...],

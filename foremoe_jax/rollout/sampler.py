@@ -160,13 +160,13 @@ class DecodeState(NamedTuple):
   cache: list  # KVCache per layer, [Bp, T, G, D].
 
 
-def _call_capacity(capacity, num_tokens: int, mesh):
-  # A (source, slot) cell never holds more than the source's tokens, so
-  # clamping keeps a capacity dropless-equivalent and avoids padded compute
-  # for the one-token decode calls.
+def _call_capacity(capacity, num_tokens: int, top_k: int, mesh):
+  # A (source, destination device) cell never holds more than top_k rows per
+  # source token, so clamping keeps a capacity dropless-equivalent and
+  # avoids padded compute for the one-token decode calls.
   if capacity is None:
     return None
-  return int(min(capacity, num_tokens // mesh.size))
+  return int(min(capacity, num_tokens // mesh.size * top_k))
 
 
 class Sampler:
@@ -269,8 +269,9 @@ class Sampler:
       prompts_NP: int32 [N, P] prompts, no padding (fixed-length tasks).
       key: a jax.random key.
       placement: optional Placement for the MoE layers (None = identity).
-      capacity: optional static per-(source, slot) capacity; clamped per call
-        to the tokens each device holds (None = dropless).
+      capacity: optional static per-(source, destination device) capacity;
+        clamped per call to top_k times the tokens each device holds (None =
+        dropless).
     Returns:
       A Rollout with B = N * num_generations rows, prompt i's samples at rows
       [i * G, (i + 1) * G) (GRPO groups are consecutive).
@@ -303,14 +304,16 @@ class Sampler:
     cache = self._init_cache(state, num_rows, total)
     return self._prefill(
         state, prompts_BP, row_valid_B, key, placement, cache,
-        capacity=_call_capacity(capacity, num_rows * plen, self.mesh))
+        capacity=_call_capacity(capacity, num_rows * plen, self.cfg.top_k,
+                                self.mesh))
 
   def decode(self, state, carry: DecodeState, key, *, placement=None,
              capacity: int | None = None) -> DecodeState:
     """Runs the decode loop to the end; `carry` is donated (do not reuse)."""
     num_rows = carry.tokens_BX.shape[0]
     return self._decode(state, carry, key, placement,
-                        capacity=_call_capacity(capacity, num_rows, self.mesh))
+                        capacity=_call_capacity(capacity, num_rows,
+                                                self.cfg.top_k, self.mesh))
 
   def rollout(self, carry: DecodeState) -> Rollout:
     """The host-side Rollout of a finished decode, batch padding dropped."""
