@@ -172,7 +172,7 @@ def train(config, workdir: str) -> dict:
   seq_in = task.sequence_len - 1
   buckets = config_lib.capacity_buckets(
       batch_size // num_mb * seq_in // (d_ep * d_data), mcfg.top_k,
-      d_ep * spd, config.parallel.capacity_factors)
+      d_ep, config.parallel.capacity_factors)
 
   rewards_hist = []
   for step in range(start, rl.steps):
@@ -195,9 +195,9 @@ def train(config, workdir: str) -> dict:
     t0 = time.perf_counter()
     plan = planner.plan(loads_MLDE)
     plan_s = time.perf_counter() - t0
-    cells = [placement_lib.slot_counts(loads_MLDE[m], plan.microstep(m)).max()
+    cells = [placement_lib.cell_counts(loads_MLDE[m], plan.microstep(m)).max()
              for m in range(num_mb)]
-    cells_static = [placement_lib.slot_counts(loads_MLDE[m], identity).max()
+    cells_static = [placement_lib.cell_counts(loads_MLDE[m], identity).max()
                     for m in range(num_mb)]
     capacity = config_lib.pick_bucket(int(max(cells)), buckets)
     batch = rl_batch_from_rollout(rollout, rewards, mbs)
