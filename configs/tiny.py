@@ -14,6 +14,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0
   c.task = 'addition'
   c.task_kwargs = ml_collections.ConfigDict({'partial_credit': 0.0})
+  c.eval_prompts = 256  # Greedy accuracy before and after RL (0: skip).
+  c.checkpoint_every = 10
 
   c.model = config_lib.model_defaults()
   c.model.name = 'tiny'

@@ -141,16 +141,20 @@ def train(config, workdir: str) -> dict:
   sampler = sampler_lib.Sampler(graphdef, mcfg, mesh, sp)
   greedy = sampler_lib.Sampler(graphdef, mcfg, mesh, dataclasses.replace(
       sp, num_generations=1, greedy=True))
+  num_eval = config.get('eval_prompts', 256)
   eval_prompts = task.sample_prompts(np.random.default_rng(10_000 + config.seed),
-                                     256)
+                                     max(num_eval, 1))
 
   def eval_greedy(p):
+    if not num_eval:
+      return None
     r = greedy(p, eval_prompts, jax.random.key(0))
     return float(task.reward(eval_prompts, r.completion_BC, r.lengths_B).mean())
 
   summary['greedy_reward_before_rl'] = eval_greedy(params)
-  print(f"greedy reward after warm start: "
-        f"{summary['greedy_reward_before_rl']:.3f}", flush=True)
+  if num_eval:
+    print(f"greedy reward after warm start: "
+          f"{summary['greedy_reward_before_rl']:.3f}", flush=True)
   tx = step_lib.make_optimizer(rl.learning_rate, rl.grad_clip, rl.weight_decay)
   state = step_lib.init_train_state(graphdef, params, tx, mesh,
                                     with_ref=rl.beta > 0)

@@ -14,6 +14,7 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   cfg.warmstart.steps = 100
   cfg.rl.steps = 40
   cfg.checkpoint_every = 20
+  cfg.eval_prompts = 0
   workdir = str(tmp_path)
   summary = trainer.train(cfg, workdir)
   lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
@@ -31,3 +32,14 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
     with open(os.path.join(workdir, png), 'rb') as f:
       assert f.read(8) == b'\x89PNG\r\n\x1a\n'
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', '40'))
+
+  # A rerun in the same workdir (as after a crash) resumes from the latest
+  # checkpoint: no second warm start, RL continues at step 41.
+  cfg.rl.steps = 41
+  trainer.train(cfg, workdir)
+  steps = [json.loads(l)['step'] for l in open(os.path.join(workdir,
+                                                              'metrics.jsonl'))]
+  assert steps == list(range(1, 42))
+  warm = open(os.path.join(workdir, 'warmstart.jsonl')).read().splitlines()
+  assert len(warm) == 2  # 100 steps logged every 50: written once only.
+
