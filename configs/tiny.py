@@ -51,10 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 100
-  c.rl.prompts_per_step = 16
+  c.rl.prompts_per_step = 32
   c.rl.num_generations = 8
   c.rl.num_microbatches = 4
-  c.rl.learning_rate = 5e-4
+  c.rl.learning_rate = 3e-4
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
   c.rl.beta = 0.01
