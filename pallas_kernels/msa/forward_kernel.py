@@ -21,7 +21,6 @@ tiles, U union entries per tile, X = R*D (a group's heads side by side).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -63,29 +63,40 @@ def block_scores_BGTN(qi_BTGI, ki_BSI, *, block_size: int, q_offset: int = 0,
   q_chunk = min(q_chunk, t)
   tp, sp = _round_up(t, q_chunk), _round_up(s, k_chunk)
   qi = jnp.pad(qi_BTGI.astype(jnp.float32), ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-  ki = jnp.pad(ki_BSI.astype(jnp.float32), ((0, 0), (0, sp - s), (0, 0)))
   qi = qi * (1.0 / math.sqrt(di))
-  tiles = jnp.asarray(causal_tiles(t, s, q_offset, q_chunk, k_chunk))
+  # [I, S] once, so no tile transposes its key slice again (measured ~10%).
+  ki_BIS = jnp.pad(ki_BSI.astype(jnp.float32),
+                   ((0, 0), (0, sp - s), (0, 0))).transpose(0, 2, 1)
+  tiles = causal_tiles(t, s, q_offset, q_chunk, k_chunk)
+  # Tiles below the diagonal need no causal mask; only the others pay for it.
+  below = (tiles[:, 0] * q_chunk + q_offset >= (tiles[:, 1] + 1) * k_chunk - 1)
   nb_chunk = k_chunk // block_size
 
-  def one_sequence(qi_TGI, ki_SI):
-    def body(i, scores_TGN):
-      c, kc = tiles[i, 0], tiles[i, 1]
-      q_QGI = jax.lax.dynamic_slice_in_dim(qi_TGI, c * q_chunk, q_chunk)
-      k_LI = jax.lax.dynamic_slice_in_dim(ki_SI, kc * k_chunk, k_chunk)
-      logits = jnp.dot(q_QGI.reshape(q_chunk * g, di), k_LI.T)
-      logits = logits.reshape(q_chunk, g, nb_chunk, block_size)
+  def tile(i, scores_TGN, qi_TGI, ki_IS, tile_list, masked):
+    c, kc = tile_list[i, 0], tile_list[i, 1]
+    q_QGI = jax.lax.dynamic_slice_in_dim(qi_TGI, c * q_chunk, q_chunk)
+    k_IL = jax.lax.dynamic_slice_in_dim(ki_IS, kc * k_chunk, k_chunk, axis=1)
+    logits = jnp.dot(q_QGI.reshape(q_chunk * g, di), k_IL)
+    logits = logits.reshape(q_chunk, g, nb_chunk, block_size)
+    if masked:
       qpos = c * q_chunk + jnp.arange(q_chunk) + q_offset
       kpos = kc * k_chunk + jnp.arange(k_chunk).reshape(nb_chunk, block_size)
       visible = kpos[None, :, :] <= qpos[:, None, None]
       logits = jnp.where(visible[:, None], logits, -jnp.inf)
-      return jax.lax.dynamic_update_slice(
-          scores_TGN, logits.max(axis=-1), (c * q_chunk, 0, kc * nb_chunk))
+    return jax.lax.dynamic_update_slice(
+        scores_TGN, logits.max(axis=-1), (c * q_chunk, 0, kc * nb_chunk))
 
-    init = jnp.full((tp, g, sp // block_size), -jnp.inf, jnp.float32)
-    return jax.lax.fori_loop(0, tiles.shape[0], body, init)
+  def one_sequence(qi_TGI, ki_IS):
+    scores = jnp.full((tp, g, sp // block_size), -jnp.inf, jnp.float32)
+    for masked in (False, True):
+      tile_list = jnp.asarray(tiles[below != masked])
+      if tile_list.shape[0]:
+        scores = jax.lax.fori_loop(0, tile_list.shape[0], functools.partial(
+            tile, qi_TGI=qi_TGI, ki_IS=ki_IS, tile_list=tile_list,
+            masked=masked), scores)
+    return scores
 
-  scores_BTGN = jax.vmap(one_sequence)(qi, ki)
+  scores_BTGN = jax.vmap(one_sequence)(qi, ki_BIS)
   return scores_BTGN[:, :t, :, :n].transpose(0, 2, 1, 3)
 
 
