@@ -20,7 +20,7 @@ dense matmul per group.)
 Shape letters: N tokens on this device, K top-k, A = N*K assignments,
 E experts, D EP devices, S slots (= D * s), C capacity per cell, R = D * C
 rows a device receives, n tiles of t rows (T = n * t), M model dim,
-F expert hidden dim.
+F expert hidden dim, X and Y any expert weight's two matrix dims.
 """
 from __future__ import annotations
 
@@ -78,51 +78,92 @@ def default_tile(num_rows: int, slots_per_device: int) -> int:
   """Rows per tile of the grouped GEMM: a power of two in [8, 128].
 
   Each slot pads its rows up to a whole tile (s * t rows of waste), and each
-  tile costs a weight slice and a loop step (about h rows' worth of compute;
-  h ~ 10 measured on CPU), so the work is ~R + s * t + h * R / t rows, least
-  at t ~ sqrt(h * R / s). On an accelerator the matrix unit (e.g. 128 rows)
-  would set t instead.
+  tile costs a loop step and a less efficient small matmul (about h rows'
+  worth of compute; h ~ 5 measured on CPU), so the work is ~R + s * t +
+  h * R / t rows, least at t ~ sqrt(h * R / s). On an accelerator the matrix
+  unit (e.g. 128 rows) would set t instead.
   """
-  best = (10.0 * num_rows / max(slots_per_device, 1)) ** 0.5
+  best = (5.0 * num_rows / max(slots_per_device, 1)) ** 0.5
   return int(min(128, max(8, 2 ** round(math.log2(max(best, 1.0))))))
 
 
-@jax.custom_vjp
-def _grouped_matmul(x_ntI, w_sIO, slot_n):
-  """Tile n times its slot's matrix: y[n] = x[n] @ w[slot[n]], [n, t, O].
+def _slot_weights(cache, slot, w_sXY):
+  """(slot, its weights), re-sliced from w_sXY only when the slot changes.
 
-  A scan over tiles that slices the weights in place. The batched einsum
-  'ntm,nmf->ntf' on gathered weights [n, M, F] is the same math, but on CPU
-  the weight gather costs several times the matmuls.
+  Tiles come in slot order, so a scan that carries the current slot's
+  weights copies each slot's matrices once instead of once per tile (the
+  per-tile copy cost as much as a dozen rows of compute on CPU).
   """
-  def tile_product(carry, xs):
-    x_tI, slot = xs
-    return carry, x_tI @ w_sIO[slot]
-  return jax.lax.scan(tile_product, None, (x_ntI, slot_n))[1]
+  prev, cached = cache
+  cached = jax.lax.cond(slot != prev,
+                        lambda: tuple(w[slot] for w in w_sXY),
+                        lambda: cached)
+  return slot, cached
 
 
-def _grouped_matmul_fwd(x_ntI, w_sIO, slot_n):
-  return _grouped_matmul(x_ntI, w_sIO, slot_n), (x_ntI, w_sIO, slot_n)
+def _first_slot_weights(w_sXY, slot_n):
+  return slot_n[0], tuple(w[slot_n[0]] for w in w_sXY)
 
 
-def _grouped_matmul_bwd(res, dy_ntO):
-  # Autodiff of the scan would add a full [s, I, O] zero-padded cotangent
-  # per tile; accumulating into one carry updates only the tile's slot.
-  x_ntI, w_sIO, slot_n = res
+@jax.custom_vjp
+def _tiled_swiglu(x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n):
+  """y[n] = SwiGLU of tile x[n] with slot slot_n[n]'s weights: [n, t, M].
 
-  def tile_grads(dw_sIO, xs):
-    x_tI, dy_tO, slot = xs
-    dw_sIO = dw_sIO.at[slot].add(
-        jnp.dot(x_tI.T, dy_tO, preferred_element_type=jnp.float32))
-    return dw_sIO, dy_tO @ w_sIO[slot].T
+  A scan over tiles, slot_n ascending. (The batched einsum 'ntm,nmf->ntf'
+  on weights gathered per tile is the same math, but on CPU the gather of
+  [n, M, F] costs several times the matmuls.)
+  """
+  w_sXY = (wg_sMF, wu_sMF, wd_sFM)
 
-  dw_sIO, dx_ntI = jax.lax.scan(tile_grads,
-                                jnp.zeros_like(w_sIO, jnp.float32),
-                                (x_ntI, dy_ntO, slot_n))
-  return dx_ntI, dw_sIO.astype(w_sIO.dtype), None
+  def tile(cache, xs):
+    x_tM, slot = xs
+    cache = _slot_weights(cache, slot, w_sXY)
+    wg_MF, wu_MF, wd_FM = cache[1]
+    return cache, (jax.nn.silu(x_tM @ wg_MF) * (x_tM @ wu_MF)) @ wd_FM
+
+  return jax.lax.scan(tile, _first_slot_weights(w_sXY, slot_n),
+                      (x_ntM, slot_n))[1]
 
 
-_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+def _tiled_swiglu_fwd(x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n):
+  # Only the input tiles are kept; the backward recomputes g and u per tile.
+  return (_tiled_swiglu(x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n),
+          (x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n))
+
+
+def _tiled_swiglu_bwd(res, dy_ntM):
+  x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n = res
+  w_sXY = (wg_sMF, wu_sMF, wd_sFM)
+
+  def tile(carry, xs):
+    cache, dw_sXY = carry
+    x_tM, dy_tM, slot = xs
+    cache = _slot_weights(cache, slot, w_sXY)
+    wg_MF, wu_MF, wd_FM = cache[1]
+    g_tF, u_tF = x_tM @ wg_MF, x_tM @ wu_MF
+    sig_tF = jax.nn.sigmoid(g_tF)
+    act_tF = g_tF * sig_tF  # silu(g)
+    dh_tF = dy_tM @ wd_FM.T
+    du_tF = dh_tF * act_tF
+    dg_tF = dh_tF * u_tF * sig_tF * (1 + g_tF * (1 - sig_tF))
+    dx_tM = dg_tF @ wg_MF.T + du_tF @ wu_MF.T
+    # Autodiff of the scan would add a whole zero-padded [s, ...] cotangent
+    # per tile; adding into the carried gradients touches only this slot.
+    dw_sXY = tuple(
+        dw.at[slot].add(jnp.dot(a.T, b, preferred_element_type=jnp.float32))
+        for dw, a, b in zip(dw_sXY, (x_tM, x_tM, act_tF * u_tF),
+                            (dg_tF, du_tF, dy_tM)))
+    return (cache, dw_sXY), dx_tM
+
+  dw0 = tuple(jnp.zeros_like(w, jnp.float32) for w in w_sXY)
+  (_, dw_sXY), dx_ntM = jax.lax.scan(
+      tile, (_first_slot_weights(w_sXY, slot_n), dw0),
+      (x_ntM, dy_ntM, slot_n))
+  return (dx_ntM, *(dw.astype(w.dtype) for dw, w in zip(dw_sXY, w_sXY)),
+          None)
+
+
+_tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
 
 
 def _grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, tile):
@@ -159,10 +200,8 @@ def _grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, tile):
   slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
                        spd - 1)
   dtype = x_RM.dtype
-  g_ntF = _grouped_matmul(x_ntM, wg_sMF.astype(dtype), slot_n)
-  u_ntF = _grouped_matmul(x_ntM, wu_sMF.astype(dtype), slot_n)
-  y_ntM = _grouped_matmul(jax.nn.silu(g_ntF) * u_ntF, wd_sFM.astype(dtype),
-                          slot_n)
+  y_ntM = _tiled_swiglu(x_ntM, wg_sMF.astype(dtype), wu_sMF.astype(dtype),
+                        wd_sFM.astype(dtype), slot_n)
   y_TM = y_ntM.reshape(num_tiles * tile, -1)
   # Empty rows read some tile's row; the combine never reads them back.
   return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles * tile - 1), axis=0)
@@ -217,10 +256,12 @@ def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   y_NM = (y_AM * w_A[:, None]).reshape(num_tokens, top_k, model_dim).sum(axis=1)
 
   axes = (DATA, EXPERT)
-  dropped = jax.lax.psum((found_A & ~keep_A).sum().astype(jnp.int32), axes)
+  # One psum for both sums: on CPU each collective is a rendezvous of all
+  # devices, a fixed cost per layer call.
+  sums = jax.lax.psum(jnp.append(count_S, (found_A & ~keep_A).sum()
+                                 ).astype(jnp.int32), axes)
   max_cell = jax.lax.pmax(count_Ds.sum(axis=1).max().astype(jnp.int32), axes)
-  slot_tokens_S = jax.lax.psum(count_S.astype(jnp.int32), axes)
-  return y_NM, DispatchStats(dropped, max_cell, slot_tokens_S)
+  return y_NM, DispatchStats(sums[-1], max_cell, sums[:-1])
 
 
 def _gather_body(w_eXY, slot_expert_S):
