@@ -16,7 +16,7 @@ from foremoe_jax.utils.run_info import print_run_info
 
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
 _TOKENS = flags.DEFINE_integer('tokens', 2048, 'Tokens per micro-batch.')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved repetitions.')
+_REPEATS = flags.DEFINE_integer('repeats', 7, 'Interleaved repetitions.')
 
 
 def main(argv):
