@@ -103,6 +103,7 @@ def _placements(rng, num_devices, spd):
 def test_output_and_grads_match_reference(setup, num_data, num_expert, spd):
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
   mesh = ep.make_mesh(num_data, num_expert)
+  # A token can send all K of its rows to one device.
   dropless = N // (num_data * num_expert) * K
 
   def ep_loss(x, gates, wg, wu, wd, se, share):
