@@ -15,7 +15,7 @@ from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.utils.run_info import print_run_info
 
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
-_TOKENS = flags.DEFINE_integer('tokens', 2048, 'Tokens per micro-batch.')
+_TOKENS = flags.DEFINE_integer('tokens', 4096, 'Tokens per micro-batch.')
 _REPEATS = flags.DEFINE_integer('repeats', 7, 'Interleaved repetitions.')
 
 

@@ -29,11 +29,12 @@ from foremoe_jax.model.moe_reference import reference_moe_ffn
 
 @dataclasses.dataclass(frozen=True)
 class MoELayerBench:
-  tokens: int = 2048
+  tokens: int = 4096  # One micro-step: e.g. 8 sequences of 512 tokens.
   experts: int = 64
   top_k: int = 2
-  model_dim: int = 256
-  hidden_dim: int = 512
+  # Large enough that expert compute, not dispatch, dominates the layer.
+  model_dim: int = 512
+  hidden_dim: int = 1024
   redundant_slots_per_device: int = 2
   zipf_alpha: float = 1.0  # Expert popularity ~ 1 / rank^alpha, shuffled.
   capacity_factors: tuple = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
