@@ -24,7 +24,7 @@ class ModelAux(NamedTuple):
   counts_LE: jax.Array  # int32 assignments per expert per MoE layer.
   balance_loss: jax.Array  # float32 mean over MoE layers.
   dropped_L: jax.Array  # int32 assignments over capacity per MoE layer.
-  max_cell_L: jax.Array  # int32 largest (source, slot) count per MoE layer.
+  max_cell_L: jax.Array  # int32 largest (source, destination device) cell per MoE layer.
   indexer_loss: jax.Array  # float32 sum over MSA layers of the indexer KL.
 
 

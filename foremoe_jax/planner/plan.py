@@ -27,7 +27,9 @@ class StepPlan(NamedTuple):
   placement: placement_lib.Placement  # slot_expert [M, L, S], share [M, L, D, S]
   loads_MLD: np.ndarray  # int64: tokens each device computes
   slot_loads_MLS: np.ndarray  # int64: tokens each slot computes
-  max_cell_ML: np.ndarray  # int64: largest (source, slot) count (capacity)
+  # int64: largest (source, slot) count. The EP layer pads (source,
+  # destination device) cells: pick its bucket with placement.cell_counts.
+  max_cell_ML: np.ndarray
   moves_MLD: np.ndarray  # int64: experts newly copied into each device
   bytes_moved_M: np.ndarray  # float64: bytes copied before each micro-step
   fell_back: bool = False  # True when the previous placement was reused

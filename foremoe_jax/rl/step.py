@@ -185,7 +185,7 @@ def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
         eps_high=eps_high, beta=beta, indexer_loss_coef=indexer_loss_coef)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics['grad_norm'] = optax.global_norm(grads)
+    metrics['grad_norm'] = optax.tree.norm(grads)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state,
                                     step=state.step + 1)
     return new_state, metrics

@@ -1,1 +1,0 @@
-"""Transfer engine: moves expert weights between micro-step placements."""
