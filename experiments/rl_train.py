@@ -10,7 +10,7 @@ import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
+from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from foremoe_jax.rl import trainer
@@ -23,6 +23,7 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory.',
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO.
   print_run_info({'config': _CONFIG.value.to_dict()})
   summary = trainer.train(_CONFIG.value, _WORKDIR.value)
   print(json.dumps(summary, default=str))
