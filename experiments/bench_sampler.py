@@ -2,41 +2,19 @@
 
   python -m experiments.bench_sampler --json
 
-Tiny model on 8 simulated CPU devices, mesh (1, 8), addition prompts, batch
-64 (8 prompts x 8 generations), 256 new tokens. EOS is disabled so every run
-decodes all 256 tokens (a fresh model would otherwise stop at random steps).
-Decode tokens/s counts sampled tokens only; prefill is outside the timers.
-
-* cached: `Sampler.decode`, the jit'd while_loop over the donated KV cache.
-* recompute: `recompute_decode`, a fori_loop rerunning the full forward on
-  the whole fixed-length [64, 263] buffer each step. Every step costs the same
-  (fixed buffer, no early exit), so it is timed over --recompute_steps steps
-  instead of 256 to keep the run short; tokens/s is per step either way.
-* routing_record_overhead: the cached loop with the record written vs not
-  (record_routes=False), as median paired time ratio - 1.
-All timings are interleaved repetitions in one process; ratios are medians.
-
-The timing harness lives here, not in a library, only because this entry
-point is the sampler's one benchmark; the decode loops it times are library
-code (foremoe_jax.rollout).
+The benchmark body is foremoe_jax/benchmarks/sampler.py.
 """
-import functools
 import json
 import os
-import time
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
-import jax  # pylint: disable=g-import-not-at-top
-import numpy as np
-from absl import app, flags
-from flax import nnx
+from absl import app, flags  # pylint: disable=g-import-not-at-top
 
 from configs import tiny
 from foremoe_jax import config as config_lib
+from foremoe_jax.benchmarks import sampler as sampler_bench
 from foremoe_jax.model import expert_parallel as ep
-from foremoe_jax.model import sharding, transformer
-from foremoe_jax.rollout import recompute, sampler as sampler_lib
 from foremoe_jax.tasks import get_task
 from foremoe_jax.utils.run_info import print_run_info
 
@@ -47,79 +25,6 @@ _NEW_TOKENS = flags.DEFINE_integer('new_tokens', 256, 'Tokens to decode.')
 _REPEATS = flags.DEFINE_integer('repeats', 7, 'Interleaved repetitions.')
 _RECOMPUTE_STEPS = flags.DEFINE_integer(
     'recompute_steps', 16, 'Steps timed for the recompute baseline.')
-
-
-def timed(fn, *args, **kw):
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args, **kw))
-  return time.perf_counter() - t0
-
-
-def run(cfg, mesh, prompts_NP, *, num_generations, new_tokens, repeats,
-        recompute_steps) -> dict:
-  model = transformer.Transformer(cfg.model, mesh, rngs=nnx.Rngs(cfg.seed))
-  graphdef, state = sharding.split_model(model, mesh)
-  common = dict(max_new_tokens=new_tokens, num_generations=num_generations,
-                temperature=cfg.sampler.temperature, eos_id=-1)
-  samplers = {rec: sampler_lib.Sampler(
-      graphdef, cfg.model, mesh,
-      sampler_lib.SamplingParams(record_routes=rec, **common))
-              for rec in (True, False)}
-  key = jax.random.key(cfg.seed)
-  batch = prompts_NP.shape[0] * num_generations
-
-  def cached_s(record):
-    """(decode loop seconds, prefill + decode + host Rollout seconds)."""
-    smp = samplers[record]
-    t0 = time.perf_counter()
-    carry = jax.block_until_ready(smp.prefill(state, prompts_NP, key))
-    t1 = time.perf_counter()
-    carry = jax.block_until_ready(smp.decode(state, carry, key))
-    t2 = time.perf_counter()
-    smp.rollout(carry)
-    return t2 - t1, time.perf_counter() - t0
-
-  recompute_fn = jax.jit(functools.partial(
-      recompute.recompute_decode, graphdef,
-      params=samplers[False].params, num_steps=recompute_steps))
-  prompts_BP = np.repeat(prompts_NP, num_generations, axis=0)
-  # Warm-up (compiles), then check the two loops agree on what they decode.
-  rollout = samplers[True](state, prompts_NP, key)
-  assert rollout.decode_steps == new_tokens
-  tokens_BT = np.asarray(recompute_fn(state, prompts_BP, key))
-  plen = prompts_NP.shape[1]
-  agree = float((tokens_BT[:, plen:plen + recompute_steps] ==
-                 rollout.completion_BC[:, :recompute_steps]).mean())
-  cached_s(False)  # Compiles the no-record sampler.
-  times = {'record': [], 'no_record': [], 'recompute': []}
-  for i in range(repeats):
-    times['record'].append(cached_s(True))
-    times['no_record'].append(cached_s(False))
-    if i < max(3, repeats // 2):  # The slow baseline needs fewer samples.
-      times['recompute'].append(timed(recompute_fn, state, prompts_BP, key))
-  record_s2 = np.array(times['record'])  # [repeats, (decode, end to end)]
-  no_record_s2 = np.array(times['no_record'])
-  cached_tok_s = batch * new_tokens / np.median(record_s2[:, 0])
-  recompute_tok_s = batch * recompute_steps / np.median(times['recompute'])
-  overhead_2 = np.median(record_s2 / no_record_s2, axis=0) - 1
-  record_bytes = rollout.routes_LBTK.nbytes
-  return dict(
-      batch=batch, prompt_len=plen, new_tokens=new_tokens,
-      cached_tok_s=float(cached_tok_s),
-      cached_no_record_tok_s=float(batch * new_tokens
-                                   / np.median(no_record_s2[:, 0])),
-      recompute_tok_s=float(recompute_tok_s),
-      speedup=float(cached_tok_s / recompute_tok_s),
-      routing_record_overhead=float(overhead_2[0]),
-      # Prefill + decode + moving the Rollout (record included) to the host.
-      routing_record_overhead_end_to_end=float(overhead_2[1]),
-      routing_record_bytes=int(record_bytes),
-      routing_record_dtype=str(rollout.routes_LBTK.dtype),
-      recompute_agreement=agree,
-      repeats=repeats, recompute_steps=recompute_steps,
-      # pylint: disable-next=protected-access
-      decode_compiles=samplers[True]._decode._cache_size(),
-      target_speedup=5.0, target_overhead=0.10)
 
 
 def main(argv):
@@ -137,9 +42,10 @@ def main(argv):
                   'new_tokens': _NEW_TOKENS.value, 'repeats': _REPEATS.value,
                   'recompute_steps': _RECOMPUTE_STEPS.value})
   prompts_NP = task.sample_prompts(cfg.seed, _PROMPTS.value)
-  result = run(cfg, mesh, prompts_NP, num_generations=_GENERATIONS.value,
-               new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value,
-               recompute_steps=_RECOMPUTE_STEPS.value)
+  result = sampler_bench.run(
+      cfg, mesh, prompts_NP, num_generations=_GENERATIONS.value,
+      new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value,
+      recompute_steps=_RECOMPUTE_STEPS.value)
   if not _JSON.value:
     for k, v in result.items():
       print(f'{k:>34}: {v}')
