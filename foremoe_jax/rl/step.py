@@ -99,7 +99,8 @@ def _split_microbatches(x_B, microbatches_Mb):
 
 def accumulate_grads(state: TrainState, batch: dict, plan: StepPlan, *,
                      num_generations: int, eps_low: float, eps_high: float,
-                     beta: float, indexer_loss_coef: float = 1.0):
+                     beta: float, indexer_loss_coef: float = 1.0,
+                     balance_loss_coef: float = 0.0):
   """Recompute, advantages, and the scan over micro-steps; (grads, metrics).
 
   batch: dict with
@@ -141,13 +142,18 @@ def accumulate_grads(state: TrainState, batch: dict, plan: StepPlan, *,
     loss, metrics = grpo.policy_loss(
         logp, old, ref, adv, mask, eps_low=eps_low, eps_high=eps_high,
         beta=beta if ref is not None else 0.0, num_sequences_total=num_total)
-    # MSA indexer KL (0 without MSA layers), weighted by this micro-batch's
-    # share of sequences so that the micro-step sum is the step mean.
-    index_loss = aux.indexer_loss * (toks.shape[0] / num_total)
+    # MSA indexer KL (0 without MSA layers) and the MoE balance loss, each
+    # weighted by this micro-batch's share of sequences so that the sum over
+    # micro-steps is the step mean.
+    share = toks.shape[0] / num_total
+    index_loss = aux.indexer_loss * share
+    balance = aux.balance_loss * share
     metrics['indexer_loss'] = jax.lax.stop_gradient(index_loss)
+    metrics['balance_loss'] = jax.lax.stop_gradient(balance)
     metrics['dropped'] = aux.dropped_L.sum()
     metrics['max_cell'] = aux.max_cell_L.max()
-    return loss + indexer_loss_coef * index_loss, metrics
+    return (loss + indexer_loss_coef * index_loss
+            + balance_loss_coef * balance), metrics
 
   grad_fn = jax.grad(micro_loss, has_aux=True)
   has_ref = ref_logp_MbT is not None
@@ -176,13 +182,15 @@ def accumulate_grads(state: TrainState, batch: dict, plan: StepPlan, *,
 
 def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
                  eps_low: float, eps_high: float, beta: float,
-                 indexer_loss_coef: float = 1.0):
+                 indexer_loss_coef: float = 1.0,
+                 balance_loss_coef: float = 0.0):
   """Builds the jit-compiled pure `rl_step(state, batch, plan)`."""
 
   def rl_step(state: TrainState, batch: dict, plan: StepPlan):
     grads, metrics = accumulate_grads(
         state, batch, plan, num_generations=num_generations, eps_low=eps_low,
-        eps_high=eps_high, beta=beta, indexer_loss_coef=indexer_loss_coef)
+        eps_high=eps_high, beta=beta, indexer_loss_coef=indexer_loss_coef,
+        balance_loss_coef=balance_loss_coef)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.tree.norm(grads)
@@ -194,7 +202,8 @@ def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
 
 
 def make_sft_step(tx: optax.GradientTransformation,
-                  indexer_loss_coef: float = 1.0):
+                  indexer_loss_coef: float = 1.0,
+                  balance_loss_coef: float = 0.0):
   """Supervised warm start: next-token cross-entropy on masked positions."""
 
   def sft_step(state: TrainState, tokens_BT, loss_mask_BT):
@@ -205,7 +214,8 @@ def make_sft_step(tx: optax.GradientTransformation,
       mask = loss_mask_BT[:, 1:]
       nll = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
       exact = ((logp > jnp.log(0.5)) | (mask == 0)).all(axis=1).mean()
-      total = nll + indexer_loss_coef * aux.indexer_loss
+      total = (nll + indexer_loss_coef * aux.indexer_loss
+               + balance_loss_coef * aux.balance_loss)
       return total, {'loss': nll, 'indexer_loss': aux.indexer_loss,
                      'token_p50_seq_frac': exact}
     grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)

@@ -115,7 +115,8 @@ def train(config, workdir: str) -> dict:
     tx = step_lib.make_optimizer(config.warmstart.learning_rate, 1.0)
     state = step_lib.init_train_state(graphdef, params, tx, mesh,
                                       with_ref=False)
-    sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef)
+    sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,
+                                      mcfg.aux_loss_coef)
     warm_writer = metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl')
     t0 = time.perf_counter()
     for i in range(config.warmstart.steps):
@@ -166,7 +167,8 @@ def train(config, workdir: str) -> dict:
   rl_step = step_lib.make_rl_step(tx, num_generations=num_gen,
                                   eps_low=rl.eps_low, eps_high=rl.eps_high,
                                   beta=rl.beta,
-                                  indexer_loss_coef=mcfg.msa_indexer_loss_coef)
+                                  indexer_loss_coef=mcfg.msa_indexer_loss_coef,
+                                  balance_loss_coef=mcfg.aux_loss_coef)
   pcfg = config.planner
   topo, cost = planner_setup(config)
   identity = placement_lib.identity_placement(num_moe, num_experts, d_ep, spd)

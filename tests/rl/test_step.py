@@ -107,3 +107,28 @@ def test_step_updates_params_and_compiles_once(setup):
   moved = [not np.allclose(a, b) for a, b in
            zip(jax.tree.leaves(before), jax.tree.leaves(state.params))]
   assert all(moved)
+
+
+def test_balance_loss_coef_reaches_router_only_through_its_term(setup):
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  tx = step_lib.make_optimizer(1e-3, 1.0)
+  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
+  batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
+      rollout, rewards, [np.arange(32)]))
+  plan = _plan(1, cfg.model.num_layers)
+
+  def grads(coef):
+    return jax.jit(lambda s, b: step_lib.accumulate_grads(
+        s, b, plan, num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.0,
+        balance_loss_coef=coef))(state, batch)
+
+  g0, m0 = grads(0.0)
+  g1, m1 = grads(1.0)
+  assert float(m1['balance_loss']) >= 1.0 - 1e-5  # Switch loss: >= 1, = 1 at balance.
+  router = lambda g: g['blocks'][0]['ffn']['router']['kernel'][...]
+  assert float(jnp.abs(router(g1) - router(g0)).max()) > 1e-6
+  # The last layer's experts feed no router, and replayed routes fix the
+  # dispatch: the balance term cannot reach them.
+  last = cfg.model.num_layers - 1
+  expert = lambda g: g['blocks'][last]['ffn']['w_up'][...]
+  np.testing.assert_allclose(expert(g1), expert(g0), atol=1e-7)
