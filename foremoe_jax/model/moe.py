@@ -62,7 +62,11 @@ class MoE(nnx.Module):
     r = router.route(logits_NE, self.top_k, renormalize=self.renormalize,
                      replay_ids_NK=replay_NK)
     num_ep = self.mesh.shape[expert_parallel.EXPERT]
-    if slot_expert_S is None:
+    # Without a placement: plain EP (identity, no redundant slots), whose slot
+    # weights are exactly the local canonical shard, so no transfer at all
+    # (this is the sampler's decode loop and the warm start).
+    canonical_slots = slot_expert_S is None
+    if canonical_slots:
       ident = placement_lib.identity_placement(1, self.num_experts, num_ep,
                                                self.num_experts // num_ep)
       slot_expert_S, slot_share_DS = ident.slot_expert[0], ident.slot_share[0]
@@ -72,12 +76,17 @@ class MoE(nnx.Module):
       spd = len(slot_expert_S) // num_ep
       capacity = (n // (num_ep * self.mesh.shape[expert_parallel.DATA])
                   * min(self.top_k, spd))
-    y_NM, stats = expert_parallel.routed_experts(
-        x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
-        self.w_gate[...], self.w_up[...], self.w_down[...],
-        jnp.asarray(slot_expert_S, jnp.int32),
-        jnp.asarray(slot_share_DS, jnp.float32),
-        mesh=self.mesh, capacity=capacity)
+    args = (x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
+            self.w_gate[...], self.w_up[...], self.w_down[...],
+            jnp.asarray(slot_expert_S, jnp.int32),
+            jnp.asarray(slot_share_DS, jnp.float32))
+    if canonical_slots:
+      y_NM, stats = expert_parallel.expert_parallel_ffn(
+          *args, mesh=self.mesh, capacity=capacity,
+          num_experts=self.num_experts)
+    else:
+      y_NM, stats = expert_parallel.routed_experts(
+          *args, mesh=self.mesh, capacity=capacity)
     y_BTM = y_NM.reshape(b, t, m)
     if self.has_shared:
       y_BTM = y_BTM + self.shared(x_BTM)

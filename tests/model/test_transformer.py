@@ -86,3 +86,17 @@ def test_real_config_param_counts_match_public_figures(name, total, active):
   counts = shapes.param_counts(cfg)
   assert abs(counts['total'] - total) / total < 0.01
   assert abs(counts['active'] - active) / active < 0.03
+
+
+def test_no_placement_equals_explicit_identity_placement():
+  """The transfer-free default path computes what the identity placement does."""
+  cfg = tiny_model_cfg()
+  mesh = ep.make_mesh(1, 8)
+  tokens = jax.random.randint(jax.random.key(3), (8, 8), 0, cfg.vocab_size)
+  ident = placement_lib.identity_placement(cfg.num_layers, cfg.num_experts, 8,
+                                           cfg.num_experts // 8)
+  (_, (lg0, _)), g0 = loss_and_grads(cfg, mesh, tokens)
+  (_, (lg1, _)), g1 = loss_and_grads(cfg, mesh, tokens, ident)
+  np.testing.assert_allclose(lg0, lg1, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
