@@ -58,12 +58,8 @@ def _tpu_dq_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref,
   @pl.when(u < count_ref[tile])
   def _visit():
     blk = blocks_ref[tile * width + u]
-    qpos = off_ref[b] + i * tq + jax.lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
-    kpos = blk * block_size + jax.lax.broadcasted_iota(
-        jnp.int32, (1, block_size), 1)
-    hit = jnp.max((sel_ref[...] == blk).astype(jnp.int32), axis=1,
-                  keepdims=True) > 0
-    mask = hit & (kpos <= qpos)
+    mask = kc.query_tile_mask(sel_ref[...], blk, off_ref[b] + i * tq, tq,
+                              block_size)
     k, v = k_ref[...], v_ref[...]
     for h in range(n_heads):
       cols = slice(h * head_dim, (h + 1) * head_dim)

@@ -74,3 +74,17 @@ def finish_softmax(m_X1, l_X1, acc_XD):
   l_safe = jnp.where(l_X1 == 0.0, 1.0, l_X1)
   lse = jnp.where(l_X1 == 0.0, -jnp.inf, m_X1 + jnp.log(l_safe))
   return acc_XD / l_safe, lse
+
+
+def query_tile_mask(sel_XK, blk, q_start, tq: int, block_size: int):
+  """[tq, block_size] mask of a TPU query tile visiting key block `blk`.
+
+  A row may see the block's keys only if its own selection holds `blk`
+  (the tile visits the union of its rows' blocks) and causally.
+  q_start is the position of the tile's first query.
+  """
+  qpos = q_start + jax.lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
+  kpos = blk * block_size + jax.lax.broadcasted_iota(
+      jnp.int32, (1, block_size), 1)
+  hit = jnp.max((sel_XK == blk).astype(jnp.int32), axis=1, keepdims=True) > 0
+  return hit & (kpos <= qpos)
