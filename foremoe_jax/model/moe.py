@@ -3,9 +3,11 @@
 Shape letters: B batch, T tokens, N = B*T, M model dim, F expert hidden dim,
 E experts, K top-k, S slots, D EP devices.
 
-The routed experts run through `expert_parallel.routed_experts` with one layer of a
-`Placement`; the layer always returns the ids it used (the routing record),
-per-expert counts and the balance loss.
+The routed experts run under expert parallelism with one layer of a
+`Placement` and the slot weights the transfer engine filled for it
+(foremoe_jax/transfer); without a placement, each device's slots are its
+canonical experts (no transfer). The layer always returns the ids it used
+(the routing record), per-expert counts and the balance loss.
 """
 from __future__ import annotations
 
@@ -51,7 +53,12 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTM, *, slot_expert_S=None, slot_share_DS=None,
                capacity: int | None = None, replay_ids_BTK=None,
-               valid_BT=None):
+               valid_BT=None, slot_weights=None):
+    """slot_weights: (w_gate [S, M, F], w_up [S, M, F], w_down [S, F, M])
+    sharded over 'expert', holding the placement's experts. Given a
+    placement without them, the slots are gathered from the canonical
+    experts (`expert_parallel.routed_experts`: an all-gather, kept as the
+    reference path; the RL step always passes slot weights)."""
     b, t, m = x_BTM.shape
     n = b * t
     x_NM = x_BTM.reshape(n, m)
@@ -80,7 +87,9 @@ class MoE(nnx.Module):
             self.w_gate[...], self.w_up[...], self.w_down[...],
             jnp.asarray(slot_expert_S, jnp.int32),
             jnp.asarray(slot_share_DS, jnp.float32))
-    if canonical_slots:
+    if canonical_slots or slot_weights is not None:
+      if slot_weights is not None:
+        args = args[:4] + tuple(slot_weights) + args[7:]
       y_NM, stats = expert_parallel.expert_parallel_ffn(
           *args, mesh=self.mesh, capacity=capacity,
           num_experts=self.num_experts)

@@ -3,7 +3,8 @@
 Shape letters: B batch, T tokens, V vocab, M model dim, L MoE layers,
 K top-k, E experts, S slots, D EP devices.
 
-`__call__` takes the placement for the step's MoE layers ([L, ...] arrays),
+`__call__` takes the placement for the step's MoE layers ([L, ...] arrays)
+with, per MoE layer, the slot weights the transfer engine filled for it,
 optional replayed routes [L, B, T, K] and a static capacity; it returns the
 logits, the routes it used (the routing record) and MoE statistics.
 """
@@ -68,7 +69,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BT, *, positions_BT=None, valid_BT=None,
                placement=None, replay_routes_LBTK=None,
-               capacity: int | None = None, cache=None, cache_index=None):
+               capacity: int | None = None, cache=None, cache_index=None,
+               slot_weights_L=None):
     """Returns (logits_BTV f32, ModelAux, new_cache or None)."""
     b, t = tokens_BT.shape
     if positions_BT is None:
@@ -89,6 +91,8 @@ class Transformer(nnx.Module):
         if placement is not None:
           kw = dict(slot_expert_S=placement.slot_expert[moe_idx],
                     slot_share_DS=placement.slot_share[moe_idx])
+          if slot_weights_L is not None:
+            kw['slot_weights'] = slot_weights_L[moe_idx]
         replay = (None if replay_routes_LBTK is None
                   else replay_routes_LBTK[moe_idx])
         h, aux = block.ffn(hn, capacity=capacity, replay_ids_BTK=replay,

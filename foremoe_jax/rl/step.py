@@ -1,11 +1,13 @@
 """The pure-functional RL step: GRPO with rollout routing replay (R3).
 
-`rl_step(state, batch, plan) -> (state, metrics)` is one jit-compiled function
-of arrays: it recomputes old (and reference) log-probs with the rollout's
-routes replayed, turns rewards into group advantages, runs the M update
-micro-steps as a `lax.scan` that accumulates gradients, micro-step m using
-placement m of the plan, and applies one optax update to the canonical
-parameters. The host (trainer.py) only prepares arrays and plans.
+Two pure jit-compiled functions of arrays: `recompute` (old and reference
+log-probs with the rollout's routes replayed, on the canonical expert
+layout, so it needs no plan and the host plans while it runs) and `update`
+(group advantages, then the M micro-steps as a `lax.scan` that accumulates
+gradients; micro-step m computes with placement m on slot buffers that the
+transfer engine fills while the previous micro-step computes, and one optax
+update of the canonical parameters ends the step). The host (trainer.py)
+only prepares arrays and plans.
 
 Shape letters: B samples in the step, M micro-steps, b = B / M samples per
 micro-step, T tokens per sample (prompt + completion), L MoE layers, K top-k,
@@ -25,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.rl import grpo
+from foremoe_jax.transfer import engine as transfer_engine
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -40,15 +43,21 @@ class TrainState:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=['placement'], meta_fields=['capacity'])
+                   data_fields=['placement', 'transfer'],
+                   meta_fields=['capacity'])
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-  """Placement per micro-step ([M, L, ...] arrays) and one static capacity.
+  """What the update needs from the host: placements, moves, one capacity.
 
-  The scan over micro-steps needs one buffer shape, so capacity is the
-  smallest bucket that drops nothing in *any* micro-step of the step.
+  placement: slot_expert [M, L, S] and slot_share [M, L, D, S].
+  transfer: `transfer.engine.device_step_transfer` of the step's
+    `schedule.StepTransfer`: the fill before micro-step 0, the moves issued
+    during each micro-step for the next one, and the gradient flush.
+  capacity: the scan over micro-steps needs one buffer shape, so this is the
+    smallest bucket that drops nothing in *any* micro-step of the step.
   """
   placement: placement_lib.Placement
+  transfer: dict
   capacity: int
 
 
@@ -79,66 +88,138 @@ def init_train_state(graphdef, params, tx, mesh, *, with_ref: bool
 
 
 def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
-               capacity):
+               capacity, slot_weights_L=None):
   """Log-probs of tokens[:, 1:] given tokens[:, :-1], with replayed routes.
 
   routes_LbTK covers the T-1 input positions (None: route freshly).
+  placement None: every device computes its canonical experts (no
+  transfer); else slot_weights_L holds the weights the placement's slots
+  need (the transfer engine's buffers).
   Returns (logp_bT1, ModelAux).
   """
   model = nnx.merge(graphdef, params)
   inputs, targets = tokens_bT[:, :-1], tokens_bT[:, 1:]
   logits, aux, _ = model(inputs, valid_BT=valid_bT[:, :-1], placement=placement,
-                         replay_routes_LBTK=routes_LbTK, capacity=capacity)
+                         replay_routes_LBTK=routes_LbTK, capacity=capacity,
+                         slot_weights_L=slot_weights_L)
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   return jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0], aux
+
+
+_EXPERT_LEAVES = ('w_gate', 'w_up', 'w_down')
+
+
+def _moe_layers(graphdef, params):
+  """(mesh, block indices of the MoE layers), read off the model."""
+  model = nnx.merge(graphdef, params)
+  idxs = [i for i, b in enumerate(model.blocks) if b.is_moe]
+  return model.blocks[idxs[0]].ffn.mesh, idxs
+
+
+def canonical_experts(params, moe_blocks):
+  """Per MoE layer, its canonical (w_gate, w_up, w_down) [E, ...] arrays."""
+  return [tuple(params['blocks'][i]['ffn'][n][...] for n in _EXPERT_LEAVES)
+          for i in moe_blocks]
+
+
+def _path_keys(path):
+  return tuple(getattr(p, 'key', getattr(p, 'idx', getattr(p, 'name', None)))
+               for p in path)
+
+
+def replace_experts(tree, moe_blocks, experts_L):
+  """`tree` (params-shaped) with the MoE layers' expert leaves replaced."""
+  table = {('blocks', i, 'ffn', n): experts_L[k][j]
+           for k, i in enumerate(moe_blocks)
+           for j, n in enumerate(_EXPERT_LEAVES)}
+
+  def swap(path, x):
+    keys = _path_keys(path)
+    return table.get(keys[:4], x) if len(keys) >= 4 else x
+  return jax.tree_util.tree_map_with_path(swap, tree)
 
 
 def _split_microbatches(x_B, microbatches_Mb):
   return jnp.take(x_B, microbatches_Mb, axis=0)
 
 
-def accumulate_grads(state: TrainState, batch: dict, plan: StepPlan, *,
-                     num_generations: int, eps_low: float, eps_high: float,
-                     beta: float, indexer_loss_coef: float = 1.0,
-                     balance_loss_coef: float = 0.0):
-  """Recompute, advantages, and the scan over micro-steps; (grads, metrics).
+def _microbatched(batch):
+  mb = batch['microbatches_Mb']
+  split = lambda x: _split_microbatches(x, mb)
+  routes_MLbTK = jnp.moveaxis(
+      jnp.take(batch['routes_LBTK'].astype(jnp.int32), mb, axis=1), 1, 0)
+  return (split(batch['tokens_BT']), split(batch['valid_BT']), routes_MLbTK,
+          split(batch['loss_mask_BT']))
+
+
+def recompute_logps(state: TrainState, batch: dict, capacity: int) -> dict:
+  """Old (and reference) log-probs per micro-batch, routes replayed.
+
+  Runs on the canonical layout (each device computes its home experts, no
+  weight moves), so it depends on no plan: the host plans the update while
+  this runs. capacity: the static-EP bucket for these loads.
+  Returns {'old_logp_MbT', 'ref_logp_MbT' (absent without a reference),
+  'rollout_vs_recompute_logp_max_abs' (when the batch has rollout_logp_BT)}.
+  """
+  toks_MbT, valid_MbT, routes_MLbTK, mask_MbT = _microbatched(batch)
+
+  def recompute(params):
+    def body(_, xs):
+      toks, valid, routes = xs
+      logp, _ = token_logp(state.graphdef, params, toks, valid, None, routes,
+                           capacity)
+      return None, logp
+    return jax.lax.scan(body, None, (toks_MbT, valid_MbT, routes_MLbTK))[1]
+
+  out = {'old_logp_MbT': jax.lax.stop_gradient(recompute(state.params))}
+  if state.ref_params is not None:
+    out['ref_logp_MbT'] = jax.lax.stop_gradient(recompute(state.ref_params))
+  if 'rollout_logp_BT' in batch:
+    rollout = _split_microbatches(batch['rollout_logp_BT'],
+                                  batch['microbatches_Mb'])
+    gap = jnp.where(mask_MbT > 0, out['old_logp_MbT'] - rollout, 0.0)
+    out['rollout_vs_recompute_logp_max_abs'] = jnp.abs(gap).max()
+  return out
+
+
+def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
+                 *, num_generations: int, eps_low: float, eps_high: float,
+                 beta: float, indexer_loss_coef: float = 1.0,
+                 balance_loss_coef: float = 0.0):
+  """Advantages and the scan over micro-steps with moving slots; (grads, metrics).
 
   batch: dict with
     tokens_BT int32, valid_BT bool (real tokens), loss_mask_BT float32 over
     the T-1 target positions (completion tokens incl. EOS), routes_LBTK int
     (the routing record over the T-1 input positions), rewards_B float32,
-    microbatches_Mb int32 (sample indices per micro-step), and optionally
-    rollout_logp_BT (the sampler's log-probs, to report the replay gap).
+    microbatches_Mb int32 (sample indices per micro-step).
+  logps: `recompute_logps`' output.
+
+  The slot buffers are filled for micro-step 0 from the canonical experts,
+  then micro-step m computes with placement m while the moves into
+  placement m+1 are issued in the same scan iteration from the buffers it
+  reads (double buffer: nothing orders them after the compute, so XLA may
+  overlap the two). A slot's gradient accumulates while it keeps its
+  expert and goes home when the slot is refilled, or at the final flush;
+  only canonical experts get gradients, and one optimizer update follows.
   Gradients are a plain sum over micro-steps: the loss divides by the whole
   step's sequence count, so any composition gives the full-batch gradient.
   """
   mb = batch['microbatches_Mb']
   num_total = mb.size
-  split = lambda x: _split_microbatches(x, mb)
-  toks_MbT = split(batch['tokens_BT'])
-  valid_MbT = split(batch['valid_BT'])
-  mask_MbT = split(batch['loss_mask_BT'])
-  routes_MLbTK = jnp.moveaxis(
-      jnp.take(batch['routes_LBTK'].astype(jnp.int32), mb, axis=1), 1, 0)
+  toks_MbT, valid_MbT, routes_MLbTK, mask_MbT = _microbatched(batch)
   adv_B = grpo.group_advantages(batch['rewards_B'], num_generations)
-  adv_Mb = split(adv_B)
-  per_step = (toks_MbT, valid_MbT, routes_MLbTK, plan.placement)
+  adv_Mb = _split_microbatches(adv_B, mb)
+  old_logp_MbT = logps['old_logp_MbT']
+  has_ref = 'ref_logp_MbT' in logps
+  ref_xs = logps['ref_logp_MbT'] if has_ref else old_logp_MbT  # Unused w/o ref.
+  mesh, moe_blocks = _moe_layers(state.graphdef, state.params)
+  canon_L = canonical_experts(state.params, moe_blocks)
 
-  def recompute(params):
-    def body(_, xs):
-      toks, valid, routes, placement = xs
-      logp, _ = token_logp(state.graphdef, params, toks, valid, placement,
-                           routes, plan.capacity)
-      return None, logp
-    return jax.lax.scan(body, None, per_step)[1]
-
-  old_logp_MbT = jax.lax.stop_gradient(recompute(state.params))
-  ref_logp_MbT = (jax.lax.stop_gradient(recompute(state.ref_params))
-                  if state.ref_params is not None else None)
-
-  def micro_loss(params, toks, valid, routes, placement, mask, adv, old, ref):
+  def micro_loss(params, slot_w_L, toks, valid, routes, placement, mask, adv,
+                 old, ref):
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
-                           routes, plan.capacity)
+                           routes, plan.capacity, slot_weights_L=slot_w_L)
     loss, metrics = grpo.policy_loss(
         logp, old, ref, adv, mask, eps_low=eps_low, eps_high=eps_high,
         beta=beta if ref is not None else 0.0, num_sequences_total=num_total)
@@ -155,50 +236,93 @@ def accumulate_grads(state: TrainState, batch: dict, plan: StepPlan, *,
     return (loss + indexer_loss_coef * index_loss
             + balance_loss_coef * balance), metrics
 
-  grad_fn = jax.grad(micro_loss, has_aux=True)
-  has_ref = ref_logp_MbT is not None
+  grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
 
-  def body(grads, xs):
-    toks, valid, routes, placement, mask, adv, old, ref = xs
-    g, metrics = grad_fn(state.params, toks, valid, routes, placement, mask,
-                         adv, old, ref if has_ref else None)
-    return jax.tree.map(jnp.add, grads, g), metrics
+  def body(carry, xs):
+    grads, slots_L, gslots_L, gcanon_L = carry
+    toks, valid, routes, placement, mask, adv, old, ref, moves = xs
+    (g, g_slots_L), metrics = grad_fn(
+        state.params, [s[:3] for s in slots_L], toks, valid, routes,
+        placement, mask, adv, old, ref if has_ref else None)
+    # The ids travelled with the weights: every slot must hold the expert
+    # the placement routes to it.
+    ids_LS = jnp.stack([s[3] for s in slots_L])
+    metrics['transfer_id_errors'] = (ids_LS != placement.slot_expert).sum()
+    next_L = transfer_engine.fill_slots(slots_L, canon_L, moves, mesh=mesh)
+    gslots_L = jax.tree.map(jnp.add, gslots_L, [tuple(x) for x in g_slots_L])
+    gslots_L, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,
+                                                      moves, mesh=mesh)
+    return (jax.tree.map(jnp.add, grads, g), next_L, gslots_L,
+            gcanon_L), metrics
 
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
-  ref_xs = ref_logp_MbT if has_ref else old_logp_MbT  # Unused without a ref.
-  grads, metrics_M = jax.lax.scan(
-      body, zeros, (*per_step, mask_MbT, adv_Mb, old_logp_MbT, ref_xs))
-  metrics = {k: v.sum() for k, v in metrics_M.items()
-             if k not in ('dropped', 'max_cell')}
+  slots_L = transfer_engine.fill_slots(None, canon_L, plan.transfer['fill'],
+                                       mesh=mesh)
+  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+  carry = (zeros(state.params), slots_L, [zeros(s[:3]) for s in slots_L],
+           zeros(canon_L))
+  (grads, _, gslots_L, gcanon_L), metrics_M = jax.lax.scan(
+      body, carry, (toks_MbT, valid_MbT, routes_MLbTK, plan.placement,
+                    mask_MbT, adv_Mb, old_logp_MbT, ref_xs,
+                    plan.transfer['steps']))
+  _, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,
+                                             plan.transfer['flush'], mesh=mesh)
+  # The canonical experts were not used directly (every MoE call read slot
+  # buffers), so their autodiff gradients are zero: the returns are theirs.
+  grads = replace_experts(grads, moe_blocks, gcanon_L)
+  summed = ('dropped', 'max_cell', 'transfer_id_errors')
+  metrics = {k: v.sum() for k, v in metrics_M.items() if k not in summed}
   metrics.update(dropped=metrics_M['dropped'].sum(),
                  max_cell_M=metrics_M['max_cell'],
+                 transfer_id_errors=metrics_M['transfer_id_errors'].sum(),
                  adv_abs_mean=jnp.abs(adv_B).mean())
-  if 'rollout_logp_BT' in batch:
-    gap = jnp.where(mask_MbT > 0, old_logp_MbT - split(batch['rollout_logp_BT']),
-                    0.0)
-    metrics['rollout_vs_recompute_logp_max_abs'] = jnp.abs(gap).max()
+  if 'rollout_vs_recompute_logp_max_abs' in logps:
+    metrics['rollout_vs_recompute_logp_max_abs'] = logps[
+        'rollout_vs_recompute_logp_max_abs']
   return grads, metrics
+
+
+class RLStep:
+  """The two jitted halves of one RL step, and both in one call.
+
+  `recompute(state, batch, capacity)` depends on no plan, so the host plans
+  while it runs (JAX dispatch is asynchronous); `update(state, batch,
+  logps, plan)` then moves weights, runs the micro-steps and applies one
+  optimizer update (the state is donated).
+  """
+
+  def __init__(self, tx: optax.GradientTransformation, **loss_kw):
+    self.tx = tx
+    self.recompute = jax.jit(recompute_logps, static_argnums=2)
+
+    def update(state: TrainState, batch: dict, logps: dict, plan: StepPlan):
+      grads, metrics = update_grads(state, batch, logps, plan, **loss_kw)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      metrics['grad_norm'] = optax.tree.norm(grads)
+      new_state = dataclasses.replace(state, params=params,
+                                      opt_state=opt_state,
+                                      step=state.step + 1)
+      return new_state, metrics
+
+    self.update = jax.jit(update, donate_argnums=0)
+
+  def __call__(self, state: TrainState, batch: dict, plan: StepPlan,
+               recompute_capacity: int | None = None):
+    """recompute then update; recompute_capacity None: plan.capacity."""
+    cap = plan.capacity if recompute_capacity is None else recompute_capacity
+    logps = self.recompute(state, batch, cap)
+    return self.update(state, batch, logps, plan)
 
 
 def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
                  eps_low: float, eps_high: float, beta: float,
                  indexer_loss_coef: float = 1.0,
-                 balance_loss_coef: float = 0.0):
-  """Builds the jit-compiled pure `rl_step(state, batch, plan)`."""
-
-  def rl_step(state: TrainState, batch: dict, plan: StepPlan):
-    grads, metrics = accumulate_grads(
-        state, batch, plan, num_generations=num_generations, eps_low=eps_low,
-        eps_high=eps_high, beta=beta, indexer_loss_coef=indexer_loss_coef,
-        balance_loss_coef=balance_loss_coef)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics['grad_norm'] = optax.tree.norm(grads)
-    new_state = dataclasses.replace(state, params=params, opt_state=opt_state,
-                                    step=state.step + 1)
-    return new_state, metrics
-
-  return jax.jit(rl_step, donate_argnums=0)
+                 balance_loss_coef: float = 0.0) -> RLStep:
+  """Builds the jit-compiled pure RL step (see `RLStep`)."""
+  return RLStep(tx, num_generations=num_generations, eps_low=eps_low,
+                eps_high=eps_high, beta=beta,
+                indexer_loss_coef=indexer_loss_coef,
+                balance_loss_coef=balance_loss_coef)
 
 
 def make_sft_step(tx: optax.GradientTransformation,
