@@ -64,7 +64,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.planner = ml_collections.ConfigDict()
   c.planner.method = 'foremoe'  # static | eplb_step | eplb_microstep | foremoe
-  c.planner.deadline_ms = 200.0  # Past it, the previous placement is reused.
+  # The plan must be ready when the recompute it overlaps ends: the deadline
+  # is deadline_recompute_frac x the last recompute time, at least
+  # deadline_ms (all of it on the first step). Past it, the home layout is
+  # used for every micro-step.
+  c.planner.deadline_ms = 200.0
+  c.planner.deadline_recompute_frac = 1.0
   c.planner.num_nodes = 1
   # Cost model of the simulated devices (this CPU): ~10 GFLOP/s of expert
   # compute and ~10 GB/s memcpy, so a tiny expert copies in about the time of
@@ -74,4 +79,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.planner.intra_node_bw = 1e10
   c.planner.inter_node_bw = 1e10
   c.planner.overlap = 0.5  # Share of a micro-step's compute that hides copies.
+
+  # Transfer engine: static rounds of ppermute (one expert per device per
+  # round and layer). step_rounds fill the slots before micro-step 0 and
+  # flush the replica gradients home after the last; microstep_rounds move
+  # experts between micro-steps, overlapped with compute. Plans are fitted
+  # to these budgets (moves beyond them are undone), so nothing recompiles.
+  c.transfer = ml_collections.ConfigDict()
+  c.transfer.step_rounds = 4
+  c.transfer.microstep_rounds = 2
   return c

@@ -139,6 +139,14 @@ def validate_config(config) -> None:
     _require(len(p.capacity_factors) >= 1 and min(p.capacity_factors) > 0,
              'parallel.capacity_factors', 'must be a non-empty list of '
              'positive factors')
+  if 'transfer' in config:
+    t = config.transfer
+    for f in ('step_rounds', 'microstep_rounds'):
+      _require(int(t[f]) >= 1, f'transfer.{f}',
+               f'must be >= 1 (rounds of one expert per device), got {t[f]}')
+  if 'planner' in config and 'deadline_recompute_frac' in config.planner:
+    _require(config.planner.deadline_recompute_frac > 0,
+             'planner.deadline_recompute_frac', 'must be > 0')
   if 'rl' in config:
     r = config.rl
     _require(r.num_generations >= 2, 'rl.num_generations',

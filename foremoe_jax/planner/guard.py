@@ -3,7 +3,9 @@
 Sits between foresight and the RL step. Once per RL step the trainer hands
 over the step's loads; ``StepPlanner.plan`` returns a StepPlan no later than
 the deadline. Planning runs in one worker thread (numpy releases the GIL in
-its kernels, so it overlaps the recompute phase), and ForeMoE also checks
+its kernels): `submit` starts it and returns at once, so the trainer
+dispatches the recompute phase to the device and collects the plan with
+`result()` when the update needs it; ForeMoE also checks
 the deadline between micro-steps and gives up early. When the planner
 fails, misses the deadline, or is still busy with an abandoned step, the
 previous placement is reused for every micro-step (``plan.fallback_plan``:
@@ -28,20 +30,50 @@ from foremoe_jax.planner.topology import CostModel, Topology
 METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
 
 
+class PlanTicket:
+  """A plan being made in the worker thread; `result()` waits for it.
+
+  `result()` returns no later than the ticket's deadline (plus the
+  hand-over); past it, or when planning failed, the fallback (the previous
+  placement for every micro-step) is returned instead and counted.
+  """
+
+  def __init__(self, planner: 'StepPlanner', loads_MLDE, future, deadline,
+               finalize, t_submit: float):
+    self._planner, self._loads, self._future = planner, loads_MLDE, future
+    self._deadline, self._finalize = deadline, finalize
+    self.t_submit = t_submit
+    self._result = None
+
+  def result(self):
+    if self._result is None:
+      self._result = self._planner._collect(self)  # pylint: disable=protected-access
+    return self._result
+
+
 class StepPlanner:
-  """Plans one RL step at a time with a fixed method, under a deadline."""
+  """Plans one RL step at a time with a fixed method, under a deadline.
+
+  carry_over: plan each step from the previous step's last placement (True)
+  or from `initial` every step (False: the transfer engine refills the slot
+  buffers from the canonical experts at the start of every update, so the
+  placement that costs nothing to install is always the home layout).
+  """
 
   def __init__(self, method: str, topo: Topology, cost: CostModel,
                initial: placement_lib.Placement, *,
                deadline_s: float | None = None,
                config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
-               history_decay: float = 0.5, validate: bool = False):
+               history_decay: float = 0.5, validate: bool = False,
+               carry_over: bool = True):
     if method not in METHODS:
       raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
     self.method, self.topo, self.cost, self.config = method, topo, cost, config
     self.deadline_s = deadline_s
     self.history_decay = history_decay
     self.validate = validate
+    self.initial = initial
+    self.carry_over = carry_over
     self.current = initial
     self.history_LE = None
     self.num_plans = 0
@@ -66,45 +98,70 @@ class StepPlanner:
     return foremoe.plan_step(loads_MLDE, self.topo, self.cost, current,
                              self.config, deadline=deadline)
 
-  def plan(self, loads_MLDE) -> StepPlan:
-    """Placements for the step with these loads; never waits past the
-    deadline (plus thread hand-over)."""
+  def _work(self, loads_MLDE, current, history_LE, deadline, finalize):
+    plan = self._run(loads_MLDE, current, history_LE, deadline)
+    if self.validate:
+      num_experts = loads_MLDE.shape[-1]
+      for m in range(plan.num_microsteps):
+        placement_lib.validate_placement(plan.microstep(m), num_experts,
+                                         self.topo.slots_per_device)
+    return plan if finalize is None else finalize(plan, loads_MLDE)
+
+  def submit(self, loads_MLDE, *, deadline_s: float | None = None,
+             finalize=None) -> PlanTicket:
+    """Starts planning the step with these loads in the worker thread.
+
+    deadline_s: seconds from now (None: the planner's `deadline_s`).
+    finalize(plan, loads) -> anything: runs in the worker after a plan is
+    made (and on the fallback), e.g. fitting the plan to the transfer
+    budget and building its moves; `result()` returns its output.
+    """
     loads_MLDE = np.asarray(loads_MLDE)
     t0 = time.perf_counter()
-    deadline = None if self.deadline_s is None else t0 + self.deadline_s
-    plan = None
+    deadline_s = self.deadline_s if deadline_s is None else deadline_s
+    deadline = None if deadline_s is None else t0 + deadline_s
+    future = None
     if self._busy is not None and not self._busy.done():
       # An abandoned step is still running: do not queue behind it.
       self.num_timeouts += 1
     else:
-      future = self._pool.submit(self._run, loads_MLDE, self.current,
-                                 self.history_LE, deadline)
+      future = self._pool.submit(self._work, loads_MLDE, self.current,
+                                 self.history_LE, deadline, finalize)
+    return PlanTicket(self, loads_MLDE, future, deadline, finalize, t0)
+
+  def _collect(self, ticket: PlanTicket):
+    loads_MLDE, future = ticket._loads, ticket._future  # pylint: disable=protected-access
+    out = None
+    if future is not None:
+      timeout = (None if ticket._deadline is None  # pylint: disable=protected-access
+                 else max(0.0, ticket._deadline - time.perf_counter()))  # pylint: disable=protected-access
       try:
-        plan = future.result(timeout=self.deadline_s)
-        if self.validate:
-          num_experts = loads_MLDE.shape[-1]
-          for m in range(plan.num_microsteps):
-            placement_lib.validate_placement(plan.microstep(m), num_experts,
-                                             self.topo.slots_per_device)
+        out = future.result(timeout=timeout)
       except (concurrent.futures.TimeoutError, foremoe.PlanningTimeout) as err:
         self.num_timeouts += 1
         self.last_error = err
         self._busy = future
-        plan = None
       except Exception as err:  # pylint: disable=broad-except
         # Any planner bug must cost balance, never the training run.
         self.num_failures += 1
         self.last_error = err
-        plan = None
-    if plan is None:
+    if out is None:
       self.num_fallbacks += 1
       plan = fallback_plan(loads_MLDE, self.current, self.topo, self.cost)
+      finalize = ticket._finalize  # pylint: disable=protected-access
+      out = plan if finalize is None else finalize(plan, loads_MLDE)
+    plan = out if isinstance(out, StepPlan) else out[0]
     self.num_plans += 1
-    self.current = plan.last()
+    self.current = plan.last() if self.carry_over else self.initial
     self.history_LE = baselines.update_history(self.history_LE, loads_MLDE,
                                                self.history_decay)
-    self.last_latency_s = time.perf_counter() - t0
-    return plan
+    self.last_latency_s = time.perf_counter() - ticket.t_submit
+    return out
+
+  def plan(self, loads_MLDE) -> StepPlan:
+    """Placements for the step with these loads; never waits past the
+    deadline (plus thread hand-over)."""
+    return self.submit(loads_MLDE).result()
 
   def stats(self) -> dict:
     return {'plans': self.num_plans, 'fallbacks': self.num_fallbacks,

@@ -246,8 +246,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
         placement, mask, adv, old, ref if has_ref else None)
     # The ids travelled with the weights: every slot must hold the expert
     # the placement routes to it.
-    ids_LS = jnp.stack([s[3] for s in slots_L])
-    metrics['transfer_id_errors'] = (ids_LS != placement.slot_expert).sum()
+    metrics['transfer_id_errors'] = transfer_engine.id_errors(
+        slots_L, placement.slot_expert, mesh=mesh)
     next_L = transfer_engine.fill_slots(slots_L, canon_L, moves, mesh=mesh)
     gslots_L = jax.tree.map(jnp.add, gslots_L, [tuple(x) for x in g_slots_L])
     gslots_L, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,

@@ -1,18 +1,30 @@
 """The main job's imperative shell: warm start, then GRPO with routing foresight.
 
-Per RL step (DESIGN.md §2): sample (recording routes) -> rewards -> compose
-micro-batches -> foresight loads [M, L, D, E] -> plan one placement per
-micro-step (host, with a deadline and fallback) -> capacity bucket ->
-`rl_step` (pure, jitted) -> metrics line, plots and checkpoints.
-Everything on device lives in rl/step.py and rollout/sampler.py; this module
-only moves arrays between them and the host-side planner.
+One RL iteration reads as its data flow (DESIGN.md §2), one named function a
+phase:
+
+  rollout -> score -> compose -> foresight -> plan (async, host thread)
+          -> recompute (device, async) -> transfer + update -> record
+
+`plan` starts in the planner's worker thread and `recompute` is dispatched
+to the device right after it; the recompute runs on the canonical expert
+layout, so it needs no plan, and the host collects the plan only when the
+update needs it. How long the device waited for the plan is measured and
+logged (`plan_wait_s`). Everything on device lives in rl/step.py,
+rollout/sampler.py and transfer/engine.py; this module moves arrays between
+them and the host-side planner and transfer schedule.
+
+Warm start, the RL loop and checkpointing are separate pieces; `train` only
+strings them together.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +39,13 @@ from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import checkpoint, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
+from foremoe_jax.transfer import engine as transfer_engine
+from foremoe_jax.transfer import schedule
 from foremoe_jax.utils import metrics as metrics_lib
 
 
 def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
-  """Aligns the rollout with rl_step's T-1 input/target positions."""
+  """Aligns the rollout with the RL step's T-1 input/target positions."""
   plen = rollout.prompt_len
   num, total = rollout.tokens_BT.shape
   # Target position t predicts token t + 1: a completion token when t+1 >= P.
@@ -64,13 +78,330 @@ def planner_setup(config):
   return topo, cost
 
 
+def transfer_budget(config) -> schedule.TransferBudget:
+  t = config.get('transfer', {})
+  spd = config_lib.slots_per_device(config)
+  return schedule.TransferBudget(
+      step_rounds=int(t.get('step_rounds', 2 * spd)),
+      microstep_rounds=int(t.get('microstep_rounds', 2)))
+
+
+@dataclasses.dataclass
+class RLContext:
+  """Everything an RL iteration reads that does not change between steps."""
+
+  config: Any
+  task: Any
+  mesh: Any
+  sampler: sampler_lib.Sampler
+  rl_step: step_lib.RLStep
+  planner: planner_lib.StepPlanner
+  topo: planner_lib.Topology
+  cost: planner_lib.CostModel
+  budget: schedule.TransferBudget
+  identity: placement_lib.Placement
+  buckets: tuple[int, ...]
+  num_experts: int
+  recompute_s: float | None = None  # Last measured, for the plan deadline.
+
+
+@dataclasses.dataclass
+class PlannedStep:
+  """The host's output for one update: the plan, its moves, its capacity."""
+
+  plan: planner_lib.StepPlan
+  transfer: schedule.StepTransfer
+  capacity: int
+  reverted: int  # Slot changes undone to fit the move budget.
+  plan_s: float  # Planner wall time, fitting and move schedule included.
+
+
+def make_rl_context(config, graphdef, mesh, task) -> RLContext:
+  rl, mcfg, pcfg = config.rl, config.model, config.planner
+  num_gen = rl.num_generations
+  sp = sampler_lib.SamplingParams(
+      max_new_tokens=task.completion_len, num_generations=num_gen,
+      temperature=config.sampler.temperature, top_k=config.sampler.top_k,
+      top_p=config.sampler.top_p)
+  tx = step_lib.make_optimizer(rl.learning_rate, rl.grad_clip, rl.weight_decay)
+  rl_step = step_lib.make_rl_step(
+      tx, num_generations=num_gen, eps_low=rl.eps_low, eps_high=rl.eps_high,
+      beta=rl.beta, indexer_loss_coef=mcfg.msa_indexer_loss_coef,
+      balance_loss_coef=mcfg.aux_loss_coef)
+  topo, cost = planner_setup(config)
+  d_ep, d_data = config.parallel.num_expert, config.parallel.num_data
+  num_moe = config_lib.num_moe_layers(mcfg)
+  identity = placement_lib.identity_placement(
+      num_moe, mcfg.num_experts, d_ep, config_lib.slots_per_device(config))
+  # The engine refills the slots from the canonical experts every step, so
+  # the home layout (identity) is what every step's plan starts from.
+  planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
+                                    deadline_s=pcfg.deadline_ms / 1e3,
+                                    carry_over=False)
+  batch_size = rl.prompts_per_step * num_gen
+  buckets = config_lib.capacity_buckets(
+      batch_size // rl.num_microbatches * (task.sequence_len - 1)
+      // (d_ep * d_data), mcfg.top_k, d_ep, config.parallel.capacity_factors)
+  return RLContext(config, task, mesh, sampler_lib.Sampler(
+      graphdef, mcfg, mesh, sp), rl_step, planner, topo, cost,
+                   transfer_budget(config), identity, buckets,
+                   mcfg.num_experts)
+
+
+# ----------------------------------------------------------------- phases
+
+
+def rollout(ctx: RLContext, params, rng, key):
+  """Prompts and their samples (routing record included)."""
+  prompts = ctx.task.sample_prompts(rng, ctx.config.rl.prompts_per_step)
+  return prompts, ctx.sampler(params, prompts, key)
+
+
+def score(ctx: RLContext, prompts, ro) -> np.ndarray:
+  """Verifier rewards, one per sample."""
+  num_gen = ctx.config.rl.num_generations
+  return ctx.task.reward(np.repeat(prompts, num_gen, axis=0), ro.completion_BC,
+                         ro.lengths_B)
+
+
+def compose(ctx: RLContext, ro, step: int):
+  """Samples -> micro-batches (index arrays)."""
+  rl = ctx.config.rl
+  return composition.compose_microbatches(
+      ro.tokens_BT.shape[0], rl.num_microbatches,
+      routes=ro.routes_LBTK[:, :, :-1], valid=ro.valid_BT[:, :-1],
+      num_experts=ctx.num_experts, balance=rl.balance_microbatches,
+      seed=ctx.config.seed + step)
+
+
+def foresight(ctx: RLContext, ro, microbatches) -> np.ndarray:
+  """Exact loads [M, L, D, E] of the coming update, from the routes."""
+  p = ctx.config.parallel
+  return loads_lib.microstep_loads(ro.routes_LBTK[:, :, :-1],
+                                   ro.valid_BT[:, :-1], microbatches,
+                                   ctx.num_experts, p.num_data, p.num_expert)
+
+
+def _finalize(ctx: RLContext, t_submit: float):
+  """Runs in the planner thread after planning: fit the plan to the move
+  budget, build its move schedule and pick its capacity bucket."""
+  def finalize(plan, loads_MLDE):
+    plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, ctx.topo,
+                                                 ctx.cost, ctx.budget)
+    transfer = schedule.build_step_transfer(
+        plan.placement.slot_expert, ctx.num_experts, ctx.topo, ctx.budget)
+    cells = max(int(placement_lib.cell_counts(loads_MLDE[m], plan.microstep(m)
+                                              ).max())
+                for m in range(plan.num_microsteps))
+    return PlannedStep(plan, transfer, config_lib.pick_bucket(cells,
+                                                              ctx.buckets),
+                       reverted, time.perf_counter() - t_submit)
+  return finalize
+
+
+def plan_async(ctx: RLContext, loads_MLDE) -> planner_lib.guard.PlanTicket:
+  """Starts planning in the worker thread; returns at once.
+
+  Deadline: the plan should be ready when the recompute it overlaps ends,
+  so it is `deadline_recompute_frac` times the last measured recompute time,
+  never below `deadline_ms` (the whole deadline on the first step).
+  """
+  pcfg = ctx.config.planner
+  deadline_s = pcfg.deadline_ms / 1e3
+  if ctx.recompute_s is not None:
+    deadline_s = max(deadline_s, pcfg.get('deadline_recompute_frac', 1.0)
+                     * ctx.recompute_s)
+  t0 = time.perf_counter()
+  return ctx.planner.submit(loads_MLDE, deadline_s=deadline_s,
+                            finalize=_finalize(ctx, t0))
+
+
+def static_capacity(ctx: RLContext, loads_MLDE) -> int:
+  """Bucket of the canonical layout (recompute) for these loads."""
+  cells = max(int(placement_lib.cell_counts(loads_MLDE[m], ctx.identity).max())
+              for m in range(loads_MLDE.shape[0]))
+  return config_lib.pick_bucket(cells, ctx.buckets)
+
+
+class _ReadyClock:
+  """Records when device arrays become ready, without blocking the caller."""
+
+  def __init__(self, tree):
+    self.t_ready = None
+    self._thread = threading.Thread(target=self._wait, args=(tree,),
+                                    daemon=True)
+    self._thread.start()
+
+  def _wait(self, tree):
+    jax.block_until_ready(tree)
+    self.t_ready = time.perf_counter()
+
+  def wait(self) -> float:
+    self._thread.join()
+    return self.t_ready
+
+
+def recompute(ctx: RLContext, state, batch, loads_MLDE):
+  """Dispatches old/reference log-probs (plan-independent); async."""
+  return ctx.rl_step.recompute(state, batch, static_capacity(ctx, loads_MLDE))
+
+
+def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
+  """Transfer + micro-steps + one optimizer update on device (blocking)."""
+  plan = step_lib.StepPlan(
+      jax.tree.map(jnp.asarray, planned.plan.placement),
+      transfer_engine.device_step_transfer(planned.transfer),
+      planned.capacity)
+  state, m = ctx.rl_step.update(state, batch, logps, plan)
+  return state, jax.device_get(m)
+
+
+def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
+  """Weights moved (useful fills across devices) and gradients returned."""
+  num_micro = planned.plan.num_microsteps
+  d = ctx.topo.num_devices
+  per_expert = ctx.cost.bytes_per_expert
+  fills = planned.transfer.remote_fills_M()
+  returns = planned.transfer.remote_returns_M()
+  return dict(
+      weight_bytes_moved_per_device_per_microstep=float(
+          fills.sum() * per_expert / (d * num_micro)),
+      grad_bytes_returned_per_device_per_microstep=float(
+          returns.sum() * per_expert / (d * num_micro)),
+      remote_fills_M=fills.tolist(), reverted_moves=planned.reverted)
+
+
+def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:
+  """Micro-step max/mean device load of the plan and of static EP."""
+  num_micro = loads_MLDE.shape[0]
+  mom = lambda p: [float(placement_lib.max_over_mean(placement_lib.device_loads(
+      loads_MLDE[i], p(i))).mean()) for i in range(num_micro)]
+  return dict(microstep_max_over_mean=mom(plan.microstep),
+              microstep_max_over_mean_static=mom(lambda i: ctx.identity))
+
+
+def rl_iteration(ctx: RLContext, state, step: int, rng, key):
+  """One RL step, phase by phase; returns (state, record)."""
+  t_step = time.perf_counter()
+  prompts, ro = rollout(ctx, state.params, rng, key)
+  sample_s = time.perf_counter() - t_step
+  rewards = score(ctx, prompts, ro)
+  microbatches = compose(ctx, ro, step)
+  loads_MLDE = foresight(ctx, ro, microbatches)
+  ticket = plan_async(ctx, loads_MLDE)
+  batch = jax.tree.map(jnp.asarray,
+                       rl_batch_from_rollout(ro, rewards, microbatches))
+  t_rec = time.perf_counter()
+  logps = recompute(ctx, state, batch, loads_MLDE)
+  clock = _ReadyClock(logps)
+  planned = ticket.result()
+  t_plan = time.perf_counter()
+  t_rec_done = clock.wait()
+  ctx.recompute_s = t_rec_done - t_rec
+  state, m = update(ctx, state, batch, logps, planned)
+  t_done = time.perf_counter()
+  record = dict(
+      phase='rl', reward_mean=float(rewards.mean()),
+      reward_std=float(rewards.std()), kl=float(m['kl']),
+      loss=float(m['loss']), clip_frac=float(m['clip_frac']),
+      indexer_loss=float(m['indexer_loss']),
+      grad_norm=float(m['grad_norm']),
+      completion_len=float(ro.lengths_B.mean()),
+      **load_metrics(ctx, loads_MLDE, planned.plan),
+      capacity=planned.capacity,
+      capacity_static=static_capacity(ctx, loads_MLDE),
+      dropped=int(m['dropped']), planner=ctx.config.planner.method,
+      plan_fallbacks=ctx.planner.num_fallbacks,
+      moves_per_device_per_microstep=float(planned.plan.moves_MLD.mean()),
+      **transfer_metrics(ctx, planned),
+      transfer_id_errors=int(m['transfer_id_errors']),
+      replay_logp_gap=float(logps['rollout_vs_recompute_logp_max_abs']),
+      sample_s=sample_s, plan_s=planned.plan_s,
+      recompute_s=ctx.recompute_s,
+      plan_wait_s=max(0.0, t_plan - t_rec_done),
+      update_s=t_done - max(t_plan, t_rec_done),
+      step_s=t_done - t_step)
+  return state, record
+
+
+# ------------------------------------------------------- the job's pieces
+
+
 def _log_line(step, m):
   mom = np.mean(m['microstep_max_over_mean'])
   mom_s = np.mean(m['microstep_max_over_mean_static'])
   return (f"step {step:4d} | reward {m['reward_mean']:.3f} | kl {m['kl']:.4f} "
           f"| micro-step max/mean {mom:.3f} (static {mom_s:.3f}) | capacity "
-          f"{m['capacity']} (static {m['capacity_static']}) | "
+          f"{m['capacity']} (static {m['capacity_static']}) | moved "
+          f"{m['weight_bytes_moved_per_device_per_microstep'] / 1e3:.1f} kB/"
+          f"dev/micro-step | plan wait {m['plan_wait_s'] * 1e3:.0f} ms | "
           f"{m['step_s']:.2f}s")
+
+
+def _check_task_fits(config, task):
+  mcfg = config.model
+  if mcfg.vocab_size < task.vocab_size:
+    raise config_lib.ConfigError(
+        f'model.vocab_size: must be >= the task vocabulary ({task.vocab_size})')
+  if mcfg.max_seq_len < task.sequence_len:
+    raise config_lib.ConfigError(
+        f'model.max_seq_len: must be >= prompt + completion '
+        f'({task.sequence_len}) for task {config.task!r}')
+
+
+def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt):
+  """Supervised warm start; writes warmstart.jsonl and a checkpoint."""
+  mcfg = config.model
+  tx = step_lib.make_optimizer(config.warmstart.learning_rate, 1.0)
+  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
+  sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,
+                                    mcfg.aux_loss_coef)
+  t0 = time.perf_counter()
+  with metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl') as writer:
+    for i in range(config.warmstart.steps):
+      tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
+      state, m = sft_step(state, jnp.asarray(tokens), jnp.asarray(mask))
+      if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
+        m = jax.device_get(m)
+        writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
+                                 elapsed_s=time.perf_counter() - t0))
+        print(f"warm start {i + 1:4d}/{config.warmstart.steps} | loss "
+              f"{m['loss']:.4f} | {time.perf_counter() - t0:.1f}s", flush=True)
+  ckpt.save(0, state.params, phase='warmstart_done')
+  return state.params
+
+
+def greedy_eval(config, task, graphdef, mesh):
+  """A function params -> greedy reward on held-out prompts (or None)."""
+  num_eval = config.get('eval_prompts', 256)
+  if not num_eval:
+    return lambda params: None
+  sp = sampler_lib.SamplingParams(max_new_tokens=task.completion_len,
+                                  num_generations=1, greedy=True)
+  greedy = sampler_lib.Sampler(graphdef, config.model, mesh, sp)
+  prompts = task.sample_prompts(np.random.default_rng(10_000 + config.seed),
+                                num_eval)
+
+  def evaluate(params):
+    r = greedy(params, prompts, jax.random.key(0))
+    return float(task.reward(prompts, r.completion_BC, r.lengths_B).mean())
+  return evaluate
+
+
+def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt):
+  """RL steps start..rl.steps-1; checkpoints every `checkpoint_every`."""
+  config = ctx.config
+  rewards = []
+  for step in range(start, config.rl.steps):
+    key, k_sample = jax.random.split(key)
+    state, record = rl_iteration(ctx, state, step, rng, k_sample)
+    rewards.append(record['reward_mean'])
+    writer.write(step + 1, record)
+    print(_log_line(step + 1, record), flush=True)
+    if ((step + 1) % config.get('checkpoint_every', 10) == 0
+        or step + 1 == config.rl.steps):
+      ckpt.save(step + 1, state.params, phase='rl', opt_state=state.opt_state)
+  return state, rewards
 
 
 def train(config, workdir: str) -> dict:
@@ -83,169 +414,50 @@ def train(config, workdir: str) -> dict:
   config_lib.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   task = get_task(config.task, **config.get('task_kwargs', {}))
-  mcfg = config.model
-  if mcfg.vocab_size < task.vocab_size:
-    raise config_lib.ConfigError(
-        f'model.vocab_size: must be >= the task vocabulary ({task.vocab_size})')
-  if mcfg.max_seq_len < task.sequence_len:
-    raise config_lib.ConfigError(
-        f'model.max_seq_len: must be >= prompt + completion '
-        f'({task.sequence_len}) for task {config.task!r}')
+  _check_task_fits(config, task)
   mesh = expert_parallel.make_mesh(config.parallel.num_data,
                                    config.parallel.num_expert)
-  d_ep, d_data = config.parallel.num_expert, config.parallel.num_data
-  spd = config_lib.slots_per_device(config)
-  num_experts, num_moe = mcfg.num_experts, config_lib.num_moe_layers(mcfg)
   rng = np.random.default_rng(config.seed)
   key = jax.random.key(config.seed)
-
-  model = transformer.Transformer(mcfg, mesh, rngs=nnx.Rngs(config.seed))
+  model = transformer.Transformer(config.model, mesh,
+                                  rngs=nnx.Rngs(config.seed))
   graphdef, params = sharding.split_model(model, mesh)
-  writer = metrics_lib.MetricsWriter(workdir)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
-  summary = {}
 
-  # Phase 1: supervised warm start (skipped when a checkpoint has it).
   restored = ckpt.restore_latest(params)
   if restored is not None and restored['phase'] in ('warmstart_done', 'rl'):
     params = restored['params']
     print(f"restored the {restored['phase']} checkpoint at step "
           f"{restored['step']}", flush=True)
   else:
-    tx = step_lib.make_optimizer(config.warmstart.learning_rate, 1.0)
-    state = step_lib.init_train_state(graphdef, params, tx, mesh,
-                                      with_ref=False)
-    sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,
-                                      mcfg.aux_loss_coef)
-    warm_writer = metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl')
-    t0 = time.perf_counter()
-    for i in range(config.warmstart.steps):
-      tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
-      state, m = sft_step(state, jnp.asarray(tokens), jnp.asarray(mask))
-      if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
-        m = jax.device_get(m)
-        warm_writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
-                                 elapsed_s=time.perf_counter() - t0))
-        print(f"warm start {i + 1:4d}/{config.warmstart.steps} | loss "
-              f"{m['loss']:.4f} | {time.perf_counter() - t0:.1f}s", flush=True)
-    warm_writer.close()
-    params = state.params
-    ckpt.save(0, params, phase='warmstart_done')
+    params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
+                        ckpt)
 
-  # Phase 2: GRPO with routing foresight.
-  rl = config.rl
-  num_gen, num_mb = rl.num_generations, rl.num_microbatches
-  sp = sampler_lib.SamplingParams(
-      max_new_tokens=task.completion_len, num_generations=num_gen,
-      temperature=config.sampler.temperature, top_k=config.sampler.top_k,
-      top_p=config.sampler.top_p)
-  sampler = sampler_lib.Sampler(graphdef, mcfg, mesh, sp)
-  greedy = sampler_lib.Sampler(graphdef, mcfg, mesh, dataclasses.replace(
-      sp, num_generations=1, greedy=True))
-  num_eval = config.get('eval_prompts', 256)
-  eval_prompts = task.sample_prompts(np.random.default_rng(10_000 + config.seed),
-                                     max(num_eval, 1))
-
-  def eval_greedy(p):
-    if not num_eval:
-      return None
-    r = greedy(p, eval_prompts, jax.random.key(0))
-    return float(task.reward(eval_prompts, r.completion_BC, r.lengths_B).mean())
-
-  summary['greedy_reward_before_rl'] = eval_greedy(params)
-  if num_eval:
+  evaluate = greedy_eval(config, task, graphdef, mesh)
+  summary = {'greedy_reward_before_rl': evaluate(params)}
+  if summary['greedy_reward_before_rl'] is not None:
     print(f"greedy reward after warm start: "
           f"{summary['greedy_reward_before_rl']:.3f}", flush=True)
-  tx = step_lib.make_optimizer(rl.learning_rate, rl.grad_clip, rl.weight_decay)
-  state = step_lib.init_train_state(graphdef, params, tx, mesh,
-                                    with_ref=rl.beta > 0)
+  ctx = make_rl_context(config, graphdef, mesh, task)
+  state = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
+                                    with_ref=config.rl.beta > 0)
   start = 0
   if restored is not None and restored['phase'] == 'rl':
     state = dataclasses.replace(state, opt_state=ckpt.restore_opt_state(
         restored['step'], state.opt_state), step=jnp.asarray(restored['step']))
     start = restored['step']
-  rl_step = step_lib.make_rl_step(tx, num_generations=num_gen,
-                                  eps_low=rl.eps_low, eps_high=rl.eps_high,
-                                  beta=rl.beta,
-                                  indexer_loss_coef=mcfg.msa_indexer_loss_coef,
-                                  balance_loss_coef=mcfg.aux_loss_coef)
-  pcfg = config.planner
-  topo, cost = planner_setup(config)
-  identity = placement_lib.identity_placement(num_moe, num_experts, d_ep, spd)
-  planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
-                                    deadline_s=pcfg.deadline_ms / 1e3)
-  batch_size = rl.prompts_per_step * num_gen
-  seq_in = task.sequence_len - 1
-  buckets = config_lib.capacity_buckets(
-      batch_size // num_mb * seq_in // (d_ep * d_data), mcfg.top_k,
-      d_ep, config.parallel.capacity_factors)
-
-  rewards_hist = []
-  for step in range(start, rl.steps):
-    t_step = time.perf_counter()
-    prompts = task.sample_prompts(rng, rl.prompts_per_step)
-    key, k_sample = jax.random.split(key)
-    t0 = time.perf_counter()
-    rollout = sampler(state.params, prompts, k_sample)
-    sample_s = time.perf_counter() - t0
-    rewards = task.reward(np.repeat(prompts, num_gen, axis=0),
-                          rollout.completion_BC, rollout.lengths_B)
-    routes_in = rollout.routes_LBTK[:, :, :-1]
-    valid_in = rollout.valid_BT[:, :-1]
-    mbs = composition.compose_microbatches(
-        batch_size, num_mb, routes=routes_in, valid=valid_in,
-        num_experts=num_experts, balance=rl.balance_microbatches,
-        seed=config.seed + step)
-    loads_MLDE = loads_lib.microstep_loads(routes_in, valid_in, mbs,
-                                           num_experts, d_data, d_ep)
-    t0 = time.perf_counter()
-    plan = planner.plan(loads_MLDE)
-    plan_s = time.perf_counter() - t0
-    cells = [placement_lib.cell_counts(loads_MLDE[m], plan.microstep(m)).max()
-             for m in range(num_mb)]
-    cells_static = [placement_lib.cell_counts(loads_MLDE[m], identity).max()
-                    for m in range(num_mb)]
-    capacity = config_lib.pick_bucket(int(max(cells)), buckets)
-    batch = rl_batch_from_rollout(rollout, rewards, mbs)
-    t0 = time.perf_counter()
-    state, m = rl_step(state, batch, step_lib.StepPlan(
-        jax.tree.map(jnp.asarray, plan.placement), capacity))
-    m = jax.device_get(m)
-    update_s = time.perf_counter() - t0
-    mom = [float(placement_lib.max_over_mean(placement_lib.device_loads(
-        loads_MLDE[i], plan.microstep(i))).mean()) for i in range(num_mb)]
-    mom_static = [float(placement_lib.max_over_mean(placement_lib.device_loads(
-        loads_MLDE[i], identity)).mean()) for i in range(num_mb)]
-    rewards_hist.append(float(rewards.mean()))
-    record = dict(
-        phase='rl', reward_mean=float(rewards.mean()),
-        reward_std=float(rewards.std()), kl=float(m['kl']),
-        loss=float(m['loss']), clip_frac=float(m['clip_frac']),
-        indexer_loss=float(m['indexer_loss']),
-        grad_norm=float(m['grad_norm']), completion_len=float(
-            rollout.lengths_B.mean()),
-        microstep_max_over_mean=mom, microstep_max_over_mean_static=mom_static,
-        capacity=capacity, capacity_static=config_lib.pick_bucket(
-            int(max(cells_static)), buckets),
-        dropped=int(m['dropped']), planner=pcfg.method,
-        plan_fallbacks=planner.num_fallbacks,
-        moves_per_device_per_microstep=float(plan.moves_MLD.mean()),
-        replay_logp_gap=float(m.get('rollout_vs_recompute_logp_max_abs', 0.0)),
-        sample_s=sample_s, plan_s=plan_s, update_s=update_s,
-        step_s=time.perf_counter() - t_step)
-    writer.write(step + 1, record)
-    print(_log_line(step + 1, record), flush=True)
-    if (step + 1) % config.get('checkpoint_every', 10) == 0 or step + 1 == rl.steps:
-      ckpt.save(step + 1, state.params, phase='rl', opt_state=state.opt_state)
-
-  summary['greedy_reward_after_rl'] = eval_greedy(state.params)
-  k = max(1, min(5, len(rewards_hist) // 3))
+  writer = metrics_lib.MetricsWriter(workdir)
+  try:
+    state, rewards = rl_loop(ctx, state, start, rng, key, writer, ckpt)
+  finally:
+    ctx.planner.close()
+    writer.close()
+  summary['greedy_reward_after_rl'] = evaluate(state.params)
+  k = max(1, min(5, len(rewards) // 3))
   summary.update(
-      reward_first=float(np.mean(rewards_hist[:k])) if rewards_hist else None,
-      reward_last=float(np.mean(rewards_hist[-k:])) if rewards_hist else None,
-      plan_fallbacks=planner.num_fallbacks)
-  planner.close()
-  writer.close()
+      reward_first=float(np.mean(rewards[:k])) if rewards else None,
+      reward_last=float(np.mean(rewards[-k:])) if rewards else None,
+      plan_fallbacks=ctx.planner.num_fallbacks)
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=1)
   summary['plots'] = metrics_lib.plot_metrics(workdir)

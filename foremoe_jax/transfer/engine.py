@@ -105,15 +105,17 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   """One layer's fills on this device: local copies, then the rounds.
 
   Every source is read from the buffers as they were before the transition
-  (within a step all copies of an expert are equal, so order is free).
+  (within a step all copies of an expert are equal, so order is free). The
+  rounds are a fori_loop, so compile time does not grow with the budget.
   """
   local_s = jax.lax.dynamic_slice_in_dim(t['local_src_LS'], me * spd, spd)
   new = _where_rows(local_s >= 0, _pick(slots, canon, local_s), slots)
-  for r in range(t['shift_LR'].shape[0]):
+
+  def one_round(r, new):
     item = _pick(slots, canon, t['send_LRD'][r, me])
     got = _shifted(item, t['shift_LR'][r], num_devices)
-    new = _write(new, t['recv_LRD'][r, me], got)
-  return new
+    return _write(new, t['recv_LRD'][r, me], got)
+  return jax.lax.fori_loop(0, t['shift_LR'].shape[0], one_round, new)
 
 
 def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
@@ -126,13 +128,15 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   target_s = jnp.where(local_s >= 0, local_s, num_home)
   gcanon = jax.tree.map(lambda c, g: c.at[target_s].add(g, mode='drop'),
                         gcanon, gslots)
-  for r in range(t['ret_shift_LR'].shape[0]):
+
+  def one_round(r, gcanon):
     item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, me]], gslots)
     got = _shifted(item, t['ret_shift_LR'][r], num_devices)
     dst = t['ret_recv_LRD'][r, me]
-    gcanon = jax.tree.map(
+    return jax.tree.map(
         lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
             v, mode='drop'), gcanon, got)
+  gcanon = jax.lax.fori_loop(0, t['ret_shift_LR'].shape[0], one_round, gcanon)
   gslots = _where_rows(evict_s, jax.tree.map(jnp.zeros_like, gslots), gslots)
   return gslots, gcanon
 
@@ -225,3 +229,22 @@ def return_grads(gslots_L: Sequence[Any], gcanon_L: Sequence[Any],
                                _replicated(transition)),
                      out_specs=(_specs(gslots_L), _specs(gcanon_L)))
   return fn(gslots_L, gcanon_L, transition)
+
+
+def id_errors(slots_L: Sequence[Any], slot_expert_LS, *, mesh):
+  """Slots whose travelled expert id differs from the plan's: int32 [].
+
+  Compared where the slots live (one psum of a scalar), so checking the
+  transfer adds no gather of the ids.
+  """
+  ids_L = [s[-1] for s in slots_L]
+
+  def body(ids_L, se_LS):
+    me = jax.lax.axis_index(EXPERT)
+    spd = ids_L[0].shape[0]
+    bad = sum((ids != jax.lax.dynamic_slice_in_dim(se_LS[l], me * spd, spd)
+               ).sum() for l, ids in enumerate(ids_L))
+    return jax.lax.psum(bad.astype(jnp.int32), EXPERT)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(_specs(ids_L), P()),
+                       out_specs=P())(ids_L, slot_expert_LS)
