@@ -1,5 +1,7 @@
-"""The RL step: replayed recompute equals the rollout; accumulation is exact."""
+"""The RL step: replayed recompute equals the rollout; accumulation is exact;
+moving experts between micro-steps changes no number; no expert all-gather."""
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,10 @@ from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model import sharding, transformer
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
+from foremoe_jax.planner.topology import Topology
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
+from foremoe_jax.transfer import engine, schedule
 
 
 @pytest.fixture(scope='module')
@@ -32,9 +36,58 @@ def setup():
   return cfg, mesh, graphdef, params, rollout, rewards
 
 
+BUDGET = schedule.TransferBudget(step_rounds=8, microstep_rounds=8)
+
+
+def _step_plan(placement, capacity=None, spd=2, budget=BUDGET):
+  """Device plan (placements + moves) for a stacked [M, ...] placement."""
+  transfer = schedule.build_step_transfer(
+      placement.slot_expert, 8, Topology(1, 8, spd), budget)
+  return step_lib.StepPlan(jax.tree.map(jnp.asarray, placement),
+                           engine.device_step_transfer(transfer), capacity)
+
+
 def _plan(num_mb, num_layers, spd=2):
-  return step_lib.StepPlan(placement_lib.stack_placements(
-      [placement_lib.identity_placement(num_layers, 8, 8, spd)] * num_mb), None)
+  return _step_plan(placement_lib.stack_placements(
+      [placement_lib.identity_placement(num_layers, 8, 8, spd)] * num_mb))
+
+
+def random_plan(rng, num_mb, num_layers, spd=2):
+  """Placements with replicas that move between micro-steps, and shares
+  that split each expert's tokens over its replicas at random."""
+  num_slots = 8 * spd
+  se, share = [], []
+  prev = None
+  for m in range(num_mb):
+    se_LS = np.stack([rng.permutation(np.r_[np.arange(8), rng.integers(
+        8, size=num_slots - 8)]) for _ in range(num_layers)]).astype(np.int32)
+    if prev is not None:  # Keep about half of the slots: few moves.
+      keep = rng.random(se_LS.shape) < 0.5
+      cand = np.where(keep, prev, se_LS)
+      ok = np.array([len(np.unique(c)) == 8 for c in cand])
+      se_LS = np.where(ok[:, None], cand, se_LS)
+    prev = se_LS
+    raw = rng.random((num_layers, 8, num_slots)) + 0.05
+    sums = np.zeros((num_layers, 8, 8))
+    for l in range(num_layers):
+      np.add.at(sums[l].T, se_LS[l], raw[l].T)
+    share_LDS = raw / np.take_along_axis(
+        sums, np.broadcast_to(se_LS[:, None], raw.shape), axis=2)
+    se.append(se_LS)
+    share.append(share_LDS.astype(np.float32))
+  return placement_lib.Placement(np.stack(se), np.stack(share))
+
+
+def _grads_fn(**kw):
+  """jit(state, batch, plan) -> (grads, metrics): recompute + update grads."""
+  def fn(s, b, plan):
+    logps = step_lib.recompute_logps(s, b, plan.capacity)
+    return step_lib.update_grads(s, b, logps, plan, **kw)
+  return jax.jit(fn)
+
+
+def _grads(state, batch, plan, **kw):
+  return _grads_fn(**kw)(state, batch, plan)
 
 
 def test_replayed_recompute_equals_rollout_logp(setup):
@@ -67,9 +120,7 @@ def test_accumulated_grads_equal_full_batch(setup, num_mb, shuffle):
   def grads(mbs):
     batch = trainer.rl_batch_from_rollout(rollout, rewards, mbs)
     batch = jax.tree.map(jnp.asarray, batch)
-    plan = _plan(len(mbs), num_layers)
-    fn = jax.jit(lambda s, b: step_lib.accumulate_grads(s, b, plan, **kw))
-    return fn(state, batch)
+    return _grads(state, batch, _plan(len(mbs), num_layers), **kw)
 
   g_full, m_full = grads([np.arange(32)])
   g_acc, m_acc = grads(np.split(order, num_mb))
@@ -91,22 +142,89 @@ def test_step_updates_params_and_compiles_once(setup):
                                         np.split(np.arange(32), 4))
   before = jax.tree.map(np.asarray, state.params)
   rng = np.random.default_rng(0)
-  for _ in range(3):  # New placements every step: same executable.
-    from tests.model.test_expert_parallel import random_placement  # pylint: disable=g-import-not-at-top
-    del random_placement
-    plan = step_lib.StepPlan(placement_lib.stack_placements([
-        placement_lib.Placement(
-            np.stack([rng.permutation(np.r_[np.arange(8), np.arange(8)])
-                      for _ in range(cfg.model.num_layers)]).astype(np.int32),
-            np.full((cfg.model.num_layers, 8, 16), 0.5, np.float32))
-        for _ in range(4)]), None)
+  for _ in range(3):  # New placements and moves every step: same executable.
+    plan = _step_plan(random_plan(rng, 4, cfg.model.num_layers))
     state, m = rl_step(state, batch, plan)
-  assert rl_step._cache_size() == 1
+    assert int(m['transfer_id_errors']) == 0
+  assert rl_step.update._cache_size() == 1
+  assert rl_step.recompute._cache_size() == 1
   assert int(state.step) == 3
   assert float(m['grad_norm']) > 0
   moved = [not np.allclose(a, b) for a, b in
            zip(jax.tree.leaves(before), jax.tree.leaves(state.params))]
   assert all(moved)
+
+
+def test_moving_experts_changes_no_number(setup):
+  """A step whose micro-steps use random placements (replicas, moves
+  between micro-steps, tokens split over replicas) equals the static-EP
+  step: loss, gradients and updated parameters, f32."""
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  num_layers = cfg.model.num_layers
+  # Adam's first step is lr * g / |g|: a gradient near zero turns rounding
+  # into a whole step, so the parameter check uses a realistic lr.
+  tx = step_lib.make_optimizer(1e-3, 1.0)
+  kw = dict(num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.05)
+  batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
+      rollout, rewards, np.split(np.random.default_rng(2).permutation(32), 4)))
+  placement = random_plan(np.random.default_rng(5), 4, num_layers)
+  moving = _step_plan(placement)
+  st = schedule.build_step_transfer(placement.slot_expert, 8,
+                                    Topology(1, 8, 2), BUDGET)
+  assert st.remote_fills_M()[1:].sum() > 0  # Experts really move mid-step.
+  still = _plan(4, num_layers)
+  out = {}
+  grads_fn, rl_step = _grads_fn(**kw), step_lib.make_rl_step(tx, **kw)
+  for name, plan in (('moving', moving), ('static', still)):
+    state = step_lib.init_train_state(
+        graphdef, jax.tree.map(jnp.copy, params), tx, mesh, with_ref=True)
+    grads, m = grads_fn(state, batch, plan)
+    new_state, _ = rl_step(state, batch, plan)
+    out[name] = (grads, m, new_state.params)
+  assert rl_step.update._cache_size() == 1
+  (g_a, m_a, p_a), (g_b, m_b, p_b) = out['moving'], out['static']
+  assert int(m_a['transfer_id_errors']) == 0
+  np.testing.assert_allclose(m_a['loss'], m_b['loss'], rtol=1e-5, atol=1e-8)
+  for tree_a, tree_b in ((g_a, g_b), (p_a, p_b)):
+    for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b)):
+      scale = float(jnp.abs(b).max())
+      assert float(jnp.abs(a - b).max()) <= 1e-5 * scale + 1e-9
+
+
+def _all_gathers(hlo_text):
+  """(element count, line) of every all-gather in an HLO module's text."""
+  out = []
+  for line in hlo_text.splitlines():
+    m = re.search(r'= ([a-z0-9]+)\[([0-9,]*)\][^ ]* all-gather(-start)?\(', line)
+    if m:
+      dims = [int(x) for x in m.group(2).split(',') if x]
+      out.append((int(np.prod(dims)) if dims else 1, line.strip()[:160]))
+  return out
+
+
+def test_compiled_step_gathers_no_expert_weights(setup):
+  """Neither the recompute nor the update (fills, micro-steps, returns,
+  optimizer) all-gathers anything: slots move by ppermute only."""
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  tx = step_lib.make_optimizer(1e-3, 1.0)
+  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=True)
+  rl_step = step_lib.make_rl_step(tx, num_generations=4, eps_low=0.2,
+                                  eps_high=0.28, beta=0.05)
+  batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
+      rollout, rewards, np.split(np.arange(32), 4)))
+  plan = _step_plan(random_plan(np.random.default_rng(1), 4,
+                                cfg.model.num_layers))
+  logps = rl_step.recompute(state, batch, 64)
+  texts = [rl_step.recompute.lower(state, batch, 64).compile().as_text(),
+           rl_step.update.lower(state, batch, logps, plan).compile().as_text()]
+  assert 'collective-permute' in texts[1]  # The moves are there ...
+  assert _all_gathers(texts[0]) == [] and _all_gathers(texts[1]) == []
+  # ... and the check itself finds the gather of the reference path.
+  moe = nnx.merge(graphdef, params).blocks[0].ffn
+  ref = jax.jit(lambda w, se: ep.gather_slot_weights(w, se, mesh=mesh))
+  found = _all_gathers(ref.lower(moe.w_gate[...], jnp.zeros(16, jnp.int32)
+                                 ).compile().as_text())
+  assert found and max(n for n, _ in found) >= moe.w_gate[...].size
 
 
 def test_balance_loss_coef_reaches_router_only_through_its_term(setup):
@@ -118,9 +236,8 @@ def test_balance_loss_coef_reaches_router_only_through_its_term(setup):
   plan = _plan(1, cfg.model.num_layers)
 
   def grads(coef):
-    return jax.jit(lambda s, b: step_lib.accumulate_grads(
-        s, b, plan, num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.0,
-        balance_loss_coef=coef))(state, batch)
+    return _grads(state, batch, plan, num_generations=4, eps_low=0.2,
+                  eps_high=0.28, beta=0.0, balance_loss_coef=coef)
 
   g0, m0 = grads(0.0)
   g1, m1 = grads(1.0)
