@@ -55,8 +55,13 @@ def update_history(history_LE, loads_MLDE, decay: float):
 
 def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
                    current: placement_lib.Placement,
-                   history_LE: np.ndarray | None) -> StepPlan:
+                   history_LE: np.ndarray | None,
+                   home_anchor: bool = False) -> StepPlan:
   """One placement for the whole step from past steps' average loads.
+
+  home_anchor: pack with `packing.home_anchored_placement` (experts stay
+  home, replicas in redundant slots), as for a transfer engine that
+  refills slots from home every step; else EPLB's free packing.
 
   With no history yet the current placement is kept. The caller folds the
   step's loads into the history afterwards (``update_history``): the planner
@@ -67,7 +72,9 @@ def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
   if history_LE is None:
     se_LS = cur_LS
   else:
-    se_LS = packing.hierarchical_placement(history_LE, topo).astype(np.int64)
+    pack = (packing.home_anchored_placement if home_anchor
+            else packing.hierarchical_placement)
+    se_LS = pack(history_LE, topo).astype(np.int64)
   w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
   x_MLS = np.stack([split.uniform_flows(se_LS, w_MLE[m])
                     for m in range(num_micro)])
@@ -77,13 +84,17 @@ def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
 
 def plan_eplb_microstep(loads_MLDE, topo: Topology, cost: CostModel,
                         current: placement_lib.Placement,
-                        sweeps: int = 4, prefer_local: bool = True) -> StepPlan:
-  """A fresh hierarchical placement per micro-step from its exact loads."""
+                        sweeps: int = 4, prefer_local: bool = True,
+                        home_anchor: bool = False) -> StepPlan:
+  """A fresh hierarchical placement per micro-step from its exact loads
+  (home_anchor: as in `plan_eplb_step`)."""
+  pack = (packing.home_anchored_placement if home_anchor
+          else packing.hierarchical_placement)
   num_micro, _, _ = _dims(loads_MLDE, topo)
   w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
   se_list, x_list = [], []
   for m in range(num_micro):
-    se_LS = packing.hierarchical_placement(w_MLE[m], topo).astype(np.int64)
+    se_LS = pack(w_MLE[m], topo).astype(np.int64)
     x_LS, _ = split.balanced_flows(se_LS, w_MLE[m], topo, sweeps=sweeps)
     se_list.append(se_LS)
     x_list.append(x_LS)

@@ -82,6 +82,11 @@ class ForeMoEConfig:
   since the split then spreads the slack)."""
   warm_start: bool = True
   """Start each micro-step's split from the previous one's proportions."""
+  home_anchor: bool = False
+  """Anchor on `packing.home_anchored_placement` (experts stay home,
+  replicas go to redundant slots) instead of the free hierarchical packing:
+  right when the slots are refilled from home every step (the transfer
+  engine), where an expert away from home is a copy every step."""
 
 
 def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel):
@@ -110,8 +115,11 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
   if not len(bad):
     return current_LS, changed_L
   w_LE = graph.w_LE[bad]
-  target_LS = packing.hierarchical_placement(w_LE, topo)
-  target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
+  if cfg.home_anchor:
+    target_LS = packing.home_anchored_placement(w_LE, topo)
+  else:
+    target_LS = packing.hierarchical_placement(w_LE, topo)
+    target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
   _, y_tgt_LD = split.balanced_flows(target_LS, w_LE, topo, sweeps=sweeps)
   gain_L = y_cur_LD[bad].max(axis=1) - y_tgt_LD.max(axis=1)
   adopt = gain_L > _move_tokens(target_LS, current_LS[bad], topo, cost)

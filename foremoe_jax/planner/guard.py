@@ -18,6 +18,7 @@ the instance, never in the module.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
 import numpy as np
@@ -57,7 +58,8 @@ class StepPlanner:
   carry_over: plan each step from the previous step's last placement (True)
   or from `initial` every step (False: the transfer engine refills the slot
   buffers from the canonical experts at the start of every update, so the
-  placement that costs nothing to install is always the home layout).
+  placement that costs nothing to install is always the home layout, and
+  every method packs with experts kept home: `home_anchor`).
   """
 
   def __init__(self, method: str, topo: Topology, cost: CostModel,
@@ -68,6 +70,8 @@ class StepPlanner:
                carry_over: bool = True):
     if method not in METHODS:
       raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
+    if not carry_over:
+      config = dataclasses.replace(config, home_anchor=True)
     self.method, self.topo, self.cost, self.config = method, topo, cost, config
     self.deadline_s = deadline_s
     self.history_decay = history_decay
@@ -91,10 +95,12 @@ class StepPlanner:
       return baselines.plan_static(loads_MLDE, self.topo, self.cost, current)
     if self.method == 'eplb_step':
       return baselines.plan_eplb_step(loads_MLDE, self.topo, self.cost,
-                                      current, history_LE)
+                                      current, history_LE,
+                                      home_anchor=self.config.home_anchor)
     if self.method == 'eplb_microstep':
-      return baselines.plan_eplb_microstep(loads_MLDE, self.topo, self.cost,
-                                           current)
+      return baselines.plan_eplb_microstep(
+          loads_MLDE, self.topo, self.cost, current,
+          home_anchor=self.config.home_anchor)
     return foremoe.plan_step(loads_MLDE, self.topo, self.cost, current,
                              self.config, deadline=deadline)
 
@@ -112,9 +118,10 @@ class StepPlanner:
     """Starts planning the step with these loads in the worker thread.
 
     deadline_s: seconds from now (None: the planner's `deadline_s`).
-    finalize(plan, loads) -> anything: runs in the worker after a plan is
-    made (and on the fallback), e.g. fitting the plan to the transfer
-    budget and building its moves; `result()` returns its output.
+    finalize(plan, loads) -> a StepPlan or any object whose `.plan` is the
+    (possibly amended) StepPlan: runs in the worker after a plan is made
+    (and on the fallback), e.g. fitting the plan to the transfer budget and
+    building its moves; `result()` returns its output.
     """
     loads_MLDE = np.asarray(loads_MLDE)
     t0 = time.perf_counter()
@@ -150,7 +157,7 @@ class StepPlanner:
       plan = fallback_plan(loads_MLDE, self.current, self.topo, self.cost)
       finalize = ticket._finalize  # pylint: disable=protected-access
       out = plan if finalize is None else finalize(plan, loads_MLDE)
-    plan = out if isinstance(out, StepPlan) else out[0]
+    plan = out if isinstance(out, StepPlan) else out.plan
     self.num_plans += 1
     self.current = plan.last() if self.carry_over else self.initial
     self.history_LE = baselines.update_history(self.history_LE, loads_MLDE,

@@ -140,6 +140,57 @@ def hierarchical_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
   return se_BJ.reshape(num_layers, topo.num_slots).astype(np.int32)
 
 
+def home_anchored_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
+  """slot_expert [L, S] that keeps every expert on its home device.
+
+  For a transfer engine that refills slots from the canonical experts each
+  step, an expert away from home costs a copy every step, while a replica
+  in a redundant slot costs one copy and relieves its home. So: replica
+  counts as EPLB's (step 1), each expert's first copy in its home slot
+  (home layout: expert e on device e // h), and the extra copies packed
+  heaviest-first onto the least loaded device with a free redundant slot
+  that does not hold the expert yet, preferring the home's node.
+  Redundant slots left over hold a copy of their own device's first home
+  expert (a local copy: no traffic, no tokens unless the split sends some).
+  """
+  w_LE = np.asarray(w_LE, np.float64)
+  num_layers, num_experts = w_LE.shape
+  topo.check_experts(num_experts)
+  d, s = topo.num_devices, topo.slots_per_device
+  if num_experts % d:
+    raise ValueError(f'num_experts = {num_experts} not divisible by {d}.')
+  h = num_experts // d
+  if s < h:
+    raise ValueError(f'{s} slots per device < {h} home experts.')
+  r_LE = replica_counts(w_LE, topo.num_slots, d)
+  node_of = topo.node_of_device()
+  home_D = np.arange(num_experts) // h
+  out = np.empty((num_layers, topo.num_slots), np.int32)
+  for l in range(num_layers):
+    per_E = w_LE[l] / r_LE[l]
+    load_D = np.bincount(home_D, per_E, minlength=d)
+    free_D = np.full(d, s - h)
+    held_DE = np.zeros((d, num_experts), bool)
+    held_DE[home_D, np.arange(num_experts)] = True
+    se_Ds = np.repeat((np.arange(d) * h)[:, None], s, axis=1)
+    se_Ds[:, :h] = np.arange(num_experts).reshape(d, h)
+    extra = np.repeat(np.arange(num_experts), r_LE[l] - 1)
+    for e in extra[np.argsort(-per_E[extra], kind='stable')]:
+      ok = (free_D > 0) & ~held_DE[:, e]
+      if not ok.any():
+        continue
+      # Least loaded; ties (and near-ties) on the home's node first.
+      key = load_D + np.where(node_of == node_of[home_D[e]], 0.0,
+                              1e-9 * (1 + per_E[e]))
+      dev = int(np.argmin(np.where(ok, key, np.inf)))
+      se_Ds[dev, s - free_D[dev]] = e
+      free_D[dev] -= 1
+      held_DE[dev, e] = True
+      load_D[dev] += per_E[e]
+    out[l] = se_Ds.reshape(-1)
+  return out
+
+
 def device_sets(slot_expert_LS, topo: Topology) -> np.ndarray:
   """slot_expert viewed per device: [L, D, s]."""
   se = np.asarray(slot_expert_LS)

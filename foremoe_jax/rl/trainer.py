@@ -261,13 +261,16 @@ def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
   num_micro = planned.plan.num_microsteps
   d = ctx.topo.num_devices
   per_expert = ctx.cost.bytes_per_expert
-  fills = planned.transfer.remote_fills_M()
-  returns = planned.transfer.remote_returns_M()
+  st = planned.transfer
+  fills = st.remote_fills_M()
+  # A remote return is a receive with a target in some return round.
+  returns = int((st.steps.ret_recv_LRD >= 0).sum()
+                + (st.flush.ret_recv_LRD >= 0).sum())
   return dict(
       weight_bytes_moved_per_device_per_microstep=float(
           fills.sum() * per_expert / (d * num_micro)),
       grad_bytes_returned_per_device_per_microstep=float(
-          returns.sum() * per_expert / (d * num_micro)),
+          returns * per_expert / (d * num_micro)),
       remote_fills_M=fills.tolist(), reverted_moves=planned.reverted)
 
 
