@@ -101,44 +101,55 @@ def _fill_edges(prev_BS, next_BS, num_experts, topo: Topology):
   if num_slots != topo.num_slots:
     raise ValueError(f'{num_slots} slots per layer, topology has '
                      f'{topo.num_slots}.')
-  dev_S = topo.device_of_slot()
   fill_BS = (next_BS >= 0) & (next_BS != prev_BS)
-  e_BS = np.maximum(next_BS, 0)
-  here_BSs = prev_BS.reshape(num_rows, num_devices, s)[:, dev_S] == (
-      next_BS[:, :, None])
-  local_BS = np.where(e_BS // h == dev_S, s + e_BS % h,
-                      np.where(here_BSs.any(-1), here_BSs.argmax(-1), -1))
-  local_BS = np.where(fill_BS, local_BS, -1)
-  b_N, j_N = np.nonzero(fill_BS & (local_BS < 0))
-  e_N, d_N = next_BS[b_N, j_N], j_N // s
+  b_F, j_F = np.nonzero(fill_BS)
+  e_F, d_F = next_BS[b_F, j_F], j_F // s
+  local_F = np.where(e_F // h == d_F, s + e_F % h, -1)
+  has_prev = bool((prev_BS >= 0).any())
+  if has_prev:
+    here_Fs = prev_BS.reshape(num_rows, num_devices, s)[b_F, d_F] == (
+        e_F[:, None])
+    local_F = np.where(local_F < 0, np.where(here_Fs.any(1), here_Fs.argmax(1),
+                                             -1), local_F)
+  local_BS = np.full(next_BS.shape, -1, np.int64)
+  local_BS[b_F, j_F] = local_F
+  remote = local_F < 0
+  b_N, e_N, d_N, j_N = b_F[remote], e_F[remote], d_F[remote], j_F[remote]
   num = len(b_N)
+  if not has_prev or not num:  # The home's canonical copy is the only source.
+    return local_BS, (b_N, e_N // h, s + e_N % h, d_N, j_N % s)
   # Candidate sources per device: previous slot index + 1 (0: none), then
   # the home's canonical copy.
-  idx_ND = np.zeros((num, num_devices), np.int64)
-  if (prev_BS >= 0).any() and num:
-    rows = np.unique(b_N)
-    row_of_B = np.zeros(num_rows, np.int64)
-    row_of_B[rows] = np.arange(len(rows))
-    held_BED = np.zeros((len(rows), num_experts + 1, num_devices), np.int16)
-    held_BED[np.arange(len(rows))[:, None], prev_BS[rows],
-             dev_S] = np.arange(num_slots) % s + 1
-    idx_ND = held_BED[row_of_B[b_N], e_N].astype(np.int64)
+  rows = np.unique(b_N)
+  row_of_B = np.zeros(num_rows, np.int64)
+  row_of_B[rows] = np.arange(len(rows))
+  held_BED = np.zeros((len(rows), num_experts + 1, num_devices), np.int16)
+  held_BED[np.arange(len(rows))[:, None], prev_BS[rows],
+           topo.device_of_slot()] = np.arange(num_slots) % s + 1
+  idx_ND = held_BED[row_of_B[b_N], e_N]
   idx_ND[np.arange(num), e_N // h] = s + e_N % h + 1
   cand_ND = idx_ND > 0
-  node_D = topo.node_of_device()
-  near_ND = node_D == node_D[d_N][:, None]
-  cand_ND &= near_ND | ~(cand_ND & near_ND).any(1, keepdims=True)
-  src_N = cand_ND.argmax(1)
-  flex_N = cand_ND.sum(1) > 1
-  if flex_N.any():
-    src_N = _share_rounds(b_N, d_N, cand_ND, src_N, flex_N, num_devices)
+  if topo.num_nodes > 1:
+    node_D = topo.node_of_device()
+    near_ND = node_D == node_D[d_N][:, None]
+    cand_ND &= near_ND | ~(cand_ND & near_ND).any(1, keepdims=True)
+  # Candidates as short lists (devices, -1 padded): few per fill.
+  n_C, c_C = np.nonzero(cand_ND)
+  count_N = cand_ND.sum(1)
+  cand_NC = np.full((num, int(count_N.max())), -1, np.int64)
+  cand_NC[n_C, np.arange(len(n_C)) - np.repeat(np.cumsum(count_N) - count_N,
+                                               count_N)] = c_C
+  src_N = cand_NC[:, 0]
+  if (count_N > 1).any():
+    src_N = _share_rounds(b_N, d_N, cand_NC, count_N > 1, num_devices)
   return local_BS, (b_N, src_N, idx_ND[np.arange(num), src_N] - 1, d_N, j_N % s)
 
 
-def _share_rounds(b_N, d_N, cand_ND, src_N, flex_N, num_devices):
+def _share_rounds(b_N, d_N, cand_NC, flex_N, num_devices):
   """Greedy sources for fills with several candidates, after the forced
   ones: a source whose edge fits a round the row already needs (same shift,
   sender free there) costs nothing. Rows advance together, one fill each."""
+  src_N = cand_NC[:, 0].copy()
   rows = np.unique(b_N[flex_N])
   row_of_B = np.full(int(b_N.max()) + 1, -1)
   row_of_B[rows] = np.arange(len(rows))
@@ -153,18 +164,19 @@ def _share_rounds(b_N, d_N, cand_ND, src_N, flex_N, num_devices):
   first = np.r_[True, b_N[flex][1:] != b_N[flex][:-1]]
   rank = np.arange(len(flex)) - np.maximum.accumulate(
       np.where(first, np.arange(len(flex)), 0))
-  c_D = np.arange(num_devices)
-  for t in range(int(rank.max()) + 1):
-    n = flex[rank == t]
-    f = f_N[n][:, None]
-    k_nD = (d_N[n][:, None] - c_D) % num_devices
-    fits = cand_ND[n] & (edges_FDK[f, c_D, k_nD] < depth_FK[f, k_nD])
-    pick = np.where(fits.any(1), fits.argmax(1), cand_ND[n].argmax(1))
-    k = k_nD[np.arange(len(n)), pick]
-    edges_FDK[f[:, 0], pick, k] += 1
-    depth_FK[f[:, 0], k] = np.maximum(depth_FK[f[:, 0], k],
-                                      edges_FDK[f[:, 0], pick, k])
-    src_N[n] = pick
+  # Wave t takes every row's t-th fill: one contiguous run after sorting.
+  flex = flex[np.argsort(rank, kind='stable')]
+  ends = np.cumsum(np.bincount(rank))
+  for start, end in zip(np.r_[0, ends[:-1]], ends):
+    n = flex[start:end]
+    f, c_nC = f_N[n][:, None], cand_NC[n]
+    k_nC = (d_N[n][:, None] - c_nC) % num_devices
+    fits = (c_nC >= 0) & (edges_FDK[f, c_nC, k_nC] < depth_FK[f, k_nC])
+    pick = fits.argmax(1)  # Column 0 (a candidate) when none fits.
+    c, k, f = c_nC[np.arange(len(n)), pick], k_nC[np.arange(len(n)), pick], f[:, 0]
+    edges_FDK[f, c, k] += 1
+    depth_FK[f, k] = np.maximum(depth_FK[f, k], edges_FDK[f, c, k])
+    src_N[n] = c
   return src_N
 
 
