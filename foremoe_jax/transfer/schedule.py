@@ -173,7 +173,8 @@ def _share_rounds(b_N, d_N, cand_NC, flex_N, num_devices):
     k_nC = (d_N[n][:, None] - c_nC) % num_devices
     fits = (c_nC >= 0) & (edges_FDK[f, c_nC, k_nC] < depth_FK[f, k_nC])
     pick = fits.argmax(1)  # Column 0 (a candidate) when none fits.
-    c, k, f = c_nC[np.arange(len(n)), pick], k_nC[np.arange(len(n)), pick], f[:, 0]
+    at = np.arange(len(n))
+    c, k, f = c_nC[at, pick], k_nC[at, pick], f[:, 0]
     edges_FDK[f, c, k] += 1
     depth_FK[f, k] = np.maximum(depth_FK[f, k], edges_FDK[f, c, k])
     src_N[n] = c
@@ -213,20 +214,43 @@ def _pack_rounds(b_N, src_N, dst_N, num_rows, num_devices):
   return offset_BK[b_N, k_N] + rank_N, depth_BK
 
 
+class _Moves(NamedTuple):
+  """A transition of B rows before it becomes device arrays. Edges are
+  tuples of [N] arrays (row, sender, sender's item, receiver, receiver's
+  index), each with its round and the rounds per (row, shift)."""
+
+  local_BS: np.ndarray
+  fill: tuple
+  fill_round_N: np.ndarray
+  fill_depth_BK: np.ndarray
+  evict_BS: np.ndarray
+  ret_local_BS: np.ndarray
+  ret: tuple
+  ret_round_N: np.ndarray
+  ret_depth_BK: np.ndarray
+
+
+def _moves(prev_BS, next_BS, num_experts, topo) -> _Moves:
+  num_rows, d = len(next_BS), topo.num_devices
+  local_BS, fill = _fill_edges(prev_BS, next_BS, num_experts, topo)
+  evict_BS, ret_local_BS, ret = _return_edges(prev_BS, next_BS, num_experts,
+                                              topo)
+  return _Moves(local_BS, fill,
+                *_pack_rounds(fill[0], fill[1], fill[3], num_rows, d),
+                evict_BS, ret_local_BS, ret,
+                *_pack_rounds(ret[0], ret[1], ret[3], num_rows, d))
+
+
 def _rounds(prev_BS, next_BS, num_experts, topo):
-  """(fill rounds [B], return rounds [B])."""
-  _, (b, src, _, dst, _) = _fill_edges(prev_BS, next_BS, num_experts, topo)
-  _, _, (rb, rsrc, _, rdst, _) = _return_edges(prev_BS, next_BS, num_experts,
-                                               topo)
-  d, num_rows = topo.num_devices, len(next_BS)
-  return (_pack_rounds(b, src, dst, num_rows, d)[1].sum(1),
-          _pack_rounds(rb, rsrc, rdst, num_rows, d)[1].sum(1))
+  """max(fill rounds, return rounds) per row: [B]."""
+  mv = _moves(prev_BS, next_BS, num_experts, topo)
+  return np.maximum(mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1))
 
 
-def _round_arrays(edges, num_rows, num_devices, num_rounds):
+def _round_arrays(edges, round_N, depth_BK, num_rounds):
   """shift [B, R], send [B, R, D] (0 idle), recv [B, R, D] (-1 discard)."""
   b, src, src_idx, dst, dst_idx = edges
-  round_N, depth_BK = _pack_rounds(b, src, dst, num_rows, num_devices)
+  num_rows, num_devices = depth_BK.shape
   shift_BR = np.zeros((num_rows, num_rounds), np.int32)
   rb, rk = np.nonzero(depth_BK)
   reps = depth_BK[rb, rk]
@@ -238,30 +262,26 @@ def _round_arrays(edges, num_rows, num_devices, num_rounds):
   recv_BRD = np.full((num_rows, num_rounds, num_devices), -1, np.int32)
   send_BRD[b, round_N, src] = src_idx
   recv_BRD[b, round_N, dst] = dst_idx
-  return shift_BR, send_BRD, recv_BRD, depth_BK.sum(1)
+  return shift_BR, send_BRD, recv_BRD
 
 
 def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where):
   """The Transition of B rows; `where(b)` names row b in errors."""
-  num_rows, d = len(next_BS), topo.num_devices
-  local_BS, fill = _fill_edges(prev_BS, next_BS, num_experts, topo)
-  evict_BS, ret_local_BS, ret = _return_edges(prev_BS, next_BS, num_experts,
-                                              topo)
-  fill_rounds = _pack_rounds(fill[0], fill[1], fill[3], num_rows, d)[1].sum(1)
-  ret_rounds = _pack_rounds(ret[0], ret[1], ret[3], num_rows, d)[1].sum(1)
-  over = np.flatnonzero(np.maximum(fill_rounds, ret_rounds) > num_rounds)
+  mv = _moves(prev_BS, next_BS, num_experts, topo)
+  fill_B, ret_B = mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1)
+  over = np.flatnonzero(np.maximum(fill_B, ret_B) > num_rounds)
   if len(over):
     b = over[0]
     raise BudgetExceeded(
-        f'{where(b)} needs {fill_rounds[b]} fill and {ret_rounds[b]} return '
-        f'rounds; the budget is {num_rounds} ({len(over)} layer(s) over).')
-  shift, send, recv, used = _round_arrays(fill, num_rows, d, num_rounds)
-  rshift, rsend, rrecv, rused = _round_arrays(ret, num_rows, d, num_rounds)
+        f'{where(b)} needs {fill_B[b]} fill and {ret_B[b]} return rounds; '
+        f'the budget is {num_rounds} ({len(over)} layer(s) over).')
   return Transition(
-      local_BS.astype(np.int32), shift, send, recv, evict_BS,
-      ret_local_BS.astype(np.int32), rshift, rsend, rrecv,
-      np.bincount(fill[0], minlength=num_rows).astype(np.int64),
-      (local_BS >= 0).sum(1).astype(np.int64), used, rused)
+      mv.local_BS.astype(np.int32),
+      *_round_arrays(mv.fill, mv.fill_round_N, mv.fill_depth_BK, num_rounds),
+      mv.evict_BS, mv.ret_local_BS.astype(np.int32),
+      *_round_arrays(mv.ret, mv.ret_round_N, mv.ret_depth_BK, num_rounds),
+      np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
+      (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
 
 
 def _rows(x_LS, like):
@@ -283,8 +303,7 @@ def rounds_needed(prev_LS, next_LS, num_experts: int,
                   topo: Topology) -> np.ndarray:
   """max(fill rounds, return rounds) per layer: int [L]."""
   ref = next_LS if next_LS is not None else prev_LS
-  return np.maximum(*_rounds(_rows(prev_LS, ref), _rows(next_LS, ref),
-                             num_experts, topo))
+  return _rounds(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts, topo)
 
 
 def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
@@ -348,8 +367,7 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
   empty_LS = _rows(None, home_LS)
 
   def fits(prev_BS, next_BS, num_rounds):
-    return np.maximum(*_rounds(prev_BS, next_BS, num_experts, topo)
-                      ) <= num_rounds
+    return _rounds(prev_BS, next_BS, num_experts, topo) <= num_rounds
 
   flat = se.reshape(-1, se.shape[-1])
   nxt = np.concatenate([se[1:], se[-1:]]).reshape(flat.shape)
