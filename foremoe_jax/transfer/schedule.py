@@ -325,26 +325,38 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
   return StepTransfer(fill, steps, flush)
 
 
-def _fit_layer(prev_S, next_S, ref_S, num_rounds, num_experts, topo):
-  """next_S with changed slots reverted to ref_S, one at a time (the revert
-  that needs fewest rounds), until it fits; ref_S if no revert helps."""
-  cur = next_S.copy()
-  need = rounds_needed(prev_S[None], cur[None], num_experts, topo)[0]
-  while need > num_rounds:
-    changed = np.flatnonzero(cur != ref_S)
-    # Reverting takes a slot from cur's expert: it must keep another one.
-    changed = changed[np.bincount(cur, minlength=num_experts)[cur[changed]] > 1]
-    if not len(changed):
-      return ref_S.copy()
-    trial = np.repeat(cur[None], len(changed), axis=0)
-    trial[np.arange(len(changed)), changed] = ref_S[changed]
-    trial_need = rounds_needed(np.repeat(prev_S[None], len(changed), 0), trial,
-                               num_experts, topo)
-    best = int(trial_need.argmin())
-    if trial_need[best] > need:
-      return ref_S.copy()
-    cur, need = trial[best], trial_need[best]
-  return cur
+def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo):
+  """Each layer of next_LS with changed slots reverted to ref_LS until it
+  fits: those whose revert alone needs fewest rounds first, 1, 2, 4, ...
+  of them. Reverting all of them gives ref_LS, which always fits."""
+  num_layers, num_slots = next_LS.shape
+  l_N, j_N = np.nonzero(next_LS != ref_LS)
+  at = np.arange(len(l_N))
+  single_NS = next_LS[l_N]
+  single_NS[at, j_N] = ref_LS[l_N, j_N]
+  need_N = _rounds(prev_LS[l_N], single_NS, num_experts, topo)
+  order = np.lexsort((need_N, l_N))
+  l_N, j_N = l_N[order], j_N[order]
+  count_L = np.bincount(l_N, minlength=num_layers)
+  rank_N = at - np.repeat(np.cumsum(count_L) - count_L, count_L)
+  # Trial p of a layer reverts its first n_p slots in that order; n_p
+  # doubles (1, 2, 4, ..., all), so a layer costs log2(S) trials, not S.
+  n_LP = np.minimum(2 ** np.arange(int(np.log2(max(count_L.max(), 1))) + 2),
+                    count_L[:, None])
+  width = n_LP.shape[1]
+  revert_LPS = np.zeros((num_layers, width, num_slots), bool)
+  revert_LPS[l_N[:, None], np.arange(width), j_N[:, None]] = (
+      rank_N[:, None] < n_LP[l_N])
+  trial_LPS = np.where(revert_LPS, ref_LS[:, None], next_LS[:, None])
+  trial_BS = trial_LPS.reshape(-1, num_slots)
+  rows = np.arange(len(trial_BS))[:, None]
+  held_BE = np.bincount((rows * num_experts + trial_BS).ravel(),
+                        minlength=len(trial_BS) * num_experts)
+  ok_LP = ((held_BE.reshape(-1, num_experts).min(axis=1) > 0)
+           & (_rounds(np.repeat(prev_LS, width, axis=0), trial_BS,
+                      num_experts, topo) <= num_rounds)
+           ).reshape(num_layers, width)
+  return trial_LPS[np.arange(num_layers), ok_LP.argmax(axis=1)]
 
 
 def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
@@ -355,8 +367,9 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
 
   Greedy over micro-steps: an over-budget layer's changed slots go back to
   the reference (the home layout for the fill, else the fitted previous
-  micro-step). A layer whose flush does not fit stays in the home layout
-  all step. The input plan itself is returned when everything fits.
+  micro-step), the most useful first (`_fit_layers`). A layer whose flush
+  does not fit stays in the home layout all step. The input plan itself
+  is returned when everything fits.
   """
   se = np.asarray(plan.placement.slot_expert, np.int64)
   num_micro, num_layers, _ = se.shape
@@ -380,9 +393,10 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
     prev_LS = empty_LS if m == 0 else out[m - 1]
     ref_LS = home_LS if m == 0 else out[m - 1]
     num_rounds = budget.step_rounds if m == 0 else budget.microstep_rounds
-    for l in np.flatnonzero(~fits(prev_LS, out[m], num_rounds)):
-      out[m, l] = _fit_layer(prev_LS[l], out[m, l], ref_LS[l], num_rounds,
-                             num_experts, topo)
+    bad = np.flatnonzero(~fits(prev_LS, out[m], num_rounds))
+    if len(bad):
+      out[m, bad] = _fit_layers(prev_LS[bad], out[m, bad], ref_LS[bad],
+                                num_rounds, num_experts, topo)
   # The flush returns every replica: a layer that cannot stays home all step.
   stay_L = ~fits(out[-1], empty_LS, budget.step_rounds)
   out[:, stay_L] = home_LS[stay_L]
