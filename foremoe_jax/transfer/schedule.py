@@ -1,0 +1,411 @@
+"""Transfer schedule: the copies and shift rounds that move expert weights
+between placements, and the rounds that return their gradients.
+
+Sits between the planner (a StepPlan: one placement per micro-step) and the
+device engine, which holds s slot buffers per device and layer and moves
+weights in *rounds*: one ``ppermute`` per round whose permutation is a cyclic
+shift by k (device d sends to (d + k) % D), so in a round every device sends
+at most one item and receives at most one. The number of rounds is a static
+budget (shapes must not change); the shift of each round is data.
+
+Sources. Within an RL step every copy of an expert holds the same weights,
+so a slot is filled locally when its device already has the expert (its
+canonical expert, or a slot of the previous placement), else over a round
+from the home's canonical copy or any device holding it before; the same
+node is preferred over another, and among equals the source whose edge fits
+a round already needed. Every send and local copy reads the buffers as they
+were *before* the transition, never a slot written in it, so copies and
+rounds may run in any order. An evicted slot's accumulated gradient goes
+back to its expert's home (summed into the canonical gradient).
+
+Rounds of one layer: an edge c -> d has shift k = (d - c) % D; a round holds
+edges of one shift, at most one per sender (hence per receiver), so a layer
+needs sum over k of max over c of (edges c -> c + k) rounds.
+
+Shape letters: M micro-steps, L layers, S slots (S = D * s, slot j on device
+j // s), D devices, E experts (expert e's home is device e // h, h = E / D),
+R rounds, K shifts (K = D; shift 0 is an idle round), B rows (one layer of
+one transition each; batched), N fills or edges.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.planner import plan as plan_lib
+from foremoe_jax.planner import split
+from foremoe_jax.planner.topology import CostModel, Topology
+
+
+class BudgetExceeded(ValueError):
+  """A transition needs more rounds than its static budget."""
+
+
+class TransferBudget(NamedTuple):
+  step_rounds: int  # Rounds for the fill (T_0) and the flush.
+  microstep_rounds: int  # Rounds for each transition between micro-steps.
+
+
+class Transition(NamedTuple):
+  """One transition of all layers, as the arrays the device reads.
+
+  A device's local source list is [previous slots 0..s-1, canonical home
+  experts s..s+h-1]; sends and local copies index it.
+  """
+
+  local_src_LS: np.ndarray  # int32: local source copied into the slot; -1 none
+  shift_LR: np.ndarray  # int32: fill round's shift 1..D-1; 0 idle
+  send_LRD: np.ndarray  # int32: local source device d sends; 0 if nothing
+  recv_LRD: np.ndarray  # int32: local slot the receiver writes; -1 discard
+  evict_LS: np.ndarray  # bool: slot's gradient is returned, then zeroed
+  ret_local_LS: np.ndarray  # int32: home-local index added into on the
+  #                           slot's own device (it is the home); -1 otherwise
+  ret_shift_LR: np.ndarray  # int32: return round's shift; 0 idle
+  ret_send_LRD: np.ndarray  # int32: local slot whose gradient d sends
+  ret_recv_LRD: np.ndarray  # int32: home-local index added into; -1 discard
+  remote_fills_L: np.ndarray  # int64: fills that cross devices
+  local_fills_L: np.ndarray  # int64
+  rounds_used_L: np.ndarray  # int64: fill rounds used (<= R)
+  ret_rounds_used_L: np.ndarray  # int64: return rounds used (<= R)
+
+
+class StepTransfer(NamedTuple):
+  """Every transition of one RL step."""
+
+  fill: Transition  # T_0, from empty buffers; R = step_rounds
+  steps: Transition  # [M, ...]: entry m moves P_m -> P_{m+1}; the last is a
+  #                    no-op. R = microstep_rounds
+  flush: Transition  # returns every slot's gradient; R = step_rounds
+
+  def remote_fills_M(self) -> np.ndarray:
+    """Remote fills before micro-step m (m = 0: the fill), all layers: [M]."""
+    return np.concatenate([[self.fill.remote_fills_L.sum()],
+                           self.steps.remote_fills_L[:-1].sum(axis=1)])
+
+
+def _homes(num_experts: int, topo: Topology) -> int:
+  if num_experts % topo.num_devices:
+    raise ValueError(f'num_experts = {num_experts} is not divisible by '
+                     f'num_devices = {topo.num_devices}.')
+  return num_experts // topo.num_devices
+
+
+def _fill_edges(prev_BS, next_BS, num_experts, topo: Topology):
+  """Source of every slot to fill: (local_src_BS, edges b, src, src index,
+  dst, dst local slot [N]). -1 in prev / next means empty / nothing."""
+  num_devices, s = topo.num_devices, topo.slots_per_device
+  h = _homes(num_experts, topo)
+  num_rows, num_slots = next_BS.shape
+  if num_slots != topo.num_slots:
+    raise ValueError(f'{num_slots} slots per layer, topology has '
+                     f'{topo.num_slots}.')
+  fill_BS = (next_BS >= 0) & (next_BS != prev_BS)
+  b_F, j_F = np.nonzero(fill_BS)
+  e_F, d_F = next_BS[b_F, j_F], j_F // s
+  local_F = np.where(e_F // h == d_F, s + e_F % h, -1)
+  has_prev = bool((prev_BS >= 0).any())
+  if has_prev:
+    here_Fs = prev_BS.reshape(num_rows, num_devices, s)[b_F, d_F] == (
+        e_F[:, None])
+    local_F = np.where(local_F < 0, np.where(here_Fs.any(1), here_Fs.argmax(1),
+                                             -1), local_F)
+  local_BS = np.full(next_BS.shape, -1, np.int64)
+  local_BS[b_F, j_F] = local_F
+  remote = local_F < 0
+  b_N, e_N, d_N, j_N = b_F[remote], e_F[remote], d_F[remote], j_F[remote]
+  num = len(b_N)
+  if not has_prev or not num:  # The home's canonical copy is the only source.
+    return local_BS, (b_N, e_N // h, s + e_N % h, d_N, j_N % s)
+  # Candidate sources per device: previous slot index + 1 (0: none), then
+  # the home's canonical copy.
+  rows = np.unique(b_N)
+  row_of_B = np.zeros(num_rows, np.int64)
+  row_of_B[rows] = np.arange(len(rows))
+  held_BED = np.zeros((len(rows), num_experts + 1, num_devices), np.int16)
+  held_BED[np.arange(len(rows))[:, None], prev_BS[rows],
+           topo.device_of_slot()] = np.arange(num_slots) % s + 1
+  idx_ND = held_BED[row_of_B[b_N], e_N]
+  idx_ND[np.arange(num), e_N // h] = s + e_N % h + 1
+  cand_ND = idx_ND > 0
+  if topo.num_nodes > 1:
+    node_D = topo.node_of_device()
+    near_ND = node_D == node_D[d_N][:, None]
+    cand_ND &= near_ND | ~(cand_ND & near_ND).any(1, keepdims=True)
+  # Candidates as short lists (devices, -1 padded): few per fill.
+  n_C, c_C = np.nonzero(cand_ND)
+  count_N = cand_ND.sum(1)
+  cand_NC = np.full((num, int(count_N.max())), -1, np.int64)
+  cand_NC[n_C, np.arange(len(n_C)) - np.repeat(np.cumsum(count_N) - count_N,
+                                               count_N)] = c_C
+  src_N = cand_NC[:, 0]
+  if (count_N > 1).any():
+    src_N = _share_rounds(b_N, d_N, cand_NC, count_N > 1, num_devices)
+  return local_BS, (b_N, src_N, idx_ND[np.arange(num), src_N] - 1, d_N, j_N % s)
+
+
+def _share_rounds(b_N, d_N, cand_NC, flex_N, num_devices):
+  """Greedy sources for fills with several candidates, after the forced
+  ones: a source whose edge fits a round the row already needs (same shift,
+  sender free there) costs nothing. Rows advance together, one fill each."""
+  src_N = cand_NC[:, 0].copy()
+  rows = np.unique(b_N[flex_N])
+  row_of_B = np.full(int(b_N.max()) + 1, -1)
+  row_of_B[rows] = np.arange(len(rows))
+  f_N = row_of_B[b_N]
+  # edges_FDK[f, c, k]: edges sender c has with shift k; depth_FK: their max.
+  edges_FDK = np.zeros((len(rows), num_devices, num_devices), np.int64)
+  fixed = ~flex_N & (f_N >= 0)
+  np.add.at(edges_FDK, (f_N[fixed], src_N[fixed],
+                        (d_N[fixed] - src_N[fixed]) % num_devices), 1)
+  depth_FK = edges_FDK.max(axis=1)
+  flex = np.flatnonzero(flex_N)  # Sorted by row (np.nonzero order).
+  first = np.r_[True, b_N[flex][1:] != b_N[flex][:-1]]
+  rank = np.arange(len(flex)) - np.maximum.accumulate(
+      np.where(first, np.arange(len(flex)), 0))
+  # Wave t takes every row's t-th fill: one contiguous run after sorting.
+  flex = flex[np.argsort(rank, kind='stable')]
+  ends = np.cumsum(np.bincount(rank))
+  for start, end in zip(np.r_[0, ends[:-1]], ends):
+    n = flex[start:end]
+    f, c_nC = f_N[n][:, None], cand_NC[n]
+    k_nC = (d_N[n][:, None] - c_nC) % num_devices
+    fits = (c_nC >= 0) & (edges_FDK[f, c_nC, k_nC] < depth_FK[f, k_nC])
+    pick = fits.argmax(1)  # Column 0 (a candidate) when none fits.
+    at = np.arange(len(n))
+    c, k, f = c_nC[at, pick], k_nC[at, pick], f[:, 0]
+    edges_FDK[f, c, k] += 1
+    depth_FK[f, k] = np.maximum(depth_FK[f, k], edges_FDK[f, c, k])
+    src_N[n] = c
+  return src_N
+
+
+def _return_edges(prev_BS, next_BS, num_experts, topo: Topology):
+  """Evicted slots, local returns, and edges (b, src, slot, home, index)."""
+  s, h = topo.slots_per_device, _homes(num_experts, topo)
+  dev_S = topo.device_of_slot()
+  evict_BS = (prev_BS >= 0) & (prev_BS != next_BS)
+  e_BS = np.maximum(prev_BS, 0)
+  at_home_BS = e_BS // h == dev_S
+  ret_local_BS = np.where(evict_BS & at_home_BS, e_BS % h, -1)
+  b_N, j_N = np.nonzero(evict_BS & ~at_home_BS)
+  e_N = prev_BS[b_N, j_N]
+  return evict_BS, ret_local_BS, (b_N, j_N // s, j_N % s, e_N // h, e_N % h)
+
+
+def _pack_rounds(b_N, src_N, dst_N, num_rows, num_devices):
+  """Round of each edge in its row, and rounds per (row, shift): [B, K].
+
+  A sender's edges of shift k take successive rounds of shift k's block;
+  a row's blocks follow one another in shift order.
+  """
+  k_N = (dst_N - src_N) % num_devices
+  key_N = (b_N * num_devices + k_N) * num_devices + src_N
+  order = np.argsort(key_N, kind='stable')
+  pos = np.arange(len(key_N))
+  first = np.r_[True, key_N[order][1:] != key_N[order][:-1]]
+  rank_N = np.empty_like(pos)
+  rank_N[order] = pos - np.maximum.accumulate(np.where(first, pos, 0))
+  depth_BK = np.zeros(num_rows * num_devices, np.int64)
+  np.maximum.at(depth_BK, b_N * num_devices + k_N, rank_N + 1)
+  depth_BK = depth_BK.reshape(num_rows, num_devices)
+  offset_BK = np.cumsum(depth_BK, axis=1) - depth_BK
+  return offset_BK[b_N, k_N] + rank_N, depth_BK
+
+
+class _Moves(NamedTuple):
+  """A transition of B rows before it becomes device arrays. Edges are
+  tuples of [N] arrays (row, sender, sender's item, receiver, receiver's
+  index), each with its round and the rounds per (row, shift)."""
+
+  local_BS: np.ndarray
+  fill: tuple
+  fill_round_N: np.ndarray
+  fill_depth_BK: np.ndarray
+  evict_BS: np.ndarray
+  ret_local_BS: np.ndarray
+  ret: tuple
+  ret_round_N: np.ndarray
+  ret_depth_BK: np.ndarray
+
+
+def _moves(prev_BS, next_BS, num_experts, topo) -> _Moves:
+  num_rows, d = len(next_BS), topo.num_devices
+  local_BS, fill = _fill_edges(prev_BS, next_BS, num_experts, topo)
+  evict_BS, ret_local_BS, ret = _return_edges(prev_BS, next_BS, num_experts,
+                                              topo)
+  return _Moves(local_BS, fill,
+                *_pack_rounds(fill[0], fill[1], fill[3], num_rows, d),
+                evict_BS, ret_local_BS, ret,
+                *_pack_rounds(ret[0], ret[1], ret[3], num_rows, d))
+
+
+def _rounds(prev_BS, next_BS, num_experts, topo):
+  """max(fill rounds, return rounds) per row: [B]."""
+  mv = _moves(prev_BS, next_BS, num_experts, topo)
+  return np.maximum(mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1))
+
+
+def _round_arrays(edges, round_N, depth_BK, num_rounds):
+  """shift [B, R], send [B, R, D] (0 idle), recv [B, R, D] (-1 discard)."""
+  b, src, src_idx, dst, dst_idx = edges
+  num_rows, num_devices = depth_BK.shape
+  shift_BR = np.zeros((num_rows, num_rounds), np.int32)
+  rb, rk = np.nonzero(depth_BK)
+  reps = depth_BK[rb, rk]
+  start = np.cumsum(depth_BK, axis=1)[rb, rk] - reps
+  within = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+  shift_BR[np.repeat(rb, reps), np.repeat(start, reps) + within] = (
+      np.repeat(rk, reps))
+  send_BRD = np.zeros((num_rows, num_rounds, num_devices), np.int32)
+  recv_BRD = np.full((num_rows, num_rounds, num_devices), -1, np.int32)
+  send_BRD[b, round_N, src] = src_idx
+  recv_BRD[b, round_N, dst] = dst_idx
+  return shift_BR, send_BRD, recv_BRD
+
+
+def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where):
+  """The Transition of B rows; `where(b)` names row b in errors."""
+  mv = _moves(prev_BS, next_BS, num_experts, topo)
+  fill_B, ret_B = mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1)
+  over = np.flatnonzero(np.maximum(fill_B, ret_B) > num_rounds)
+  if len(over):
+    b = over[0]
+    raise BudgetExceeded(
+        f'{where(b)} needs {fill_B[b]} fill and {ret_B[b]} return rounds; '
+        f'the budget is {num_rounds} ({len(over)} layer(s) over).')
+  return Transition(
+      mv.local_BS.astype(np.int32),
+      *_round_arrays(mv.fill, mv.fill_round_N, mv.fill_depth_BK, num_rounds),
+      mv.evict_BS, mv.ret_local_BS.astype(np.int32),
+      *_round_arrays(mv.ret, mv.ret_round_N, mv.ret_depth_BK, num_rounds),
+      np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
+      (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
+
+
+def _rows(x_LS, like):
+  """A placement as rows, -1 (empty / nothing) for None."""
+  if x_LS is None:
+    return np.full(np.shape(like), -1, np.int64)
+  return np.asarray(x_LS, np.int64)
+
+
+def transition(prev_LS, next_LS, num_experts: int, topo: Topology,
+               num_rounds: int) -> Transition:
+  """prev_LS None: fill from empty buffers; next_LS None: flush."""
+  ref = next_LS if next_LS is not None else prev_LS
+  return _schedule(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts,
+                   topo, num_rounds, lambda b: f'layer {b}')
+
+
+def rounds_needed(prev_LS, next_LS, num_experts: int,
+                  topo: Topology) -> np.ndarray:
+  """max(fill rounds, return rounds) per layer: int [L]."""
+  ref = next_LS if next_LS is not None else prev_LS
+  return _rounds(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts, topo)
+
+
+def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
+                        budget: TransferBudget) -> StepTransfer:
+  """All transitions of one RL step; BudgetExceeded if one does not fit."""
+  se = np.asarray(slot_expert_MLS, np.int64)
+  num_micro, num_layers, num_slots = se.shape
+  nxt = np.concatenate([se[1:], se[-1:]])  # The last transition is a no-op.
+  steps = _schedule(se.reshape(-1, num_slots), nxt.reshape(-1, num_slots),
+                    num_experts, topo, budget.microstep_rounds,
+                    lambda b: f'transition into micro-step '
+                    f'{b // num_layers + 1}, layer {b % num_layers}')
+  steps = Transition(*(x.reshape((num_micro, num_layers) + x.shape[1:])
+                       for x in steps))
+  fill = _schedule(_rows(None, se[0]), se[0], num_experts, topo,
+                   budget.step_rounds, lambda b: f'fill (T_0), layer {b}')
+  flush = _schedule(se[-1], _rows(None, se[-1]), num_experts, topo,
+                    budget.step_rounds, lambda b: f'flush, layer {b}')
+  return StepTransfer(fill, steps, flush)
+
+
+def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo):
+  """Each layer of next_LS with changed slots reverted to ref_LS until it
+  fits: those whose revert alone needs fewest rounds first, 1, 2, 4, ...
+  of them. Reverting all of them gives ref_LS, which always fits."""
+  num_layers, num_slots = next_LS.shape
+  l_N, j_N = np.nonzero(next_LS != ref_LS)
+  at = np.arange(len(l_N))
+  single_NS = next_LS[l_N]
+  single_NS[at, j_N] = ref_LS[l_N, j_N]
+  need_N = _rounds(prev_LS[l_N], single_NS, num_experts, topo)
+  order = np.lexsort((need_N, l_N))
+  l_N, j_N = l_N[order], j_N[order]
+  count_L = np.bincount(l_N, minlength=num_layers)
+  rank_N = at - np.repeat(np.cumsum(count_L) - count_L, count_L)
+  # Trial p of a layer reverts its first n_p slots in that order; n_p
+  # doubles (1, 2, 4, ..., all), so a layer costs log2(S) trials, not S.
+  n_LP = np.minimum(2 ** np.arange(int(np.log2(max(count_L.max(), 1))) + 2),
+                    count_L[:, None])
+  width = n_LP.shape[1]
+  revert_LPS = np.zeros((num_layers, width, num_slots), bool)
+  revert_LPS[l_N[:, None], np.arange(width), j_N[:, None]] = (
+      rank_N[:, None] < n_LP[l_N])
+  trial_LPS = np.where(revert_LPS, ref_LS[:, None], next_LS[:, None])
+  trial_BS = trial_LPS.reshape(-1, num_slots)
+  rows = np.arange(len(trial_BS))[:, None]
+  held_BE = np.bincount((rows * num_experts + trial_BS).ravel(),
+                        minlength=len(trial_BS) * num_experts)
+  ok_LP = ((held_BE.reshape(-1, num_experts).min(axis=1) > 0)
+           & (_rounds(np.repeat(prev_LS, width, axis=0), trial_BS,
+                      num_experts, topo) <= num_rounds)
+           ).reshape(num_layers, width)
+  return trial_LPS[np.arange(num_layers), ok_LP.argmax(axis=1)]
+
+
+def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
+                       cost: CostModel, budget: TransferBudget
+                       ) -> tuple[plan_lib.StepPlan, int]:
+  """A plan whose transitions all fit the budget, and the number of
+  (micro-step, layer, slot) entries changed to get there.
+
+  Greedy over micro-steps: an over-budget layer's changed slots go back to
+  the reference (the home layout for the fill, else the fitted previous
+  micro-step), the most useful first (`_fit_layers`). A layer whose flush
+  does not fit stays in the home layout all step. The input plan itself
+  is returned when everything fits.
+  """
+  se = np.asarray(plan.placement.slot_expert, np.int64)
+  num_micro, num_layers, _ = se.shape
+  num_experts = np.shape(loads_MLDE)[-1]
+  home_LS = placement_lib.identity_placement(
+      num_layers, num_experts, topo.num_devices,
+      topo.slots_per_device).slot_expert.astype(np.int64)
+  empty_LS = _rows(None, home_LS)
+
+  def fits(prev_BS, next_BS, num_rounds):
+    return _rounds(prev_BS, next_BS, num_experts, topo) <= num_rounds
+
+  flat = se.reshape(-1, se.shape[-1])
+  nxt = np.concatenate([se[1:], se[-1:]]).reshape(flat.shape)
+  if (fits(empty_LS, se[0], budget.step_rounds).all()
+      and fits(flat, nxt, budget.microstep_rounds).all()
+      and fits(se[-1], empty_LS, budget.step_rounds).all()):
+    return plan, 0
+  out = se.copy()
+  for m in range(num_micro):
+    prev_LS = empty_LS if m == 0 else out[m - 1]
+    ref_LS = home_LS if m == 0 else out[m - 1]
+    num_rounds = budget.step_rounds if m == 0 else budget.microstep_rounds
+    bad = np.flatnonzero(~fits(prev_LS, out[m], num_rounds))
+    if len(bad):
+      out[m, bad] = _fit_layers(prev_LS[bad], out[m, bad], ref_LS[bad],
+                                num_rounds, num_experts, topo)
+  # The flush returns every replica: a layer that cannot stays home all step.
+  stay_L = ~fits(out[-1], empty_LS, budget.step_rounds)
+  out[:, stay_L] = home_LS[stay_L]
+  changed_ML = (out != se).any(axis=-1)
+  flows_MLS = plan.slot_loads_MLS.astype(np.float64)
+  w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
+  for m in np.flatnonzero(changed_ML.any(axis=1)):
+    ls = np.flatnonzero(changed_ML[m])
+    flows_MLS[m, ls] = split.balanced_flows(out[m, ls], w_MLE[m, ls], topo)[0]
+  fitted = plan_lib.assemble_plan(loads_MLDE, out, flows_MLS, topo, cost,
+                                  current_LS=home_LS)
+  return fitted._replace(fell_back=plan.fell_back), int((out != se).sum())

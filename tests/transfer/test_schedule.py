@@ -1,0 +1,247 @@
+"""Transfer schedule (transfer.schedule) run on a numpy model of the device.
+
+The simulator below knows only the Transition format and the engine's rules
+(local copies and sends read the buffers as they were before the
+transition; round r with shift k sends d -> (d + k) % D), never the
+schedule's internals.
+"""
+import numpy as np
+import pytest
+
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.planner import baselines
+from foremoe_jax.planner.topology import CostModel, Topology
+from foremoe_jax.transfer import schedule
+
+
+def simulate_fill(tr, l, prev_S, num_experts, topo):
+  """Slot contents after the transition, the slots written, and the sender
+  of every remote fill: (new [S], writes [S], sender [S])."""
+  d_, s = topo.num_devices, topo.slots_per_device
+  h = num_experts // d_
+  old_Ds = (np.full((d_, s), -1) if prev_S is None
+            else np.asarray(prev_S).reshape(d_, s))
+  src_Dx = np.concatenate([old_Ds, np.arange(num_experts).reshape(d_, h)], 1)
+  new_Ds = old_Ds.copy()
+  writes_Ds = np.zeros((d_, s), int)
+  sender_Ds = np.full((d_, s), -1)
+  for j in range(d_ * s):
+    i = tr.local_src_LS[l, j]
+    if i >= 0:
+      assert src_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
+      new_Ds[j // s, j % s] = src_Dx[j // s, i]
+      writes_Ds[j // s, j % s] += 1
+  for r, k in enumerate(tr.shift_LR[l]):
+    if k == 0:
+      assert (tr.recv_LRD[l, r] == -1).all(), 'idle round writes'
+      continue
+    for d in range(d_):
+      dst, slot = (d + k) % d_, tr.recv_LRD[l, r, (d + k) % d_]
+      if slot >= 0:
+        item = src_Dx[d, tr.send_LRD[l, r, d]]
+        assert item >= 0, 'sent an empty buffer'
+        new_Ds[dst, slot] = item
+        writes_Ds[dst, slot] += 1
+        sender_Ds[dst, slot] = d
+  return new_Ds.ravel(), writes_Ds.ravel(), sender_Ds.ravel()
+
+
+def simulate_returns(tr, l, grad_S, num_experts, topo):
+  """Canonical gradient sums [E] after the returns, and the slots zeroed."""
+  d_, s = topo.num_devices, topo.slots_per_device
+  h = num_experts // d_
+  grad_Ds = np.asarray(grad_S, float).reshape(d_, s)
+  acc_Dh = np.zeros((d_, h))
+  for j in range(d_ * s):
+    if tr.ret_local_LS[l, j] >= 0:
+      acc_Dh[j // s, tr.ret_local_LS[l, j]] += grad_Ds[j // s, j % s]
+  for r, k in enumerate(tr.ret_shift_LR[l]):
+    if k == 0:
+      assert (tr.ret_recv_LRD[l, r] == -1).all()
+      continue
+    for d in range(d_):
+      dst = (d + k) % d_
+      if tr.ret_recv_LRD[l, r, dst] >= 0:
+        acc_Dh[dst, tr.ret_recv_LRD[l, r, dst]] += grad_Ds[
+            d, tr.ret_send_LRD[l, r, d]]
+  return acc_Dh.ravel(), tr.evict_LS[l]
+
+
+def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
+  rng = np.random.default_rng(1)
+  num_layers = tr.local_src_LS.shape[0]
+  assert tr.shift_LR.shape == (num_layers, num_rounds)
+  assert tr.send_LRD.shape == (num_layers, num_rounds, topo.num_devices)
+  assert ((tr.shift_LR >= 0) & (tr.shift_LR < topo.num_devices)).all()
+  for l in range(num_layers):
+    prev = None if prev_LS is None else np.asarray(prev_LS[l])
+    nxt = None if next_LS is None else np.asarray(next_LS[l])
+    if nxt is not None:
+      new, writes, _ = simulate_fill(tr, l, prev, num_experts, topo)
+      np.testing.assert_array_equal(new, nxt)
+      changed = np.ones_like(nxt, bool) if prev is None else prev != nxt
+      # Each changed slot written once; the others see no traffic at all.
+      np.testing.assert_array_equal(writes, changed.astype(int))
+      assert tr.remote_fills_L[l] + tr.local_fills_L[l] == changed.sum()
+    else:
+      assert (tr.local_src_LS[l] == -1).all() and (tr.shift_LR[l] == 0).all()
+    assert tr.rounds_used_L[l] == (tr.shift_LR[l] > 0).sum() <= num_rounds
+    assert tr.ret_rounds_used_L[l] == (tr.ret_shift_LR[l] > 0).sum()
+    if prev is None:
+      assert not tr.evict_LS[l].any() and (tr.ret_shift_LR[l] == 0).all()
+      continue
+    # Distinct powers of two: a sum names exactly which gradients arrived.
+    grad = 2.0 ** rng.permutation(len(prev))
+    acc, evict = simulate_returns(tr, l, grad, num_experts, topo)
+    evicted = np.ones_like(prev, bool) if nxt is None else prev != nxt
+    np.testing.assert_array_equal(evict, evicted)
+    want = np.zeros(num_experts)
+    np.add.at(want, prev[evicted], grad[evicted])
+    np.testing.assert_array_equal(acc, want)
+
+
+CASES = [  # (nodes, devices per node, slots per device, experts)
+    (1, 8, 2, 8), (1, 4, 3, 8), (2, 4, 3, 16), (2, 2, 4, 8), (1, 1, 3, 2)]
+
+
+def random_placement(rng, num_layers, num_experts, topo):
+  """Every expert once, the other slots random replicas, shuffled."""
+  out = []
+  for _ in range(num_layers):
+    extra = rng.integers(0, num_experts, topo.num_slots - num_experts)
+    out.append(rng.permutation(np.concatenate([np.arange(num_experts),
+                                               extra])))
+  return np.stack(out)
+
+
+def partly_changed(rng, prev_LS, num_experts, topo, frac):
+  """prev with a fraction of slots re-drawn (still a valid placement)."""
+  nxt = random_placement(rng, len(prev_LS), num_experts, topo)
+  keep = rng.random(prev_LS.shape) > frac
+  out = np.where(keep, prev_LS, nxt)
+  for l in range(len(out)):  # Put back any expert the mix lost.
+    missing = np.setdiff1d(np.arange(num_experts), out[l])
+    counts = np.bincount(out[l], minlength=num_experts)
+    spare = [j for j in range(out.shape[1]) if counts[out[l, j]] > 1]
+    for e, j in zip(missing, spare):
+      counts[out[l, j]] -= 1
+      out[l, j] = e
+  return out
+
+
+@pytest.mark.parametrize('nodes,per_node,s,num_experts', CASES)
+def test_random_transitions_execute_exactly(nodes, per_node, s, num_experts):
+  topo = Topology(nodes, per_node, s)
+  rng = np.random.default_rng(nodes * 100 + per_node * 10 + s)
+  num_rounds = 4 * topo.num_slots
+  p0 = random_placement(rng, 4, num_experts, topo)
+  for frac in (0.0, 0.3, 1.0):
+    p1 = partly_changed(rng, p0, num_experts, topo, frac)
+    for prev, nxt in ((None, p0), (p0, p1), (p1, None)):
+      tr = schedule.transition(prev, nxt, num_experts, topo, num_rounds)
+      check_transition(tr, prev, nxt, num_experts, topo, num_rounds)
+      need = schedule.rounds_needed(prev, nxt, num_experts, topo)
+      np.testing.assert_array_equal(
+          need, np.maximum(tr.rounds_used_L, tr.ret_rounds_used_L))
+
+
+def test_budget_exceeded_names_layer_and_rounds():
+  topo, num_experts = Topology(1, 8, 2), 8
+  p0 = random_placement(np.random.default_rng(0), 3, num_experts, topo)
+  need = schedule.rounds_needed(None, p0, num_experts, topo)
+  tight = int(need.max()) - 1
+  with pytest.raises(schedule.BudgetExceeded,
+                     match=rf'layer {need.argmax()} needs {need.max()} fill .*'
+                     rf'budget is {tight}'):
+    schedule.transition(None, p0, num_experts, topo, tight)
+  assert issubclass(schedule.BudgetExceeded, ValueError)
+  schedule.transition(None, p0, num_experts, topo, int(need.max()))
+
+
+def test_local_copy_preferred():
+  # Device 1 (slots 2, 3) held expert 0 in slot 2; slot 3 now wants it too.
+  topo, num_experts = Topology(1, 4, 2), 4
+  prev = np.array([[0, 0, 0, 1, 2, 2, 3, 3]])
+  nxt = np.array([[0, 0, 0, 0, 2, 2, 3, 1]])
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4)
+  assert tr.local_src_LS[0, 3] == 0  # Device 1's previous slot 0.
+  assert tr.local_src_LS[0, 7] == -1  # Expert 1 is on no slot of device 3.
+  assert tr.local_fills_L[0] == 1 and tr.remote_fills_L[0] == 1
+  check_transition(tr, prev, nxt, num_experts, topo, 4)
+
+
+def test_same_node_source_preferred():
+  # 2 nodes x 2 devices; expert 3's home is device 3 (node 1), but device 1
+  # (node 0) holds a replica: device 0 fills from device 1.
+  topo, num_experts = Topology(2, 2, 2), 4
+  prev = np.array([[0, 0, 1, 3, 2, 2, 3, 3]])
+  nxt = np.array([[0, 3, 1, 3, 2, 2, 3, 3]])
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4)
+  _, _, sender = simulate_fill(tr, 0, prev[0], num_experts, topo)
+  assert sender[1] == 1
+  # Without the replica it must come from its home across nodes.
+  prev2 = np.array([[0, 0, 1, 1, 2, 2, 3, 3]])
+  tr2 = schedule.transition(prev2, nxt, num_experts, topo, 4)
+  assert simulate_fill(tr2, 0, prev2[0], num_experts, topo)[2][1] == 3
+
+
+def test_source_that_shares_a_round():
+  # One node of 4 devices, h = 1. Device 1 must copy expert 0 from device 0
+  # (shift 1). Device 3 wants expert 2: its home, device 2, is also shift 1
+  # away, while the replica on device 0 is shift 3: one round suffices.
+  topo, num_experts = Topology(1, 4, 2), 4
+  prev = np.array([[0, 2, 1, 1, 2, 2, 3, 3]])
+  nxt = np.array([[0, 2, 1, 0, 2, 2, 3, 2]])
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4)
+  assert tr.rounds_used_L[0] == 1 and tr.shift_LR[0, 0] == 1
+  check_transition(tr, prev, nxt, num_experts, topo, 4)
+
+
+def zipf_loads(rng, num_micro, num_layers, num_devices, num_experts,
+               tokens=512):
+  p_E = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+  out = np.empty((num_micro, num_layers, num_devices, num_experts), np.int64)
+  for m in range(num_micro):
+    for l in range(num_layers):
+      p = rng.permutation(p_E / p_E.sum())
+      out[m, l] = rng.multinomial(tokens, p, size=num_devices)
+  return out
+
+
+@pytest.mark.parametrize('nodes,per_node,s,num_experts',
+                         [(1, 8, 2, 8), (2, 4, 3, 16)])
+def test_step_transfer_and_fit(nodes, per_node, s, num_experts):
+  topo, cost = Topology(nodes, per_node, s), CostModel()
+  rng = np.random.default_rng(7)
+  loads = zipf_loads(rng, 4, 3, topo.num_devices, num_experts)
+  ident = placement_lib.identity_placement(3, num_experts, topo.num_devices, s)
+  plan = baselines.plan_eplb_microstep(loads, topo, cost, ident)
+  se = plan.placement.slot_expert
+  # Ample budget: nothing to repair, and every transition executes exactly.
+  big = schedule.TransferBudget(4 * topo.num_slots, 4 * topo.num_slots)
+  same, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost, big)
+  assert same is plan and reverted == 0
+  st = schedule.build_step_transfer(se, num_experts, topo, big)
+  check_transition(st.fill, None, se[0], num_experts, topo, big.step_rounds)
+  check_transition(st.flush, se[-1], None, num_experts, topo, big.step_rounds)
+  for m in range(4):
+    tr = schedule.Transition(*(x[m] for x in st.steps))
+    nxt = se[min(m + 1, 3)]
+    check_transition(tr, se[m], nxt, num_experts, topo, big.microstep_rounds)
+  assert st.remote_fills_M()[0] == st.fill.remote_fills_L.sum()
+  assert st.steps.remote_fills_L[-1].sum() == 0  # The no-op.
+  # Tight budget: repairs, valid placements, and the result fits.
+  need_fill = schedule.rounds_needed(None, se[0], num_experts, topo)
+  tight = schedule.TransferBudget(max(int(need_fill.max()) - 2, 1), 1)
+  with pytest.raises(schedule.BudgetExceeded):
+    schedule.build_step_transfer(se, num_experts, topo, tight)
+  fitted, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost, tight)
+  assert reverted > 0
+  out = fitted.placement.slot_expert
+  assert reverted == (out != se).sum()
+  for m in range(4):
+    placement_lib.validate_placement(fitted.microstep(m), num_experts, s)
+    np.testing.assert_array_equal(
+        placement_lib.device_loads(loads[m], fitted.microstep(m)),
+        fitted.loads_MLD[m])
+  schedule.build_step_transfer(out, num_experts, topo, tight)
