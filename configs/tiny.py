@@ -86,6 +86,6 @@ def get_config() -> ml_collections.ConfigDict:
   # experts between micro-steps, overlapped with compute. Plans are fitted
   # to these budgets (moves beyond them are undone), so nothing recompiles.
   c.transfer = ml_collections.ConfigDict()
-  c.transfer.step_rounds = 4
+  c.transfer.step_rounds = 8  # A hot expert copied to every device: D - 1 sends.
   c.transfer.microstep_rounds = 2
   return c

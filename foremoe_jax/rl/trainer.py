@@ -82,7 +82,7 @@ def transfer_budget(config) -> schedule.TransferBudget:
   t = config.get('transfer', {})
   spd = config_lib.slots_per_device(config)
   return schedule.TransferBudget(
-      step_rounds=int(t.get('step_rounds', 2 * spd)),
+      step_rounds=int(t.get('step_rounds', config.parallel.num_expert)),
       microstep_rounds=int(t.get('microstep_rounds', 2)))
 
 
