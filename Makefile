@@ -1,5 +1,6 @@
 # Entry points: `make demo` (set-up + main job on 8 simulated CPU devices) and
 # `make test` (set-up + whole test suite). Both create .venv on first use.
+# `make gpu-check` runs on a GPU machine's own Python (scripts/gpu_check.sh).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= /tmp/foremoe_demo
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -28,6 +29,11 @@ bench: venv
 	$(PY) -m experiments.bench_planner --json
 	$(PY) -m experiments.bench_msa --json
 	$(PY) -m experiments.bench_sampler --json
+
+# One NVIDIA GPU with CUDA JAX already installed (no venv, no network):
+# the `gpu` tests, then bench_msa vs cuDNN; see scripts/gpu_check.sh.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,11 +1,15 @@
-"""MSA (CPU XLA path) vs dense causal GQA attention, 4k to 32k tokens.
+"""MSA vs dense causal GQA attention: CPU XLA path, or the GPU kernels.
 
-  python -m experiments.bench_msa --json
+  python -m experiments.bench_msa --json                # CPU, 4k to 32k
+  JAX_PLATFORMS=cuda python -m experiments.bench_msa --device=gpu --json \
+      --seq_lens=8192,16384,32768,65536,131072           # vs cuDNN
 
 Prints the setup, one row per length (unless --json), then one JSON line:
-{"results": [{seq_len, dense_s, msa_s, speedup, flop_ratio, index_fraction,
-...}], "max_abs_err_vs_reference", "paper_flop_ratio", ...}. The logic lives
-in pallas_kernels/msa/benchmark.py.
+CPU {"results": [{seq_len, dense_s, msa_s, speedup, flop_ratio,
+index_fraction, ...}], "max_abs_err_vs_reference", "paper_flop_ratio", ...};
+GPU {"bench": "msa_gpu", "results": [{seq_len, dense_s, msa_s, speedup,
+flop_ratio, dense_tflops, msa_tflops, decode_*, ...}], ...}. The logic lives
+in pallas_kernels/msa/benchmark.py and benchmark_gpu.py.
 """
 import dataclasses
 import json
@@ -16,21 +20,37 @@ from foremoe_jax.utils.run_info import print_run_info
 from pallas_kernels.msa import benchmark
 
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
-_LENS = flags.DEFINE_list('seq_lens', ['4096', '8192', '16384', '32768'],
-                          'Sequence lengths (65536 fits in memory but adds '
-                          'about 6 minutes of dense time).')
+_DEVICE = flags.DEFINE_enum(
+    'device', 'cpu', ['cpu', 'gpu'],
+    'cpu: the XLA path vs chunked dense; gpu: the Pallas Triton kernels vs '
+    'cuDNN flash attention (bf16).')
+_LENS = flags.DEFINE_list('seq_lens', None,
+                          'Sequence lengths (default: 4k-32k on CPU, where '
+                          '65536 adds about 6 minutes of dense time; 8k-128k '
+                          'on GPU).')
 _BLOCK = flags.DEFINE_integer('block_size', 128, 'Key block size B.')
 _TOP_K = flags.DEFINE_integer('top_k', 16, 'Blocks kept per query K.')
-_REPEATS = flags.DEFINE_integer('repeats', 3, 'Interleaved repetitions.')
+_REPEATS = flags.DEFINE_integer('repeats', None, 'Interleaved repetitions '
+                                '(default 3 on CPU, 5 on GPU).')
 
 
 def main(argv):
   del argv
-  cfg = benchmark.MSABench(seq_lens=tuple(int(x) for x in _LENS.value),
-                           block_size=_BLOCK.value, top_k=_TOP_K.value,
-                           repeats=_REPEATS.value)
-  print_run_info({'bench': 'msa', **dataclasses.asdict(cfg)})
-  result = benchmark.run(cfg, log=(lambda row: None) if _JSON.value else print)
+  kw = dict(block_size=_BLOCK.value, top_k=_TOP_K.value)
+  if _LENS.value:
+    kw['seq_lens'] = tuple(int(x) for x in _LENS.value)
+  if _REPEATS.value:
+    kw['repeats'] = _REPEATS.value
+  if _DEVICE.value == 'gpu':
+    from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
+    cfg = benchmark_gpu.GPUBench(**kw)
+    lib = benchmark_gpu
+  else:
+    cfg = benchmark.MSABench(**kw)
+    lib = benchmark
+  print_run_info({'bench': f'msa_{_DEVICE.value}', **dataclasses.asdict(cfg)})
+  kw = {'log': lambda row: None} if _JSON.value else {}
+  result = lib.run(cfg, **kw)
   print(json.dumps(result))
 
 

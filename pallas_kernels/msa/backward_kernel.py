@@ -214,36 +214,38 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
 
 def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, do_ref, lse_ref,
                 delta_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
-                block_size: int, top_k: int, scale: float):
+                block_size: int, top_k: int, scale: float, precision):
   del dk_in_ref, dv_in_ref  # aliased to dk_ref / dv_ref (zero-initialised)
   t = pl.program_id(0)
-  prec = kc.precision_for(q_ref.dtype)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
   qpos = off_ref[0] + t
-  dq = jnp.zeros(q.shape, jnp.float32)
-  for slot in range(top_k):
+
+  # A loop, not a Python unroll (see forward_kernel): one body to compile.
+  def visit(slot, dq):
     blk = sel_ref[slot]
     start = jnp.maximum(blk, 0) * block_size
     rows = pl.ds(start, block_size)
     k, v = k_ref[rows, :], v_ref[rows, :]
     kpos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
     mask = (kpos <= qpos) & (blk >= 0)
-    p = _probs(kc.dot_nt(q, k, prec) * scale, mask, lse)
-    ds = p * (kc.dot_nt(do, v, prec) - delta)
-    dq = dq + kc.dot_nn(ds.astype(k.dtype), k, prec) * scale
+    p = _probs(kc.dot_nt(q, k, precision) * scale, mask, lse)
+    ds = p * (kc.dot_nt(do, v, precision) - delta)
     # A -1 slot has p = ds = 0, so it adds exact zeros to block 0; no atomic
     # mask (interpret mode cannot discharge masked atomics).
     plgpu.atomic_add(dv_ref, (rows, slice(None)),
-                     kc.dot_tn(p.astype(do.dtype), do, prec))
+                     kc.dot_tn(p.astype(do.dtype), do, precision))
     plgpu.atomic_add(dk_ref, (rows, slice(None)),
-                     kc.dot_tn(ds.astype(q.dtype), q, prec) * scale)
+                     kc.dot_tn(ds.astype(q.dtype), q, precision) * scale)
+    return dq + kc.dot_nn(ds.astype(k.dtype), k, precision) * scale
+
+  dq = jax.lax.fori_loop(0, top_k, visit, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, do_BTGRD, lse_BTGR,
                  delta_BTGR, *, block_size: int, scale: float, interpret: bool,
-                 num_warps: int = 4, num_stages: int = 1):
+                 num_warps: int = 8, num_stages: int = 1):
   """Padded operands in; (dq_BTGRD, dk_BSGD f32, dv_BSGD f32) out."""
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
@@ -253,8 +255,11 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, do_BTGRD, lse_BTGR,
   row_spec = pl.BlockSpec((None, None, None, rp),
                           lambda tt, bb, gg: (bb, tt, gg, 0))
   kv_spec = pl.BlockSpec((None, sp, None, dp), lambda tt, bb, gg: (bb, 0, gg, 0))
-  kernel = functools.partial(_gpu_kernel, block_size=block_size, top_k=kp,
-                             scale=scale)
+  # 8 warps: the [C, D] f32 dK/dV contributions of one block (64 KiB each
+  # at C = D = 128) would spill from the registers of 4.
+  kernel = functools.partial(
+      _gpu_kernel, block_size=block_size, top_k=kp, scale=scale,
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
   return pl.pallas_call(
       kernel,
       grid=(t, b, g),

@@ -11,7 +11,7 @@ Only selected K/V blocks are read. Two lowerings:
   the shared block.
 * GPU (Triton): one program per (token, batch, group), NSA-style: the r heads
   of the token's group are the rows of the tile (padded to 16 for tl.dot) and
-  a static loop over the K selected blocks loads each with a dynamic slice.
+  a loop over the K selected blocks loads each with a dynamic slice.
   No union, no wasted columns; -1 slots are masked out.
 
 Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
@@ -132,24 +132,29 @@ def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, *, block_size: int,
 
 
 def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, o_ref, lse_ref, *,
-                block_size: int, top_k: int, scale: float):
+                block_size: int, top_k: int, scale: float, precision):
   t = pl.program_id(0)
-  prec = kc.precision_for(q_ref.dtype)
   q = q_ref[...]
   rows, d = q.shape
   qpos = off_ref[0] + t
-  m = jnp.full((rows, 1), kc.MASK_VALUE, jnp.float32)
-  l = jnp.zeros((rows, 1), jnp.float32)
-  acc = jnp.zeros((rows, d), jnp.float32)
-  for slot in range(top_k):
+
+  # A loop, not a Python unroll: one body for ptxas to compile however
+  # large top_k is.
+  def visit(slot, carry):
+    m, l, acc = carry
     blk = sel_ref[slot]
     start = jnp.maximum(blk, 0) * block_size
     k = k_ref[pl.ds(start, block_size), :]
     v = v_ref[pl.ds(start, block_size), :]
     kpos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
     mask = (kpos <= qpos) & (blk >= 0)
-    s = kc.dot_nt(q, k, prec) * scale
-    m, l, acc = kc.online_softmax_step(m, l, acc, s, mask, v, prec)
+    s = kc.dot_nt(q, k, precision) * scale
+    return kc.online_softmax_step(m, l, acc, s, mask, v, precision)
+
+  m, l, acc = jax.lax.fori_loop(
+      0, top_k, visit, (jnp.full((rows, 1), kc.MASK_VALUE, jnp.float32),
+                        jnp.zeros((rows, 1), jnp.float32),
+                        jnp.zeros((rows, d), jnp.float32)))
   out, lse = kc.finish_softmax(m, l, acc)
   o_ref[...] = out.astype(o_ref.dtype)
   lse_ref[...] = lse[:, 0]
@@ -157,13 +162,19 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, o_ref, lse_ref, *,
 
 def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, *, block_size: int,
                 scale: float, interpret: bool, num_warps: int = 4,
-                num_stages: int = 2):
+                num_stages: int | None = None):
   """Padded operands in (R, D, K powers of two, R >= 16); (o, lse_BTGR) out."""
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
   kp = sel_BGTK.shape[-1]
-  kernel = functools.partial(_gpu_kernel, block_size=block_size, top_k=kp,
-                             scale=scale)
+  if num_stages is None:
+    # Each pipeline stage buffers one K and one V block in shared memory:
+    # 2 x 64 KiB in f32 at block = D = 128, so f32 gets no second stage
+    # (the H100 has 227 KiB per block).
+    num_stages = 2 if k_BSGD.dtype.itemsize <= 2 else 1
+  kernel = functools.partial(
+      _gpu_kernel, block_size=block_size, top_k=kp, scale=scale,
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
   return pl.pallas_call(
       kernel,
       grid=(t, b, g),

@@ -38,6 +38,22 @@ def precision_for(dtype):
           else jax.lax.Precision.DEFAULT)
 
 
+def gpu_precision_for(dtype, interpret: bool):
+  """Dot precision of the Triton kernels.
+
+  On the GPU, HIGHEST lowers f32 dots to Triton's IEEE mode: FMA loops
+  without tensor cores, which at D = block = 128 made the unrolled backward
+  kernel take minutes to compile on an H100. Three TF32 passes (tf32x3) run
+  on tensor cores with f32-level error. Interpret mode (CPU) cannot run that
+  algorithm, so it keeps HIGHEST.
+  """
+  if jnp.dtype(dtype) != jnp.float32:
+    return jax.lax.Precision.DEFAULT
+  if interpret:
+    return jax.lax.Precision.HIGHEST
+  return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 def dot_nt(a_XD, b_CD, precision):
   """a @ b.T with f32 accumulation."""
   return jax.lax.dot_general(a_XD, b_CD, (((1,), (1,)), ((), ())),

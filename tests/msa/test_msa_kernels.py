@@ -112,10 +112,13 @@ def test_decode_equals_last_row_of_prefill(backend):
 # GPU, at a realistic head shape in bf16.
 
 
-@pytest.mark.parametrize('backend,platform', [('tpu', 'tpu'), ('gpu', 'cuda')])
-def test_kernels_lower_for_device(backend, platform):
+@pytest.mark.parametrize('backend,platform,dtype', [
+    ('tpu', 'tpu', jnp.bfloat16), ('gpu', 'cuda', jnp.bfloat16),
+    ('gpu', 'cuda', jnp.float32)])
+def test_kernels_lower_for_device(backend, platform, dtype):
+  # f32 on the GPU lowers its dots to tf32x3 (kernel_common.gpu_precision_for).
   b, t, g, r, d, di, c, k = 1, 256, 2, 4, 128, 128, 64, 4
-  bf = jnp.bfloat16
+  bf = dtype
   q = jax.ShapeDtypeStruct((b, t, g * r, d), bf)
   kv = jax.ShapeDtypeStruct((b, t, g, d), bf)
   qi = jax.ShapeDtypeStruct((b, t, g, di), jnp.float32)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# make gpu-check: prove the GPU path on one NVIDIA GPU and measure it.
+#
+# Needs CUDA JAX already installed (jax[cuda13]) and no network: a missing
+# pure-Python dependency (ml_collections) is installed from a local wheel
+# folder, never from an index. Steps:
+#   1. the tests marked `gpu` (MSA Pallas kernels compiled by Triton vs the
+#      reference in f32 and bf16; the expert-parallel layer; one RL step);
+#   2. experiments.bench_msa --device=gpu (kernels vs cuDNN, 8k-128k);
+#   3. one JSON summary line, also written to $RESULTS.
+# Environment: PYTHON (python3), WHEELS (.whl), SITE (/tmp/foremoe_site),
+# SEQ_LENS (8192,...,131072), BENCH_REPEATS (5), RESULTS
+# (results/gpu_check.json), LOGDIR (/tmp/foremoe_gpu_check), TEST_WORKERS
+# (4), TEST_TIMEOUT (600 s per test), TESTS_TIME_LIMIT / BENCH_TIME_LIMIT
+# (whole-step limits in seconds, none by default).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/foremoe_site}
+SEQ_LENS=${SEQ_LENS:-8192,16384,32768,65536,131072}
+RESULTS=${RESULTS:-results/gpu_check.json}
+LOGDIR=${LOGDIR:-/tmp/foremoe_gpu_check}
+mkdir -p "$LOGDIR" "$(dirname "$RESULTS")"
+
+# The package runs from the checkout (no install); the conftest default
+# (JAX_PLATFORMS=cpu) must not win, so the platform is set here.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_PLATFORMS=cuda
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c 'import ml_collections' 2>/dev/null; then
+  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "gpu-check: ml_collections is missing and $WHEELS/ holds no wheels;" \
+         "fetch one where there is network: pip download --no-deps" \
+         "--only-binary=:all: --python-version 3.12 -d $WHEELS ml_collections" >&2
+    exit 2
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+      "$WHEELS"/*.whl || exit 2
+  export PYTHONPATH="$PYTHONPATH:$SITE"
+fi
+
+"$PY" - <<'PY' || { echo 'gpu-check: no CUDA device visible to JAX' >&2; exit 2; }
+import jax
+assert jax.default_backend() == 'gpu', jax.default_backend()
+print('# gpu-check on', jax.devices(), 'jax', jax.__version__)
+PY
+
+# Triton compiles dominate the test time and run on the host's cores:
+# several pytest workers (pytest-xdist, when present) share the one GPU, so
+# none may preallocate most of its memory.
+pytest_args=(-q -p no:cacheprovider -m gpu --junitxml="$LOGDIR/gpu_tests.xml")
+if "$PY" -c 'import xdist' 2>/dev/null; then
+  pytest_args+=(-n "${TEST_WORKERS:-4}")
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+fi
+if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
+  pytest_args+=(--timeout="${TEST_TIMEOUT:-600}")
+fi
+${TESTS_TIME_LIMIT:+timeout "$TESTS_TIME_LIMIT"} \
+    "$PY" -m pytest "${pytest_args[@]}" tests 2>&1 | tee "$LOGDIR/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+unset XLA_PYTHON_CLIENT_PREALLOCATE
+
+${BENCH_TIME_LIMIT:+timeout "$BENCH_TIME_LIMIT"} \
+    "$PY" -m experiments.bench_msa --device=gpu --seq_lens="$SEQ_LENS" \
+    ${BENCH_REPEATS:+--repeats="$BENCH_REPEATS"} 2>&1 | tee "$LOGDIR/bench_msa.log"
+bench_rc=${PIPESTATUS[0]}
+
+"$PY" scripts/gpu_check_summary.py --junit="$LOGDIR/gpu_tests.xml" \
+    --bench_log="$LOGDIR/bench_msa.log" --tests_rc=$tests_rc \
+    --bench_rc=$bench_rc --out="$RESULTS"
