@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.rl import grpo
 from foremoe_jax.transfer import engine as transfer_engine
+from foremoe_jax.transfer import schedule
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -59,6 +60,16 @@ class StepPlan:
   placement: placement_lib.Placement
   transfer: dict
   capacity: int
+
+
+def make_step_plan(placement: placement_lib.Placement, num_experts: int,
+                   topo, budget, capacity: int | None = None) -> StepPlan:
+  """Device StepPlan for stacked [M, ...] placements: builds their moves
+  (`transfer.schedule`, raising BudgetExceeded past the budget)."""
+  transfer = schedule.build_step_transfer(placement.slot_expert, num_experts,
+                                          topo, budget)
+  return StepPlan(jax.tree.map(jnp.asarray, placement),
+                  transfer_engine.device_step_transfer(transfer), capacity)
 
 
 def make_optimizer(learning_rate: float, grad_clip: float,

@@ -105,8 +105,11 @@ def test_sampling_and_training_with_msa(warmup):
   tx = step_lib.make_optimizer(1e-3, 1.0)
   state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
   from foremoe_jax import placement as placement_lib  # pylint: disable=g-import-not-at-top
-  plan = step_lib.StepPlan(placement_lib.stack_placements(
-      [placement_lib.identity_placement(2, 8, 8, 2)] * 2), None)
+  from foremoe_jax.planner.topology import Topology  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
+  plan = step_lib.make_step_plan(placement_lib.stack_placements(
+      [placement_lib.identity_placement(2, 8, 8, 2)] * 2), 8,
+      Topology(1, 8, 2), schedule.TransferBudget(8, 2))
   rl_step = step_lib.make_rl_step(tx, num_generations=4, eps_low=0.2,
                                   eps_high=0.28, beta=0.0)
   state, m = rl_step(state, batch, plan)

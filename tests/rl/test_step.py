@@ -40,11 +40,8 @@ BUDGET = schedule.TransferBudget(step_rounds=8, microstep_rounds=8)
 
 
 def _step_plan(placement, capacity=None, spd=2, budget=BUDGET):
-  """Device plan (placements + moves) for a stacked [M, ...] placement."""
-  transfer = schedule.build_step_transfer(
-      placement.slot_expert, 8, Topology(1, 8, spd), budget)
-  return step_lib.StepPlan(jax.tree.map(jnp.asarray, placement),
-                           engine.device_step_transfer(transfer), capacity)
+  return step_lib.make_step_plan(placement, 8, Topology(1, 8, spd), budget,
+                                 capacity)
 
 
 def _plan(num_mb, num_layers, spd=2):

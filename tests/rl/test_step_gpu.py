@@ -17,9 +17,11 @@ from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model import sharding, transformer
 from foremoe_jax.rl import step as step_lib
+from foremoe_jax.planner.topology import Topology
 from foremoe_jax.rl import trainer
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
+from foremoe_jax.transfer import schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -67,8 +69,11 @@ def test_tiny_rl_step_on_gpu():
           np.broadcast_to(se, (num_layers, spd)).copy(), share))
       placement_lib.validate_placement(placements[-1], num_experts, spd)
     before = jax.tree.map(np.asarray, state.params)
-    state, metrics = rl_step(state, batch, step_lib.StepPlan(
-        placement_lib.stack_placements(placements), None))
+    plan = step_lib.make_step_plan(
+        placement_lib.stack_placements(placements), num_experts,
+        Topology(1, 1, spd), schedule.TransferBudget(1, 1))
+    state, metrics = rl_step(state, batch, plan)
+    assert int(metrics['transfer_id_errors']) == 0
     jax.block_until_ready(state)
   assert int(state.step) == 1
   for key in ('loss', 'grad_norm'):
