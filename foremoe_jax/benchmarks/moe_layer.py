@@ -7,6 +7,11 @@ capacity bucket, so the padded compute per device, and hence time, follows
 the worst (source, destination device) cell, i.e. device balance.
 Repetitions are interleaved so the ratio is fair on a shared machine.
 
+The balanced layer is also reported with its moves: the transfer engine's
+fill of the slots from the canonical experts (home layout -> the plan:
+only replicas and relocated experts cross devices, by ppermute rounds), in
+bytes and seconds, beside the all-gather of every expert that it replaces.
+
 Shape letters: N tokens, K top-k, E experts, D EP devices, M model dim,
 F expert hidden dim.
 """
@@ -25,6 +30,7 @@ from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model.moe_reference import reference_moe_ffn
+from foremoe_jax.transfer import engine, schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,20 +79,30 @@ def run(cfg: MoELayerBench, mesh) -> dict:
        [(cfg.experts, cfg.model_dim, cfg.hidden_dim)] * 2
        + [(cfg.experts, cfg.hidden_dim, cfg.model_dim)]]
   identity = placement_lib.identity_placement(1, cfg.experts, num_dev, spd)
-  # The layer is timed apart from the weight transfer (transfer_s), so the
-  # planner is told copies are free: it balances the loads as far as it can.
-  plan = planner.plan_step(counts[None], planner.Topology(1, num_dev, spd),
+  # Copies are priced apart (transfer_s), so the planner is told they are
+  # free: it balances the loads as far as it can, keeping experts home (the
+  # engine refills slots from home, so only replicas move).
+  topo = planner.Topology(1, num_dev, spd)
+  plan = planner.plan_step(counts[None], topo,
                            planner.CostModel(bytes_per_expert=0.0),
-                           current=identity)
+                           current=identity,
+                           config=planner.ForeMoEConfig(home_anchor=True))
   placements = {'static': identity, 'balanced': plan.microstep(0)}
   buckets = config_lib.capacity_buckets(cfg.tokens // num_dev, cfg.top_k,
                                         num_dev, cfg.capacity_factors)
   traces = []
 
-  # The weight transfer of a placement happens once per micro-step, overlapped
-  # with compute by the transfer engine; it is timed apart from the layer.
-  transfer = jax.jit(lambda se: [ep.gather_slot_weights(a, se, mesh=mesh)
-                                 for a in w])
+  # Reference transfer: every device all-gathers every expert, then indexes.
+  gather = jax.jit(lambda se: [ep.gather_slot_weights(a, se, mesh=mesh)
+                               for a in w])
+  fills = {}
+  for name, p in placements.items():
+    se_LS = p.slot_expert
+    rounds = int(max(1, schedule.rounds_needed(None, se_LS, cfg.experts,
+                                               topo).max()))
+    fills[name] = schedule.transition(None, se_LS, cfg.experts, topo, rounds)
+  fill_fn = jax.jit(lambda t: engine.fill_slots(None, [tuple(w)], t,
+                                                mesh=mesh)[0][:3])
 
   def fwd(tokens, slot_w, se, share, capacity):
     traces.append(capacity)
@@ -103,14 +119,33 @@ def run(cfg: MoELayerBench, mesh) -> dict:
     cells = placement_lib.cell_counts(counts, p)
     cap = config_lib.pick_bucket(int(cells.max()), buckets)
     se = jnp.asarray(p.slot_expert[0])
-    slot_w = jax.block_until_ready(transfer(se))
-    t0 = time.perf_counter()
-    jax.block_until_ready(transfer(se))
-    transfer_s = time.perf_counter() - t0
+    t_dev = engine.device_transition(fills[name])
+    slot_w = jax.block_until_ready(fill_fn(t_dev))
+    gathered = jax.block_until_ready(gather(se))
+    for a, g in zip(slot_w, gathered):  # The engine's slots are the gather's.
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
+    fill_times, gather_times = [], []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fill_fn(t_dev))
+      fill_times.append(time.perf_counter() - t0)
+      t0 = time.perf_counter()
+      jax.block_until_ready(gather(se))
+      gather_times.append(time.perf_counter() - t0)
+    transfer_s = float(np.median(fill_times))
+    bytes_per_expert = sum(a[0].size * a.dtype.itemsize for a in w)
     args = (tokens, slot_w, se, jnp.asarray(p.slot_share[0]), cap)
     y, stats = f(*args)
     assert int(stats.dropped) == 0, (name, int(stats.dropped))
     out[name] = dict(args=args, capacity=cap, transfer_s=transfer_s,
+                     allgather_s=float(np.median(gather_times)),
+                     rounds=int(fills[name].rounds_used_L.max()),
+                     move_bytes_per_device=float(
+                         fills[name].remote_fills_L.sum() * bytes_per_expert
+                         / num_dev),
+                     allgather_bytes_per_device=float(
+                         (cfg.experts - cfg.experts // num_dev)
+                         * bytes_per_expert),
                      max_cell=int(cells.max()),
                      tile=ep.default_tile(num_dev * cap, spd),
                      err=float(jnp.abs(y - ref).max()),
@@ -134,6 +169,13 @@ def run(cfg: MoELayerBench, mesh) -> dict:
       static_s=float(static_s), balanced_s=float(balanced_s),
       speedup=float(static_s / balanced_s),
       target_speedup=0.8 * s['max_over_mean'] / b['max_over_mean'],
-      transfer_s=b['transfer_s'],
+      # The balanced layer's moves: the engine's fill (rounds of ppermute)
+      # against the all-gather it replaces, and the layer with them.
+      transfer_s=b['transfer_s'], transfer_rounds=b['rounds'],
+      move_bytes_per_device=b['move_bytes_per_device'],
+      allgather_transfer_s=b['allgather_s'],
+      allgather_bytes_per_device=b['allgather_bytes_per_device'],
+      balanced_with_moves_s=float(balanced_s + b['transfer_s']),
+      speedup_with_moves=float(static_s / (balanced_s + b['transfer_s'])),
       max_abs_err_vs_reference=max(s['err'], b['err']),
       compiles=f._cache_size(), traces=len(traces))

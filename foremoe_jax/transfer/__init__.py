@@ -1,9 +1,11 @@
-"""Weight transfer between placements (host-side schedule, numpy only).
+"""Weight transfer between placements: host schedule + device engine.
 
-Data flow: planner (StepPlan) -> transfer -> RL step. ``schedule`` turns
-consecutive placements into the local copies and shift rounds the device
-engine runs, fits a plan to the engine's static round budget, and counts
-the weights moved. Nothing here imports jax.
+Data flow: planner (StepPlan) -> transfer -> RL step. ``schedule`` (numpy)
+turns consecutive placements into the local copies and shift rounds the
+device engine runs, fits a plan to the engine's static round budget, and
+counts the weights moved; ``engine`` (jax, imported on its own) runs them
+under shard_map: slot buffers filled by ppermute rounds, slot gradients
+returned home. This package's namespace imports no jax.
 """
 from foremoe_jax.transfer.schedule import BudgetExceeded
 from foremoe_jax.transfer.schedule import StepTransfer

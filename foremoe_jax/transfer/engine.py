@@ -24,6 +24,20 @@ end of the step, the flush), the accumulated gradient goes to the expert's
 home device and is added into the canonical gradient: locally when the slot
 sits on the home device, else by rounds built like the fills.
 
+Overlap. The update issues micro-step m+1's fills in the same scan
+iteration as micro-step m's compute, reading only the buffers m computes
+with, so no data dependence orders them. Whether they then run concurrently
+is the scheduler's choice: on GPU, XLA's latency-hiding scheduler with
+asynchronous collectives (`--xla_gpu_enable_latency_hiding_scheduler=true`,
+on by default in recent jaxlib; `--xla_gpu_enable_pipelined_collectives`
+for loops); on TPU `--xla_tpu_enable_latency_hiding_scheduler=true` and
+`--xla_enable_async_collective_permute=true`. One caveat: a round's
+ppermute sits inside the `lax.switch` that picks its shift, and XLA
+schedules a conditional's collectives inside the branch, so they overlap
+work in the same branch only; on CPU collectives are synchronous anyway.
+The benchmark therefore reports the *exposed* transfer time directly
+(experiments/bench_rl_step.py).
+
 Everything here runs per device under `jax.shard_map` over the ('data',
 'expert') mesh; slot buffers and canonical experts are replicated over
 'data', so every data row moves the same weights over its own 'expert' ring.

@@ -1,0 +1,40 @@
+"""One RL step per planner method, all costs counted, on 8 simulated CPU devices.
+
+  python -m experiments.bench_rl_step --json
+
+Prints the setup, a line per repetition (unless --json), then one JSON line:
+{"methods": {"static": {...}, "eplb_step": ..., "eplb_microstep": ...,
+"foremoe": ...}, "speedup_update_vs_static", "speedup_update_vs_eplb_step",
+"max_rel_param_diff", ...}. The logic lives in
+foremoe_jax/benchmarks/rl_step.py.
+"""
+import dataclasses
+import json
+import os
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+
+from foremoe_jax.benchmarks import rl_step
+from foremoe_jax.utils.run_info import print_run_info
+
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved repetitions.')
+_WARM = flags.DEFINE_integer('warmstart_steps', 150,
+                             'SFT steps before sampling (skews routing).')
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  cfg = rl_step.RLStepBench(repeats=_REPEATS.value,
+                            warmstart_steps=_WARM.value)
+  print_run_info({'bench': 'rl_step', **dataclasses.asdict(cfg)})
+  quiet = lambda *a, **k: None
+  result = rl_step.run(cfg, log=quiet if _JSON.value else print)
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,257 @@
+"""Does ForeMoE make the RL step faster, all costs counted?
+
+One RL step of an MoE-dominated model on 8 simulated CPU devices, with the
+routing foresight from the project's own sampler (after a short supervised
+warm start, so routing is skewed as in a trained model), micro-batches of a
+few sequences, and each planner method driving the same compiled step:
+
+  plan (host thread, async)  ||  recompute (device, canonical layout)
+  -> update: fill slots, M micro-steps with moves between them, gradient
+     returns, one optimizer update.
+
+Per method, interleaved over repetitions: update_s, recompute_s, step_s
+(recompute + waiting for the plan + update), plan_s and plan_wait_s, the
+micro-step max/mean device load (mean and p95), weight bytes moved per
+device per micro-step, exposed_transfer_s (the update minus the same update
+with the placements already installed: no fill, no moves), and the bytes of
+any all-gather of expert weights in the compiled update (must be 0).
+`max_rel_param_diff` compares ForeMoE's updated parameters with static
+EP's after one step (moving experts must change no number).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from foremoe_jax import config as config_lib
+from foremoe_jax import placement as placement_lib
+from foremoe_jax import planner as planner_lib
+from foremoe_jax.model import expert_parallel, sharding, transformer
+from foremoe_jax.rl import step as step_lib
+from foremoe_jax.rl import trainer
+from foremoe_jax.tasks import get_task
+from foremoe_jax.transfer import engine
+
+METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
+
+
+@dataclasses.dataclass(frozen=True)
+class RLStepBench:
+  d_model: int = 128
+  moe_d_ff: int = 512  # Expert compute dominates attention and dispatch.
+  num_experts: int = 16
+  top_k: int = 2
+  num_layers: int = 2
+  redundant_slots_per_device: int = 1
+  num_digits: int = 15  # Sort task: 17 prompt + 16 completion tokens.
+  prompts: int = 16
+  generations: int = 8
+  microbatches: int = 8  # 16 sequences (512 tokens) per micro-step.
+  warmstart_steps: int = 150
+  repeats: int = 5
+  seed: int = 0
+
+
+def bench_config(cfg: RLStepBench) -> ml_collections.ConfigDict:
+  """The tiny config reshaped into the benchmark's model."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.seed = cfg.seed
+  c.task = 'sort'
+  c.task_kwargs = ml_collections.ConfigDict({'num_digits': cfg.num_digits})
+  m = c.model
+  m.d_model, m.moe_d_ff = cfg.d_model, cfg.moe_d_ff
+  m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, cfg.d_model // 4
+  m.num_experts, m.top_k, m.num_layers = cfg.num_experts, cfg.top_k, cfg.num_layers
+  m.vocab_size, m.max_seq_len = 32, 64
+  c.parallel.slots_per_device = (cfg.num_experts // 8
+                                 + cfg.redundant_slots_per_device)
+  c.parallel.capacity_factors = (1.0, 1.5, 2.0, 3.0, 4.0)
+  c.rl.prompts_per_step, c.rl.num_generations = cfg.prompts, cfg.generations
+  c.rl.num_microbatches = cfg.microbatches
+  c.warmstart.steps, c.warmstart.batch_size = cfg.warmstart_steps, 64
+  c.transfer.step_rounds = 8
+  c.transfer.microstep_rounds = 2
+  c.planner.deadline_ms = 2000.0
+  return c
+
+
+def expert_all_gather_bytes(hlo_text: str, min_elements: int) -> int:
+  """Bytes of all-gathers in compiled HLO whose result holds at least one
+  expert matrix (a gather of weights, not of small index arrays)."""
+  width = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'f64': 8}
+  total = 0
+  for m in re.finditer(r'= ([a-z0-9]+)\[([0-9,]*)\][^ ]* all-gather(-start)?\(',
+                       hlo_text):
+    n = int(np.prod([int(x) for x in m.group(2).split(',') if x] or [1]))
+    if n >= min_elements:
+      total += n * width.get(m.group(1), 4)
+  return total
+
+
+def _installed(transfer):
+  """The same shapes with nothing to move: each slot copies a canonical
+  expert locally (wrong weights, right cost without transfers)."""
+  def idle(t):
+    t = {k: jnp.zeros_like(v) for k, v in t.items()}
+    for k in ('recv_LRD', 'ret_recv_LRD', 'ret_local_LS'):
+      t[k] = t[k] - 1
+    return t
+  out = {k: idle(v) for k, v in transfer.items()}
+  out['fill']['local_src_LS'] = jnp.full_like(
+      transfer['fill']['local_src_LS'],
+      transfer['fill']['local_src_LS'].max())  # A canonical index.
+  return out
+
+
+def run(cfg: RLStepBench, log=print) -> dict:
+  config = bench_config(cfg)
+  config_lib.validate_config(config)
+  task = get_task(config.task, **config.task_kwargs)
+  mesh = expert_parallel.make_mesh(1, 8)
+  model = transformer.Transformer(config.model, mesh, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params = sharding.split_model(model, mesh)
+  rng = np.random.default_rng(cfg.seed)
+  log(f'warm start: {cfg.warmstart_steps} SFT steps (skews the routing)')
+  ckpt = _NoCheckpoint()
+  if cfg.warmstart_steps:
+    params = trainer.warm_start(config, task, graphdef, params, mesh,
+                                tempfile.mkdtemp(prefix='bench_rl_step_'),
+                                rng, ckpt)
+  ctx = trainer.make_rl_context(config, graphdef, mesh, task)
+  ctx.planner.close()
+  state0 = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
+                                     with_ref=True)
+  # Two rollouts: EPLB-step plans the second from the first's loads.
+  batches = []
+  for i in range(2):
+    prompts, ro = trainer.rollout(ctx, state0.params, rng, jax.random.key(i))
+    rewards = trainer.score(ctx, prompts, ro)
+    mbs = trainer.compose(ctx, ro, i)
+    loads = trainer.foresight(ctx, ro, mbs)
+    batches.append((jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
+        ro, rewards, mbs)), loads))
+  batch, loads_MLDE = batches[1]
+  planners = {}
+  for method in METHODS:
+    p = planner_lib.StepPlanner(method, ctx.topo, ctx.cost, ctx.identity,
+                                deadline_s=config.planner.deadline_ms / 1e3,
+                                carry_over=False)
+    p.history_LE = planner_lib.update_history(None, batches[0][1], 0.5)
+    planners[method] = p
+  num_micro = loads_MLDE.shape[0]
+  expert_elems = cfg.d_model * cfg.moe_d_ff
+  res = {m: dict(update_s=[], installed_s=[], recompute_s=[], step_s=[],
+                 plan_s=[], plan_wait_s=[]) for m in METHODS}
+  rl = ctx.rl_step
+  hlo_bytes, params_after = {}, {}
+  for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
+    for method in METHODS:
+      ctx.planner = planners[method]
+      state = jax.tree.map(jnp.copy, state0)
+      jax.block_until_ready(state)
+      t0 = time.perf_counter()
+      ticket = trainer.plan_async(ctx, loads_MLDE)
+      logps = trainer.recompute(ctx, state, batch, loads_MLDE)
+      clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
+      planned = ticket.result()
+      t_plan = time.perf_counter()
+      t_rec = clock.wait()
+      ctx.recompute_s = t_rec - t0
+      plan = step_lib.StepPlan(
+          jax.tree.map(jnp.asarray, planned.plan.placement),
+          engine.device_step_transfer(planned.transfer), planned.capacity)
+      new_state, m = rl.update(state, batch, logps, plan)
+      jax.block_until_ready(new_state)
+      t_done = time.perf_counter()
+      if rep == 0:
+        hlo_bytes[method] = expert_all_gather_bytes(
+            rl.update.lower(state0, batch, logps, plan).compile().as_text(),
+            expert_elems)
+        params_after[method] = jax.device_get(new_state.params)
+        r = res[method]
+        r['plan'] = planned
+        r['id_errors'] = int(m['transfer_id_errors'])
+        r['dropped'] = int(m['dropped'])
+      # The same update with the placements already in place.
+      state = jax.tree.map(jnp.copy, state0)
+      installed = dataclasses.replace(plan,
+                                      transfer=_installed(plan.transfer))
+      jax.block_until_ready(state)
+      t_i = time.perf_counter()
+      jax.block_until_ready(rl.update(state, batch, logps, installed))
+      t_i_done = time.perf_counter()
+      if rep == 0:
+        continue
+      r = res[method]
+      r['update_s'].append(t_done - max(t_plan, t_rec))
+      r['installed_s'].append(t_i_done - t_i)
+      r['recompute_s'].append(t_rec - t0)
+      r['step_s'].append(t_done - t0)
+      r['plan_s'].append(planned.plan_s)
+      r['plan_wait_s'].append(max(0.0, t_plan - t_rec))
+    if rep:
+      log(f'repetition {rep}/{cfg.repeats}: ' + ', '.join(
+          f"{m} {res[m]['update_s'][-1]:.3f}s" for m in METHODS))
+  for p in planners.values():
+    p.close()
+
+  out = {}
+  for method in METHODS:
+    r = res[method]
+    planned = r['plan']
+    mom = np.concatenate([placement_lib.max_over_mean(
+        placement_lib.device_loads(loads_MLDE[i], planned.plan.microstep(i)))
+                          for i in range(num_micro)])
+    med = lambda k: float(np.median(r[k]))
+    fills = planned.transfer.remote_fills_M()
+    out[method] = dict(
+        update_s=med('update_s'), recompute_s=med('recompute_s'),
+        step_s=med('step_s'), plan_s=med('plan_s'),
+        plan_wait_s=med('plan_wait_s'),
+        exposed_transfer_s=med('update_s') - med('installed_s'),
+        microstep_max_over_mean_mean=float(mom.mean()),
+        microstep_max_over_mean_p95=float(np.percentile(mom, 95)),
+        capacity=planned.capacity,
+        weight_bytes_moved_per_device_per_microstep=float(
+            fills.sum() * ctx.cost.bytes_per_expert / (8 * num_micro)),
+        reverted_moves=planned.reverted,
+        transfer_id_errors=r['id_errors'], dropped=r['dropped'],
+        hlo_expert_all_gather_bytes=hlo_bytes[method])
+  diff = 0.0
+  for a, b in zip(jax.tree.leaves(params_after['foremoe']),
+                  jax.tree.leaves(params_after['static'])):
+    diff = max(diff, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)))
+  static_mom = out['static']['microstep_max_over_mean_mean']
+  return dict(
+      devices=8, experts=cfg.num_experts, layers=cfg.num_layers,
+      microsteps=num_micro, sequences_per_microstep=(
+          cfg.prompts * cfg.generations // cfg.microbatches),
+      tokens_per_microstep=int(batch['tokens_BT'].shape[1] - 1) * (
+          cfg.prompts * cfg.generations // cfg.microbatches),
+      static_microstep_max_over_mean=static_mom,
+      methods=out,
+      speedup_update_vs_static=out['static']['update_s']
+      / out['foremoe']['update_s'],
+      speedup_update_vs_eplb_step=out['eplb_step']['update_s']
+      / out['foremoe']['update_s'],
+      speedup_step_vs_static=out['static']['step_s']
+      / out['foremoe']['step_s'],
+      max_rel_param_diff=diff,
+      plan_wait_frac_of_step=out['foremoe']['plan_wait_s']
+      / out['foremoe']['step_s'])
+
+
+class _NoCheckpoint:
+  """The warm start's checkpoint hook, unused by the benchmark."""
+
+  def save(self, *args, **kwargs):
+    del args, kwargs
