@@ -66,3 +66,45 @@ def test_fallback_predictions_match_the_placement():
   assert plan.fell_back
   lib.check_plan(plan, trace.step(1), topo)
   planner.close()
+
+
+def test_submit_returns_at_once_and_finalize_runs_in_the_worker():
+  """The trainer dispatches the recompute between submit and result: submit
+  must not wait for the planner; finalize's output is what result gives."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  trace, topo = lib.one_node()
+  first = lib.identity_for(trace, topo)
+  planner = guard.StepPlanner('foremoe', topo, lib.COST, first,
+                              deadline_s=30.0, carry_over=False)
+  release = threading.Event()
+  real_run = planner._run  # pylint: disable=protected-access
+
+  def slow(*args):
+    release.wait(5.0)
+    return real_run(*args)
+
+  planner._run = slow  # pylint: disable=protected-access
+  seen = {}
+
+  def finalize(plan, loads):
+    seen['thread'] = threading.current_thread().name
+    return (plan, loads.sum())
+
+  class Out:
+    def __init__(self, plan, total):
+      self.plan, self.total = plan, total
+
+  t0 = time.perf_counter()
+  ticket = planner.submit(trace.step(1), finalize=lambda p, l: Out(
+      *finalize(p, l)))
+  assert time.perf_counter() - t0 < 0.5  # Planning is still blocked.
+  release.set()
+  out = ticket.result()
+  assert out.total == trace.step(1).sum()
+  assert seen['thread'].startswith('foremoe-planner')
+  lib.check_plan(out.plan, trace.step(1), topo)
+  # carry_over=False: every step starts again from the initial placement.
+  np.testing.assert_array_equal(planner.current.slot_expert, first.slot_expert)
+  assert planner.config.home_anchor
+  planner.close()

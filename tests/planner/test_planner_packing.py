@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from foremoe_jax.planner import packing
+from foremoe_jax import placement as placement_lib
+from foremoe_jax.planner import packing, split
 from foremoe_jax.planner.topology import Topology
 
 import planner_testlib as lib
@@ -90,3 +91,28 @@ def test_align_to_current_keeps_balance_and_cuts_moves():
                                 packing.device_sets(cur, topo),
                                 topo.slots_per_device).reshape(aligned.shape)
   assert (kept | ~same_set).all()
+
+
+def test_home_anchored_placement_keeps_homes_and_balances():
+  trace, topo = lib.one_node()
+  loads_MLDE = trace.step(0)
+  w_LE = loads_MLDE.sum(axis=(0, 2)).astype(np.float64)
+  num_experts = w_LE.shape[1]
+  se_LS = packing.home_anchored_placement(w_LE, topo)
+  h = num_experts // topo.num_devices
+  device_S = topo.device_of_slot()
+  for l in range(se_LS.shape[0]):
+    # Every expert has a copy on its home device ...
+    for e in range(num_experts):
+      assert (device_S[se_LS[l] == e] == e // h).any(), (l, e)
+    # ... and the hot ones replicas elsewhere.
+    hot = int(np.argmax(w_LE[l]))
+    assert (se_LS[l] == hot).sum() >= 2
+  # Spread evenly over the replicas, the step's load is better balanced
+  # than static EP's.
+  x_LS, y_LD = split.balanced_flows(se_LS, w_LE, topo)
+  static_LD = np.stack([np.bincount(np.arange(num_experts) // h, w_LE[l],
+                                    minlength=topo.num_devices)
+                        for l in range(w_LE.shape[0])])
+  assert (placement_lib.max_over_mean(y_LD)
+          < placement_lib.max_over_mean(static_LD)).all()

@@ -20,8 +20,16 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   rl = [l for l in lines if l.get('phase') == 'rl']
   assert len(rl) == 40
-  for key in ('step', 'reward_mean', 'kl', 'step_s', 'microstep_max_over_mean'):
+  for key in ('step', 'reward_mean', 'kl', 'step_s', 'microstep_max_over_mean',
+              'plan_wait_s', 'recompute_s', 'update_s',
+              'weight_bytes_moved_per_device_per_microstep'):
     assert key in rl[0], key
+  # Every slot held the expert its plan routed to (the ids travel with the
+  # weights), and the plans moved weights: the engine is in the loop.
+  assert all(l['transfer_id_errors'] == 0 for l in rl)
+  assert sum(l['weight_bytes_moved_per_device_per_microstep'] for l in rl) > 0
+  assert np.mean([np.mean(l['microstep_max_over_mean']) for l in rl]) < \
+      np.mean([np.mean(l['microstep_max_over_mean_static']) for l in rl])
   rewards = np.array([l['reward_mean'] for l in rl])
   assert rewards[-10:].mean() > rewards[:10].mean() + 0.03, rewards
   # Replay reproduces the sampler's log-probs: the policy it trains on is the
