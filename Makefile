@@ -25,6 +25,7 @@ test: venv
 	$(PY) -m pytest -q -n 2 tests
 
 bench: venv
+	$(PY) -m experiments.bench_rl_step --json
 	$(PY) -m experiments.bench_moe_layer --json
 	$(PY) -m experiments.bench_planner --json
 	$(PY) -m experiments.bench_msa --json
