@@ -21,7 +21,6 @@ EP's after one step (moving experts must change no number).
 from __future__ import annotations
 
 import dataclasses
-import re
 import tempfile
 import time
 
@@ -39,6 +38,7 @@ from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
 from foremoe_jax.tasks import get_task
 from foremoe_jax.transfer import engine
+from foremoe_jax.utils import hlo
 
 METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
 
@@ -82,19 +82,6 @@ def bench_config(cfg: RLStepBench) -> ml_collections.ConfigDict:
   c.transfer.microstep_rounds = 2
   c.planner.deadline_ms = 2000.0
   return c
-
-
-def expert_all_gather_bytes(hlo_text: str, min_elements: int) -> int:
-  """Bytes of all-gathers in compiled HLO whose result holds at least one
-  expert matrix (a gather of weights, not of small index arrays)."""
-  width = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'f64': 8}
-  total = 0
-  for m in re.finditer(r'= ([a-z0-9]+)\[([0-9,]*)\][^ ]* all-gather(-start)?\(',
-                       hlo_text):
-    n = int(np.prod([int(x) for x in m.group(2).split(',') if x] or [1]))
-    if n >= min_elements:
-      total += n * width.get(m.group(1), 4)
-  return total
 
 
 def _installed(transfer):
@@ -173,9 +160,10 @@ def run(cfg: RLStepBench, log=print) -> dict:
       jax.block_until_ready(new_state)
       t_done = time.perf_counter()
       if rep == 0:
-        hlo_bytes[method] = expert_all_gather_bytes(
+        # Any gather holding at least one expert matrix counts.
+        hlo_bytes[method] = hlo.all_gather_bytes(
             rl.update.lower(state0, batch, logps, plan).compile().as_text(),
-            expert_elems)
+            min_elements=expert_elems)
         params_after[method] = jax.device_get(new_state.params)
         r = res[method]
         r['plan'] = planned
@@ -212,7 +200,7 @@ def run(cfg: RLStepBench, log=print) -> dict:
         placement_lib.device_loads(loads_MLDE[i], planned.plan.microstep(i)))
                           for i in range(num_micro)])
     med = lambda k: float(np.median(r[k]))
-    fills = planned.transfer.remote_fills_M()
+    moved = trainer.transfer_metrics(ctx, planned)
     out[method] = dict(
         update_s=med('update_s'), recompute_s=med('recompute_s'),
         step_s=med('step_s'), plan_s=med('plan_s'),
@@ -221,8 +209,8 @@ def run(cfg: RLStepBench, log=print) -> dict:
         microstep_max_over_mean_mean=float(mom.mean()),
         microstep_max_over_mean_p95=float(np.percentile(mom, 95)),
         capacity=planned.capacity,
-        weight_bytes_moved_per_device_per_microstep=float(
-            fills.sum() * ctx.cost.bytes_per_expert / (8 * num_micro)),
+        weight_bytes_moved_per_device_per_microstep=moved[
+            'weight_bytes_moved_per_device_per_microstep'],
         reverted_moves=planned.reverted,
         transfer_id_errors=r['id_errors'], dropped=r['dropped'],
         hlo_expert_all_gather_bytes=hlo_bytes[method])

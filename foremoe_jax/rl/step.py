@@ -280,8 +280,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   # The canonical experts were not used directly (every MoE call read slot
   # buffers), so their autodiff gradients are zero: the returns are theirs.
   grads = replace_experts(grads, moe_blocks, gcanon_L)
-  summed = ('dropped', 'max_cell', 'transfer_id_errors')
-  metrics = {k: v.sum() for k, v in metrics_M.items() if k not in summed}
+  per_step = ('dropped', 'max_cell', 'transfer_id_errors')  # Set below.
+  metrics = {k: v.sum() for k, v in metrics_M.items() if k not in per_step}
   metrics.update(dropped=metrics_M['dropped'].sum(),
                  max_cell_M=metrics_M['max_cell'],
                  transfer_id_errors=metrics_M['transfer_id_errors'].sum(),

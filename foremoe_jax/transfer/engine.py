@@ -48,7 +48,7 @@ leaf's trailing dims.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +110,15 @@ def _write(buf, slot, value):
   return jax.tree.map(one, buf, value)
 
 
+def _rounds(shift_R, one_round, init):
+  """fori_loop over the budget's rounds, skipping idle ones (shift 0): an
+  idle round would still pick and write a whole expert for nothing."""
+  def step(r, carry):
+    return jax.lax.cond(shift_R[r] != 0, lambda c: one_round(r, c),
+                        lambda c: c, carry)
+  return jax.lax.fori_loop(0, shift_R.shape[0], step, init)
+
+
 def _where_rows(mask_s, a, b):
   return jax.tree.map(lambda x, y: jnp.where(
       mask_s.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), a, b)
@@ -129,7 +138,7 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
     item = _pick(slots, canon, t['send_LRD'][r, me])
     got = _shifted(item, t['shift_LR'][r], num_devices)
     return _write(new, t['recv_LRD'][r, me], got)
-  return jax.lax.fori_loop(0, t['shift_LR'].shape[0], one_round, new)
+  return _rounds(t['shift_LR'], one_round, new)
 
 
 def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
@@ -150,7 +159,7 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
     return jax.tree.map(
         lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
             v, mode='drop'), gcanon, got)
-  gcanon = jax.lax.fori_loop(0, t['ret_shift_LR'].shape[0], one_round, gcanon)
+  gcanon = _rounds(t['ret_shift_LR'], one_round, gcanon)
   gslots = _where_rows(evict_s, jax.tree.map(jnp.zeros_like, gslots), gslots)
   return gslots, gcanon
 
