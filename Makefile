@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= /tmp/foremoe_demo
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo test bench gpu-check clean
+.PHONY: venv demo test bench simulate gpu-check clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ bench: venv
 	$(PY) -m experiments.bench_planner --json
 	$(PY) -m experiments.bench_msa --json
 	$(PY) -m experiments.bench_sampler --json
+
+# The cluster simulator (8-256 devices), validated on this machine first.
+simulate: venv
+	$(PY) -m experiments.simulate_cluster --json
 
 # One NVIDIA GPU with CUDA JAX already installed (no venv, no network):
 # the `gpu` tests, then bench_msa vs cuDNN; see scripts/gpu_check.sh.

@@ -99,7 +99,11 @@ def _installed(transfer):
   return out
 
 
-def run(cfg: RLStepBench, log=print) -> dict:
+def run(cfg: RLStepBench, log=print, extras: dict | None = None) -> dict:
+  """extras: when a dict, receives the step's loads ('loads_MLDE'), the
+  canonical layout's bucket ('static_capacity') and each method's host
+  output ('planned': {method: PlannedStep}), for the cluster simulator's
+  validation."""
   config = bench_config(cfg)
   config_lib.validate_config(config)
   task = get_task(config.task, **config.task_kwargs)
@@ -191,6 +195,11 @@ def run(cfg: RLStepBench, log=print) -> dict:
           f"{m} {res[m]['update_s'][-1]:.3f}s" for m in METHODS))
   for p in planners.values():
     p.close()
+  if extras is not None:
+    extras['loads_MLDE'] = loads_MLDE
+    extras['static_capacity'] = trainer.static_capacity(ctx, loads_MLDE)
+    extras['planned'] = {m: res[m]['plan'] for m in METHODS}
+    extras['config'] = config
 
   out = {}
   for method in METHODS:

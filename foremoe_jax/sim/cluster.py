@@ -1,0 +1,127 @@
+"""The scale-out grid: every model x device count x method, and its summary.
+
+For each (model, device count) one synthetic trace of two RL steps is made
+for one EP group (step 0 feeds EPLB-step's history, step 1 is scored),
+every method plans step 1 with the repository's planner (timed on this
+host), and `simulate.time_step` predicts the device side on each hardware
+profile and dispatch mode. Plans are made with the first profile's cost
+model and re-timed on the others. Device counts above the expert count
+reuse the plans of the largest EP group (groups beside it are data
+parallel and only change the gradient all-reduce).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from foremoe_jax.foresight import traces
+from foremoe_jax.planner import baselines
+from foremoe_jax.sim import simulate
+from foremoe_jax.sim.hardware import HardwareProfile
+from foremoe_jax.sim.workload import Workload, load_model_shape, synthetic_loads
+
+DEVICE_COUNTS = (8, 16, 32, 64, 128, 256)
+MODELS = ('qwen3_30b_a3b', 'deepseek_v3_like', 'mixtral_8x7b')
+
+
+def check_trace(trace: traces.Trace, model, ep: int, num_micro: int):
+  """A recorded trace must match the model and EP group it stands for."""
+  _, m, l, d, e = trace.loads_RMLDE.shape
+  want = (num_micro, model.num_moe_layers, ep, model.num_experts)
+  if trace.num_steps < 2 or (m, l, d, e) != want:
+    raise ValueError(
+        f'trace [R, M, L, D, E] = {list(trace.loads_RMLDE.shape)} does not '
+        f'fit {model.name} on an EP group of {ep}: need R >= 2 and (M, L, D, '
+        f'E) = {want}.')
+
+
+def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
+             profiles: tuple[HardwareProfile, ...] = (),
+             methods=simulate.METHODS, modes=simulate.MODES,
+             work_kwargs: dict | None = None, seed: int = 0,
+             trace: traces.Trace | None = None, log=print) -> list[dict]:
+  """One row per (model, devices, profile, mode, method).
+
+  trace: recorded loads (e.g. the sampler's, `traces.trace_from_step_loads`)
+  used instead of a synthetic trace wherever its shape fits (step 0 feeds
+  EPLB-step's history, step 1 is scored); see `check_trace`.
+  """
+  if not profiles:
+    raise ValueError('run_grid needs at least one hardware profile.')
+  rows = []
+  for name in models:
+    model = load_model_shape(name)
+    cache = {}
+    for num_dev in device_counts:
+      work = Workload(num_dev, **(work_kwargs or {}))
+      ep = work.ep_size(model)
+      if ep not in cache:
+        t0 = time.perf_counter()
+        if trace is not None and trace.loads_RMLDE.shape[3:] == (
+            ep, model.num_experts):
+          check_trace(trace, model, ep, work.num_microsteps)
+          loads = trace
+        else:
+          loads = synthetic_loads(model, work, seed=seed)
+        topo = simulate.topology(model, work, profiles[0])
+        history = baselines.update_history(None, loads.step(0), 0.5)
+        plans = simulate.plan_methods(
+            loads.step(1), history, topo, simulate.cost_model(model, profiles[0]),
+            simulate.default_budget(topo), model.top_k, work.tokens_per_device,
+            methods)
+        cache[ep] = (loads.step(1), plans)
+        log(f'{name}: EP {ep} planned in {time.perf_counter() - t0:.1f}s ('
+            + ', '.join(f'{m} {p.plan_s:.2f}s' for m, p in plans.items()) + ')')
+      loads, plans = cache[ep]
+      for hw in profiles:
+        for mode in modes:
+          for method, mp in plans.items():
+            r = simulate.time_step(mp, loads, model, work, hw, mode)
+            rows.append(dict(model=name, devices=num_dev, ep=ep,
+                             profile=hw.name, mode=mode, method=method, **r))
+  _add_speedups(rows)
+  return rows
+
+
+def _add_speedups(rows):
+  by_key = {}
+  for r in rows:
+    by_key.setdefault((r['model'], r['devices'], r['profile'], r['mode']),
+                      {})[r['method']] = r
+  for group in by_key.values():
+    for r in group.values():
+      for base in ('static', 'eplb_step'):
+        if base in group:
+          r[f'speedup_update_vs_{base}'] = group[base]['update_s'] / r['update_s']
+          r[f'speedup_step_vs_{base}'] = group[base]['step_s'] / r['step_s']
+
+
+def find(rows, **match) -> dict:
+  for r in rows:
+    if all(r.get(k) == v for k, v in match.items()):
+      return r
+  raise KeyError(f'no simulated row with {match}.')
+
+
+def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
+  """ForeMoE at 64 H100-class GPUs on Qwen3-30B-A3B, both dispatch modes."""
+  out = {}
+  for mode in simulate.MODES:
+    try:
+      r = find(rows, model=model, devices=devices, profile=profile, mode=mode,
+               method='foremoe')
+    except KeyError:
+      continue
+    suffix = '' if mode == 'ragged' else '_padded'
+    out[f'speedup_64gpu_foremoe_vs_static{suffix}'] = r['speedup_step_vs_static']
+    out[f'speedup_64gpu_foremoe_vs_eplb_step{suffix}'] = r[
+        'speedup_step_vs_eplb_step']
+    out[f'update_speedup_64gpu_foremoe_vs_static{suffix}'] = r[
+        'speedup_update_vs_static']
+    out[f'update_speedup_64gpu_foremoe_vs_eplb_step{suffix}'] = r[
+        'speedup_update_vs_eplb_step']
+  return out
+
+
+def workload_description(work_kwargs: dict | None) -> dict:
+  return dataclasses.asdict(Workload(8, **(work_kwargs or {})))

@@ -1,0 +1,143 @@
+"""Seconds for each piece of an RL step's update, from counts and a profile.
+
+Pure functions of numpy counts (token loads, dispatch cells, move rounds)
+and a `HardwareProfile`; `simulate` adds them up per micro-step. Each
+function states what it models; the module's assumptions, in one place:
+
+* Expert compute runs on every EP device at once; a micro-step's MoE time
+  is the slowest device's (the straggler). Two dispatch models:
+  ``padded`` is the EP layer as built (foremoe_jax/model/expert_parallel):
+  every (source, destination) cell is padded to the step's capacity
+  bucket C, so every device computes D * C rows plus a partial tile per
+  slot, and balance pays off through a smaller bucket; ``ragged`` is an
+  exact-count dispatch (DeepEP-style kernels), where a device computes its
+  own load and balance pays off directly.
+* A device's expert GEMMs cannot beat reading their weights once per pass
+  (a roofline on HBM); rows times FLOPs per row over the achievable rate
+  otherwise.
+* An update layer runs four token all-to-alls (dispatch and combine
+  forward, their transposes backward), the recompute two. A device's
+  all-to-all time is its busier direction: bytes to its own node over the
+  intra-node rate and bytes to other nodes over the inter-node rate, the
+  two tiers in parallel, plus one latency of the slowest tier used.
+* An expert move is one round of the transfer schedule: a cyclic-shift
+  permute in which every device sends at most one expert; a round takes
+  the bytes of one expert over the slowest link any of its pairs uses,
+  plus that link's latency. Rounds of a layer run one after another.
+* Moves into micro-step m + 1 run while micro-step m computes (the engine
+  double-buffers); they hide under `transfer_overlap` of m's compute and
+  the rest is exposed. The first fill and the last flush are exposed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from foremoe_jax.sim.hardware import (HardwareProfile, link_bandwidth,
+                                      link_latency)
+from foremoe_jax.sim.workload import ModelShape
+
+
+def expert_time(rows, slots_per_device: int, model: ModelShape,
+                hw: HardwareProfile, passes: int = 3):
+  """Seconds for a device to run `rows` token-assignments through its
+  slots (array-friendly): compute or weight reads, whichever is longer."""
+  compute = np.asarray(rows, np.float64) * model.expert_flops_per_row(
+      passes) / hw.flops_per_s
+  reads = passes * slots_per_device * model.bytes_per_expert / hw.hbm_bw
+  return np.maximum(compute, reads)
+
+
+def padded_rows(num_devices: int, capacity: int, slots_per_device: int,
+                tile: int) -> int:
+  """Rows a device computes in the padded EP layer: D cells of C rows,
+  plus up to one partial tile per slot."""
+  return num_devices * capacity + slots_per_device * tile
+
+
+def _node_masks(num_devices: int, hw: HardwareProfile):
+  node = np.arange(num_devices) // hw.node_size(num_devices)
+  same = node[:, None] == node[None, :]
+  off_diag = ~np.eye(num_devices, dtype=bool)
+  return same & off_diag, ~same
+
+
+def all_to_all_time(bytes_SD, hw: HardwareProfile):
+  """One all-to-all in which source s sends bytes_SD[s, d] to device d
+  (the diagonal stays local): the slowest device's busier direction."""
+  b = np.asarray(bytes_SD, np.float64)
+  num_devices = b.shape[-1]
+  if num_devices == 1:
+    return 0.0
+  intra, inter = _node_masks(num_devices, hw)
+  bw_intra, bw_inter = hw.a2a_bandwidth(num_devices)
+  t = 0.0
+  for x in (b, b.T):  # Sends per row, then receives per row.
+    t_intra = (x * intra).sum(axis=1) / bw_intra
+    t_inter = (x * inter).sum(axis=1) / bw_inter
+    t = max(t, float(np.maximum(t_intra, t_inter).max()))
+  latency = hw.inter_latency_s if inter.any() else hw.intra_latency_s
+  return t + latency
+
+
+def padded_cells(num_devices: int, capacity: int) -> np.ndarray:
+  """Rows per (source, destination) cell in the padded layer: all C."""
+  return np.full((num_devices, num_devices), float(capacity))
+
+
+def rounds_time(shift_R, recv_RD, item_bytes: float, hw: HardwareProfile,
+                num_devices: int) -> float:
+  """Seconds of one layer's rounds of one transition (idle rounds free).
+
+  shift_R: int [R] cyclic shift per round (0 idle); recv_RD: int [R, D]
+  the receiver's slot (>= 0 when it receives).
+  """
+  node = np.arange(num_devices) // hw.node_size(num_devices)
+  total = 0.0
+  for shift, recv_D in zip(np.asarray(shift_R), np.asarray(recv_RD)):
+    if shift == 0:
+      continue
+    dst = np.flatnonzero(recv_D >= 0)
+    if not len(dst):
+      continue
+    src = (dst - shift) % num_devices
+    inter = bool((node[src] != node[dst]).any())
+    total += item_bytes / link_bandwidth(hw, inter) + link_latency(hw, inter)
+  return total
+
+
+def transition_time(t, layer_index, model: ModelShape, hw: HardwareProfile,
+                    num_devices: int, grad_bytes_per_param: int) -> float:
+  """Fills and gradient returns of one layer of one schedule Transition
+  (its arrays indexed by `layer_index`, a tuple), all devices at once."""
+  fills = rounds_time(t.shift_LR[layer_index], t.recv_LRD[layer_index],
+                      model.bytes_per_expert, hw, num_devices)
+  grads = rounds_time(t.ret_shift_LR[layer_index],
+                      t.ret_recv_LRD[layer_index],
+                      model.params_per_expert * grad_bytes_per_param, hw,
+                      num_devices)
+  return fills + grads
+
+
+def local_copy_time(num_copies_D, model: ModelShape, hw: HardwareProfile):
+  """A device copying whole experts inside its own memory (read + write)."""
+  return float(np.max(num_copies_D)) * 2 * model.bytes_per_expert / hw.hbm_bw
+
+
+def optimizer_time(params_per_device: float, hw: HardwareProfile,
+                   bytes_per_param: float = 32.0) -> float:
+  """AdamW on f32 master weights: read param, grad, two moments; write
+  param and moments (~32 bytes per parameter), memory bound."""
+  return params_per_device * bytes_per_param / hw.hbm_bw
+
+
+def allreduce_time(num_bytes: float, num_devices: int,
+                   hw: HardwareProfile) -> float:
+  """Ring all-reduce of `num_bytes` over `num_devices` (2 (n-1)/n of the
+  bytes cross the slowest tier the ring uses)."""
+  if num_devices <= 1:
+    return 0.0
+  multi_node = hw.node_size(num_devices) < num_devices
+  bw, lat = ((hw.inter_bw, hw.inter_latency_s) if multi_node
+             else (hw.a2a_bandwidth(num_devices)[0], hw.intra_latency_s))
+  return (2.0 * (num_devices - 1) / num_devices * num_bytes / bw
+          + 2 * (num_devices - 1) * lat)
