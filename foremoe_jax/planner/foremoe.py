@@ -87,13 +87,23 @@ class ForeMoEConfig:
   replicas go to redundant slots) instead of the free hierarchical packing:
   right when the slots are refilled from home every step (the transfer
   engine), where an expert away from home is a copy every step."""
+  price_gradient_returns: bool = True
+  """Price a copy as its weights plus the gradient it later sends home
+  (`CostModel.return_factor`), and a home-anchored replica as its fill and
+  flush every step (`CostModel.replica_tokens`). False prices the weight
+  copy alone (the planner before the cluster simulator showed replicas of
+  large experts costing more in fills and flushes than they saved)."""
 
 
-def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel):
-  """Cost of going from prev to new, in token-assignments per layer: [L]."""
+def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel,
+                 per_step: bool = False):
+  """Cost of going from prev to new, in token-assignments per layer: [L].
+
+  per_step: price each new copy as a replica refilled every step (weights
+  in, gradient home: `CostModel.replica_tokens`) instead of one copy."""
   intra_LD, inter_LD = packing.new_copies_by_link(new_LS, prev_LS, topo)
-  return (intra_LD * cost.move_tokens(False)
-          + inter_LD * cost.move_tokens(True)).sum(axis=1)
+  price = cost.replica_tokens if per_step else cost.move_tokens
+  return (intra_LD * price(False) + inter_LD * price(True)).sum(axis=1)
 
 
 def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
@@ -104,7 +114,8 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
   whose step-level balance (with the best split) is within `anchor_tol` keep
   their placement; for the others the hierarchical placement (steps 1-3) is
   adopted when the step's straggler load it removes is worth more than
-  copying it in. Returns (slot_expert [L, S], changed layers [L]).
+  copying it in (home-anchored: more than filling and flushing its replicas,
+  which happens every step). Returns (slot_expert [L, S], changed layers [L]).
   """
   current_LS = np.asarray(current_LS, np.int64)
   changed_L = np.zeros(current_LS.shape[0], bool)
@@ -122,7 +133,11 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
     target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
   _, y_tgt_LD = split.balanced_flows(target_LS, w_LE, topo, sweeps=sweeps)
   gain_L = y_cur_LD[bad].max(axis=1) - y_tgt_LD.max(axis=1)
-  adopt = gain_L > _move_tokens(target_LS, current_LS[bad], topo, cost)
+  # Home-anchored, the replicas are filled and flushed every step, exposed:
+  # they must pay for both within the step.
+  adopt = gain_L > _move_tokens(
+      target_LS, current_LS[bad], topo, cost,
+      per_step=cfg.home_anchor and cfg.price_gradient_returns)
   out_LS = current_LS.copy()
   out_LS[bad[adopt]] = target_LS[adopt]
   changed_L[bad[adopt]] = True
@@ -244,7 +259,10 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
         & (y_cold_LQ[:, None, :] < y_hot_LP[:, :, None])[..., None]
         & (cost_LPQi <= budget_LQ[:, None, :, None])
         & (gain > cfg.min_gain_frac * mean_L[:, None, None, None]))
-  net = np.where(ok, gain - cost_LPQi, -np.inf)
+  # The copy's bytes fit the window; its price also counts the gradient it
+  # sends home later (at eviction or at the final flush).
+  price = cost.return_factor if cfg.price_gradient_returns else 1.0
+  net = np.where(ok, gain - price * cost_LPQi, -np.inf)
   # Hottest device chooses first; a cold device takes one copy per round,
   # an expert loses one replica per round (so never its last).
   best_LPQ = np.argmax(net, axis=3)

@@ -72,23 +72,33 @@ class CostModel:
   overlap: float = 0.5
   """Fraction of a micro-step's expert compute that transfers can hide
   under (the overlap window); copies beyond it would stall the step."""
+  grad_bytes_per_expert: float | None = None
+  """Bytes of a replica's accumulated gradient sent home when it leaves
+  (f32 accumulation: twice the bytes of bf16 weights); None: the same as
+  `bytes_per_expert`."""
 
   def __post_init__(self):
     if self.token_time_s <= 0 or self.bytes_per_expert < 0:
       raise ValueError('token_time_s must be > 0, bytes_per_expert >= 0.')
     if self.intra_node_bw <= 0 or self.inter_node_bw <= 0:
       raise ValueError('bandwidths must be > 0.')
+    if self.grad_bytes_per_expert is not None and self.grad_bytes_per_expert < 0:
+      raise ValueError('grad_bytes_per_expert must be >= 0.')
     if not 0.0 <= self.overlap <= 1.0:
       raise ValueError(f'overlap = {self.overlap} must be in [0, 1].')
 
   @classmethod
   def from_expert_shape(cls, d_model: int, d_ff: int, bytes_per_param=2,
-                        flops_per_s=4e14, **kwargs) -> 'CostModel':
+                        flops_per_s=4e14, grad_bytes_per_param=4,
+                        **kwargs) -> 'CostModel':
     """A SwiGLU expert has 3 d_model x d_ff matrices; fwd + bwd costs 6 flops
-    per parameter per token (2 forward, 4 backward)."""
+    per parameter per token (2 forward, 4 backward). Gradients accumulate
+    in f32 (4 bytes per parameter) whatever the weights' dtype."""
     params = 3 * d_model * d_ff
     return cls(token_time_s=6.0 * params / flops_per_s,
-               bytes_per_expert=float(params * bytes_per_param), **kwargs)
+               bytes_per_expert=float(params * bytes_per_param),
+               grad_bytes_per_expert=float(params * grad_bytes_per_param),
+               **kwargs)
 
   def move_time_s(self, inter_node):
     """Seconds to copy one expert, per move (array-friendly)."""
@@ -98,3 +108,22 @@ class CostModel:
   def move_tokens(self, inter_node):
     """A move's cost in token-assignments of straggler compute."""
     return self.move_time_s(inter_node) / self.token_time_s
+
+  @property
+  def return_factor(self) -> float:
+    """A copy's full price over its weights alone: the copy plus, later,
+    its gradient sent home."""
+    grad = (self.bytes_per_expert if self.grad_bytes_per_expert is None
+            else self.grad_bytes_per_expert)
+    return 1.0 + grad / max(self.bytes_per_expert, 1e-30)
+
+  def replica_tokens(self, inter_node):
+    """What a replica costs each RL step when the slot buffers are refilled
+    from the canonical experts every step (the transfer engine): its
+    weights copied in before the first micro-step and its gradient sent
+    home after the last, both outside any compute they could hide under.
+    In token-assignments of straggler compute (array-friendly)."""
+    grad = (self.bytes_per_expert if self.grad_bytes_per_expert is None
+            else self.grad_bytes_per_expert)
+    bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
+    return (self.bytes_per_expert + grad) / bw / self.token_time_s
