@@ -137,16 +137,30 @@ def cumulative_shares(p: Placement) -> tuple[np.ndarray, np.ndarray]:
   """(lo, hi) cumulative share bounds per slot, float32 [L, D, S] each.
 
   lo[l, d, s] is the sum of shares of the slots before s holding the same
-  expert; hi = lo + share. Same-expert masks make this a matmul, which is also
-  how the device computes it.
+  expert; hi = lo + share. The device computes it as a matmul with a
+  same-expert mask; here the few slots of each expert are summed in slot
+  order instead (O(S) per source, not O(S^2): at 256 devices the mask
+  product dominated planning). In float32 the two agree exactly whenever an
+  expert has at most 3 slots (at most two nonzero terms, added in either
+  order) and to an ulp otherwise.
   """
   se = np.asarray(p.slot_expert)
   share = np.asarray(p.slot_share, np.float32)
-  num_slots = se.shape[1]
-  same_LSS = se[:, :, None] == se[:, None, :]
-  before_SS = np.tril(np.ones((num_slots, num_slots), bool), k=-1)
-  mask_LSS = (same_LSS & before_SS[None]).astype(np.float32)  # [l, s, s']
-  lo = np.einsum('ldt,lst->lds', share, mask_LSS).astype(np.float32)
+  num_layers, num_slots = se.shape
+  # Slots grouped by expert, ascending slot index within a group.
+  order_LS = np.argsort(se, axis=1, kind='stable')
+  se_sorted = np.take_along_axis(se, order_LS, axis=1)
+  first_LS = np.ones(se.shape, bool)
+  first_LS[:, 1:] = se_sorted[:, 1:] != se_sorted[:, :-1]
+  pos = np.arange(num_slots)
+  rank_LS = pos - np.maximum.accumulate(np.where(first_LS, pos, 0), axis=1)
+  sh = np.take_along_axis(share, order_LS[:, None, :], axis=2)
+  lo_sorted = np.zeros_like(sh)
+  for r in range(1, int(rank_LS.max(initial=0)) + 1):
+    l_N, s_N = np.nonzero(rank_LS == r)
+    lo_sorted[l_N, :, s_N] = lo_sorted[l_N, :, s_N - 1] + sh[l_N, :, s_N - 1]
+  lo = np.empty_like(lo_sorted)
+  np.put_along_axis(lo, order_LS[:, None, :], lo_sorted, axis=2)
   return lo, (lo + share).astype(np.float32)
 
 
