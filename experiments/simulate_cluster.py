@@ -36,8 +36,8 @@ _PROFILES = flags.DEFINE_list('profiles', ['h100', 'h800', 'tpu_v5p'],
                               'Hardware profiles; the first one plans.')
 _METHODS = flags.DEFINE_list(
     'methods', list(simulate.METHODS) + list(simulate.ABLATIONS),
-    'Methods (foremoe_copy_priced: ForeMoE before the gradient-return '
-    'pricing fix).')
+    'Methods (foremoe_before_fixes: ForeMoE as it planned before the '
+    'simulator: weight copies priced alone, rounds ignored).')
 _VALIDATE = flags.DEFINE_bool('validate', True,
                               'Run the CPU validation (about 4 minutes).')
 _REPEATS = flags.DEFINE_integer('validation_repeats', 3,

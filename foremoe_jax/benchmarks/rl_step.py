@@ -135,7 +135,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None) -> dict:
   for method in METHODS:
     p = planner_lib.StepPlanner(method, ctx.topo, ctx.cost, ctx.identity,
                                 deadline_s=config.planner.deadline_ms / 1e3,
-                                carry_over=False)
+                                carry_over=False,
+                                anchor_rounds=ctx.budget.step_rounds,
+                                moves_per_layer=ctx.budget.microstep_rounds)
     p.history_LE = planner_lib.update_history(None, batches[0][1], 0.5)
     planners[method] = p
   num_micro = loads_MLDE.shape[0]

@@ -53,15 +53,26 @@ def update_history(history_LE, loads_MLDE, decay: float):
   return decay * np.asarray(history_LE) + (1.0 - decay) * w_LE
 
 
+def _pack(w_LE, topo: Topology, cost: CostModel, home_anchor: bool,
+          max_rounds: int | None) -> np.ndarray:
+  if home_anchor:
+    return packing.home_anchored_placement(w_LE, topo, cost,
+                                           max_rounds).astype(np.int64)
+  return packing.hierarchical_placement(w_LE, topo).astype(np.int64)
+
+
 def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
                    current: placement_lib.Placement,
                    history_LE: np.ndarray | None,
-                   home_anchor: bool = False) -> StepPlan:
+                   home_anchor: bool = False,
+                   max_rounds: int | None = None) -> StepPlan:
   """One placement for the whole step from past steps' average loads.
 
   home_anchor: pack with `packing.home_anchored_placement` (experts stay
   home, replicas in redundant slots), as for a transfer engine that
-  refills slots from home every step; else EPLB's free packing.
+  refills slots from home every step; else EPLB's free packing. Anchored,
+  the packing also knows the engine's rounds (`cost`, `max_rounds`: see
+  `packing.home_anchored_placement`), as ForeMoE's anchor does.
 
   With no history yet the current placement is kept. The caller folds the
   step's loads into the history afterwards (``update_history``): the planner
@@ -72,9 +83,7 @@ def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
   if history_LE is None:
     se_LS = cur_LS
   else:
-    pack = (packing.home_anchored_placement if home_anchor
-            else packing.hierarchical_placement)
-    se_LS = pack(history_LE, topo).astype(np.int64)
+    se_LS = _pack(history_LE, topo, cost, home_anchor, max_rounds)
   w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
   x_MLS = np.stack([split.uniform_flows(se_LS, w_MLE[m])
                     for m in range(num_micro)])
@@ -85,11 +94,11 @@ def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
 def plan_eplb_microstep(loads_MLDE, topo: Topology, cost: CostModel,
                         current: placement_lib.Placement,
                         sweeps: int = 4, prefer_local: bool = True,
-                        home_anchor: bool = False) -> StepPlan:
+                        home_anchor: bool = False,
+                        max_rounds: int | None = None) -> StepPlan:
   """A fresh hierarchical placement per micro-step from its exact loads
-  (home_anchor: as in `plan_eplb_step`)."""
-  pack = (packing.home_anchored_placement if home_anchor
-          else packing.hierarchical_placement)
+  (home_anchor, max_rounds: as in `plan_eplb_step`)."""
+  pack = lambda w_LE, topo: _pack(w_LE, topo, cost, home_anchor, max_rounds)
   num_micro, _, _ = _dims(loads_MLDE, topo)
   w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
   se_list, x_list = [], []

@@ -87,23 +87,31 @@ class ForeMoEConfig:
   replicas go to redundant slots) instead of the free hierarchical packing:
   right when the slots are refilled from home every step (the transfer
   engine), where an expert away from home is a copy every step."""
+  moves_per_layer: int | None = None
+  """Most copies into one layer between two micro-steps: the engine's
+  `TransferBudget.microstep_rounds`. A copy adds at most one fill round and
+  its eviction at most one return round, so the plan then always fits the
+  budget and the best moves are kept, instead of the fit undoing arbitrary
+  ones (None: no limit)."""
+  anchor_rounds: int | None = None
+  """Home-anchored: the transfer engine's round budget for the fill and the
+  flush (`TransferBudget.step_rounds`); the anchor never places a replica
+  that would need more (None: no limit)."""
   price_gradient_returns: bool = True
   """Price a copy as its weights plus the gradient it later sends home
-  (`CostModel.return_factor`), and a home-anchored replica as its fill and
-  flush every step (`CostModel.replica_tokens`). False prices the weight
-  copy alone (the planner before the cluster simulator showed replicas of
-  large experts costing more in fills and flushes than they saved)."""
+  (`CostModel.return_factor`), and a home-anchored layout as the fill and
+  flush rounds it costs every step (`packing.anchored_round_tokens`; the
+  packing itself prefers shifts already in use). False prices
+  the weight copy alone (the planner before the cluster simulator showed
+  replicas of large experts costing more in fills and flushes than they
+  saved, and round-hungry placements failing the round budget)."""
 
 
-def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel,
-                 per_step: bool = False):
-  """Cost of going from prev to new, in token-assignments per layer: [L].
-
-  per_step: price each new copy as a replica refilled every step (weights
-  in, gradient home: `CostModel.replica_tokens`) instead of one copy."""
+def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel):
+  """Cost of going from prev to new, in token-assignments per layer: [L]."""
   intra_LD, inter_LD = packing.new_copies_by_link(new_LS, prev_LS, topo)
-  price = cost.replica_tokens if per_step else cost.move_tokens
-  return (intra_LD * price(False) + inter_LD * price(True)).sum(axis=1)
+  return (intra_LD * cost.move_tokens(False)
+          + inter_LD * cost.move_tokens(True)).sum(axis=1)
 
 
 def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
@@ -127,17 +135,24 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
     return current_LS, changed_L
   w_LE = graph.w_LE[bad]
   if cfg.home_anchor:
-    target_LS = packing.home_anchored_placement(w_LE, topo)
+    target_LS = packing.home_anchored_placement(
+        w_LE, topo, cost if cfg.price_gradient_returns else None,
+        cfg.anchor_rounds)
   else:
     target_LS = packing.hierarchical_placement(w_LE, topo)
     target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
   _, y_tgt_LD = split.balanced_flows(target_LS, w_LE, topo, sweeps=sweeps)
   gain_L = y_cur_LD[bad].max(axis=1) - y_tgt_LD.max(axis=1)
-  # Home-anchored, the replicas are filled and flushed every step, exposed:
-  # they must pay for both within the step.
-  adopt = gain_L > _move_tokens(
-      target_LS, current_LS[bad], topo, cost,
-      per_step=cfg.home_anchor and cfg.price_gradient_returns)
+  if cfg.home_anchor and cfg.price_gradient_returns:
+    # The replicas are filled and flushed every step, outside any compute:
+    # the anchor must pay for those rounds within the step.
+    price_L = packing.anchored_round_tokens(
+        target_LS, graph.w_LE.shape[1], topo, cost) - (
+            packing.anchored_round_tokens(current_LS[bad], graph.w_LE.shape[1],
+                                          topo, cost))
+  else:
+    price_L = _move_tokens(target_LS, current_LS[bad], topo, cost)
+  adopt = gain_L > price_L
   out_LS = current_LS.copy()
   out_LS[bad[adopt]] = target_LS[adopt]
   changed_L[bad[adopt]] = True
@@ -354,9 +369,23 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
     layer, slot, expert, device, tokens = _propose_moves(
         np.flatnonzero(active_L), se_LS, x_LS, y_LD, graph, budget_LD,
         moves_LD, topo, cost, cfg)
+    if cfg.moves_per_layer is not None and len(layer):
+      # Keep each layer's first proposals (hottest devices first) up to its cap.
+      order = np.argsort(layer, kind='stable')
+      first = np.r_[True, layer[order][1:] != layer[order][:-1]]
+      pos = np.arange(len(order))
+      rank = np.empty_like(pos)
+      rank[order] = pos - np.maximum.accumulate(np.where(first, pos, 0))
+      keep = rank < cfg.moves_per_layer - moves_LD[layer].sum(axis=1)
+      layer, slot, expert, device, tokens = (
+          a[keep] for a in (layer, slot, expert, device, tokens))
     moved_L = np.zeros(num_layers, bool)
     moved_L[layer] = True
     active_L &= moved_L
+    if cfg.moves_per_layer is not None:
+      full_L = moves_LD.sum(axis=1) + np.bincount(
+          layer, minlength=num_layers) >= cfg.moves_per_layer
+      active_L &= ~full_L
     if not len(layer):
       break
     evicted = se_LS[layer, slot]

@@ -60,6 +60,9 @@ class StepPlanner:
   buffers from the canonical experts at the start of every update, so the
   placement that costs nothing to install is always the home layout, and
   every method packs with experts kept home: `home_anchor`).
+  anchor_rounds, moves_per_layer: the engine's round budgets (fill and
+  flush; between micro-steps), which plans then respect
+  (`ForeMoEConfig.anchor_rounds`, `ForeMoEConfig.moves_per_layer`).
   """
 
   def __init__(self, method: str, topo: Topology, cost: CostModel,
@@ -67,11 +70,16 @@ class StepPlanner:
                deadline_s: float | None = None,
                config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
                history_decay: float = 0.5, validate: bool = False,
-               carry_over: bool = True):
+               carry_over: bool = True, anchor_rounds: int | None = None,
+               moves_per_layer: int | None = None):
     if method not in METHODS:
       raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
     if not carry_over:
       config = dataclasses.replace(config, home_anchor=True)
+    if anchor_rounds is not None:
+      config = dataclasses.replace(config, anchor_rounds=anchor_rounds)
+    if moves_per_layer is not None:
+      config = dataclasses.replace(config, moves_per_layer=moves_per_layer)
     self.method, self.topo, self.cost, self.config = method, topo, cost, config
     self.deadline_s = deadline_s
     self.history_decay = history_decay
@@ -96,11 +104,13 @@ class StepPlanner:
     if self.method == 'eplb_step':
       return baselines.plan_eplb_step(loads_MLDE, self.topo, self.cost,
                                       current, history_LE,
-                                      home_anchor=self.config.home_anchor)
+                                      home_anchor=self.config.home_anchor,
+                                      max_rounds=self.config.anchor_rounds)
     if self.method == 'eplb_microstep':
       return baselines.plan_eplb_microstep(
           loads_MLDE, self.topo, self.cost, current,
-          home_anchor=self.config.home_anchor)
+          home_anchor=self.config.home_anchor,
+          max_rounds=self.config.anchor_rounds)
     return foremoe.plan_step(loads_MLDE, self.topo, self.cost, current,
                              self.config, deadline=deadline)
 

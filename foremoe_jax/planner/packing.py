@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from foremoe_jax.planner.topology import Topology
+from foremoe_jax.planner.topology import CostModel, Topology
 
 
 def replica_counts(w_LE: np.ndarray, num_slots: int,
@@ -140,7 +140,9 @@ def hierarchical_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
   return se_BJ.reshape(num_layers, topo.num_slots).astype(np.int32)
 
 
-def home_anchored_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
+def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
+                            cost: CostModel | None = None,
+                            max_rounds: int | None = None) -> np.ndarray:
   """slot_expert [L, S] that keeps every expert on its home device.
 
   For a transfer engine that refills slots from the canonical experts each
@@ -152,6 +154,16 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
   that does not hold the expert yet, preferring the home's node.
   Redundant slots left over hold a copy of their own device's first home
   expert (a local copy: no traffic, no tokens unless the split sends some).
+
+  The engine fills the replicas from their homes and returns their
+  gradients in cyclic-shift rounds (foremoe_jax/transfer/schedule.py): a
+  layer needs, per shift k, as many rounds as the busiest sender has edges
+  of shift k, and each round costs one expert's transfer however many
+  devices use it. With `cost`, a device's key adds the rounds its replica
+  would add (fill and return, priced in tokens by `cost`), so near-equal
+  devices go to a shift already in use; with `max_rounds`, a replica that
+  would push the fill or the return past that many rounds is not placed
+  (the engine's static budget), so the placement always fits it.
   """
   w_LE = np.asarray(w_LE, np.float64)
   num_layers, num_experts = w_LE.shape
@@ -175,19 +187,72 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
     se_Ds = np.repeat((np.arange(d) * h)[:, None], s, axis=1)
     se_Ds[:, :h] = np.arange(num_experts).reshape(d, h)
     extra = np.repeat(np.arange(num_experts), r_LE[l] - 1)
+    # Fill edges home -> replica and return edges replica -> home, per
+    # (sender, shift), and the rounds each shift needs (its busiest sender).
+    fill_DK, ret_DK = np.zeros((d, d), np.int64), np.zeros((d, d), np.int64)
+    fill_K, ret_K = np.zeros(d, np.int64), np.zeros(d, np.int64)
     for e in extra[np.argsort(-per_E[extra], kind='stable')]:
       ok = (free_D > 0) & ~held_DE[:, e]
+      home = home_D[e]
+      k_D = (np.arange(d) - home) % d
+      add_fill_D = fill_DK[home, k_D] + 1 > fill_K[k_D]
+      add_ret_D = ret_DK[np.arange(d), -k_D % d] + 1 > ret_K[-k_D % d]
+      if max_rounds is not None:
+        ok &= ((fill_K.sum() + add_fill_D <= max_rounds)
+               & (ret_K.sum() + add_ret_D <= max_rounds))
       if not ok.any():
         continue
       # Least loaded; ties (and near-ties) on the home's node first.
-      key = load_D + np.where(node_of == node_of[home_D[e]], 0.0,
-                              1e-9 * (1 + per_E[e]))
+      inter_D = node_of != node_of[home]
+      key = load_D + np.where(inter_D, 1e-9 * (1 + per_E[e]), 0.0)
+      if cost is not None:
+        key = key + (add_fill_D * cost.move_tokens(inter_D)
+                     + add_ret_D * cost.return_tokens(inter_D))
       dev = int(np.argmin(np.where(ok, key, np.inf)))
+      k = (dev - home) % d
+      fill_DK[home, k] += 1
+      fill_K[k] = max(fill_K[k], fill_DK[home, k])
+      ret_DK[dev, -k % d] += 1
+      ret_K[-k % d] = max(ret_K[-k % d], ret_DK[dev, -k % d])
       se_Ds[dev, s - free_D[dev]] = e
       free_D[dev] -= 1
       held_DE[dev, e] = True
       load_D[dev] += per_E[e]
     out[l] = se_Ds.reshape(-1)
+  return out
+
+
+def anchored_round_tokens(slot_expert_LS, num_experts: int, topo: Topology,
+                          cost: CostModel) -> np.ndarray:
+  """What the engine spends each step on a home-anchored layout's replicas,
+  in token-assignments per layer: [L].
+
+  Replicas are filled from their homes and their gradients returned home
+  in cyclic-shift rounds; a shift needs as many rounds as its busiest
+  sender has edges, and a round costs one expert's transfer (at the
+  inter-node rate when any of its edges crosses nodes) however many devices
+  use it. Fill rounds are priced as weight copies, return rounds as
+  gradient sends (`CostModel.move_tokens`, `CostModel.return_tokens`).
+  """
+  se = np.asarray(slot_expert_LS, np.int64)
+  num_layers = se.shape[0]
+  d = topo.num_devices
+  dst_LS = np.broadcast_to(topo.device_of_slot(), se.shape)
+  src_LS = se // (num_experts // d)  # The expert's home device.
+  node = topo.node_of_device()
+  l_N, j_N = np.nonzero(src_LS != dst_LS)
+  src_N, dst_N = src_LS[l_N, j_N], dst_LS[l_N, j_N]
+  out = np.zeros(num_layers)
+  for sender_N, shift_N, price in (
+      (src_N, (dst_N - src_N) % d, cost.move_tokens),
+      (dst_N, (src_N - dst_N) % d, cost.return_tokens)):
+    count_LCK = np.bincount((l_N * d + sender_N) * d + shift_N,
+                            minlength=num_layers * d * d).reshape(
+                                num_layers, d, d)
+    depth_LK = count_LCK.max(axis=1)
+    cross_LK = np.zeros((num_layers, d), bool)
+    np.logical_or.at(cross_LK, (l_N, shift_N), node[src_N] != node[dst_N])
+    out += (depth_LK * np.where(cross_LK, price(True), price(False))).sum(1)
   return out
 
 

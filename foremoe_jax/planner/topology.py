@@ -117,13 +117,9 @@ class CostModel:
             else self.grad_bytes_per_expert)
     return 1.0 + grad / max(self.bytes_per_expert, 1e-30)
 
-  def replica_tokens(self, inter_node):
-    """What a replica costs each RL step when the slot buffers are refilled
-    from the canonical experts every step (the transfer engine): its
-    weights copied in before the first micro-step and its gradient sent
-    home after the last, both outside any compute they could hide under.
-    In token-assignments of straggler compute (array-friendly)."""
+  def return_tokens(self, inter_node):
+    """Sending one expert's gradient home, in token-assignments."""
     grad = (self.bytes_per_expert if self.grad_bytes_per_expert is None
             else self.grad_bytes_per_expert)
     bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
-    return (self.bytes_per_expert + grad) / bw / self.token_time_s
+    return grad / bw / self.token_time_s

@@ -135,16 +135,19 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
       num_moe, mcfg.num_experts, d_ep, config_lib.slots_per_device(config))
   # The engine refills the slots from the canonical experts every step, so
   # the home layout (identity) is what every step's plan starts from.
+  budget = transfer_budget(config)
   planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
                                     deadline_s=pcfg.deadline_ms / 1e3,
-                                    carry_over=False)
+                                    carry_over=False,
+                                    anchor_rounds=budget.step_rounds,
+                                    moves_per_layer=budget.microstep_rounds)
   batch_size = rl.prompts_per_step * num_gen
   buckets = config_lib.capacity_buckets(
       batch_size // rl.num_microbatches * (task.sequence_len - 1)
       // (d_ep * d_data), mcfg.top_k, d_ep, config.parallel.capacity_factors)
   return RLContext(config, task, mesh, sampler_lib.Sampler(
       graphdef, mcfg, mesh, sp), rl_step, planner, topo, cost,
-                   transfer_budget(config), identity, buckets,
+                   budget, identity, buckets,
                    mcfg.num_experts)
 
 

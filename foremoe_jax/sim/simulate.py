@@ -32,9 +32,9 @@ from foremoe_jax.sim.workload import ModelShape, Workload
 from foremoe_jax.transfer import schedule
 
 METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
-# ForeMoE pricing a copy by its weights alone (before the simulator's fix):
-# ask for it by name to see the fix's effect.
-ABLATIONS = ('foremoe_copy_priced',)
+# ForeMoE as it planned before the simulator (weight copies priced alone,
+# shift rounds ignored): ask for it by name to see the fixes' effect.
+ABLATIONS = ('foremoe_before_fixes',)
 MODES = ('padded', 'ragged')
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # parallel_defaults().
 
@@ -93,7 +93,10 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
   num_micro, num_layers, _, num_experts = loads_MLDE.shape
   home = placement_lib.identity_placement(num_layers, num_experts,
                                           topo.num_devices, topo.slots_per_device)
-  cfg = dataclasses.replace(config, home_anchor=True)
+  cfg = dataclasses.replace(config, home_anchor=True,
+                            anchor_rounds=budget.step_rounds,
+                            moves_per_layer=budget.microstep_rounds)
+  rounds = budget.step_rounds
   buckets = config_lib.capacity_buckets(tokens_per_device, top_k,
                                         topo.num_devices, capacity_factors)
   static_cap = _bucket(loads_MLDE, [home] * num_micro, buckets)
@@ -104,15 +107,16 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
       plan = baselines.plan_static(loads_MLDE, topo, cost, home)
     elif method == 'eplb_step':
       plan = baselines.plan_eplb_step(loads_MLDE, topo, cost, home, history_LE,
-                                      home_anchor=True)
+                                      home_anchor=True, max_rounds=rounds)
     elif method == 'eplb_microstep':
       plan = baselines.plan_eplb_microstep(loads_MLDE, topo, cost, home,
-                                           home_anchor=True)
+                                           home_anchor=True, max_rounds=rounds)
     elif method == 'foremoe':
       plan = foremoe.plan_step(loads_MLDE, topo, cost, home, cfg)
-    elif method == 'foremoe_copy_priced':
+    elif method == 'foremoe_before_fixes':
       plan = foremoe.plan_step(loads_MLDE, topo, cost, home, dataclasses.replace(
-          cfg, price_gradient_returns=False))
+          cfg, price_gradient_returns=False, anchor_rounds=None,
+          moves_per_layer=None))
     else:
       raise ValueError(f'unknown method {method!r}; pick from '
                        f'{METHODS + ABLATIONS}.')

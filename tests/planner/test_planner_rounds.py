@@ -1,0 +1,112 @@
+"""Plans that know the transfer engine's rounds: they fit its budgets by
+construction, and replicas are priced by the rounds they cost every step.
+Checked against the transfer schedule itself (an independent count)."""
+import dataclasses
+
+import numpy as np
+
+import planner_testlib as lib
+from foremoe_jax.planner import baselines, foremoe, packing
+from foremoe_jax.planner.topology import CostModel, Topology
+from foremoe_jax.transfer import schedule
+
+
+def _wide():
+  """64 experts, 32 devices in 4 nodes, 2 redundant slots: replicas need
+  many distinct shifts."""
+  trace = lib.small_trace(num_experts=64, num_devices=32, top_k=4,
+                          num_layers=3, num_microsteps=4, seed=5,
+                          hot_share_range=(0.05, 0.08))
+  return trace, Topology(4, 8, 64 // 32 + 2)
+
+
+def test_anchored_round_tokens_by_hand():
+  # 4 devices, 1 per node would make everything inter; use 2 nodes of 2.
+  topo = Topology(2, 2, 2)  # 4 experts, 1 home + 1 redundant per device.
+  cost = CostModel(token_time_s=1.0, bytes_per_expert=10.0,
+                   grad_bytes_per_expert=20.0, intra_node_bw=10.0,
+                   inter_node_bw=1.0)
+  # Device 1 holds a replica of expert 0 (home 0, same node): shift 1, one
+  # intra round of 1 s to fill and one of 2 s to return. Device 2 holds a
+  # replica of expert 0 too (other node): shift 2, 10 s + 20 s.
+  se = np.array([[0, 0, 1, 0, 2, 0, 3, 3]])
+  got = packing.anchored_round_tokens(se, 4, topo, cost)
+  assert np.allclose(got, [1.0 + 2.0 + 10.0 + 20.0])
+  # Two replicas from different homes at the same shift share a round.
+  se2 = np.array([[0, 0, 1, 0, 2, 2, 3, 3]])  # 0 -> 1 (k=1) only.
+  se3 = np.array([[0, 3, 1, 0, 2, 2, 3, 3]])  # 3 -> 0 and 0 -> 1, both k=1.
+  one = packing.anchored_round_tokens(se2, 4, topo, cost)
+  both = packing.anchored_round_tokens(se3, 4, topo, cost)
+  # 3 -> 0 crosses nodes, so the shared round is priced inter-node.
+  assert np.allclose(one, [3.0]) and np.allclose(both, [30.0])
+
+
+def test_home_anchored_placement_respects_round_budget():
+  trace, topo = _wide()
+  w_LE = trace.step(0).sum(axis=(0, 2)).astype(np.float64)
+  free = packing.home_anchored_placement(w_LE, topo)
+  need_free = np.maximum(schedule.rounds_needed(None, free, 64, topo),
+                         schedule.rounds_needed(free, None, 64, topo))
+  cap = int(need_free.max()) // 2
+  assert cap >= 1
+  capped = packing.home_anchored_placement(w_LE, topo, lib.COST, cap)
+  for prev, nxt in ((None, capped), (capped, None)):
+    assert (schedule.rounds_needed(prev, nxt, 64, topo) <= cap).all()
+  # Every expert keeps its home copy.
+  h = 64 // topo.num_devices
+  for l in range(capped.shape[0]):
+    for e in range(64):
+      assert (topo.device_of_slot()[capped[l] == e] == e // h).any()
+  # Round-aware packing needs no more rounds than the round-blind one.
+  aware = packing.home_anchored_placement(w_LE, topo, lib.COST)
+  need_aware = schedule.rounds_needed(None, aware, 64, topo)
+  assert need_aware.sum() <= schedule.rounds_needed(None, free, 64, topo).sum()
+
+
+def test_foremoe_plan_fits_engine_budget_without_reverts():
+  trace, topo = _wide()
+  budget = schedule.TransferBudget(step_rounds=12, microstep_rounds=2)
+  home = lib.identity_for(trace, topo)
+  cfg = foremoe.ForeMoEConfig(home_anchor=True, anchor_rounds=12,
+                              moves_per_layer=2)
+  plan = foremoe.plan_step(trace.step(1), topo, lib.COST, home, cfg)
+  fitted, reverted = schedule.fit_plan_to_budget(plan, trace.step(1), topo,
+                                                 lib.COST, budget)
+  assert reverted == 0
+  schedule.build_step_transfer(plan.placement.slot_expert, 64, topo, budget)
+  # It still balances better than static EP.
+  static = baselines.plan_static(trace.step(1), topo, lib.COST, home)
+  assert plan.loads_MLD.max(axis=2).mean() < static.loads_MLD.max(
+      axis=2).mean()
+  # The blind planner's plan would have needed reverting.
+  blind = foremoe.plan_step(trace.step(1), topo, lib.COST, home,
+                            dataclasses.replace(cfg, anchor_rounds=None,
+                                                moves_per_layer=None,
+                                                price_gradient_returns=False))
+  assert schedule.fit_plan_to_budget(blind, trace.step(1), topo, lib.COST,
+                                     budget)[1] > 0
+  del fitted
+
+
+def test_replicas_that_cost_more_than_they_save_are_not_placed():
+  """Huge experts over a slow link and a mild skew: filling and flushing a
+  replica costs more straggler time than it saves, so ForeMoE keeps the
+  home layout, while pricing the weight copy alone still adopts replicas."""
+  trace, topo = lib.two_nodes()
+  home = lib.identity_for(trace, topo)
+  loads = trace.step(1)
+  per_token = 1e-6
+  mean_load = loads.sum() / topo.num_devices / loads.shape[2]
+  # A weight copy costs a tenth of a device's step load; its gradient (20x
+  # the bytes here) makes the round trip cost more than the balance gains.
+  copy_s = 0.1 * mean_load * per_token
+  cost = CostModel(token_time_s=per_token, bytes_per_expert=copy_s * 1e9,
+                   grad_bytes_per_expert=20 * copy_s * 1e9,
+                   intra_node_bw=1e9, inter_node_bw=1e9)
+  cfg = foremoe.ForeMoEConfig(home_anchor=True)
+  priced = foremoe.plan_step(loads, topo, cost, home, cfg)
+  blind = foremoe.plan_step(loads, topo, cost, home, dataclasses.replace(
+      cfg, price_gradient_returns=False))
+  changed = lambda p: int((p.placement.slot_expert[0]
+                           != home.slot_expert).sum())
+  assert changed(priced) < changed(blind)
