@@ -57,23 +57,23 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg, layer_type: str = 'dense', *, rngs: nnx.Rngs):
     m, h, g, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pdt = jnp.dtype(cfg.param_dtype)
-    kw = dict(use_bias=False, param_dtype=pdt, rngs=rngs)
+    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+    kw = dict(use_bias=False, param_dtype=pdt, dtype=cdt, rngs=rngs)
+    norm = lambda n: layers.RMSNorm(n, eps=cfg.norm_eps, param_dtype=pdt,
+                                    dtype=cdt)
     self.q_proj = nnx.Linear(m, h * d, kernel_init=layers.dense_init(m), **kw)
     self.k_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.v_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.o_proj = nnx.Linear(h * d, m, kernel_init=layers.dense_init(h * d), **kw)
     if cfg.qk_norm:
-      self.q_norm = layers.RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
-      self.k_norm = layers.RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
+      self.q_norm, self.k_norm = norm(d), norm(d)
     self.qk_norm = bool(cfg.qk_norm)
     self.layer_type = layer_type
     if layer_type == 'msa':
       i = cfg.msa_index_dim
       self.qi_proj = nnx.Linear(m, g * i, kernel_init=layers.dense_init(m), **kw)
       self.ki_proj = nnx.Linear(m, i, kernel_init=layers.dense_init(m), **kw)
-      self.qi_norm = layers.RMSNorm(i, eps=cfg.norm_eps, param_dtype=pdt)
-      self.ki_norm = layers.RMSNorm(i, eps=cfg.norm_eps, param_dtype=pdt)
+      self.qi_norm, self.ki_norm = norm(i), norm(i)
       self.index_dim = i
       self.block_size, self.top_k = cfg.msa_block_size, cfg.msa_top_k
       self.indexer_warmup = bool(cfg.msa_indexer_warmup)
