@@ -48,6 +48,10 @@ def model_defaults() -> ml_collections.ConfigDict:
   m.msa_index_dim = 16
   m.msa_indexer_warmup = False  # Train the indexer while attention stays dense.
   m.msa_indexer_loss_coef = 1.0
+  # Mixed precision (WORKSPACE.md): dtype is the compute dtype (every weight
+  # is cast to it where used); param_dtype is the dtype the model is built,
+  # checkpointed for serving and moved between slots in. Training always
+  # keeps a float32 master copy and float32 optimizer moments.
   m.dtype = 'float32'
   m.param_dtype = 'float32'
   return m
@@ -115,6 +119,8 @@ def validate_config(config) -> None:
            f"must be 'dense' or 'msa', got {m.attention_type!r}")
   _require(m.dtype in ('float32', 'bfloat16'), 'model.dtype',
            f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
+  _require(m.param_dtype in ('float32', 'bfloat16'), 'model.param_dtype',
+           f"must be 'float32' or 'bfloat16', got {m.param_dtype!r}")
   if m.attention_type == 'msa':
     _require(0 <= m.first_sparse_layer < m.num_layers, 'model.first_sparse_layer',
              f'must be in [0, num_layers={m.num_layers})')

@@ -9,6 +9,12 @@ transfer engine fills while the previous micro-step computes, and one optax
 update of the canonical parameters ends the step). The host (trainer.py)
 only prepares arrays and plans.
 
+Mixed precision (WORKSPACE.md): the train state keeps a float32 master copy
+of every parameter and float32 optimizer moments; the model computes in
+`model.dtype` (each weight cast where it is used); the transfer engine moves
+slot copies in `model.param_dtype`; every gradient sum (micro-steps, slot
+buffers, returns home) is float32.
+
 Shape letters: B samples in the step, M micro-steps, b = B / M samples per
 micro-step, T tokens per sample (prompt + completion), L MoE layers, K top-k,
 S slots, D EP devices.
@@ -72,6 +78,20 @@ def make_step_plan(placement: placement_lib.Placement, num_experts: int,
                   transfer_engine.device_step_transfer(transfer), capacity)
 
 
+# Dtype of the trained parameters, their gradient sums and the optimizer
+# moments, whatever the model's param_dtype.
+MASTER_DTYPE = GRAD_DTYPE = jnp.float32
+
+
+def master_params(params):
+  """`params` with every floating leaf in MASTER_DTYPE (shardings kept)."""
+  def up(x):
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != MASTER_DTYPE:
+      return x.astype(MASTER_DTYPE)
+    return x
+  return jax.tree.map(up, params)
+
+
 def make_optimizer(learning_rate: float, grad_clip: float,
                    weight_decay: float = 0.0) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(grad_clip),
@@ -82,10 +102,13 @@ def init_train_state(graphdef, params, tx, mesh, *, with_ref: bool
                      ) -> TrainState:
   """A state whose every leaf already has the sharding the step returns.
 
-  Leaves created on one device (optimizer counters, the step) are
-  replicated over the mesh up front; otherwise the second call of the jitted
-  step would see new input shardings and compile again.
+  The parameters become the float32 master copy (`master_params`), so the
+  optimizer moments `tx.init` builds are float32 too. Leaves created on one
+  device (optimizer counters, the step) are replicated over the mesh up
+  front; otherwise the second call of the jitted step would see new input
+  shardings and compile again.
   """
+  params = master_params(params)
   ref = jax.tree.map(jnp.copy, params) if with_ref else None
   state = TrainState(graphdef, params, tx.init(params), ref,
                      jnp.zeros((), jnp.int32))
@@ -121,10 +144,15 @@ _EXPERT_LEAVES = ('w_gate', 'w_up', 'w_down')
 
 
 def _moe_layers(graphdef, params):
-  """(mesh, block indices of the MoE layers), read off the model."""
+  """(mesh, block indices of the MoE layers, slot dtype), read off the model.
+
+  The slot dtype is the model's param_dtype: the engine moves expert copies
+  in it (bf16 halves the bytes), while the master stays float32.
+  """
   model = nnx.merge(graphdef, params)
   idxs = [i for i, b in enumerate(model.blocks) if b.is_moe]
-  return model.blocks[idxs[0]].ffn.mesh, idxs
+  return (model.blocks[idxs[0]].ffn.mesh, idxs,
+          jnp.dtype(model.cfg.param_dtype))
 
 
 def canonical_experts(params, moe_blocks):
@@ -213,8 +241,10 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   overlap the two). A slot's gradient accumulates while it keeps its
   expert and goes home when the slot is refilled, or at the final flush;
   only canonical experts get gradients, and one optimizer update follows.
-  Gradients are a plain sum over micro-steps: the loss divides by the whole
-  step's sequence count, so any composition gives the full-batch gradient.
+  Gradients are a plain float32 sum over micro-steps (the scan carry, the
+  slot-gradient buffers and the returns are float32 whatever the compute
+  dtype): the loss divides by the whole step's sequence count, so any
+  composition gives the full-batch gradient.
   """
   mb = batch['microbatches_Mb']
   num_total = mb.size
@@ -224,8 +254,12 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   old_logp_MbT = logps['old_logp_MbT']
   has_ref = 'ref_logp_MbT' in logps
   ref_xs = logps['ref_logp_MbT'] if has_ref else old_logp_MbT  # Unused w/o ref.
-  mesh, moe_blocks = _moe_layers(state.graphdef, state.params)
-  canon_L = canonical_experts(state.params, moe_blocks)
+  mesh, moe_blocks, slot_dtype = _moe_layers(state.graphdef, state.params)
+  # Slot copies in the model's param dtype; gradients land in float32.
+  canon_L = [tuple(w.astype(slot_dtype) for w in c)
+             for c in canonical_experts(state.params, moe_blocks)]
+  acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
+  add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
   def micro_loss(params, slot_w_L, toks, valid, routes, placement, mask, adv,
                  old, ref):
@@ -260,17 +294,16 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     metrics['transfer_id_errors'] = transfer_engine.id_errors(
         slots_L, placement.slot_expert, mesh=mesh)
     next_L = transfer_engine.fill_slots(slots_L, canon_L, moves, mesh=mesh)
-    gslots_L = jax.tree.map(jnp.add, gslots_L, [tuple(x) for x in g_slots_L])
+    # A slot's gradient has its weights' dtype; it is summed in float32.
+    gslots_L = add(gslots_L, [tuple(x) for x in g_slots_L])
     gslots_L, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,
                                                       moves, mesh=mesh)
-    return (jax.tree.map(jnp.add, grads, g), next_L, gslots_L,
-            gcanon_L), metrics
+    return (add(grads, g), next_L, gslots_L, gcanon_L), metrics
 
   slots_L = transfer_engine.fill_slots(None, canon_L, plan.transfer['fill'],
                                        mesh=mesh)
-  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
-  carry = (zeros(state.params), slots_L, [zeros(s[:3]) for s in slots_L],
-           zeros(canon_L))
+  carry = (acc(state.params), slots_L, [acc(s[:3]) for s in slots_L],
+           acc(canon_L))
   (grads, _, gslots_L, gcanon_L), metrics_M = jax.lax.scan(
       body, carry, (toks_MbT, valid_MbT, routes_MLbTK, plan.placement,
                     mask_MbT, adv_Mb, old_logp_MbT, ref_xs,

@@ -425,6 +425,9 @@ def train(config, workdir: str) -> dict:
   model = transformer.Transformer(config.model, mesh,
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = sharding.split_model(model, mesh)
+  # Training holds the float32 master copy (checkpoints included), whatever
+  # model.param_dtype is; the model casts to model.dtype where it computes.
+  params = step_lib.master_params(params)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
 
   restored = ckpt.restore_latest(params)
