@@ -81,11 +81,12 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
 
   def __call__(self, x_BTM, positions_BT, *, cache: KVCache | None = None,
-               cache_index=None):
+               cache_index=None, indexer_weight_BT=None):
     """Returns (y_BTM, new_cache, indexer_loss).
 
     With a cache, positions must be cache_index + arange(T) for every row
-    (prompts share one length). indexer_loss is 0 for dense layers.
+    (prompts share one length). indexer_loss is 0 for dense layers; for MSA
+    it weights query positions by indexer_weight_BT (None: plain mean).
     """
     b, t, _ = x_BTM.shape
     q = self.q_proj(x_BTM).reshape(b, t, self.num_heads, self.head_dim)
@@ -116,7 +117,8 @@ class Attention(nnx.Module):
       out, index_loss = dense_attention(q, k_all, v_all, mask_BTS), 0.0
     else:
       out, index_loss = self._msa(q, k, v, qi, ki, k_all, v_all, ki_all,
-                                  positions_BT, cache, cache_index)
+                                  positions_BT, cache, cache_index,
+                                  indexer_weight_BT)
     return self.o_proj(out.reshape(b, t, -1)), new_cache, index_loss
 
   def _index_branch(self, x_BTM, positions_BT):
@@ -131,7 +133,7 @@ class Attention(nnx.Module):
     return qi, ki
 
   def _msa(self, q, k, v, qi, ki, k_all, v_all, ki_all, positions_BT, cache,
-           cache_index):
+           cache_index, indexer_weight_BT):
     b, t = q.shape[:2]
     kw = dict(block_size=self.block_size)
     if cache is not None and t == 1:  # Decode: one token against the cache.
@@ -153,7 +155,8 @@ class Attention(nnx.Module):
                                  ki, top_k=self.top_k, **kw)
     sg = jax.lax.stop_gradient
     index_loss = msa.msa_indexer_kl_loss(sg(q), sg(k.astype(q.dtype)), qi, ki,
-                                         jax.tree.map(sg, aux), **kw)
+                                         jax.tree.map(sg, aux),
+                                         weight_BT=indexer_weight_BT, **kw)
     if self.indexer_warmup:
       mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
       out = dense_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)

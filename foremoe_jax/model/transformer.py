@@ -74,8 +74,14 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BT, *, positions_BT=None, valid_BT=None,
                placement=None, replay_routes_LBTK=None,
                capacity: int | None = None, cache=None, cache_index=None,
-               slot_weights_L=None):
-    """Returns (logits_BTV f32, ModelAux, new_cache or None)."""
+               slot_weights_L=None, indexer_weight_BT=None):
+    """Returns (logits_BTV f32, ModelAux, new_cache or None).
+
+    indexer_weight_BT: float weights of the query positions in each MSA
+    layer's indexer KL (`pallas_kernels.msa.msa_indexer_kl_loss`), e.g. the
+    loss mask over its sum, so padding and prompt positions do not count;
+    None: the plain mean over every position.
+    """
     b, t = tokens_BT.shape
     if positions_BT is None:
       start = 0 if cache_index is None else cache_index
@@ -85,7 +91,8 @@ class Transformer(nnx.Module):
     for i, block in enumerate(self.blocks):
       h, c, index_loss = block.attn(block.attn_norm(x), positions_BT,
                                     cache=None if cache is None else cache[i],
-                                    cache_index=cache_index)
+                                    cache_index=cache_index,
+                                    indexer_weight_BT=indexer_weight_BT)
       new_cache.append(c)
       index_losses.append(index_loss)
       x = x + h

@@ -122,20 +122,23 @@ def init_train_state(graphdef, params, tx, mesh, *, with_ref: bool
 
 
 def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
-               capacity, slot_weights_L=None):
+               capacity, slot_weights_L=None, indexer_weight_bT=None):
   """Log-probs of tokens[:, 1:] given tokens[:, :-1], with replayed routes.
 
   routes_LbTK covers the T-1 input positions (None: route freshly).
   placement None: every device computes its canonical experts (no
   transfer); else slot_weights_L holds the weights the placement's slots
   need (the transfer engine's buffers).
+  indexer_weight_bT: weights of the T-1 positions in the MSA indexer KL
+  (see `Transformer.__call__`); None: the plain mean.
   Returns (logp_bT1, ModelAux).
   """
   model = nnx.merge(graphdef, params)
   inputs, targets = tokens_bT[:, :-1], tokens_bT[:, 1:]
   logits, aux, _ = model(inputs, valid_BT=valid_bT[:, :-1], placement=placement,
                          replay_routes_LBTK=routes_LbTK, capacity=capacity,
-                         slot_weights_L=slot_weights_L)
+                         slot_weights_L=slot_weights_L,
+                         indexer_weight_BT=indexer_weight_bT)
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   return jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0], aux
 
@@ -263,17 +266,22 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
 
   def micro_loss(params, slot_w_L, toks, valid, routes, placement, mask, adv,
                  old, ref):
+    # The indexer KL over the loss's positions (completion tokens), each
+    # sequence's token mean over num_total: aggregated like the policy loss.
+    mask32 = mask.astype(jnp.float32)
+    index_w = mask32 / (jnp.maximum(mask32.sum(axis=1, keepdims=True), 1.0)
+                        * num_total)
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
-                           routes, plan.capacity, slot_weights_L=slot_w_L)
+                           routes, plan.capacity, slot_weights_L=slot_w_L,
+                           indexer_weight_bT=index_w)
     loss, metrics = grpo.policy_loss(
         logp, old, ref, adv, mask, eps_low=eps_low, eps_high=eps_high,
         beta=beta if ref is not None else 0.0, num_sequences_total=num_total)
-    # MSA indexer KL (0 without MSA layers) and the MoE balance loss, each
-    # weighted by this micro-batch's share of sequences so that the sum over
-    # micro-steps is the step mean.
-    share = toks.shape[0] / num_total
-    index_loss = aux.indexer_loss * share
-    balance = aux.balance_loss * share
+    # MSA indexer KL (0 without MSA layers; already a share of the step) and
+    # the MoE balance loss, weighted by this micro-batch's share of
+    # sequences so that the sum over micro-steps is a step mean.
+    index_loss = aux.indexer_loss
+    balance = aux.balance_loss * (toks.shape[0] / num_total)
     metrics['indexer_loss'] = jax.lax.stop_gradient(index_loss)
     metrics['balance_loss'] = jax.lax.stop_gradient(balance)
     metrics['dropped'] = aux.dropped_L.sum()
@@ -377,9 +385,11 @@ def make_sft_step(tx: optax.GradientTransformation,
   def sft_step(state: TrainState, tokens_BT, loss_mask_BT):
     def loss_fn(params):
       valid = jnp.ones(tokens_BT.shape, bool)
+      mask = loss_mask_BT[:, 1:].astype(jnp.float32)
+      # The indexer KL over the same positions as the loss (token mean).
       logp, aux = token_logp(state.graphdef, params, tokens_BT, valid, None,
-                             None, None)
-      mask = loss_mask_BT[:, 1:]
+                             None, None, indexer_weight_bT=mask / jnp.maximum(
+                                 mask.sum(), 1.0))
       nll = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
       exact = ((logp > jnp.log(0.5)) | (mask == 0)).all(axis=1).mean()
       total = (nll + indexer_loss_coef * aux.indexer_loss
