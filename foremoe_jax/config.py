@@ -164,6 +164,10 @@ def validate_config(config) -> None:
              f'by num_microbatches ({r.num_microbatches})')
     _require(0 <= r.eps_low < 1 and r.eps_high >= 0, 'rl.eps_low',
              'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
+    epochs = r.get('num_update_epochs', 1)
+    _require(isinstance(epochs, int) and epochs >= 1, 'rl.num_update_epochs',
+             f'must be an integer >= 1 (optimizer updates per rollout), got '
+             f'{epochs!r}')
 
 
 def capacity_buckets(tokens_per_device: int, top_k: int, num_devices: int,

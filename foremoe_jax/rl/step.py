@@ -3,11 +3,12 @@
 Two pure jit-compiled functions of arrays: `recompute` (old and reference
 log-probs with the rollout's routes replayed, on the canonical expert
 layout, so it needs no plan and the host plans while it runs) and `update`
-(group advantages, then the M micro-steps as a `lax.scan` that accumulates
-gradients; micro-step m computes with placement m on slot buffers that the
-transfer engine fills while the previous micro-step computes, and one optax
-update of the canonical parameters ends the step). The host (trainer.py)
-only prepares arrays and plans.
+(group advantages, then `num_update_epochs` optimizer updates on the same
+batch, each the M micro-steps as a `lax.scan` that accumulates gradients --
+micro-step m computes with placement m on slot buffers that the transfer
+engine fills while the previous micro-step computes -- followed by one optax
+update of the canonical parameters). The host (trainer.py) only prepares
+arrays and plans.
 
 Mixed precision (WORKSPACE.md): the train state keeps a float32 master copy
 of every parameter and float32 optimizer moments; the model computes in
@@ -17,7 +18,7 @@ buffers, returns home) is float32.
 
 Shape letters: B samples in the step, M micro-steps, b = B / M samples per
 micro-step, T tokens per sample (prompt + completion), L MoE layers, K top-k,
-S slots, D EP devices.
+S slots, D EP devices, U update epochs.
 """
 from __future__ import annotations
 
@@ -333,28 +334,72 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   return grads, metrics
 
 
+# Metrics of the update epochs: these are also kept per epoch (`<name>_U`);
+# the step's value is the mean over epochs, except the ones below.
+PER_EPOCH_METRICS = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
+                     'grad_norm')
+# Same in every epoch (routes, plan and advantages do not change): epoch 0's.
+_FIRST_EPOCH_METRICS = ('dropped', 'max_cell_M', 'adv_abs_mean',
+                        'rollout_vs_recompute_logp_max_abs')
+_SUMMED_METRICS = ('transfer_id_errors',)
+
+
+def _epoch_summary(metrics_U: dict) -> dict:
+  """Step metrics from metrics stacked over the U update epochs."""
+  out = {}
+  for k, v in metrics_U.items():
+    if k in _FIRST_EPOCH_METRICS:
+      out[k] = v[0]
+    elif k in _SUMMED_METRICS:
+      out[k] = v.sum(axis=0)
+    else:
+      out[k] = v.mean(axis=0)
+  out.update({f'{k}_U': metrics_U[k] for k in PER_EPOCH_METRICS})
+  return out
+
+
 class RLStep:
   """The two jitted halves of one RL step, and both in one call.
 
   `recompute(state, batch, capacity)` depends on no plan, so the host plans
   while it runs (JAX dispatch is asynchronous); `update(state, batch,
-  logps, plan)` then moves weights, runs the micro-steps and applies one
-  optimizer update (the state is donated).
+  logps, plan)` then runs `num_update_epochs` (GRPO's mu) optimizer updates
+  on the same batch against the same old log-probs: each moves weights,
+  runs the M micro-steps and applies one optimizer update (the state is
+  donated). The plan is reused by every epoch: routes are replayed, so the
+  loads it was made for do not change. From the second epoch on the policy
+  differs from the old one, the ratio leaves 1 and the PPO clip acts.
+  state.step counts RL steps (one per call), not optimizer updates.
   """
 
-  def __init__(self, tx: optax.GradientTransformation, **loss_kw):
+  def __init__(self, tx: optax.GradientTransformation, *,
+               num_update_epochs: int = 1, **loss_kw):
+    if num_update_epochs < 1:
+      raise ValueError(f'num_update_epochs must be >= 1, got '
+                       f'{num_update_epochs}.')
     self.tx = tx
+    self.num_update_epochs = int(num_update_epochs)
     self.recompute = jax.jit(recompute_logps, static_argnums=2)
 
-    def update(state: TrainState, batch: dict, logps: dict, plan: StepPlan):
+    def one_update(state: TrainState, batch, logps, plan):
       grads, metrics = update_grads(state, batch, logps, plan, **loss_kw)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       metrics['grad_norm'] = optax.tree.norm(grads)
-      new_state = dataclasses.replace(state, params=params,
-                                      opt_state=opt_state,
-                                      step=state.step + 1)
-      return new_state, metrics
+      return dataclasses.replace(state, params=params,
+                                 opt_state=opt_state), metrics
+
+    def update(state: TrainState, batch: dict, logps: dict, plan: StepPlan):
+      if self.num_update_epochs == 1:  # Exactly the single-update program.
+        state, metrics = one_update(state, batch, logps, plan)
+        metrics_U = jax.tree.map(lambda x: x[None], metrics)
+      else:
+        def epoch(s, _):
+          return one_update(s, batch, logps, plan)
+        state, metrics_U = jax.lax.scan(epoch, state, None,
+                                        length=self.num_update_epochs)
+      return (dataclasses.replace(state, step=state.step + 1),
+              _epoch_summary(metrics_U))
 
     self.update = jax.jit(update, donate_argnums=0)
 
@@ -369,9 +414,11 @@ class RLStep:
 def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
                  eps_low: float, eps_high: float, beta: float,
                  indexer_loss_coef: float = 1.0,
-                 balance_loss_coef: float = 0.0) -> RLStep:
+                 balance_loss_coef: float = 0.0,
+                 num_update_epochs: int = 1) -> RLStep:
   """Builds the jit-compiled pure RL step (see `RLStep`)."""
-  return RLStep(tx, num_generations=num_generations, eps_low=eps_low,
+  return RLStep(tx, num_update_epochs=num_update_epochs,
+                num_generations=num_generations, eps_low=eps_low,
                 eps_high=eps_high, beta=beta,
                 indexer_loss_coef=indexer_loss_coef,
                 balance_loss_coef=balance_loss_coef)

@@ -1,7 +1,8 @@
 """Numerics of the update: bf16 training with float32 master weights and
-float32 gradient sums.
+float32 gradient sums, and GRPO's mu (several optimizer updates per rollout)
+with the PPO clip checked against a numpy GRPO loss.
 
-One module so the float32 update compiles once for all (compiles dominate).
+One module so the float32 update compiles once for both (compiles dominate).
 """
 import dataclasses
 
@@ -159,3 +160,88 @@ def test_bf16_rl_run_learns_like_f32(setup):
   assert gain_f[-1] > 1.0, curves  # It learns ...
   # ... and bf16 follows f32 step by step (measured: within 0.1%).
   np.testing.assert_allclose(gain_b[1:], gain_f[1:], rtol=2e-2)
+
+
+# ------------------------------------------------- GRPO update epochs (mu)
+
+
+def _numpy_grpo(logp_BT, old_BT, rewards_B, mask_BT, eps_low, eps_high):
+  """Independent GRPO: loss and d loss / d logp, clipped and unclipped."""
+  adv = _advantages(rewards_B)[:, None]
+  w = mask_BT / np.maximum(mask_BT.sum(1, keepdims=True), 1) / len(adv)
+  ratio = np.where(mask_BT > 0, np.exp(logp_BT - old_BT), 1.0)
+  clipped = np.clip(ratio, 1 - eps_low, 1 + eps_high)
+  cut = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - eps_low) & (adv < 0))
+  loss = np.sum(-np.minimum(ratio * adv, clipped * adv) * w)
+  grad_unclipped = -adv * ratio * w
+  return dict(loss=loss, loss_unclipped=np.sum(-ratio * adv * w),
+              grad=np.where(cut, 0.0, grad_unclipped),
+              grad_unclipped=grad_unclipped,
+              clip_frac=np.sum(cut * w), ratio_mean=np.sum(ratio * w))
+
+
+def test_second_epoch_ratio_leaves_one_and_clip_acts(setup):
+  """mu = 2 is two updates against the recompute's old log-probs; in the
+  second the ratio is no longer 1, the clip cuts tokens, and the gradient is
+  the clipped one of a numpy GRPO loss, not the unclipped one."""
+  batch, plan, gd = setup['batch'], setup['plan'], setup['gd_f']
+  eps_low, eps_high = lib.LOSS_KW['eps_low'], lib.LOSS_KW['eps_high']
+  tx = setup['tx']
+  state0 = _state(setup, gd, step_lib.master_params(setup['params_b']), tx)
+  logps0 = setup['recompute'](state0, batch, None)
+
+  def apply(state, grads):
+    params, opt_state = setup['apply'](state.params, state.opt_state, grads)
+    return dataclasses.replace(state, params=params, opt_state=opt_state)
+
+  # By hand: two single updates (update_grads + one AdamW step), both
+  # against logps0.
+  g1, m1 = setup['grads'](state0, batch, logps0, plan)
+  state1 = apply(state0, g1)
+  g2, m2 = setup['grads'](state1, batch, logps0, plan)
+  state2 = apply(state1, g2)
+
+  rl_step = step_lib.make_rl_step(tx, num_update_epochs=2, **lib.LOSS_KW)
+  got, m = rl_step.update(_state(setup, gd, state0.params, tx), batch, logps0,
+                          plan)
+  assert int(got.step) == 1  # One RL step, two optimizer updates.
+  for a, b in zip(_leaves64(got.params), _leaves64(state2.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  for k in ('loss', 'ratio_mean', 'clip_frac'):
+    np.testing.assert_allclose(m[f'{k}_U'], [m1[k], m2[k]], rtol=1e-5,
+                               atol=1e-7)
+  np.testing.assert_allclose(m['clip_frac'], (m1['clip_frac'] + m2['clip_frac'])
+                             / 2, rtol=1e-5, atol=1e-7)
+  # Epoch 1 runs at the old policy: ratio 1, nothing clipped.
+  assert abs(float(m1['ratio_mean']) - 1.0) < 1e-5
+  assert float(m1['clip_frac']) == 0.0
+  assert abs(float(m2['ratio_mean']) - 1.0) > 1e-2
+  assert float(m2['clip_frac']) > 0.05
+
+  # The numpy GRPO loss on epoch 2's log-probs (canonical layout, replayed
+  # routes) and its clipped and unclipped gradients pulled back to the
+  # parameters through the model's VJP.
+  def pullback(params, cot_clip, cot_unclip):
+    logp, vjp = jax.vjp(lambda p: step_lib.token_logp(
+        gd, p, batch['tokens_BT'], batch['valid_BT'], None,
+        batch['routes_LBTK'], None)[0], params)
+    return logp, vjp(cot_clip)[0], vjp(cot_unclip)[0]
+
+  mask = np.asarray(batch['loss_mask_BT'], np.float64)
+  old = _per_sample(logps0['old_logp_MbT'], batch['microbatches_Mb'])
+  pullback = jax.jit(pullback)
+  zeros = jnp.zeros(mask.shape, jnp.float32)
+  logp1 = np.asarray(pullback(state1.params, zeros, zeros)[0], np.float64)
+  ref = _numpy_grpo(logp1, old, np.asarray(batch['rewards_B']), mask,
+                    eps_low, eps_high)
+  np.testing.assert_allclose(m2['pg_loss'], ref['loss'], rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(m2['clip_frac'], ref['clip_frac'], atol=1e-6)
+  np.testing.assert_allclose(m2['ratio_mean'], ref['ratio_mean'], rtol=1e-5)
+  assert abs(ref['loss'] - ref['loss_unclipped']) > 1e-3 * abs(ref['loss'])
+  _, want, unclipped = pullback(
+      state1.params, jnp.asarray(ref['grad'], jnp.float32),
+      jnp.asarray(ref['grad_unclipped'], jnp.float32))
+  got_g, want, unclipped = (np.concatenate([x.ravel() for x in _leaves64(t)])
+                            for t in (g2, want, unclipped))
+  np.testing.assert_allclose(got_g, want, atol=1e-5 * np.abs(want).max())
+  assert np.linalg.norm(got_g - unclipped) > 0.05 * np.linalg.norm(got_g)
