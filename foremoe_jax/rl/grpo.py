@@ -11,8 +11,9 @@ prompt.
 Micro-step accumulation: every value `policy_loss` returns is a sum over
 sequences divided by `num_sequences_total`. Pass the whole step's sequence
 count there and the values (and gradients) of the micro-batches of any split
-SUM to the full-batch ones, so gradient accumulation is a plain sum and does
-not depend on how samples are composed into micro-batches.
+SUM to the full-batch ones, so accumulating this loss is a plain sum and does
+not depend on how samples are composed into micro-batches (other terms of
+the step's loss may: see foresight/composition.py).
 """
 from __future__ import annotations
 

@@ -245,10 +245,14 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   overlap the two). A slot's gradient accumulates while it keeps its
   expert and goes home when the slot is refilled, or at the final flush;
   only canonical experts get gradients, and one optimizer update follows.
+
   Gradients are a plain float32 sum over micro-steps (the scan carry, the
   slot-gradient buffers and the returns are float32 whatever the compute
-  dtype): the loss divides by the whole step's sequence count, so any
-  composition gives the full-batch gradient.
+  dtype). The policy loss and the MSA indexer KL are per-sequence token
+  means over the loss mask divided by the whole step's sequence count, so
+  their sum does not depend on the composition; the balance loss is a
+  per-micro-batch term and does (foresight/composition.py says when the
+  full-batch gradient is reproduced).
   """
   mb = batch['microbatches_Mb']
   num_total = mb.size
