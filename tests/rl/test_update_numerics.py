@@ -221,26 +221,25 @@ def test_second_epoch_ratio_leaves_one_and_clip_acts(setup):
   # The numpy GRPO loss on epoch 2's log-probs (canonical layout, replayed
   # routes) and its clipped and unclipped gradients pulled back to the
   # parameters through the model's VJP.
-  def pullback(params, cot_clip, cot_unclip):
+  @jax.jit
+  def pullback(params, cotangent_BT):
     logp, vjp = jax.vjp(lambda p: step_lib.token_logp(
         gd, p, batch['tokens_BT'], batch['valid_BT'], None,
         batch['routes_LBTK'], None)[0], params)
-    return logp, vjp(cot_clip)[0], vjp(cot_unclip)[0]
+    return logp, vjp(cotangent_BT)[0]
 
   mask = np.asarray(batch['loss_mask_BT'], np.float64)
   old = _per_sample(logps0['old_logp_MbT'], batch['microbatches_Mb'])
-  pullback = jax.jit(pullback)
-  zeros = jnp.zeros(mask.shape, jnp.float32)
-  logp1 = np.asarray(pullback(state1.params, zeros, zeros)[0], np.float64)
+  logp1 = np.asarray(pullback(state1.params, jnp.zeros(mask.shape))[0],
+                     np.float64)
   ref = _numpy_grpo(logp1, old, np.asarray(batch['rewards_B']), mask,
                     eps_low, eps_high)
   np.testing.assert_allclose(m2['pg_loss'], ref['loss'], rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(m2['clip_frac'], ref['clip_frac'], atol=1e-6)
   np.testing.assert_allclose(m2['ratio_mean'], ref['ratio_mean'], rtol=1e-5)
   assert abs(ref['loss'] - ref['loss_unclipped']) > 1e-3 * abs(ref['loss'])
-  _, want, unclipped = pullback(
-      state1.params, jnp.asarray(ref['grad'], jnp.float32),
-      jnp.asarray(ref['grad_unclipped'], jnp.float32))
+  want, unclipped = (pullback(state1.params, jnp.asarray(
+      ref[k], jnp.float32))[1] for k in ('grad', 'grad_unclipped'))
   got_g, want, unclipped = (np.concatenate([x.ravel() for x in _leaves64(t)])
                             for t in (g2, want, unclipped))
   np.testing.assert_allclose(got_g, want, atol=1e-5 * np.abs(want).max())
