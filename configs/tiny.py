@@ -55,6 +55,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.num_generations = 8
   c.rl.num_microbatches = 4
   c.rl.learning_rate = 3e-4
+  # GRPO's mu (TRL num_iterations, verl ppo_epochs): optimizer updates per
+  # rollout, all against the same old log-probs. At 1 the ratio is 1 in the
+  # only update, so the clip (eps_low / eps_high) never acts.
+  c.rl.num_update_epochs = 1
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
   c.rl.beta = 0.01

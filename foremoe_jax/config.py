@@ -48,6 +48,10 @@ def model_defaults() -> ml_collections.ConfigDict:
   m.msa_index_dim = 16
   m.msa_indexer_warmup = False  # Train the indexer while attention stays dense.
   m.msa_indexer_loss_coef = 1.0
+  # Mixed precision (WORKSPACE.md): dtype is the compute dtype (every weight
+  # is cast to it where used); param_dtype is the dtype the model is built,
+  # checkpointed for serving and moved between slots in. Training always
+  # keeps a float32 master copy and float32 optimizer moments.
   m.dtype = 'float32'
   m.param_dtype = 'float32'
   return m
@@ -115,6 +119,8 @@ def validate_config(config) -> None:
            f"must be 'dense' or 'msa', got {m.attention_type!r}")
   _require(m.dtype in ('float32', 'bfloat16'), 'model.dtype',
            f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
+  _require(m.param_dtype in ('float32', 'bfloat16'), 'model.param_dtype',
+           f"must be 'float32' or 'bfloat16', got {m.param_dtype!r}")
   if m.attention_type == 'msa':
     _require(0 <= m.first_sparse_layer < m.num_layers, 'model.first_sparse_layer',
              f'must be in [0, num_layers={m.num_layers})')
@@ -158,6 +164,10 @@ def validate_config(config) -> None:
              f'by num_microbatches ({r.num_microbatches})')
     _require(0 <= r.eps_low < 1 and r.eps_high >= 0, 'rl.eps_low',
              'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
+    epochs = r.get('num_update_epochs', 1)
+    _require(isinstance(epochs, int) and epochs >= 1, 'rl.num_update_epochs',
+             f'must be an integer >= 1 (optimizer updates per rollout), got '
+             f'{epochs!r}')
 
 
 def capacity_buckets(tokens_per_device: int, top_k: int, num_devices: int,

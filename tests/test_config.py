@@ -44,6 +44,8 @@ BAD = [
     ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 0), '>= 1'),
     ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 7), 'divisible by num_microbatches'),
     ('rl.eps_low', lambda c: setattr(c.rl, 'eps_low', 1.5), 'clip range'),
+    ('rl.num_update_epochs', lambda c: setattr(c.rl, 'num_update_epochs', 0), '>= 1'),
+    ('model.param_dtype', lambda c: setattr(c.model, 'param_dtype', 'float16'), 'bfloat16'),
 ]
 
 

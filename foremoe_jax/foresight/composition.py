@@ -2,9 +2,24 @@
 
 Sits between the verifier and the foresight loads: after rollout, the step's
 B samples are split into M equal micro-batches; `loads.microstep_loads` then
-counts what each micro-step will dispatch. Because the GRPO loss is a sum
-over sequences with a global normaliser (`rl.grpo.policy_loss`), any
-composition gives the same accumulated gradient, so composition is free to
+counts what each micro-step will dispatch.
+
+When composition leaves the gradient alone. The update sums the micro-steps'
+gradients (rl/step.py `update_grads`), which equals the full-batch gradient
+exactly (up to float summation order) when every term of the loss is a sum
+over sequences with a normaliser that does not depend on the split. That
+holds for the GRPO policy loss and its KL penalty (`rl.grpo.policy_loss`:
+each sequence's token mean over its loss mask, summed and divided by the
+step's sequence count B, with advantages computed over the whole step before
+splitting) and for the MSA indexer KL (weighted the same way). It also needs
+the dispatch to be dropless (the capacity bucket comes from the foresight),
+since which assignments overflow a cell depends on which tokens share it.
+It fails for per-micro-batch terms: the Switch balance loss
+(`model.aux_loss_coef > 0`) is E * sum_e f_e P_e over the micro-batch's own
+tokens, a product of two micro-batch means, so its gradient depends on which
+samples share a micro-batch; with that loss on, another composition
+changes that term's gradient (the routers' and, through their inputs, the
+layers' below them). With it off (the default), composition is free to
 serve load balance.
 
 Shape letters: B samples, L MoE layers, E experts, M micro-batches.

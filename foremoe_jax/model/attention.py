@@ -57,23 +57,23 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg, layer_type: str = 'dense', *, rngs: nnx.Rngs):
     m, h, g, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pdt = jnp.dtype(cfg.param_dtype)
-    kw = dict(use_bias=False, param_dtype=pdt, rngs=rngs)
+    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+    kw = dict(use_bias=False, param_dtype=pdt, dtype=cdt, rngs=rngs)
+    norm = lambda n: layers.RMSNorm(n, eps=cfg.norm_eps, param_dtype=pdt,
+                                    dtype=cdt)
     self.q_proj = nnx.Linear(m, h * d, kernel_init=layers.dense_init(m), **kw)
     self.k_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.v_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.o_proj = nnx.Linear(h * d, m, kernel_init=layers.dense_init(h * d), **kw)
     if cfg.qk_norm:
-      self.q_norm = layers.RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
-      self.k_norm = layers.RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
+      self.q_norm, self.k_norm = norm(d), norm(d)
     self.qk_norm = bool(cfg.qk_norm)
     self.layer_type = layer_type
     if layer_type == 'msa':
       i = cfg.msa_index_dim
       self.qi_proj = nnx.Linear(m, g * i, kernel_init=layers.dense_init(m), **kw)
       self.ki_proj = nnx.Linear(m, i, kernel_init=layers.dense_init(m), **kw)
-      self.qi_norm = layers.RMSNorm(i, eps=cfg.norm_eps, param_dtype=pdt)
-      self.ki_norm = layers.RMSNorm(i, eps=cfg.norm_eps, param_dtype=pdt)
+      self.qi_norm, self.ki_norm = norm(i), norm(i)
       self.index_dim = i
       self.block_size, self.top_k = cfg.msa_block_size, cfg.msa_top_k
       self.indexer_warmup = bool(cfg.msa_indexer_warmup)
@@ -81,11 +81,12 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
 
   def __call__(self, x_BTM, positions_BT, *, cache: KVCache | None = None,
-               cache_index=None):
+               cache_index=None, indexer_weight_BT=None):
     """Returns (y_BTM, new_cache, indexer_loss).
 
     With a cache, positions must be cache_index + arange(T) for every row
-    (prompts share one length). indexer_loss is 0 for dense layers.
+    (prompts share one length). indexer_loss is 0 for dense layers; for MSA
+    it weights query positions by indexer_weight_BT (None: plain mean).
     """
     b, t, _ = x_BTM.shape
     q = self.q_proj(x_BTM).reshape(b, t, self.num_heads, self.head_dim)
@@ -116,7 +117,8 @@ class Attention(nnx.Module):
       out, index_loss = dense_attention(q, k_all, v_all, mask_BTS), 0.0
     else:
       out, index_loss = self._msa(q, k, v, qi, ki, k_all, v_all, ki_all,
-                                  positions_BT, cache, cache_index)
+                                  positions_BT, cache, cache_index,
+                                  indexer_weight_BT)
     return self.o_proj(out.reshape(b, t, -1)), new_cache, index_loss
 
   def _index_branch(self, x_BTM, positions_BT):
@@ -131,7 +133,7 @@ class Attention(nnx.Module):
     return qi, ki
 
   def _msa(self, q, k, v, qi, ki, k_all, v_all, ki_all, positions_BT, cache,
-           cache_index):
+           cache_index, indexer_weight_BT):
     b, t = q.shape[:2]
     kw = dict(block_size=self.block_size)
     if cache is not None and t == 1:  # Decode: one token against the cache.
@@ -153,7 +155,8 @@ class Attention(nnx.Module):
                                  ki, top_k=self.top_k, **kw)
     sg = jax.lax.stop_gradient
     index_loss = msa.msa_indexer_kl_loss(sg(q), sg(k.astype(q.dtype)), qi, ki,
-                                         jax.tree.map(sg, aux), **kw)
+                                         jax.tree.map(sg, aux),
+                                         weight_BT=indexer_weight_BT, **kw)
     if self.indexer_warmup:
       mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
       out = dense_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)

@@ -87,22 +87,23 @@ def default_tile(num_rows: int, slots_per_device: int) -> int:
   return int(min(128, max(8, 2 ** round(math.log2(max(best, 1.0))))))
 
 
-def _slot_weights(cache, slot, w_sXY):
-  """(slot, its weights), re-sliced from w_sXY only when the slot changes.
+def _slot_weights(cache, slot, w_sXY, dtype):
+  """(slot, its weights cast to `dtype`), re-sliced from w_sXY only when the
+  slot changes.
 
   Tiles come in slot order, so a scan that carries the current slot's
-  weights copies each slot's matrices once instead of once per tile (the
-  per-tile copy cost as much as a dozen rows of compute on CPU).
+  weights copies (and casts) each slot's matrices once instead of once per
+  tile (the per-tile copy cost as much as a dozen rows of compute on CPU).
   """
   prev, cached = cache
   cached = jax.lax.cond(slot != prev,
-                        lambda: tuple(w[slot] for w in w_sXY),
+                        lambda: tuple(w[slot].astype(dtype) for w in w_sXY),
                         lambda: cached)
   return slot, cached
 
 
-def _first_slot_weights(w_sXY, slot_n):
-  return slot_n[0], tuple(w[slot_n[0]] for w in w_sXY)
+def _first_slot_weights(w_sXY, slot_n, dtype):
+  return slot_n[0], tuple(w[slot_n[0]].astype(dtype) for w in w_sXY)
 
 
 @jax.custom_vjp
@@ -111,17 +112,20 @@ def _tiled_swiglu(x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n):
 
   A scan over tiles, slot_n ascending. (The batched einsum 'ntm,nmf->ntf'
   on weights gathered per tile is the same math, but on CPU the gather of
-  [n, M, F] costs several times the matmuls.)
+  [n, M, F] costs several times the matmuls.) It computes in x's dtype
+  and casts the weights per slot, so they may be stored wider (the float32
+  master on the canonical path); their gradient is summed over tiles in
+  float32 and rounded once, to their own dtype.
   """
   w_sXY = (wg_sMF, wu_sMF, wd_sFM)
 
   def tile(cache, xs):
     x_tM, slot = xs
-    cache = _slot_weights(cache, slot, w_sXY)
+    cache = _slot_weights(cache, slot, w_sXY, x_tM.dtype)
     wg_MF, wu_MF, wd_FM = cache[1]
     return cache, (jax.nn.silu(x_tM @ wg_MF) * (x_tM @ wu_MF)) @ wd_FM
 
-  return jax.lax.scan(tile, _first_slot_weights(w_sXY, slot_n),
+  return jax.lax.scan(tile, _first_slot_weights(w_sXY, slot_n, x_ntM.dtype),
                       (x_ntM, slot_n))[1]
 
 
@@ -138,7 +142,7 @@ def _tiled_swiglu_bwd(res, dy_ntM):
   def tile(carry, xs):
     cache, dw_sXY = carry
     x_tM, dy_tM, slot = xs
-    cache = _slot_weights(cache, slot, w_sXY)
+    cache = _slot_weights(cache, slot, w_sXY, x_tM.dtype)
     wg_MF, wu_MF, wd_FM = cache[1]
     g_tF, u_tF = x_tM @ wg_MF, x_tM @ wu_MF
     sig_tF = jax.nn.sigmoid(g_tF)
@@ -157,7 +161,7 @@ def _tiled_swiglu_bwd(res, dy_ntM):
 
   dw0 = tuple(jnp.zeros_like(w, jnp.float32) for w in w_sXY)
   (_, dw_sXY), dx_ntM = jax.lax.scan(
-      tile, (_first_slot_weights(w_sXY, slot_n), dw0),
+      tile, (_first_slot_weights(w_sXY, slot_n, x_ntM.dtype), dw0),
       (x_ntM, dy_ntM, slot_n))
   return (dx_ntM, *(dw.astype(w.dtype) for dw, w in zip(dw_sXY, w_sXY)),
           None)
@@ -199,9 +203,8 @@ def _grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, tile):
   first_n = jnp.arange(num_tiles) * tile
   slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
                        spd - 1)
-  dtype = x_RM.dtype
-  y_ntM = _tiled_swiglu(x_ntM, wg_sMF.astype(dtype), wu_sMF.astype(dtype),
-                        wd_sFM.astype(dtype), slot_n)
+  # The weights go in as stored: the tiles cast them to the rows' dtype.
+  y_ntM = _tiled_swiglu(x_ntM, wg_sMF, wu_sMF, wd_sFM, slot_n)
   y_TM = y_ntM.reshape(num_tiles * tile, -1)
   # Empty rows read some tile's row; the combine never reads them back.
   return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles * tile - 1), axis=0)

@@ -1,5 +1,9 @@
 """Small building blocks of the decoder: RMSNorm, RoPE, SwiGLU MLP.
 
+Mixed precision (WORKSPACE.md): every weight is cast to the compute dtype
+`dtype` where it is used, so a float32 master copy computes exactly like its
+bfloat16 cast; dtype None uses the weight as stored.
+
 Shape letters: B batch, T tokens, H heads, D head dim, M model dim, F hidden.
 """
 from __future__ import annotations
@@ -11,14 +15,19 @@ from flax import nnx
 
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32,
+               dtype=None):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
+    self.dtype = dtype
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    scale = self.scale[...]
+    if self.dtype is not None:
+      scale = scale.astype(self.dtype)
+    return (x32 * rms * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def apply_rope(x_BTHD, positions_BT, theta: float):
@@ -40,8 +49,8 @@ class SwiGLU(nnx.Module):
   """Dense SwiGLU FFN: the shared expert and the first dense layers."""
 
   def __init__(self, model_dim: int, hidden_dim: int, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32):
-    kw = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
+               param_dtype=jnp.float32, dtype=None):
+    kw = dict(use_bias=False, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.gate = nnx.Linear(model_dim, hidden_dim,
                            kernel_init=dense_init(model_dim), **kw)
     self.up = nnx.Linear(model_dim, hidden_dim,

@@ -37,15 +37,15 @@ class MoE(nnx.Module):
 
   def __init__(self, cfg, mesh, *, rngs: nnx.Rngs):
     m, f, e = cfg.d_model, cfg.moe_d_ff, cfg.num_experts
-    pdt = jnp.dtype(cfg.param_dtype)
-    self.router = nnx.Linear(m, e, use_bias=False, param_dtype=pdt,
+    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+    self.router = nnx.Linear(m, e, use_bias=False, param_dtype=pdt, dtype=cdt,
                              kernel_init=layers.dense_init(m), rngs=rngs)
     self.w_gate = ExpertWeight(layers.dense_init(m)(rngs.params(), (e, m, f), pdt))
     self.w_up = ExpertWeight(layers.dense_init(m)(rngs.params(), (e, m, f), pdt))
     self.w_down = ExpertWeight(layers.dense_init(f)(rngs.params(), (e, f, m), pdt))
     if cfg.num_shared_experts:
       self.shared = layers.SwiGLU(m, cfg.shared_d_ff * cfg.num_shared_experts,
-                                  rngs=rngs, param_dtype=pdt)
+                                  rngs=rngs, param_dtype=pdt, dtype=cdt)
     self.has_shared = bool(cfg.num_shared_experts)
     self.num_experts, self.top_k = e, cfg.top_k
     self.renormalize = bool(cfg.renormalize_topk)

@@ -33,16 +33,18 @@ class Block(nnx.Module):
 
   def __init__(self, cfg, mesh, layer_idx: int, attention_type: str, *,
                rngs: nnx.Rngs):
-    pdt = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+    self.attn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
+                                    param_dtype=pdt, dtype=cdt)
     self.attn = attention.Attention(cfg, attention_type, rngs=rngs)
-    self.ffn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.ffn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
+                                   param_dtype=pdt, dtype=cdt)
     self.is_moe = layer_idx >= cfg.first_dense_layers
     if self.is_moe:
       self.ffn = moe.MoE(cfg, mesh, rngs=rngs)
     else:
       self.ffn = layers.SwiGLU(cfg.d_model, cfg.dense_d_ff, rngs=rngs,
-                               param_dtype=pdt)
+                               param_dtype=pdt, dtype=cdt)
 
 
 class Transformer(nnx.Module):
@@ -50,8 +52,9 @@ class Transformer(nnx.Module):
   def __init__(self, cfg, mesh=None, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.mesh = expert_parallel.make_mesh(1, 1) if mesh is None else mesh
-    pdt = jnp.dtype(cfg.param_dtype)
+    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt,
+                           dtype=cdt,
                            # Row norm ~1: with tied embeddings the initial
                            # logits are ~N(0, 1), not saturated.
                            embedding_init=layers.dense_init(cfg.d_model),
@@ -59,10 +62,11 @@ class Transformer(nnx.Module):
     types = config_lib.layer_attention_types(cfg)
     self.blocks = nnx.List([Block(cfg, self.mesh, i, types[i], rngs=rngs)
                             for i in range(cfg.num_layers)])
-    self.final_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.final_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
+                                     param_dtype=pdt, dtype=cdt)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
-                                param_dtype=pdt,
+                                param_dtype=pdt, dtype=cdt,
                                 kernel_init=layers.dense_init(cfg.d_model),
                                 rngs=rngs)
     self.dtype = jnp.dtype(cfg.dtype)
@@ -70,18 +74,25 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BT, *, positions_BT=None, valid_BT=None,
                placement=None, replay_routes_LBTK=None,
                capacity: int | None = None, cache=None, cache_index=None,
-               slot_weights_L=None):
-    """Returns (logits_BTV f32, ModelAux, new_cache or None)."""
+               slot_weights_L=None, indexer_weight_BT=None):
+    """Returns (logits_BTV f32, ModelAux, new_cache or None).
+
+    indexer_weight_BT: float weights of the query positions in each MSA
+    layer's indexer KL (`pallas_kernels.msa.msa_indexer_kl_loss`), e.g. the
+    loss mask over its sum, so padding and prompt positions do not count;
+    None: the plain mean over every position.
+    """
     b, t = tokens_BT.shape
     if positions_BT is None:
       start = 0 if cache_index is None else cache_index
       positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
-    x = self.embed(tokens_BT).astype(self.dtype)
+    x = self.embed(tokens_BT)
     moe_auxes, new_cache, index_losses, moe_idx = [], [], [], 0
     for i, block in enumerate(self.blocks):
       h, c, index_loss = block.attn(block.attn_norm(x), positions_BT,
                                     cache=None if cache is None else cache[i],
-                                    cache_index=cache_index)
+                                    cache_index=cache_index,
+                                    indexer_weight_BT=indexer_weight_BT)
       new_cache.append(c)
       index_losses.append(index_loss)
       x = x + h
@@ -104,7 +115,9 @@ class Transformer(nnx.Module):
       x = x + h
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
-      logits = self.embed.attend(x.astype(jnp.float32))
+      # The tied unembedding runs in float32 on the compute-dtype table.
+      table = self.embed.embedding[...].astype(self.dtype)
+      logits = jnp.dot(x.astype(jnp.float32), table.astype(jnp.float32).T)
     else:
       logits = self.lm_head(x)
     aux = ModelAux(

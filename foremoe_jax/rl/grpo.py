@@ -11,8 +11,9 @@ prompt.
 Micro-step accumulation: every value `policy_loss` returns is a sum over
 sequences divided by `num_sequences_total`. Pass the whole step's sequence
 count there and the values (and gradients) of the micro-batches of any split
-SUM to the full-batch ones, so gradient accumulation is a plain sum and does
-not depend on how samples are composed into micro-batches.
+SUM to the full-batch ones, so accumulating this loss is a plain sum and does
+not depend on how samples are composed into micro-batches (other terms of
+the step's loss may: see foresight/composition.py).
 """
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ def policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array,
     kl = exp(ref - logp) - (ref - logp) - 1     (k3 estimator, >= 0)
     loss_token = pg + beta * kl
   The asymmetric clip range is DAPO's "clip-higher" (Yu et al. 2025, Sec. 3.1).
+
+  What the clip does depends on GRPO's mu (`rl.num_update_epochs`, the
+  optimizer updates per rollout). With mu = 1 the only update runs at the
+  policy that produced old_logp, so ratio = 1 at every token (up to the
+  rounding between recompute and update, far inside the range): 1 lies inside
+  [1 - eps_low, 1 + eps_high], the clipped and unclipped terms coincide in
+  value and in gradient (-A * grad logp), and eps_low / eps_high change
+  nothing (clip_frac is 0). With mu > 1 the later updates see ratio != 1 and
+  the clip removes the gradient of tokens that moved past the range in the
+  direction their advantage pushes.
   Aggregation: token mean within each sequence over `mask_BT`, then the sum
   over sequences divided by `num_sequences_total` (default B, the plain mean).
   A fully masked sequence contributes 0, still counts in the denominator, and

@@ -3,15 +3,22 @@
 Two pure jit-compiled functions of arrays: `recompute` (old and reference
 log-probs with the rollout's routes replayed, on the canonical expert
 layout, so it needs no plan and the host plans while it runs) and `update`
-(group advantages, then the M micro-steps as a `lax.scan` that accumulates
-gradients; micro-step m computes with placement m on slot buffers that the
-transfer engine fills while the previous micro-step computes, and one optax
-update of the canonical parameters ends the step). The host (trainer.py)
-only prepares arrays and plans.
+(group advantages, then `num_update_epochs` optimizer updates on the same
+batch, each the M micro-steps as a `lax.scan` that accumulates gradients --
+micro-step m computes with placement m on slot buffers that the transfer
+engine fills while the previous micro-step computes -- followed by one optax
+update of the canonical parameters). The host (trainer.py) only prepares
+arrays and plans.
+
+Mixed precision (WORKSPACE.md): the train state keeps a float32 master copy
+of every parameter and float32 optimizer moments; the model computes in
+`model.dtype` (each weight cast where it is used); the transfer engine moves
+slot copies in `model.param_dtype`; every gradient sum (micro-steps, slot
+buffers, returns home) is float32.
 
 Shape letters: B samples in the step, M micro-steps, b = B / M samples per
 micro-step, T tokens per sample (prompt + completion), L MoE layers, K top-k,
-S slots, D EP devices.
+S slots, D EP devices, U update epochs.
 """
 from __future__ import annotations
 
@@ -72,6 +79,20 @@ def make_step_plan(placement: placement_lib.Placement, num_experts: int,
                   transfer_engine.device_step_transfer(transfer), capacity)
 
 
+# Dtype of the trained parameters, their gradient sums and the optimizer
+# moments, whatever the model's param_dtype.
+MASTER_DTYPE = GRAD_DTYPE = jnp.float32
+
+
+def master_params(params):
+  """`params` with every floating leaf in MASTER_DTYPE (shardings kept)."""
+  def up(x):
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != MASTER_DTYPE:
+      return x.astype(MASTER_DTYPE)
+    return x
+  return jax.tree.map(up, params)
+
+
 def make_optimizer(learning_rate: float, grad_clip: float,
                    weight_decay: float = 0.0) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(grad_clip),
@@ -82,10 +103,13 @@ def init_train_state(graphdef, params, tx, mesh, *, with_ref: bool
                      ) -> TrainState:
   """A state whose every leaf already has the sharding the step returns.
 
-  Leaves created on one device (optimizer counters, the step) are
-  replicated over the mesh up front; otherwise the second call of the jitted
-  step would see new input shardings and compile again.
+  The parameters become the float32 master copy (`master_params`), so the
+  optimizer moments `tx.init` builds are float32 too. Leaves created on one
+  device (optimizer counters, the step) are replicated over the mesh up
+  front; otherwise the second call of the jitted step would see new input
+  shardings and compile again.
   """
+  params = master_params(params)
   ref = jax.tree.map(jnp.copy, params) if with_ref else None
   state = TrainState(graphdef, params, tx.init(params), ref,
                      jnp.zeros((), jnp.int32))
@@ -99,20 +123,23 @@ def init_train_state(graphdef, params, tx, mesh, *, with_ref: bool
 
 
 def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
-               capacity, slot_weights_L=None):
+               capacity, slot_weights_L=None, indexer_weight_bT=None):
   """Log-probs of tokens[:, 1:] given tokens[:, :-1], with replayed routes.
 
   routes_LbTK covers the T-1 input positions (None: route freshly).
   placement None: every device computes its canonical experts (no
   transfer); else slot_weights_L holds the weights the placement's slots
   need (the transfer engine's buffers).
+  indexer_weight_bT: weights of the T-1 positions in the MSA indexer KL
+  (see `Transformer.__call__`); None: the plain mean.
   Returns (logp_bT1, ModelAux).
   """
   model = nnx.merge(graphdef, params)
   inputs, targets = tokens_bT[:, :-1], tokens_bT[:, 1:]
   logits, aux, _ = model(inputs, valid_BT=valid_bT[:, :-1], placement=placement,
                          replay_routes_LBTK=routes_LbTK, capacity=capacity,
-                         slot_weights_L=slot_weights_L)
+                         slot_weights_L=slot_weights_L,
+                         indexer_weight_BT=indexer_weight_bT)
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   return jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0], aux
 
@@ -121,10 +148,15 @@ _EXPERT_LEAVES = ('w_gate', 'w_up', 'w_down')
 
 
 def _moe_layers(graphdef, params):
-  """(mesh, block indices of the MoE layers), read off the model."""
+  """(mesh, block indices of the MoE layers, slot dtype), read off the model.
+
+  The slot dtype is the model's param_dtype: the engine moves expert copies
+  in it (bf16 halves the bytes), while the master stays float32.
+  """
   model = nnx.merge(graphdef, params)
   idxs = [i for i, b in enumerate(model.blocks) if b.is_moe]
-  return model.blocks[idxs[0]].ffn.mesh, idxs
+  return (model.blocks[idxs[0]].ffn.mesh, idxs,
+          jnp.dtype(model.cfg.param_dtype))
 
 
 def canonical_experts(params, moe_blocks):
@@ -213,8 +245,14 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   overlap the two). A slot's gradient accumulates while it keeps its
   expert and goes home when the slot is refilled, or at the final flush;
   only canonical experts get gradients, and one optimizer update follows.
-  Gradients are a plain sum over micro-steps: the loss divides by the whole
-  step's sequence count, so any composition gives the full-batch gradient.
+
+  Gradients are a plain float32 sum over micro-steps (the scan carry, the
+  slot-gradient buffers and the returns are float32 whatever the compute
+  dtype). The policy loss and the MSA indexer KL are per-sequence token
+  means over the loss mask divided by the whole step's sequence count, so
+  their sum does not depend on the composition; the balance loss is a
+  per-micro-batch term and does (foresight/composition.py says when the
+  full-batch gradient is reproduced).
   """
   mb = batch['microbatches_Mb']
   num_total = mb.size
@@ -224,22 +262,31 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   old_logp_MbT = logps['old_logp_MbT']
   has_ref = 'ref_logp_MbT' in logps
   ref_xs = logps['ref_logp_MbT'] if has_ref else old_logp_MbT  # Unused w/o ref.
-  mesh, moe_blocks = _moe_layers(state.graphdef, state.params)
-  canon_L = canonical_experts(state.params, moe_blocks)
+  mesh, moe_blocks, slot_dtype = _moe_layers(state.graphdef, state.params)
+  # Slot copies in the model's param dtype; gradients land in float32.
+  canon_L = [tuple(w.astype(slot_dtype) for w in c)
+             for c in canonical_experts(state.params, moe_blocks)]
+  acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
+  add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
   def micro_loss(params, slot_w_L, toks, valid, routes, placement, mask, adv,
                  old, ref):
+    # The indexer KL over the loss's positions (completion tokens), each
+    # sequence's token mean over num_total: aggregated like the policy loss.
+    mask32 = mask.astype(jnp.float32)
+    index_w = mask32 / (jnp.maximum(mask32.sum(axis=1, keepdims=True), 1.0)
+                        * num_total)
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
-                           routes, plan.capacity, slot_weights_L=slot_w_L)
+                           routes, plan.capacity, slot_weights_L=slot_w_L,
+                           indexer_weight_bT=index_w)
     loss, metrics = grpo.policy_loss(
         logp, old, ref, adv, mask, eps_low=eps_low, eps_high=eps_high,
         beta=beta if ref is not None else 0.0, num_sequences_total=num_total)
-    # MSA indexer KL (0 without MSA layers) and the MoE balance loss, each
-    # weighted by this micro-batch's share of sequences so that the sum over
-    # micro-steps is the step mean.
-    share = toks.shape[0] / num_total
-    index_loss = aux.indexer_loss * share
-    balance = aux.balance_loss * share
+    # MSA indexer KL (0 without MSA layers; already a share of the step) and
+    # the MoE balance loss, weighted by this micro-batch's share of
+    # sequences so that the sum over micro-steps is a step mean.
+    index_loss = aux.indexer_loss
+    balance = aux.balance_loss * (toks.shape[0] / num_total)
     metrics['indexer_loss'] = jax.lax.stop_gradient(index_loss)
     metrics['balance_loss'] = jax.lax.stop_gradient(balance)
     metrics['dropped'] = aux.dropped_L.sum()
@@ -260,17 +307,16 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     metrics['transfer_id_errors'] = transfer_engine.id_errors(
         slots_L, placement.slot_expert, mesh=mesh)
     next_L = transfer_engine.fill_slots(slots_L, canon_L, moves, mesh=mesh)
-    gslots_L = jax.tree.map(jnp.add, gslots_L, [tuple(x) for x in g_slots_L])
+    # A slot's gradient has its weights' dtype; it is summed in float32.
+    gslots_L = add(gslots_L, [tuple(x) for x in g_slots_L])
     gslots_L, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,
                                                       moves, mesh=mesh)
-    return (jax.tree.map(jnp.add, grads, g), next_L, gslots_L,
-            gcanon_L), metrics
+    return (add(grads, g), next_L, gslots_L, gcanon_L), metrics
 
   slots_L = transfer_engine.fill_slots(None, canon_L, plan.transfer['fill'],
                                        mesh=mesh)
-  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
-  carry = (zeros(state.params), slots_L, [zeros(s[:3]) for s in slots_L],
-           zeros(canon_L))
+  carry = (acc(state.params), slots_L, [acc(s[:3]) for s in slots_L],
+           acc(canon_L))
   (grads, _, gslots_L, gcanon_L), metrics_M = jax.lax.scan(
       body, carry, (toks_MbT, valid_MbT, routes_MLbTK, plan.placement,
                     mask_MbT, adv_Mb, old_logp_MbT, ref_xs,
@@ -292,28 +338,72 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   return grads, metrics
 
 
+# Metrics of the update epochs: these are also kept per epoch (`<name>_U`);
+# the step's value is the mean over epochs, except the ones below.
+PER_EPOCH_METRICS = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
+                     'grad_norm')
+# Same in every epoch (routes, plan and advantages do not change): epoch 0's.
+_FIRST_EPOCH_METRICS = ('dropped', 'max_cell_M', 'adv_abs_mean',
+                        'rollout_vs_recompute_logp_max_abs')
+_SUMMED_METRICS = ('transfer_id_errors',)
+
+
+def _epoch_summary(metrics_U: dict) -> dict:
+  """Step metrics from metrics stacked over the U update epochs."""
+  out = {}
+  for k, v in metrics_U.items():
+    if k in _FIRST_EPOCH_METRICS:
+      out[k] = v[0]
+    elif k in _SUMMED_METRICS:
+      out[k] = v.sum(axis=0)
+    else:
+      out[k] = v.mean(axis=0)
+  out.update({f'{k}_U': metrics_U[k] for k in PER_EPOCH_METRICS})
+  return out
+
+
 class RLStep:
   """The two jitted halves of one RL step, and both in one call.
 
   `recompute(state, batch, capacity)` depends on no plan, so the host plans
   while it runs (JAX dispatch is asynchronous); `update(state, batch,
-  logps, plan)` then moves weights, runs the micro-steps and applies one
-  optimizer update (the state is donated).
+  logps, plan)` then runs `num_update_epochs` (GRPO's mu) optimizer updates
+  on the same batch against the same old log-probs: each moves weights,
+  runs the M micro-steps and applies one optimizer update (the state is
+  donated). The plan is reused by every epoch: routes are replayed, so the
+  loads it was made for do not change. From the second epoch on the policy
+  differs from the old one, the ratio leaves 1 and the PPO clip acts.
+  state.step counts RL steps (one per call), not optimizer updates.
   """
 
-  def __init__(self, tx: optax.GradientTransformation, **loss_kw):
+  def __init__(self, tx: optax.GradientTransformation, *,
+               num_update_epochs: int = 1, **loss_kw):
+    if num_update_epochs < 1:
+      raise ValueError(f'num_update_epochs must be >= 1, got '
+                       f'{num_update_epochs}.')
     self.tx = tx
+    self.num_update_epochs = int(num_update_epochs)
     self.recompute = jax.jit(recompute_logps, static_argnums=2)
 
-    def update(state: TrainState, batch: dict, logps: dict, plan: StepPlan):
+    def one_update(state: TrainState, batch, logps, plan):
       grads, metrics = update_grads(state, batch, logps, plan, **loss_kw)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       metrics['grad_norm'] = optax.tree.norm(grads)
-      new_state = dataclasses.replace(state, params=params,
-                                      opt_state=opt_state,
-                                      step=state.step + 1)
-      return new_state, metrics
+      return dataclasses.replace(state, params=params,
+                                 opt_state=opt_state), metrics
+
+    def update(state: TrainState, batch: dict, logps: dict, plan: StepPlan):
+      if self.num_update_epochs == 1:  # Exactly the single-update program.
+        state, metrics = one_update(state, batch, logps, plan)
+        metrics_U = jax.tree.map(lambda x: x[None], metrics)
+      else:
+        def epoch(s, _):
+          return one_update(s, batch, logps, plan)
+        state, metrics_U = jax.lax.scan(epoch, state, None,
+                                        length=self.num_update_epochs)
+      return (dataclasses.replace(state, step=state.step + 1),
+              _epoch_summary(metrics_U))
 
     self.update = jax.jit(update, donate_argnums=0)
 
@@ -328,9 +418,11 @@ class RLStep:
 def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
                  eps_low: float, eps_high: float, beta: float,
                  indexer_loss_coef: float = 1.0,
-                 balance_loss_coef: float = 0.0) -> RLStep:
+                 balance_loss_coef: float = 0.0,
+                 num_update_epochs: int = 1) -> RLStep:
   """Builds the jit-compiled pure RL step (see `RLStep`)."""
-  return RLStep(tx, num_generations=num_generations, eps_low=eps_low,
+  return RLStep(tx, num_update_epochs=num_update_epochs,
+                num_generations=num_generations, eps_low=eps_low,
                 eps_high=eps_high, beta=beta,
                 indexer_loss_coef=indexer_loss_coef,
                 balance_loss_coef=balance_loss_coef)
@@ -344,9 +436,11 @@ def make_sft_step(tx: optax.GradientTransformation,
   def sft_step(state: TrainState, tokens_BT, loss_mask_BT):
     def loss_fn(params):
       valid = jnp.ones(tokens_BT.shape, bool)
+      mask = loss_mask_BT[:, 1:].astype(jnp.float32)
+      # The indexer KL over the same positions as the loss (token mean).
       logp, aux = token_logp(state.graphdef, params, tokens_BT, valid, None,
-                             None, None)
-      mask = loss_mask_BT[:, 1:]
+                             None, None, indexer_weight_bT=mask / jnp.maximum(
+                                 mask.sum(), 1.0))
       nll = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
       exact = ((logp > jnp.log(0.5)) | (mask == 0)).all(axis=1).mean()
       total = (nll + indexer_loss_coef * aux.indexer_loss

@@ -127,7 +127,8 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
   rl_step = step_lib.make_rl_step(
       tx, num_generations=num_gen, eps_low=rl.eps_low, eps_high=rl.eps_high,
       beta=rl.beta, indexer_loss_coef=mcfg.msa_indexer_loss_coef,
-      balance_loss_coef=mcfg.aux_loss_coef)
+      balance_loss_coef=mcfg.aux_loss_coef,
+      num_update_epochs=rl.get('num_update_epochs', 1))
   topo, cost = planner_setup(config)
   d_ep, d_data = config.parallel.num_expert, config.parallel.num_data
   num_moe = config_lib.num_moe_layers(mcfg)
@@ -250,7 +251,9 @@ def recompute(ctx: RLContext, state, batch, loads_MLDE):
 
 
 def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
-  """Transfer + micro-steps + one optimizer update on device (blocking)."""
+  """Transfer + micro-steps + `rl.num_update_epochs` optimizer updates on
+  device, all against the recompute's old log-probs and with the same plan
+  (blocking)."""
   plan = step_lib.StepPlan(
       jax.tree.map(jnp.asarray, planned.plan.placement),
       transfer_engine.device_step_transfer(planned.transfer),
@@ -310,6 +313,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       phase='rl', reward_mean=float(rewards.mean()),
       reward_std=float(rewards.std()), kl=float(m['kl']),
       loss=float(m['loss']), clip_frac=float(m['clip_frac']),
+      clip_frac_per_epoch=[float(x) for x in m['clip_frac_U']],
+      ratio_mean_per_epoch=[float(x) for x in m['ratio_mean_U']],
       indexer_loss=float(m['indexer_loss']),
       grad_norm=float(m['grad_norm']),
       completion_len=float(ro.lengths_B.mean()),
@@ -428,6 +433,9 @@ def train(config, workdir: str) -> dict:
   model = transformer.Transformer(config.model, mesh,
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = sharding.split_model(model, mesh)
+  # Training holds the float32 master copy (checkpoints included), whatever
+  # model.param_dtype is; the model casts to model.dtype where it computes.
+  params = step_lib.master_params(params)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
 
   restored = ckpt.restore_latest(params)

@@ -109,7 +109,7 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
 
 def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
                         block_size: int, q_offset: int = 0,
-                        impl: str = 'auto') -> jax.Array:
+                        impl: str = 'auto', weight_BT=None) -> jax.Array:
   """DESIGN.md 6.5: mean over (b, g, t) of KL(main attention || index dist).
 
   Pass the same q, k, qi, ki and the aux that msa_attention returned (its
@@ -117,6 +117,10 @@ def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
   group's heads, over the selected causal keys) is stop-gradient; only qi and
   ki receive gradient. Scalar f32. 'pallas' and 'auto' use the XLA
   implementation (there is no loss kernel); 'reference' is the dense one.
+
+  weight_BT: float weights of the query positions: the loss is then
+  sum_{b,t} weight[b, t] * mean_g KL[b, g, t] (a masked mean for weights
+  mask / mask.sum()); None is the plain mean, weights 1 / (B T).
   """
   if impl not in IMPLS:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}.')
@@ -124,10 +128,11 @@ def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
   if impl == 'reference':
     return reference.indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI,
                                      aux['sel_BGTK'], block_size=block_size,
-                                     q_offset=q_offset)
+                                     q_offset=q_offset, weight_BT=weight_BT)
   return indexer_loss.indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI,
                                       aux['sel_BGTK'], aux['lse_BTH'],
-                                      block_size=block_size, q_offset=q_offset)
+                                      block_size=block_size, q_offset=q_offset,
+                                      weight_BT=weight_BT)
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,

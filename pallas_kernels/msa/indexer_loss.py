@@ -68,8 +68,12 @@ def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, *, q_offset: int,
 def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
                     block_size: int, q_offset: int = 0,
                     pairs_per_tile: int = 64,
-                    tiles_per_step: int = 16) -> jax.Array:
-  """Mean over (b, g, t) of KL(head-averaged main attention || index dist)."""
+                    tiles_per_step: int = 16, weight_BT=None) -> jax.Array:
+  """Mean over (b, g, t) of KL(head-averaged main attention || index dist).
+
+  weight_BT: weights of the query positions instead of the plain mean:
+  sum_{b,t} weight[b, t] * mean_g KL[b, g, t].
+  """
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
@@ -97,4 +101,7 @@ def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
 
   kl_XT = jax.lax.map(one_group, (q_XTRD, k_XNCD, qi_XTI, ki_XNCI, sel_XTK,
                                   lse_XTR))
-  return kl_XT.mean()
+  if weight_BT is None:
+    return kl_XT.mean()
+  kl_BT = kl_XT.reshape(b, g, t).mean(axis=1)
+  return jnp.sum(kl_BT * jnp.asarray(weight_BT, f32))

@@ -142,11 +142,13 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
 
 
 def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, *,
-                    block_size: int, q_offset=0) -> jax.Array:
+                    block_size: int, q_offset=0, weight_BT=None) -> jax.Array:
   """Point 5: mean over (b, g, t) of KL(main || index) on the allowed keys.
 
   The target is the main-branch attention averaged over the group's R heads;
   it is a stop-gradient, so only the index branch (qi, ki) learns from it.
+  weight_BT: weights of the query positions instead of the plain mean:
+  sum_{b,t} weight[b, t] * mean_g KL[b, g, t].
   """
   s = k_BSGD.shape[1]
   allowed_BGTS = allowed_keys_BGTS(sel_BGTK, s, block_size=block_size,
@@ -161,7 +163,9 @@ def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, *,
   safe_logp = jnp.log(jnp.where(p_BGTS > 0, p_BGTS, 1.0))
   safe_logq = jnp.where(allowed_BGTS, logq_BGTS, 0.0)
   kl_BGT = jnp.sum(p_BGTS * (safe_logp - safe_logq), axis=-1)
-  return kl_BGT.mean()
+  if weight_BT is None:
+    return kl_BGT.mean()
+  return jnp.sum(kl_BGT.mean(axis=1) * jnp.asarray(weight_BT, jnp.float32))
 
 
 def dense_causal_attention(q_BTHD, k_BSGD, v_BSGD, q_offset=0):

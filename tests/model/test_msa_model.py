@@ -71,6 +71,23 @@ def test_sparse_differs_and_indexer_gradient_stays_in_index_branch():
     assert (float(jnp.abs(g).max()) > 0) == is_index, name
 
 
+def test_indexer_loss_is_the_weighted_sum_over_query_positions():
+  """The position weights reach the MSA layers' indexer KL: zero weights
+  give 0 and the loss is additive over disjoint sets of positions (what the
+  RL step relies on to count only the loss mask's positions)."""
+  mesh = ep.make_mesh(1, 8)
+  _, graphdef, params = build(msa_cfg(), mesh)
+  tokens = jax.random.randint(jax.random.key(3), (8, 32), 0, 15)
+  loss = jax.jit(lambda w: nnx.merge(graphdef, params)(
+      tokens, indexer_weight_BT=w)[1].indexer_loss)
+  prompt = (jnp.arange(32) < 10)[None] * jnp.ones((8, 1))
+  rest = (1.0 - prompt) * jnp.linspace(0.5, 1.5, 8)[:, None]
+  assert float(loss(jnp.zeros((8, 32)))) == 0.0
+  a, b, both = float(loss(prompt)), float(loss(rest)), float(loss(prompt + rest))
+  assert a > 0 and b > 0
+  np.testing.assert_allclose(a + b, both, rtol=1e-5)
+
+
 def test_indexer_warmup_keeps_dense_attention():
   mesh = ep.make_mesh(1, 8)
   _, graphdef, params = build(msa_cfg(msa_indexer_warmup=True), mesh)

@@ -84,16 +84,17 @@ def test_chunked_prefill_rows_equal_full_prefill_rows():
   np.testing.assert_array_equal(aux_p['sel_BGTK'], aux['sel_BGTK'][:, :, o:])
 
 
-def test_indexer_kl_matches_numpy_and_trains_only_the_indexer():
-  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
-  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
-  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
-  loss = ref.indexer_kl_loss(q, kk, qi, ki, sel, block_size=c, q_offset=o)
+def _numpy_indexer_kl_BGT(q, kk, qi, ki, sel, c, o):
+  """KL(head-averaged main attention || index distribution) per (b, g, t),
+  over the allowed keys, in float64."""
+  b, t, h, d = q.shape
+  s, g = kk.shape[1:3]
+  r, di = h // g, qi.shape[-1]
   allowed = np.asarray(ref.allowed_keys_BGTS(sel, s, block_size=c,
                                              q_offset=o))
   qn, kn = np.asarray(q, np.float64), np.asarray(kk, np.float64)
   qin, kin = np.asarray(qi, np.float64), np.asarray(ki, np.float64)
-  kls = []
+  kl = np.zeros((b, g, t))
   for bb, gg, tt in np.ndindex(b, g, t):
     m = allowed[bb, gg, tt]
     heads = qn[bb, tt, gg * r:(gg + 1) * r] @ kn[bb, m, gg].T / np.sqrt(d)
@@ -101,10 +102,47 @@ def test_indexer_kl_matches_numpy_and_trains_only_the_indexer():
     p = (p / p.sum(-1, keepdims=True)).mean(0)
     si = kin[bb, m] @ qin[bb, tt, gg] / np.sqrt(di)
     logi = si - si.max() - np.log(np.exp(si - si.max()).sum())
-    kls.append(np.sum(p * (np.log(p) - logi)))
+    kl[bb, gg, tt] = np.sum(p * (np.log(p) - logi))
+  return kl
+
+
+def test_indexer_kl_matches_numpy_and_trains_only_the_indexer():
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  loss = ref.indexer_kl_loss(q, kk, qi, ki, sel, block_size=c, q_offset=o)
+  kls = _numpy_indexer_kl_BGT(q, kk, qi, ki, sel, c, o)
   np.testing.assert_allclose(float(loss), np.mean(kls), rtol=1e-5)
   grads = jax.grad(lambda *a: ref.indexer_kl_loss(
       *a, sel, block_size=c, q_offset=o), argnums=(0, 1, 2, 3))(q, kk, qi, ki)
   assert float(jnp.abs(grads[0]).max()) == 0.0
   assert float(jnp.abs(grads[1]).max()) == 0.0
   assert float(jnp.abs(grads[2]).max()) > 0.0
+
+
+
+def test_indexer_kl_weighted_is_the_masked_mean_over_valid_positions():
+  """With weights mask / mask.sum() (the RL loss's completion positions,
+  padding and prompt at 0), both implementations give numpy's masked mean
+  of the per-position KL, which differs from the plain mean."""
+  from pallas_kernels.msa import indexer_loss  # pylint: disable=g-import-not-at-top
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  _, aux = ref.msa_attention(q, kk, v, qi, ki, block_size=c, top_k=k,
+                             q_offset=o)
+  sel = aux['sel_BGTK']
+  kl_BGT = _numpy_indexer_kl_BGT(q, kk, qi, ki, sel, c, o)
+  # A prompt of 3 positions, then completions that end (padding) at random.
+  mask = np.arange(t)[None] >= 3
+  mask &= np.arange(t)[None] < np.random.default_rng(0).integers(5, t, b)[:, None]
+  assert 0 < mask.sum() < mask.size
+  want = (kl_BGT * mask[:, None]).sum() / (g * mask.sum())
+  assert abs(want - kl_BGT.mean()) > 1e-3 * want
+  weight = jnp.asarray(mask / mask.sum(), jnp.float32)
+  got_ref = ref.indexer_kl_loss(q, kk, qi, ki, sel, block_size=c, q_offset=o,
+                                weight_BT=weight)
+  got_xla = indexer_loss.indexer_kl_loss(
+      q, kk, qi, ki, sel, aux['lse_BTH'], block_size=c, q_offset=o,
+      pairs_per_tile=8, tiles_per_step=4, weight_BT=weight)
+  np.testing.assert_allclose(float(got_ref), want, rtol=1e-5)
+  np.testing.assert_allclose(float(got_xla), want, rtol=1e-5)

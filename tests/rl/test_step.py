@@ -5,6 +5,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -172,11 +173,24 @@ def test_moving_experts_changes_no_number(setup):
   still = _plan(4, num_layers)
   out = {}
   grads_fn, rl_step = _grads_fn(**kw), step_lib.make_rl_step(tx, **kw)
+  assert rl_step.num_update_epochs == 1  # The default: GRPO's mu = 1.
+
+  @jax.jit
+  def by_hand(state, grads):  # update_grads' gradient, one AdamW step.
+    updates, _ = tx.update(grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates)
+
   for name, plan in (('moving', moving), ('static', still)):
     state = step_lib.init_train_state(
         graphdef, jax.tree.map(jnp.copy, params), tx, mesh, with_ref=True)
     grads, m = grads_fn(state, batch, plan)
-    new_state, _ = rl_step(state, batch, plan)
+    want = jax.block_until_ready(by_hand(state, grads))
+    new_state, m_step = rl_step(state, batch, plan)
+    # mu = 1 is the single update: the recompute's gradient, one AdamW step.
+    assert m_step['clip_frac_U'].shape == (1,)
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want)):
+      scale = float(jnp.abs(b).max())
+      assert float(jnp.abs(a - b).max()) <= 1e-6 * scale, name
     out[name] = (grads, m, new_state.params)
   assert rl_step.update._cache_size() == 1
   (g_a, m_a, p_a), (g_b, m_b, p_b) = out['moving'], out['static']
