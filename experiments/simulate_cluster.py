@@ -40,6 +40,8 @@ _METHODS = flags.DEFINE_list(
     'simulator: weight copies priced alone, rounds ignored).')
 _VALIDATE = flags.DEFINE_bool('validate', True,
                               'Run the CPU validation (about 4 minutes).')
+_GRID = flags.DEFINE_bool('grid', True, 'Run the scale-out grid (off: the '
+                          'validation alone).')
 _REPEATS = flags.DEFINE_integer('validation_repeats', 3,
                                 'bench_rl_step repetitions for validation.')
 _MICRO = flags.DEFINE_integer('microsteps', 8, 'Micro-steps per RL step.')
@@ -89,9 +91,11 @@ def main(argv):
   if _TRACE.value:
     from foremoe_jax.foresight import traces  # pylint: disable=g-import-not-at-top
     trace = traces.load_trace(_TRACE.value)
-  rows = cluster.run_grid(_MODELS.value, devices, profiles, _METHODS.value,
-                          work_kwargs=work_kwargs, trace=trace, log=log)
-  pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
+  rows, pngs = [], []
+  if _GRID.value:
+    rows = cluster.run_grid(_MODELS.value, devices, profiles, _METHODS.value,
+                            work_kwargs=work_kwargs, trace=trace, log=log)
+    pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
   for r in rows:
     if r['mode'] == 'ragged' and r['profile'] == profiles[0].name:
       log(f"{r['model']:>17} {r['devices']:>4} {r['method']:>14}: step "
@@ -116,6 +120,9 @@ def main(argv):
           'trace': 'synthetic, hottest expert per layer calibrated to public '
                    'routing statistics (foremoe_jax/sim/workload.HOT_SHARE)',
           'planner_time': 'measured on this host, one thread',
+          'skipped': {m: f'EP groups above {d} devices (planning takes '
+                         f'minutes per step)'
+                      for m, d in cluster.SKIP_ABOVE.items()},
       },
       'plots': pngs,
       'seconds': time.perf_counter() - t0,

@@ -99,11 +99,14 @@ def _installed(transfer):
   return out
 
 
-def run(cfg: RLStepBench, log=print, extras: dict | None = None) -> dict:
+def run(cfg: RLStepBench, log=print, extras: dict | None = None,
+        calibration_capacities=()) -> dict:
   """extras: when a dict, receives the step's loads ('loads_MLDE'), the
   canonical layout's bucket ('static_capacity') and each method's host
   output ('planned': {method: PlannedStep}), for the cluster simulator's
-  validation."""
+  validation. calibration_capacities: also time the update with the static
+  layout (no planner, no moves) at each of these capacities, into
+  extras['static_update_s'] ({capacity: median seconds})."""
   config = bench_config(cfg)
   config_lib.validate_config(config)
   task = get_task(config.task, **config.task_kwargs)
@@ -197,6 +200,24 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None) -> dict:
           f"{m} {res[m]['update_s'][-1]:.3f}s" for m in METHODS))
   for p in planners.values():
     p.close()
+  if extras is not None and calibration_capacities:
+    planned = res['static']['plan']
+    static_plan = step_lib.StepPlan(
+        jax.tree.map(jnp.asarray, planned.plan.placement),
+        engine.device_step_transfer(planned.transfer), planned.capacity)
+    programs = {int(c): dataclasses.replace(static_plan, capacity=int(c))
+                for c in calibration_capacities}
+    times = {c: [] for c in programs}
+    for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
+      for c, plan in programs.items():
+        state = jax.tree.map(jnp.copy, state0)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        jax.block_until_ready(rl.update(state, batch, logps, plan))
+        if rep:
+          times[c].append(time.perf_counter() - t0)
+    extras['static_update_s'] = {c: float(np.median(t))
+                                 for c, t in times.items()}
   if extras is not None:
     extras['loads_MLDE'] = loads_MLDE
     extras['static_capacity'] = trainer.static_capacity(ctx, loads_MLDE)
