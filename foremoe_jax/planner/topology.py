@@ -110,16 +110,18 @@ class CostModel:
     return self.move_time_s(inter_node) / self.token_time_s
 
   @property
+  def grad_bytes(self) -> float:
+    """Bytes of one expert's gradient sent home."""
+    return (self.bytes_per_expert if self.grad_bytes_per_expert is None
+            else self.grad_bytes_per_expert)
+
+  @property
   def return_factor(self) -> float:
     """A copy's full price over its weights alone: the copy plus, later,
     its gradient sent home."""
-    grad = (self.bytes_per_expert if self.grad_bytes_per_expert is None
-            else self.grad_bytes_per_expert)
-    return 1.0 + grad / max(self.bytes_per_expert, 1e-30)
+    return 1.0 + self.grad_bytes / max(self.bytes_per_expert, 1e-30)
 
   def return_tokens(self, inter_node):
     """Sending one expert's gradient home, in token-assignments."""
-    grad = (self.bytes_per_expert if self.grad_bytes_per_expert is None
-            else self.grad_bytes_per_expert)
     bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
-    return grad / bw / self.token_time_s
+    return self.grad_bytes / bw / self.token_time_s

@@ -59,11 +59,10 @@ def topology(model: ModelShape, work: Workload, hw: HardwareProfile) -> Topology
 
 def cost_model(model: ModelShape, hw: HardwareProfile) -> CostModel:
   """The planner's cost model for this hardware (same constants)."""
-  return CostModel(
-      token_time_s=model.expert_flops_per_row() / hw.flops_per_s,
-      bytes_per_expert=float(model.bytes_per_expert),
-      grad_bytes_per_expert=4.0 * model.params_per_expert,
-      intra_node_bw=hw.intra_bw, inter_node_bw=hw.inter_bw,
+  return CostModel.from_expert_shape(
+      model.d_model, model.moe_d_ff, bytes_per_param=model.bytes_per_param,
+      flops_per_s=hw.flops_per_s, intra_node_bw=hw.intra_bw,
+      inter_node_bw=hw.inter_bw,
       overlap=0.5 * hw.transfer_overlap)  # The planner's default window.
 
 
