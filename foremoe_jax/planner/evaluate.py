@@ -1,20 +1,29 @@
 """Scoring planners on load traces: the planner benchmark's library.
 
 ``experiments/bench_planner.py`` is a thin shell around ``run_benchmark``;
-tests call the same functions on small traces. For each configuration a
-synthetic trace is generated (``foresight.traces``), every method plans
-every RL step from its own previous placement (methods interleaved step by
-step, so they see the same machine load), and the first step is a warm-up
-that is not scored (each method starts from the identity placement and
-EPLB-step has no history yet).
+tests call the same functions on small traces. Each configuration names its
+trace (``BenchConfig.trace``): 'synthetic' generates one from the config
+(``foresight.traces``); 'sampler:<name>' is a trace recorded from the
+repository's own sampler (``foresight.sampled_traces``), passed in by the
+caller so that this module stays jax-free. Every method plans every RL step
+from its own previous placement (methods interleaved step by step, so they
+see the same machine load), and the first step is a warm-up that is not
+scored (each method starts from the identity placement and EPLB-step has no
+history yet).
 
 Metrics per method (over scored micro-steps and layers):
   mean / p95 of max/mean device load (straggler factor),
   per-slot max/mean (capacity-bucket view),
-  bytes moved and experts newly copied into a device per micro-step,
+  bytes moved per micro-step, and copies (experts newly copied into a
+  device, against the previous micro-step's placement; micro-step 0 against
+  the previous RL step's last) per device and micro-step, summed over all
+  layers (what a device receives between two micro-steps) and per layer,
   planner latency per (micro-step, layer) and per RL step: wall-clock
   median over scored steps, plus the CPU time of this process per
-  (micro-step, layer) (on a shared machine, wall time includes waiting).
+  (micro-step, layer) (on a shared machine, wall time includes waiting),
+  and both as ratios to EPLB-microstep's in the same run.
+Per configuration, ForeMoE's mean max/mean is checked against
+``TARGET_MAX_OVER_MEAN`` (by redundant slots per device).
 ``milp_gap`` compares ForeMoE with the exact MILP on small instances.
 
 Shape letters: R RL steps, M micro-steps, L layers, D devices, E experts.
@@ -33,28 +42,48 @@ from foremoe_jax.planner.plan import StepPlan
 from foremoe_jax.planner.topology import CostModel, Topology
 
 METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
+# ForeMoE's mean max/mean must not exceed this, by redundant slots per device
+# (issue 10): one redundant slot leaves fewer replicas to spread hot experts.
+TARGET_MAX_OVER_MEAN = {1: 1.08, 2: 1.05}
+SYNTHETIC = 'synthetic'
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-  """One benchmark configuration: model shape, machine, trace size."""
+  """One benchmark configuration: model shape, machine, trace.
+
+  `trace` is 'synthetic' (generated from the fields below) or
+  'sampler:<name>', a recorded trace the caller supplies; for those the
+  shape fields (experts, top-k, layers, micro-steps, steps) must match it,
+  and its loads are multiplied by `load_scale` (see `sampled_configs`).
+  """
 
   name: str
   num_experts: int
   top_k: int
   num_nodes: int = 1
   devices_per_node: int = 8
-  redundant_per_device: int = 2
+  redundant_slots_per_device: int = 2
   num_layers: int = 16
   num_microsteps: int = 8
   num_steps: int = 4  # The first is a warm-up.
   seqs_per_microbatch: int = 2
   tokens_per_seq: int = 4096
   seed: int = 0
+  trace: str = SYNTHETIC
+  load_scale: int = 1
 
   @property
   def num_devices(self) -> int:
     return self.num_nodes * self.devices_per_node
+
+  @property
+  def target_max_over_mean(self) -> float:
+    """ForeMoE's bound on mean max/mean for this many redundant slots."""
+    r = self.redundant_slots_per_device
+    if r < 1:
+      raise ValueError(f'{self.name}: no target without redundant slots.')
+    return TARGET_MAX_OVER_MEAN[min(r, max(TARGET_MAX_OVER_MEAN))]
 
   def topology(self) -> Topology:
     if self.num_experts % self.num_devices:
@@ -62,7 +91,7 @@ class BenchConfig:
                        f'over D={self.num_devices} devices.')
     return Topology(self.num_nodes, self.devices_per_node,
                     self.num_experts // self.num_devices
-                    + self.redundant_per_device)
+                    + self.redundant_slots_per_device)
 
   def trace_config(self) -> traces.SyntheticTraceConfig:
     return traces.SyntheticTraceConfig(
@@ -73,16 +102,52 @@ class BenchConfig:
         tokens_per_seq=self.tokens_per_seq, seed=self.seed)
 
 
-def default_configs(num_layers: int = 16) -> list[BenchConfig]:
-  """The four configurations of the planner benchmark (issue 5, item 7)."""
-  return [
-      BenchConfig('E64_D8_top2', 64, 2, num_layers=num_layers),
-      BenchConfig('E128_D8_top8', 128, 8, num_layers=num_layers),
-      BenchConfig('E128_D64x8n_top8', 128, 8, num_nodes=8,
-                  num_layers=num_layers),
-      BenchConfig('E256_D64x8n_top8', 256, 8, num_nodes=8,
-                  num_layers=num_layers),
-  ]
+REDUNDANT_SLOTS = (2, 1)  # Per device: 2 and 1 (12.5% at E=128, D=8).
+
+
+def default_configs(num_layers: int = 16,
+                    redundant_slots=REDUNDANT_SLOTS) -> list[BenchConfig]:
+  """The synthetic configurations (issue 5, item 7), each with 2 and with 1
+  redundant slot per device (names end in _r2 / _r1)."""
+  shapes = [('E64_D8_top2', 64, 2, 1), ('E128_D8_top8', 128, 8, 1),
+            ('E128_D64x8n_top8', 128, 8, 8), ('E256_D64x8n_top8', 256, 8, 8)]
+  return [BenchConfig(f'{name}_r{r}', e, k, num_nodes=n,
+                      redundant_slots_per_device=r, num_layers=num_layers)
+          for name, e, k, n in shapes for r in redundant_slots]
+
+
+def sampled_configs(traces_by_source: dict, redundant_slots=REDUNDANT_SLOTS,
+                    tokens_per_device: int | None = 8192) -> list[BenchConfig]:
+  """Configurations on recorded traces, {'sampler:<name>': Trace}: one node
+  of as many devices as the trace has sources, 2 and 1 redundant slots.
+
+  A CPU-sampled trace holds a few hundred tokens per device and micro-step,
+  while an RL micro-step holds thousands (the synthetic configs: 2 x 4096).
+  The cost model weighs a copy (hundreds of token-times for a Qwen3 expert
+  on an H100 node) against the straggler tokens it saves, so at the
+  sampled volume no copy pays and the comparison would be about volume,
+  not routing. The loads are therefore multiplied by the integer
+  `load_scale` that brings them nearest `tokens_per_device` (None: 1): the
+  routing pattern of the sample, at a real micro-step's volume. Relative
+  noise stays that of the small sample, more micro-step swing than a real
+  batch of the same routing would have.
+  """
+  out = []
+  for source, trace in traces_by_source.items():
+    r_steps, num_micro, num_layers, num_devices, num_experts = (
+        trace.loads_RMLDE.shape)
+    top_k = int(trace.meta['top_k'])
+    have = trace.loads_RMLDE.sum(axis=(3, 4)).mean() / top_k / num_devices
+    scale = (1 if tokens_per_device is None
+             else max(1, int(round(tokens_per_device / max(have, 1e-9)))))
+    for r in redundant_slots:
+      out.append(BenchConfig(
+          f"{source.replace(':', '_')}_D{num_devices}_r{r}", num_experts,
+          top_k, devices_per_node=num_devices,
+          redundant_slots_per_device=r, num_layers=num_layers,
+          num_microsteps=num_micro, num_steps=r_steps, trace=source,
+          load_scale=scale))
+  return out
 
 
 def run_methods(trace: traces.Trace, topo: Topology, cost: CostModel,
@@ -133,7 +198,8 @@ def method_metrics(plans: list[StepPlan], seconds: list[float],
                        for p in plans])
   slot_mm = np.concatenate([placement_lib.max_over_mean(p.slot_loads_MLS).ravel()
                             for p in plans])
-  moves = np.concatenate([p.moves_MLD.mean(axis=(1, 2)) for p in plans])
+  # Copies into each device per micro-step, over all layers: [steps * M, D].
+  copies_MD = np.concatenate([p.moves_MLD.sum(axis=1) for p in plans])
   bytes_m = np.concatenate([p.bytes_moved_M for p in plans])
   num_micro, num_layers = plans[0].loads_MLD.shape[:2]
   step_s, cpu_s = (float(v) for v in np.median(np.asarray(seconds), axis=0))
@@ -143,7 +209,9 @@ def method_metrics(plans: list[StepPlan], seconds: list[float],
       'max_max_over_mean': float(mm.max()),
       'mean_slot_max_over_mean': float(slot_mm.mean()),
       'bytes_moved_per_microstep': float(bytes_m.mean()),
-      'moves_per_device_per_microstep': float(moves.mean()),
+      'copies_per_device_per_microstep_all_layers': float(copies_MD.mean()),
+      'copies_per_device_per_microstep_per_layer': float(
+          copies_MD.mean() / num_layers),
       'latency_ms_per_layer': 1e3 * step_s / (num_micro * num_layers),
       'latency_ms_per_step': 1e3 * step_s,
       'cpu_ms_per_layer': 1e3 * cpu_s / (num_micro * num_layers),
@@ -202,36 +270,90 @@ def milp_gap(cost: CostModel, config: foremoe.ForeMoEConfig = foremoe.ForeMoECon
           'experts': num_experts, 'devices': num_devices}
 
 
+def relative_latency(metrics: dict, reference: str = 'eplb_microstep') -> None:
+  """Adds each method's planner time as a ratio to `reference`'s, measured
+  in the same (interleaved) run, so machine load mostly cancels."""
+  ref = metrics[reference]
+  for m in metrics.values():
+    m[f'latency_vs_{reference}'] = (m['latency_ms_per_step']
+                                    / max(ref['latency_ms_per_step'], 1e-12))
+    m[f'cpu_vs_{reference}'] = (m['cpu_ms_per_layer']
+                                / max(ref['cpu_ms_per_layer'], 1e-12))
+
+
+def config_trace(bc: BenchConfig, trace: traces.Trace | None = None
+                 ) -> traces.Trace:
+  """The configuration's trace: generated if synthetic, else `trace`,
+  checked against the configuration's shape."""
+  if bc.trace == SYNTHETIC:
+    return traces.synthetic_trace(bc.trace_config())
+  if trace is None:
+    raise ValueError(f'{bc.name}: trace {bc.trace!r} was not supplied.')
+  want = (bc.num_steps, bc.num_microsteps, bc.num_layers, bc.num_devices,
+          bc.num_experts)
+  if trace.loads_RMLDE.shape != want:
+    raise ValueError(f'{bc.name}: trace {bc.trace!r} is '
+                     f'{trace.loads_RMLDE.shape}, the config wants {want}.')
+  if bc.load_scale == 1:
+    return trace
+  return traces.Trace(trace.loads_RMLDE * int(bc.load_scale),
+                      {**trace.meta, 'load_scale': int(bc.load_scale)})
+
+
 def run_config(bc: BenchConfig, cost: CostModel,
-               config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig()):
-  """Metrics of every method on one configuration, plus plot series."""
+               config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
+               trace: traces.Trace | None = None):
+  """Metrics of every method on one configuration, plus plot series.
+
+  `trace` is required when bc.trace is not 'synthetic'.
+  """
   topo = bc.topology()
-  trace = traces.synthetic_trace(bc.trace_config())
+  trace = config_trace(bc, trace)
   results = run_methods(trace, topo, cost, config)
   metrics = {m: method_metrics(*results[m]) for m in METHODS}
+  relative_latency(metrics)
   series = {m: per_microstep_series(results[m][0]) for m in METHODS}
-  summary = {'name': bc.name, 'experts': bc.num_experts,
+  target = bc.target_max_over_mean
+  summary = {'name': bc.name, 'trace': bc.trace, 'experts': bc.num_experts,
              'devices': bc.num_devices, 'nodes': bc.num_nodes,
-             'top_k': bc.top_k, 'slots_per_device': topo.slots_per_device,
+             'top_k': bc.top_k,
+             'redundant_slots_per_device': bc.redundant_slots_per_device,
+             'slots_per_device': topo.slots_per_device,
              'layers': bc.num_layers, 'microsteps': bc.num_microsteps,
              'scored_steps': bc.num_steps - 1,
+             'load_scale': bc.load_scale,
+             'tokens_per_device_per_microstep': float(
+                 trace.loads_RMLDE.sum(axis=(3, 4)).mean()
+                 / (bc.top_k * bc.num_devices)),
              'hottest_expert_share': float(np.mean(
                  [traces.hottest_expert_share(trace.step(r))
                   for r in range(trace.num_steps)])),
+             'target_max_over_mean': target,
+             'meets_target': bool(
+                 metrics['foremoe']['mean_max_over_mean'] <= target),
              'methods': metrics}
   return summary, series
 
 
 def run_benchmark(configs, cost: CostModel,
                   config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
-                  with_milp: bool = True):
-  """All configurations and the MILP gap: (JSON-able result, plot series)."""
+                  with_milp: bool = True, traces_by_source: dict | None = None):
+  """All configurations and the MILP gap: (JSON-able result, plot series).
+
+  traces_by_source maps each non-synthetic `BenchConfig.trace` to its Trace.
+  """
+  names = [bc.name for bc in configs]
+  if len(set(names)) != len(names):
+    raise ValueError(f'configuration names must be unique: {names}.')
   summaries, all_series = [], {}
+  traces_by_source = traces_by_source or {}
   for bc in configs:
-    summary, series = run_config(bc, cost, config)
+    summary, series = run_config(bc, cost, config,
+                                 traces_by_source.get(bc.trace))
     summaries.append(summary)
     all_series[bc.name] = series
-  result = {'configs': summaries}
+  result = {'all_targets_met': all(s['meets_target'] for s in summaries),
+            'configs': summaries}
   if with_milp:
     gap = milp_gap(cost, config)
     result['milp_gap'] = gap['mean']
