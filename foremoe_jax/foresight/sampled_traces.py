@@ -18,13 +18,13 @@ and the per-step loads [M, L, D, E] are stacked with
 What the trace is, honestly: the model is a *random initialisation* (no
 warm start, no RL), a few layers of small width, sampling on the
 'addition' task. It is not a trained model's routing. It is nevertheless
-skewed, not near-uniform: the task's vocabulary has 14 symbols, and at
-random init a token's hidden state is dominated by its own embedding, so
-routing is close to a function of the token and the few digit tokens pile
-onto a few experts per layer (hottest expert about 7-14% of a layer's
-selections at E=64 top-2, 7-10% at E=128 top-8, where uniform is 1.6% and
-0.8%; Qwen3-30B-A3B's public figure is 4-6% at E=128), and some experts get
-nothing. Because routing follows tokens rather than sequences, micro-steps
+skewed, not near-uniform: the task's vocabulary has 15 ids (12 symbols and
+3 specials), and at random init a token's hidden state is dominated by its
+own embedding, so routing is close to a function of the token and the few
+digit tokens pile onto a few experts per layer. In the committed traces the
+hottest expert takes 7.5-12% of a layer's selections at E=64 top-2 and
+7-10% at E=128 top-8 (uniform: 1.6% and 0.8%; Qwen3-30B-A3B's public
+figure is 4-6% at E=128), and 0-13 experts of a layer get nothing. Because routing follows tokens rather than sequences, micro-steps
 of one step look alike (little per-micro-step swing): it complements the
 synthetic traces, whose per-sequence correlation makes micro-steps differ.
 Scaling the embeddings (0.2x) or the router does not change this (top-k ids
