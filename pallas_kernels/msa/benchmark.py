@@ -1,16 +1,22 @@
 """MSA vs dense attention on CPU: the library behind experiments/bench_msa.
 
-Per sequence length it times, in interleaved repetitions within one process,
-  dense: jax.nn.dot_product_attention, causal GQA, and
-  msa:   the CPU (XLA) path end to end, index branch included,
-plus the index branch alone (its share of msa), and reports the FLOP ratio
-of DESIGN.md section 6 for the same shape.
+Prefill, per sequence length, timed in interleaved repetitions in one process:
+  causal_dense: flash-style causal GQA (`causal_dense`): query chunk c visits
+                key chunks 0..c only, with an online softmax. The strongest
+                dense baseline, and the one `speedup_vs_causal_dense` uses.
+  dense:        jax.nn.dot_product_attention over query chunks, each under a
+                causal mask over all T keys (the masked square: twice the
+                causal FLOPs). One call would hold [H, T, T] f32 logits (64 GB
+                at 32k with 16 heads), hence the chunks. Kept as `speedup`
+                for continuity with earlier runs.
+  msa:          the CPU (XLA) path end to end, index branch included,
+plus the index branch alone (its share of msa), and the FLOP ratio of the
+MSA cost formula (`flop_ratio`: dense counts only the causal half).
 
-The dense baseline runs jax.nn.dot_product_attention over query chunks
-(lax.map, a causal mask per chunk): one call would hold [H, T, T] f32 logits
-(64 GB at 32k with 16 heads). Chunking keeps its FLOPs (XLA computes the full
-[T, S] square, masked, either way). The formula's dense term counts only the
-causal half, so dense_s reflects twice the formula's dense FLOPs.
+Decode, per cache length: one new token for each of `decode_batch` sequences
+against a full cache, dense (jax.nn.dot_product_attention with per-sequence
+lengths) vs `xla.msa_decode`, with the decode FLOP ratio of the same formula
+at one query position (`decode_flop_ratio`).
 
 Letter key: B batch, T tokens, H query heads, G groups, D head dim, I index
 head dim.
@@ -41,6 +47,9 @@ class MSABench:
   top_k: int = 16            # K
   repeats: int = 3           # interleaved; 2 past 16k to bound the run time
   dense_q_chunk: int = 256
+  causal_chunk: int = 512    # flash-style dense: query and key chunk
+  decode_cache_lens: tuple[int, ...] = (8192, 32768, 131072)
+  decode_batch: int = 4
   check_len: int = 2048      # the reference is dense: check at this length
   seed: int = 0
 
@@ -59,6 +68,20 @@ def paper_flop_ratio() -> float:
   return flop_ratio(r=16, d=128, di=128, block=128, k=16, n=2**20)
 
 
+def decode_flop_ratio(*, r: int, d: int, di: int, block: int, k: int,
+                      n: int) -> float:
+  """Dense / MSA compute of one new token against a cache of n, per group.
+
+  The same terms as `flop_ratio` at one query position n instead of the
+  causal average: dense 4*r*D*n; MSA 2*dI*n (index) + 4*r*D*min(K*B, n).
+  """
+  return 4 * r * d * n / (2 * di * n + 4 * r * d * min(k * block, n))
+
+
+# The paper's reported decode speedup at a 1M-token cache.
+PAPER_DECODE_SPEEDUP = 7.6
+
+
 def _inputs(cfg: MSABench, t: int):
   ks = jax.random.split(jax.random.key(cfg.seed), 5)
   g, r, d, di = cfg.groups, cfg.heads_per_group, cfg.head_dim, cfg.index_dim
@@ -68,7 +91,11 @@ def _inputs(cfg: MSABench, t: int):
 
 
 def dense_attention(q_BTHD, k_BTGD, v_BTGD, q_chunk: int):
-  """Causal GQA with jax.nn.dot_product_attention, one query chunk at a time."""
+  """Causal GQA with jax.nn.dot_product_attention, one query chunk at a time.
+
+  Every chunk attends to all T keys under a causal mask: the masked square,
+  twice the causal FLOPs. Kept as the naive baseline beside `causal_dense`.
+  """
   b, t, h, d = q_BTHD.shape
   q_chunk = min(q_chunk, t)
   n = t // q_chunk
@@ -85,6 +112,63 @@ def dense_attention(q_BTHD, k_BTGD, v_BTGD, q_chunk: int):
   return out.transpose(1, 0, 2, 3, 4).reshape(b, t, h, d)
 
 
+def causal_dense(q_BTHD, k_BTGD, v_BTGD, chunk: int = 512):
+  """Flash-style causal GQA: key chunks above the diagonal are never touched.
+
+  Query chunk c visits key chunks 0..c with an online softmax (running max,
+  sum and output, merged chunk by chunk as flash attention does); only the
+  diagonal chunk pays for a mask. Work is the causal half of the square plus
+  one diagonal tile per chunk, the strongest dense baseline a user would run.
+  The R heads of a group share each key chunk, so a tile is one
+  [C*R, D] x [D, C] matmul per group.
+  """
+  b, t, h, d = q_BTHD.shape
+  g = k_BTGD.shape[2]
+  r = h // g
+  c = min(chunk, t)
+  if t % c:
+    raise ValueError(f'causal_dense: T={t} must be a multiple of chunk={c}.')
+  n = t // c
+  f32 = jnp.float32
+  scale = 1.0 / np.sqrt(d)
+  # [B, N, G, C*R, D] queries and [B, N, G, C, D] keys/values per chunk.
+  q_BNGXD = (q_BTHD.astype(f32) * scale).reshape(b, n, c, g, r, d).transpose(
+      0, 1, 3, 2, 4, 5).reshape(b, n, g, c * r, d)
+  k_BNGCD = k_BTGD.astype(f32).reshape(b, n, c, g, d).transpose(0, 1, 3, 2, 4)
+  v_BNGCD = v_BTGD.astype(f32).reshape(b, n, c, g, d).transpose(0, 1, 3, 2, 4)
+  # Row x of a chunk is token x // R of it; the diagonal tile's causal mask.
+  diag_XC = (jnp.arange(c * r)[:, None] // r) >= jnp.arange(c)[None, :]
+
+  def merge(carry, q_GXD, k_GCD, v_GCD, mask_XC=None):
+    m_GX, l_GX, o_GXD = carry
+    s_GXC = jnp.einsum('gxd,gcd->gxc', q_GXD, k_GCD)
+    if mask_XC is not None:
+      s_GXC = jnp.where(mask_XC, s_GXC, -jnp.inf)
+    m_new = jnp.maximum(m_GX, s_GXC.max(axis=-1))
+    p_GXC = jnp.exp(s_GXC - m_new[..., None])
+    w_GX = jnp.exp(m_GX - m_new)
+    return (m_new, w_GX * l_GX + p_GXC.sum(axis=-1),
+            w_GX[..., None] * o_GXD + jnp.einsum('gxc,gcd->gxd', p_GXC, v_GCD))
+
+  def one_chunk(q_GXD, i, k_NGCD, v_NGCD):
+    init = (jnp.full((g, c * r), -jnp.inf, f32), jnp.zeros((g, c * r), f32),
+            jnp.zeros((g, c * r, d), f32))
+    # A while loop with a data-dependent trip count: chunks above the
+    # diagonal are skipped, not computed and masked.
+    below = jax.lax.fori_loop(
+        0, i, lambda j, carry: merge(carry, q_GXD, k_NGCD[j], v_NGCD[j]), init)
+    _, l_GX, o_GXD = merge(below, q_GXD, k_NGCD[i], v_NGCD[i], diag_XC)
+    return o_GXD / l_GX[..., None]
+
+  def one_sequence(q_NGXD, k_NGCD, v_NGCD):
+    return jax.lax.map(lambda args: one_chunk(*args, k_NGCD, v_NGCD),
+                       (q_NGXD, jnp.arange(n)))
+
+  o_BNGXD = jax.vmap(one_sequence)(q_BNGXD, k_BNGCD, v_BNGCD)
+  o_BTHD = o_BNGXD.reshape(b, n, g, c, r, d).transpose(0, 1, 3, 2, 4, 5)
+  return o_BTHD.reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
 def _time(fn, args) -> float:
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
@@ -99,8 +183,9 @@ def run_length(cfg: MSABench, t: int) -> dict:
   index = jax.jit(functools.partial(xla.selection_BGTK, **kw))
   # Compiled ahead of time, not warmed up by a run: a dense call at 32k takes
   # a minute or two, and the repetitions are interleaved anyway.
-  fns = {'dense': (dense, (q, k, v)), 'msa': (msa, (q, k, v, qi, ki)),
-         'index': (index, (qi, ki))}
+  causal = jax.jit(functools.partial(causal_dense, chunk=cfg.causal_chunk))
+  fns = {'dense': (dense, (q, k, v)), 'causal_dense': (causal, (q, k, v)),
+         'msa': (msa, (q, k, v, qi, ki)), 'index': (index, (qi, ki))}
   fns = {name: (fn.lower(*args).compile(), args)
          for name, (fn, args) in fns.items()}
   times = {name: [] for name in fns}
@@ -114,12 +199,68 @@ def run_length(cfg: MSABench, t: int) -> dict:
       'dense_s': round(med['dense'], 4),
       'msa_s': round(med['msa'], 4),
       'speedup': round(med['dense'] / med['msa'], 3),
+      'causal_dense_s': round(med['causal_dense'], 4),
+      'speedup_vs_causal_dense': round(med['causal_dense'] / med['msa'], 3),
       'flop_ratio': round(flop_ratio(
           r=cfg.heads_per_group, d=cfg.head_dim, di=cfg.index_dim,
           block=cfg.block_size, k=cfg.top_k, n=t), 3),
       'index_fraction': round(med['index'] / med['msa'], 3),
       'index_s': round(med['index'], 4),
       'repeats': repeats,
+  }
+
+
+def dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
+  """One new token per sequence against its cache: jax.nn attention (XLA)."""
+  out = jax.nn.dot_product_attention(q_BHD[:, None], k_BSGD, v_BSGD,
+                                     key_value_seq_lengths=lengths_B)
+  return out[:, 0]
+
+
+def _time_calls(fn, args, n_calls: int) -> float:
+  """Seconds per call over n_calls back-to-back calls, one sync at the end."""
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(n_calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / n_calls
+
+
+def run_decode(cfg: MSABench, s: int) -> dict:
+  """Dense vs MSA decode of decode_batch tokens over full caches of s."""
+  b, g, r, d, di = (cfg.decode_batch, cfg.groups, cfg.heads_per_group,
+                    cfg.head_dim, cfg.index_dim)
+  ks = jax.random.split(jax.random.key(cfg.seed + 1), 5)
+  n = jax.random.normal
+  q, k, v = (n(ks[0], (b, g * r, d)), n(ks[1], (b, s, g, d)),
+             n(ks[2], (b, s, g, d)))
+  qi, ki = n(ks[3], (b, g, di)), n(ks[4], (b, s, di))
+  lengths = jnp.full((b,), s, jnp.int32)
+  msa = functools.partial(xla.msa_decode, block_size=cfg.block_size,
+                          top_k=cfg.top_k)
+  fns = {'dense': (dense_decode, (q, k, v, lengths)),
+         'msa': (lambda *a: msa(*a)[0], (q, k, v, qi, ki, lengths))}
+  fns = {name: (jax.jit(fn).lower(*args).compile(), args)
+         for name, (fn, args) in fns.items()}
+  for fn, args in fns.values():
+    jax.block_until_ready(fn(*args))
+  # Enough back-to-back calls per timing that dispatch is amortised.
+  n_calls = {name: max(1, min(50, int(0.2 / max(_time_calls(f, a, 1), 1e-6))))
+             for name, (f, a) in fns.items()}
+  times = {name: [] for name in fns}
+  for _ in range(cfg.repeats):
+    for name, (fn, args) in fns.items():
+      times[name].append(_time_calls(fn, args, n_calls[name]))
+  med = {name: statistics.median(ts) for name, ts in times.items()}
+  return {
+      'cache_len': s,
+      'batch': b,
+      'dense_s': med['dense'],
+      'msa_s': med['msa'],
+      'speedup': round(med['dense'] / med['msa'], 3),
+      'flop_ratio': round(decode_flop_ratio(
+          r=r, d=d, di=di, block=cfg.block_size, k=cfg.top_k, n=s), 3),
   }
 
 
@@ -139,13 +280,19 @@ def reference_error(cfg: MSABench) -> float:
 
 
 def run(cfg: MSABench, log=print) -> dict:
+  decode = []
+  for s in cfg.decode_cache_lens:
+    decode.append(run_decode(cfg, s))
+    log(decode[-1])
   rows = []
   for t in cfg.seq_lens:
     rows.append(run_length(cfg, t))
     log(rows[-1])
-  last = rows[-1]
+  last, last_dec = rows[-1], decode[-1] if decode else None
+  causal_target = 0.7 * last['flop_ratio']
   return {
       'results': rows,
+      'decode': decode,
       'max_abs_err_vs_reference': reference_error(cfg),
       'reference_check_len': cfg.check_len,
       'paper_flop_ratio': round(paper_flop_ratio(), 1),
@@ -154,4 +301,18 @@ def run(cfg: MSABench, log=print) -> dict:
                                    (0.7 * last['flop_ratio']), 3),
       'speedup_grows_with_length': all(
           a['speedup'] < b['speedup'] for a, b in zip(rows, rows[1:])),
+      'target_speedup_vs_causal_dense_at_max_len': round(causal_target, 3),
+      'speedup_vs_causal_dense_over_target': round(
+          last['speedup_vs_causal_dense'] / causal_target, 3),
+      'speedup_vs_causal_dense_grows_with_length': all(
+          a['speedup_vs_causal_dense'] < b['speedup_vs_causal_dense']
+          for a, b in zip(rows, rows[1:])),
+      'decode_target_speedup_at_max_cache': (
+          round(0.5 * last_dec['flop_ratio'], 3) if decode else None),
+      'decode_speedup_over_target': (
+          round(last_dec['speedup'] / (0.5 * last_dec['flop_ratio']), 3)
+          if decode else None),
+      'paper_decode_speedup_at_1m': PAPER_DECODE_SPEEDUP,
+      'paper_decode_flop_ratio_at_1m': round(decode_flop_ratio(
+          r=16, d=128, di=128, block=128, k=16, n=2**20), 2),
   }

@@ -283,12 +283,16 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   sel_BGK = select_blocks_BGTK(scores_BGN[:, :, None], block_size=block_size,
                                top_k=top_k, q_offset=off_B)[:, :, 0]
   sel_BGK = jax.lax.stop_gradient(sel_BGK)
-  pad = ((0, 0), (0, sp - s), (0, 0), (0, 0))
-  blocks = lambda x: jnp.pad(x.astype(jnp.float32), pad).reshape(
-      b, n, block_size, g, d).transpose(0, 3, 1, 2, 4)
-  take = jnp.maximum(sel_BGK, 0)[..., None, None]
-  k_BGKCD = jnp.take_along_axis(blocks(k_cache_BSGD), take, axis=2)
-  v_BGKCD = jnp.take_along_axis(blocks(v_cache_BSGD), take, axis=2)
+  # Gather the K*C selected keys straight from the [B, S, G, D] cache: no
+  # padded or transposed copy of the whole cache (that alone would read and
+  # write all of it, what dense decode costs). Positions past S are clamped
+  # and masked below.
+  pos_BGKC = jnp.clip(jnp.maximum(sel_BGK, 0)[..., None] * block_size
+                      + jnp.arange(block_size), 0, s - 1)
+  b_idx = jnp.arange(b)[:, None, None, None]
+  g_idx = jnp.arange(g)[None, :, None, None]
+  k_BGKCD = k_cache_BSGD[b_idx, pos_BGKC, g_idx].astype(jnp.float32)
+  v_BGKCD = v_cache_BSGD[b_idx, pos_BGKC, g_idx].astype(jnp.float32)
   q_BGRD = q_BHD.astype(jnp.float32).reshape(b, g, r, d)
   logits = jnp.einsum('bgrd,bgkcd->bgrkc', q_BGRD, k_BGKCD) / math.sqrt(d)
   kpos_BGKC = sel_BGK[..., None] * block_size + jnp.arange(block_size)
