@@ -3,13 +3,13 @@
   python -m experiments.bench_moe_layer --json
 """
 import dataclasses
-import json
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
+from experiments import common
 from foremoe_jax.benchmarks import moe_layer
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.utils.run_info import print_run_info
@@ -22,12 +22,12 @@ _REPEATS = flags.DEFINE_integer('repeats', 7, 'Interleaved repetitions.')
 def main(argv):
   del argv
   cfg = moe_layer.MoELayerBench(tokens=_TOKENS.value, repeats=_REPEATS.value)
-  print_run_info({'bench': 'moe_layer', **dataclasses.asdict(cfg)})
+  run = print_run_info({'bench': 'moe_layer', **dataclasses.asdict(cfg)})
   result = moe_layer.run(cfg, ep.make_mesh(1, 8))
   if not _JSON.value:
     for k, v in result.items():
       print(f'{k:>28}: {v}')
-  print(json.dumps(result))
+  common.finish('bench_moe_layer', run, result)
 
 
 if __name__ == '__main__':

@@ -4,18 +4,22 @@
   JAX_PLATFORMS=cuda python -m experiments.bench_msa --device=gpu --json \
       --seq_lens=8192,16384,32768,65536,131072           # vs cuDNN
 
-Prints the setup, one row per length (unless --json), then one JSON line:
-CPU {"results": [{seq_len, dense_s, msa_s, speedup, flop_ratio,
-index_fraction, ...}], "max_abs_err_vs_reference", "paper_flop_ratio", ...};
+Prints the setup, one row per length (unless --json), then one JSON line,
+also written to results/bench_msa.json (results/bench_msa_gpu.json on GPU):
+CPU {"results": [{seq_len, causal_dense_s, dense_s, msa_s,
+speedup_vs_causal_dense, speedup, flop_ratio, index_fraction, ...}],
+"decode": [{cache_len, batch, dense_s, msa_s, speedup, flop_ratio}] (longest
+cache last), the targets and how far each is met, ...}; causal_dense is
+flash-style (chunks above the diagonal skipped), dense is the masked square.
 GPU {"bench": "msa_gpu", "results": [{seq_len, dense_s, msa_s, speedup,
 flop_ratio, dense_tflops, msa_tflops, decode_*, ...}], ...}. The logic lives
 in pallas_kernels/msa/benchmark.py and benchmark_gpu.py.
 """
 import dataclasses
-import json
 
 from absl import app, flags
 
+from experiments import common
 from foremoe_jax.utils.run_info import print_run_info
 from pallas_kernels.msa import benchmark
 
@@ -48,10 +52,12 @@ def main(argv):
   else:
     cfg = benchmark.MSABench(**kw)
     lib = benchmark
-  print_run_info({'bench': f'msa_{_DEVICE.value}', **dataclasses.asdict(cfg)})
+  run = print_run_info({'bench': f'msa_{_DEVICE.value}',
+                        **dataclasses.asdict(cfg)})
   kw = {'log': lambda row: None} if _JSON.value else {}
   result = lib.run(cfg, **kw)
-  print(json.dumps(result))
+  common.finish('bench_msa' if _DEVICE.value == 'cpu' else 'bench_msa_gpu',
+                run, result)
 
 
 if __name__ == '__main__':

@@ -19,7 +19,6 @@ short: the logic lives in the libraries. The last line printed is the JSON
 result.
 """
 import dataclasses
-import json
 import os
 
 # Only trace generation uses jax; entry points set the simulated devices
@@ -28,6 +27,7 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
+from experiments import common  # pylint: disable=g-import-not-at-top
 from foremoe_jax.foresight import sampled_traces  # pylint: disable=g-import-not-at-top
 from foremoe_jax.planner import evaluate  # pylint: disable=g-import-not-at-top
 from foremoe_jax.planner.foremoe import ForeMoEConfig  # pylint: disable=g-import-not-at-top
@@ -63,12 +63,12 @@ def main(argv):
                          'meta': trace.meta})
     configs += evaluate.sampled_configs(traces_by_source)
   cost, config = CostModel(), ForeMoEConfig()
-  print_run_info({'bench': 'planner',
-                  'uses_jax': any(t['generated_now'] for t in trace_info),
-                  'configs': [dataclasses.asdict(c) for c in configs],
-                  'sampled_traces': trace_info,
-                  'cost_model': dataclasses.asdict(cost),
-                  'foremoe': dataclasses.asdict(config)})
+  run = print_run_info({'bench': 'planner',
+                        'uses_jax': any(t['generated_now'] for t in trace_info),
+                        'configs': [dataclasses.asdict(c) for c in configs],
+                        'sampled_traces': trace_info,
+                        'cost_model': dataclasses.asdict(cost),
+                        'foremoe': dataclasses.asdict(config)})
   result, series = evaluate.run_benchmark(configs, cost, config,
                                           with_milp=not _NO_MILP.value,
                                           traces_by_source=traces_by_source)
@@ -80,7 +80,7 @@ def main(argv):
       for method, m in c['methods'].items():
         print(f"{c['name']:>26} {method:>15}: "
               + ' '.join(f'{k}={v:.4g}' for k, v in m.items()))
-  print(json.dumps(result))
+  common.finish('bench_planner', run, result)
 
 
 if __name__ == '__main__':

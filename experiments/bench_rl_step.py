@@ -9,13 +9,13 @@ Prints the setup, a line per repetition (unless --json), then one JSON line:
 foremoe_jax/benchmarks/rl_step.py.
 """
 import dataclasses
-import json
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
 
+from experiments import common
 from foremoe_jax.benchmarks import rl_step
 from foremoe_jax.utils.run_info import print_run_info
 
@@ -30,10 +30,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   cfg = rl_step.RLStepBench(repeats=_REPEATS.value,
                             warmstart_steps=_WARM.value)
-  print_run_info({'bench': 'rl_step', **dataclasses.asdict(cfg)})
+  run = print_run_info({'bench': 'rl_step', **dataclasses.asdict(cfg)})
   quiet = lambda *a, **k: None
   result = rl_step.run(cfg, log=quiet if _JSON.value else print)
-  print(json.dumps(result))
+  common.finish('bench_rl_step', run, result)
 
 
 if __name__ == '__main__':

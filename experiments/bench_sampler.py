@@ -4,13 +4,13 @@
 
 The benchmark body is foremoe_jax/benchmarks/sampler.py.
 """
-import json
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
+from experiments import common
 from configs import tiny
 from foremoe_jax import config as config_lib
 from foremoe_jax.benchmarks import sampler as sampler_bench
@@ -36,7 +36,7 @@ def main(argv):
   cfg.model.max_seq_len = -(-total // block) * block  # Room for 256 tokens.
   config_lib.validate_config(cfg)
   mesh = ep.make_mesh(1, 8)
-  print_run_info({'bench': 'sampler', 'model': cfg.model.to_dict(),
+  run = print_run_info({'bench': 'sampler', 'model': cfg.model.to_dict(),
                   'sampler': cfg.sampler.to_dict(), 'mesh': dict(mesh.shape),
                   'prompts': _PROMPTS.value, 'generations': _GENERATIONS.value,
                   'new_tokens': _NEW_TOKENS.value, 'repeats': _REPEATS.value,
@@ -49,7 +49,7 @@ def main(argv):
   if not _JSON.value:
     for k, v in result.items():
       print(f'{k:>34}: {v}')
-  print(json.dumps(result))
+  common.finish('bench_sampler', run, result)
 
 
 if __name__ == '__main__':

@@ -8,8 +8,9 @@ Stages, each logged (unless --json):
      own plans with the measured profile, and report the error per method;
   2. the grid: models x device counts x methods on each hardware profile
      (foremoe_jax/sim), with the repository's planner timed on this host;
-  3. outputs: results/simulate_cluster.json (every row) and PNG plots in
-     --out_dir.
+  3. outputs: results/simulate_cluster.json (run info, summary, validation,
+     every row) and PNG plots in --out_dir;
+     `python -m experiments.render_results` turns them into README tables.
 The last line printed is one JSON object: `validation` (with
 `max_rel_error_update`), `speedup_64gpu_foremoe_vs_static`,
 `speedup_64gpu_foremoe_vs_eplb_step` (Qwen3-30B-A3B, 64 H100s, exact-count
@@ -25,7 +26,9 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
 
+from experiments import common  # pylint: disable=g-import-not-at-top
 from foremoe_jax.sim import cluster, hardware, plots, simulate  # pylint: disable=g-import-not-at-top
+from foremoe_jax.utils import results  # pylint: disable=g-import-not-at-top
 from foremoe_jax.utils.run_info import print_run_info  # pylint: disable=g-import-not-at-top
 
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
@@ -56,8 +59,6 @@ _TRACE = flags.DEFINE_string(
     'group.')
 _OUT = flags.DEFINE_string('out_dir', 'results/simulate_cluster',
                            'Where the PNGs go.')
-_RESULTS = flags.DEFINE_string('results_json', 'results/simulate_cluster.json',
-                               'Every simulated row ("" to skip).')
 
 PAPER_SPEEDUP_64GPU = 1.45  # ForeMoE's reported best, 64 GPUs.
 
@@ -71,10 +72,11 @@ def main(argv):
                      redundant_slots_per_device=_REDUNDANT.value)
   profiles = tuple(hardware.get_profile(p) for p in _PROFILES.value)
   devices = tuple(int(d) for d in _DEVICES.value)
-  print_run_info({'experiment': 'simulate_cluster', 'models': _MODELS.value,
-                  'device_counts': devices, 'profiles': _PROFILES.value,
-                  'methods': _METHODS.value, 'workload': work_kwargs,
-                  'validate': _VALIDATE.value})
+  run = print_run_info({'experiment': 'simulate_cluster', 'models': _MODELS.value,
+                        'device_counts': devices,
+                        'profiles': _PROFILES.value,
+                        'methods': _METHODS.value, 'workload': work_kwargs,
+                        'validate': _VALIDATE.value})
   log = (lambda *a, **k: None) if _JSON.value else print
   t0 = time.perf_counter()
   validation = None
@@ -127,13 +129,13 @@ def main(argv):
       'plots': pngs,
       'seconds': time.perf_counter() - t0,
   }
-  if _RESULTS.value:
-    os.makedirs(os.path.dirname(_RESULTS.value) or '.', exist_ok=True)
-    with open(_RESULTS.value, 'w') as f:
-      json.dump({'summary': summary, 'validation': validation, 'rows': rows},
-                f, indent=1, default=float)
+  # Every row goes to the file; the printed line is the summary alone.
+  path = results.save('simulate_cluster', run,
+                      {'summary': summary, 'validation': validation,
+                       'rows': rows}, results_dir=common.RESULTS_DIR.value)
+  if path:
+    print(f'# saved: {path}')
   print(json.dumps(summary, default=float))
-
 
 if __name__ == '__main__':
   app.run(main)

@@ -33,3 +33,24 @@ def test_bad_override_fails_with_the_rule():
                        timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
   assert out.returncode != 0
   assert 'model.top_k: top_k (99) must be <= num_experts (8)' in out.stderr
+
+
+def test_benchmark_writes_its_results_file_and_the_renderer_reads_it(tmp_path):
+  cmd = [sys.executable, '-m', 'experiments.bench_planner', '--json',
+         '--layers=1', '--no_milp', '--sampled_traces=false',
+         f'--results_dir={tmp_path}']
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 0, out.stderr[-3000:]
+  record = json.load(open(tmp_path / 'bench_planner.json'))
+  # The file holds exactly the printed result, the command and the setup.
+  assert record['result'] == json.loads(out.stdout.strip().splitlines()[-1])
+  assert record['command'] == ('python -m experiments.bench_planner --json '
+                               f'--layers=1 --no_milp --sampled_traces=false '
+                               f'--results_dir={tmp_path}')
+  assert record['run']['bench'] == 'planner'
+  from experiments import render_results  # pylint: disable=g-import-not-at-top
+  block = render_results.render_block('bench_planner', str(tmp_path))
+  assert record['command'] in block
+  for c in record['result']['configs']:
+    assert c['name'] in block

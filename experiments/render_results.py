@@ -1,0 +1,377 @@
+"""Rebuilds the README's results tables from results/<bench>.json.
+
+  python -m experiments.render_results           # rewrite README.md in place
+  python -m experiments.render_results --check   # exit 1 if it is stale
+
+The README holds one generated block per benchmark between
+  <!-- results:<bench> -->  and  <!-- /results:<bench> -->
+(`<bench>.<part>` renders one part of a file, where its README section
+holds text between the parts).
+Each block is the command that produced the file, the machine and versions
+it ran on, and the table(s) made from its result, so the numbers in the
+README are always those of a run the repository can regenerate (run the
+benchmark, then this). Text outside the markers is left alone. A test
+(tests/test_render_results.py) runs the check.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+
+from absl import app, flags
+
+from foremoe_jax.utils import results
+
+_README = flags.DEFINE_string('readme', 'README.md', 'The file to rewrite.')
+_RESULTS_DIR = flags.DEFINE_string('results_dir', results.DEFAULT_DIR,
+                                   'Where the <bench>.json files are.')
+_CHECK = flags.DEFINE_bool('check', False, 'Do not write; exit 1 and print '
+                           'a diff if the README does not match the files.')
+
+BLOCK_RE = re.compile(
+    r'(<!-- results:(?P<bench>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=bench) -->)',
+    re.S)
+
+
+# ---------------------------------------------------------------- formatting
+
+def _f(x, digits: int = 3) -> str:
+  """Round to `digits` significant figures; plain integers stay whole."""
+  if x is None:
+    return '-'
+  if isinstance(x, bool):
+    return 'yes' if x else 'no'
+  if isinstance(x, int) or (isinstance(x, float) and x.is_integer()
+                            and abs(x) >= 10 ** digits):
+    return f'{int(x):,}'
+  if x == 0:
+    return '0'
+  return f'{x:.{digits}g}'
+
+
+def _bytes(x: float) -> str:
+  for unit, scale in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+    if x >= scale:
+      return f'{x / scale:.3g} {unit}'
+  return f'{x:.0f} B'
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ['| ' + ' | '.join(header) + ' |',
+           '|' + '---|' * len(header)]
+  lines += ['| ' + ' | '.join(r) + ' |' for r in rows]
+  return '\n'.join(lines)
+
+
+def provenance(record: dict) -> str:
+  """Command, machine and versions of one results file, as one line."""
+  run = record['run']
+  machine = f"{run.get('cpu_count', '?')}-core host"
+  if 'backend' in run:
+    machine += (f", {run['devices']} {run['backend']} device(s)"
+                f" ({run.get('device_kind', '?')})")
+  versions = ', '.join(f'{k} {run[k]}' for k in ('python', 'jax', 'flax',
+                                                 'numpy') if k in run)
+  if run.get('xla_flags'):
+    versions += f" · XLA_FLAGS={run['xla_flags']}"
+  return (f"`{record['command']}` · {machine} · {versions} · "
+          f"file `results/{record['bench']}.json`")
+
+
+# ------------------------------------------------------------ per benchmark
+
+_METHOD_NAMES = {'static': 'static EP', 'eplb_step': 'EPLB, step-level',
+                 'eplb_microstep': 'EPLB per micro-step', 'foremoe': 'ForeMoE'}
+
+
+def render_rl_step(res: dict) -> str:
+  rows = []
+  for m, name in _METHOD_NAMES.items():
+    r = res['methods'][m]
+    rows.append([
+        name, _f(r['update_s']), _f(r['step_s']),
+        f"{_f(r['microstep_max_over_mean_mean'])} "
+        f"({_f(r['microstep_max_over_mean_p95'])})",
+        _f(r['capacity']),
+        _bytes(r['weight_bytes_moved_per_device_per_microstep']),
+        _f(r['exposed_transfer_s'], 2),
+        f"{_f(r['plan_s'], 2)} ({_f(r['plan_wait_s'], 2)})",
+        _f(r['reverted_moves'])])
+  table = _table(['method', 'update s', 'step s',
+                  'micro-step max/mean (p95)', 'capacity',
+                  'weights moved / device / micro-step', 'exposed transfer s',
+                  'plan s (wait)', 'slot changes undone'], rows)
+  fm = res['methods']['foremoe']
+  return '\n'.join([
+      table, '',
+      f"- ForeMoE update vs static EP: **{_f(res['speedup_update_vs_static'])}x**;"
+      f" vs step-level EPLB: **{_f(res['speedup_update_vs_eplb_step'])}x**;"
+      f" whole step vs static: {_f(res['speedup_step_vs_static'])}x.",
+      f"- Parameters after the ForeMoE step vs the static step: max relative"
+      f" difference {_f(res['max_rel_param_diff'], 2)}. Expert all-gather in"
+      f" the compiled update: {_f(fm['hlo_expert_all_gather_bytes'])} bytes;"
+      f" slots holding the wrong expert: {_f(fm['transfer_id_errors'])};"
+      f" dropped tokens: {_f(fm['dropped'])}.",
+  ])
+
+
+def render_moe_layer(res: dict) -> str:
+  rows = [
+      ['static', _f(res['static_max_over_mean']),
+       _f(res['static_cell_capacity']), _f(res['static_s']), '-', '-'],
+      ['balanced (ForeMoE placement)', _f(res['balanced_max_over_mean']),
+       _f(res['balanced_cell_capacity']), _f(res['balanced_s']),
+       f"{_f(res['speedup'])} (target {_f(res['target_speedup'])})",
+       _f(res['speedup_with_moves'])],
+  ]
+  table = _table(['placement', 'max/mean', 'cell capacity', 'forward s',
+                  'speedup vs static', 'speedup with a full slot fill'], rows)
+  return '\n'.join([
+      table, '',
+      f"- Slot fill by the engine: {_f(res['transfer_rounds'])} ppermute"
+      f" rounds, {_bytes(res['move_bytes_per_device'])} per device in"
+      f" {_f(res['transfer_s'])} s, vs an all-gather of"
+      f" {_bytes(res['allgather_bytes_per_device'])} per device in"
+      f" {_f(res['allgather_transfer_s'])} s.",
+      f"- Max error vs the loop-over-experts reference"
+      f" {_f(res['max_abs_err_vs_reference'], 2)}; {res['compiles']} compiles"
+      f" (one per capacity bucket).",
+  ])
+
+
+def render_planner(res: dict) -> str:
+  rows = []
+  for c in res['configs']:
+    mm = {m: c['methods'][m]['mean_max_over_mean'] for m in _METHOD_NAMES}
+    fm, micro = c['methods']['foremoe'], c['methods']['eplb_microstep']
+    trace = c['trace'] + (f" (x{c['load_scale']})"
+                          if c.get('load_scale', 1) != 1 else '')
+    rows.append([
+        c['name'], trace, _f(c['redundant_slots_per_device']),
+        _f(mm['static']), _f(mm['eplb_step']), _f(mm['eplb_microstep']),
+        f"**{_f(mm['foremoe'])}**",
+        f"{_f(c['target_max_over_mean'])} {'met' if c['meets_target'] else '**missed**'}",
+        f"{_f(fm['copies_per_device_per_microstep_all_layers'], 2)}"
+        f" ({_f(micro['copies_per_device_per_microstep_all_layers'], 2)})",
+        f"{_f(fm['latency_ms_per_step'])} ({_f(fm['latency_vs_eplb_microstep'], 2)}x)",
+    ])
+  table = _table(['config', 'trace', 'redundant slots / device', 'static',
+                  'EPLB step', 'EPLB micro-step', 'ForeMoE', 'target',
+                  'ForeMoE copies / device / micro-step, all layers'
+                  ' (EPLB micro-step)',
+                  'ForeMoE ms per step (vs EPLB micro-step)'], rows)
+  gap = res.get('milp_gap')
+  lines = [table, '',
+           f"- Mean max/mean device load over scored micro-steps and layers."
+           f" All ForeMoE targets met: {_f(res['all_targets_met'])}."]
+  if gap is not None:
+    lines.append(f"- Optimality gap of ForeMoE to the exact MILP (small"
+                 f" instances): {_f(100 * gap, 2)}%.")
+  return '\n'.join(lines)
+
+
+def render_msa(res: dict) -> str:
+  rows = [[_f(r['seq_len']), _f(r['causal_dense_s']), _f(r['dense_s']),
+           _f(r['msa_s']), f"**{_f(r['speedup_vs_causal_dense'])}**",
+           _f(r['speedup']), _f(r['flop_ratio']), _f(r['index_fraction'], 2)]
+          for r in res['results']]
+  prefill = _table(['seq_len', 'flash-style causal dense s',
+                    'masked-square dense s', 'MSA s',
+                    'speedup vs causal dense', 'speedup vs masked square',
+                    'FLOP ratio', 'index share of MSA'], rows)
+  lines = ['Prefill:', '', prefill, '',
+           f"- Target at the longest length: speedup vs causal dense >= 0.7 x"
+           f" FLOP ratio = {_f(res['target_speedup_vs_causal_dense_at_max_len'])};"
+           f" measured / target = {_f(res['speedup_vs_causal_dense_over_target'])};"
+           f" grows with length:"
+           f" {_f(res['speedup_vs_causal_dense_grows_with_length'])}.",
+           f"- Max error of the CPU path vs the reference at"
+           f" {res['reference_check_len']} tokens:"
+           f" {_f(res['max_abs_err_vs_reference'], 2)}. The FLOP formula at"
+           f" the paper's shape (1M tokens, 16 heads per group) gives"
+           f" {_f(res['paper_flop_ratio'])}."]
+  if res.get('decode'):
+    rows = [[_f(r['cache_len']), _f(r['batch']), _f(1e3 * r['dense_s']),
+             _f(1e3 * r['msa_s']), f"**{_f(r['speedup'])}**",
+             _f(r['flop_ratio'])] for r in res['decode']]
+    lines += ['', 'Decode (one new token per sequence, full caches):', '',
+              _table(['cache', 'batch', 'dense ms', 'MSA ms', 'speedup',
+                      'FLOP ratio'], rows), '',
+              f"- Target at the longest cache: >= 0.5 x FLOP ratio ="
+              f" {_f(res['decode_target_speedup_at_max_cache'])}; measured /"
+              f" target = {_f(res['decode_speedup_over_target'])}. The paper"
+              f" reports {_f(res['paper_decode_speedup_at_1m'])}x decode at a"
+              f" 1M cache, where this formula gives"
+              f" {_f(res['paper_decode_flop_ratio_at_1m'])}."]
+  return '\n'.join(lines)
+
+
+def render_sampler(res: dict) -> str:
+  table = _table(
+      ['decode', 'tokens/s'],
+      [['KV cache, routing record on', _f(res['cached_tok_s'])],
+       ['KV cache, routing record off', _f(res['cached_no_record_tok_s'])],
+       ['full recompute per token', _f(res['recompute_tok_s'])]])
+  return '\n'.join([
+      table, '',
+      f"- Batch {res['batch']}, {res['new_tokens']} new tokens. KV cache vs"
+      f" recompute: **{_f(res['speedup'])}x** (target {_f(res['target_speedup'])}x)."
+      f" Recording the routing ({res['routing_record_dtype']},"
+      f" {_bytes(res['routing_record_bytes'])}) costs"
+      f" {_f(100 * res['routing_record_overhead'], 2)}% of decode time"
+      f" (target < {_f(100 * res['target_overhead'])}%).",
+  ])
+
+
+def render_simulate_cluster_validation(res: dict) -> str:
+  val = res['validation']
+  if val is None:
+    return 'Not run (the file was written with `--validate=false`).'
+  rows = []
+  for m, name in _METHOD_NAMES.items():
+    v = val['methods'][m]
+    rows.append([name, _f(v['capacity']), _f(v['measured_update_s']),
+                 _f(v['predicted_update_s']),
+                 f"{100 * v['rel_error_update']:+.1f}%",
+                 f"{100 * v['rel_error_update_kernels_profile']:+.1f}%"])
+  table = _table(['method', 'bucket', 'measured update s', 'predicted s',
+                  'error', 'microbenchmark-only profile'], rows)
+  missed = [name for m, name in _METHOD_NAMES.items()
+            if abs(val['methods'][m]['rel_error_update']) > 0.15]
+  return '\n'.join([
+      table, '',
+      f"- Target: within 15% on every method. Largest error"
+      f" {100 * val['max_rel_error_update']:.1f}%: "
+      + (f"**missed** by {', '.join(missed)}." if missed else 'met.'),
+      f"- ForeMoE vs static update speedup: predicted"
+      f" {_f(val['predicted_speedup_update_vs_static'])}x, measured"
+      f" {_f(val['measured_speedup_update_vs_static'])}x.",
+  ])
+
+
+def render_simulate_cluster(res: dict) -> str:
+  summ, rows = res['summary'], res['rows']
+  profile = summ['assumptions']['profile']['name']
+  pick = lambda **kw: [r for r in rows if r['profile'] == profile
+                       and all(r[k] == v for k, v in kw.items())]
+  models = list(dict.fromkeys(r['model'] for r in rows))
+  devices = sorted({r['devices'] for r in rows})
+  one = lambda **kw: (pick(**kw) or [None])[0]
+  big = 64 if 64 in devices else devices[-1]
+  t1 = []
+  for model in models:
+    r = {m: one(model=model, devices=big, mode='ragged', method=m)
+         for m in _METHOD_NAMES}
+    fm = r['foremoe']
+    if fm is None:
+      continue
+    step = lambda m: _f(r[m]['step_s']) if r[m] else 'skipped'
+    t1.append([model, step('static'), step('eplb_step'),
+               step('eplb_microstep'), step('foremoe'),
+               f"{_f(fm['speedup_step_vs_static'])}x",
+               f"{_f(fm['speedup_step_vs_eplb_step'])}x",
+               f"{_f(fm['plan_s'])} ({_f(fm['recompute_s'])})",
+               _f(fm['transfer_exposed_s'])])
+  t2 = []
+  for model in models:
+    cells = []
+    for d in devices:
+      rg = one(model=model, devices=d, mode='ragged', method='foremoe')
+      pd = one(model=model, devices=d, mode='padded', method='foremoe')
+      cells.append('-' if rg is None else
+                   f"{rg['speedup_step_vs_eplb_step']:.2f}"
+                   + ('' if pd is None else
+                      f" ({pd['speedup_step_vs_eplb_step']:.2f})"))
+    t2.append([model] + cells)
+  t3 = []
+  for model in models:
+    before = one(model=model, devices=big, mode='ragged',
+                 method='foremoe_before_fixes')
+    now = one(model=model, devices=big, mode='ragged', method='foremoe')
+    if before and now:
+      t3.append([model, _f(before['step_s']), _f(before['reverted_moves']),
+                 _f(now['step_s']), _f(now['reverted_moves'])])
+  out = [
+      f"**Predicted on {big} {profile.upper()}s, exact-count dispatch**"
+      " (whole step = recompute + plan wait + update; rollout excluded):", '',
+      _table(['model', 'static step s', 'EPLB-step s', 'EPLB-microstep s',
+              'ForeMoE s', 'ForeMoE vs static', 'vs EPLB-step',
+              'ForeMoE plan s (recompute s)', 'exposed moves s'], t1), '',
+      f"**ForeMoE step speedup vs EPLB-step by device count** ({profile},"
+      " exact-count dispatch; padded layer in brackets):", '',
+      _table(['model'] + [str(d) for d in devices], t2)]
+  if t3:
+    out += ['', f"**ForeMoE before / after the planner fixes** ({big}"
+            f" {profile}s; slot changes undone to fit the move budget):", '',
+            _table(['model', 'before: step s', 'before: undone',
+                    'now: step s', 'now: undone'], t3)]
+  out += ['', f"- Headline (Qwen3-30B-A3B, 64 {profile}s, exact-count"
+          f" dispatch): ForeMoE step"
+          f" **{_f(summ['speedup_64gpu_foremoe_vs_static'])}x** vs static EP,"
+          f" **{_f(summ['speedup_64gpu_foremoe_vs_eplb_step'])}x** vs"
+          f" step-level EPLB; update alone"
+          f" {_f(summ['update_speedup_64gpu_foremoe_vs_static'])}x and"
+          f" {_f(summ['update_speedup_64gpu_foremoe_vs_eplb_step'])}x. With the"
+          f" padded layer: {_f(summ['speedup_64gpu_foremoe_vs_static_padded'])}x"
+          f" and {_f(summ['speedup_64gpu_foremoe_vs_eplb_step_padded'])}x. The"
+          f" paper reports up to {_f(summ['paper_speedup_64gpu'])}x on 64 GPUs."]
+  return '\n'.join(out)
+
+
+RENDERERS = {
+    'bench_rl_step': render_rl_step,
+    'bench_moe_layer': render_moe_layer,
+    'bench_planner': render_planner,
+    'bench_msa': render_msa,
+    'bench_sampler': render_sampler,
+    'simulate_cluster': render_simulate_cluster,
+    'simulate_cluster.validation': render_simulate_cluster_validation,
+}
+
+
+def render_block(bench: str, results_dir: str = results.DEFAULT_DIR) -> str:
+  if bench not in RENDERERS:
+    raise KeyError(f'README names results:{bench}, which has no renderer; '
+                   f'known: {sorted(RENDERERS)}.')
+  # `<bench>.<part>` renders one part of results/<bench>.json.
+  record = results.load(bench.split('.')[0], results_dir)
+  return (f'<!-- generated by `python -m experiments.render_results` from '
+          f'results/{record["bench"]}.json: do not edit by hand -->\n'
+          f'{provenance(record)}\n\n{RENDERERS[bench](record["result"])}\n')
+
+
+def render(text: str, results_dir: str = results.DEFAULT_DIR) -> str:
+  """`text` with every results block rebuilt from its file."""
+  return BLOCK_RE.sub(
+      lambda m: m.group(1) + render_block(m.group('bench'), results_dir)
+      + m.group(4), text)
+
+
+def benches_in(text: str) -> list[str]:
+  return [m.group('bench') for m in BLOCK_RE.finditer(text)]
+
+
+def main(argv):
+  del argv
+  with open(_README.value) as f:
+    text = f.read()
+  new = render(text, _RESULTS_DIR.value)
+  names = benches_in(text)
+  if _CHECK.value:
+    if new != text:
+      sys.stdout.writelines(difflib.unified_diff(
+          text.splitlines(True), new.splitlines(True), _README.value,
+          'rendered'))
+      print(f'\n{_README.value} does not match {_RESULTS_DIR.value}/; run '
+            '`python -m experiments.render_results`.')
+      sys.exit(1)
+    print(f'{_README.value} matches {len(names)} results files: {names}')
+    return
+  with open(_README.value, 'w') as f:
+    f.write(new)
+  print(f'rendered {len(names)} blocks into {_README.value}: {names}')
+
+
+if __name__ == '__main__':
+  app.run(main)

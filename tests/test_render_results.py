@@ -1,0 +1,81 @@
+"""The README's results tables are exactly what results/*.json say."""
+import json
+import os
+
+import pytest
+
+from experiments import render_results
+from foremoe_jax.utils import results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_readme_matches_the_results_files():
+  with open(os.path.join(ROOT, 'README.md')) as f:
+    text = f.read()
+  names = render_results.benches_in(text)
+  # Every benchmark with a renderer has its block in the README.
+  assert sorted(names) == sorted(render_results.RENDERERS)
+  rendered = render_results.render(text, os.path.join(ROOT, 'results'))
+  assert rendered == text, (
+      'README.md is stale: run `python -m experiments.render_results`.')
+
+
+def test_each_results_file_names_its_command_and_machine():
+  for bench in {name.split('.')[0] for name in render_results.RENDERERS}:
+    record = results.load(bench, os.path.join(ROOT, 'results'))
+    assert record['bench'] == bench
+    assert record['command'].startswith('python -m experiments.')
+    assert {'python', 'cpu_count', 'numpy'} <= set(record['run'])
+
+
+def _sampler_result(speedup):
+  return dict(batch=64, new_tokens=256, cached_tok_s=1000.0 * speedup,
+              cached_no_record_tok_s=1030.0 * speedup, recompute_tok_s=1000.0,
+              speedup=speedup, routing_record_overhead=0.037,
+              routing_record_bytes=67000, routing_record_dtype='int8',
+              target_speedup=5.0, target_overhead=0.1)
+
+
+def test_render_replaces_only_inside_the_markers(tmp_path):
+  argv = ['experiments/bench_sampler.py', '--json']
+  results.save('bench_sampler', {'python': '3.x', 'cpu_count': 2},
+               _sampler_result(40.0), results_dir=str(tmp_path), argv=argv)
+  text = ('intro 1.0\n<!-- results:bench_sampler -->\nold 99x\n'
+          '<!-- /results:bench_sampler -->\noutro 2.0\n')
+  out = render_results.render(text, str(tmp_path))
+  assert out.startswith('intro 1.0\n<!-- results:bench_sampler -->\n')
+  assert out.endswith('<!-- /results:bench_sampler -->\noutro 2.0\n')
+  assert 'old 99x' not in out and '**40x**' in out
+  assert '`python -m experiments.bench_sampler --json`' in out
+  # Idempotent, and a new result changes the block.
+  assert render_results.render(out, str(tmp_path)) == out
+  results.save('bench_sampler', {'python': '3.x', 'cpu_count': 2},
+               _sampler_result(12.5), results_dir=str(tmp_path), argv=argv)
+  assert '**12.5x**' in render_results.render(out, str(tmp_path))
+
+
+def test_missing_file_and_unknown_bench_fail_clearly(tmp_path):
+  text = '<!-- results:bench_sampler -->\n<!-- /results:bench_sampler -->\n'
+  with pytest.raises(FileNotFoundError, match='experiments.bench_sampler'):
+    render_results.render(text, str(tmp_path))
+  with pytest.raises(KeyError, match='no renderer'):
+    render_results.render(text.replace('sampler', 'nope'), str(tmp_path))
+  (tmp_path / 'bench_sampler.json').write_text(json.dumps({'result': {}}))
+  with pytest.raises(ValueError, match='not written by'):
+    render_results.render(text, str(tmp_path))
+
+
+def test_save_writes_atomically_and_can_be_turned_off(tmp_path):
+  assert results.save('x', {}, {'a': 1}, results_dir='') is None
+  path = results.save('x', {'cpu_count': 2}, {'a': 1},
+                      results_dir=str(tmp_path), argv=['prog.py'])
+  assert os.listdir(tmp_path) == ['x.json']
+  assert json.load(open(path))['result'] == {'a': 1}
+
+
+def test_save_keeps_numpy_numbers_as_numbers(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  path = results.save('x', {}, {'a': np.float32(1.5), 'b': np.arange(3),
+                                'c': np.int64(7)}, results_dir=str(tmp_path))
+  assert json.load(open(path))['result'] == {'a': 1.5, 'b': [0, 1, 2], 'c': 7}
