@@ -64,7 +64,8 @@ def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
 
 
 def planner_setup(config):
-  """(Topology, CostModel) of the EP group the config describes."""
+  """(Topology, CostModel) of the EP group the config describes, the cost
+  per token of the planner's loads (summed over the data groups)."""
   m, p = config.model, config.planner
   cost = planner_lib.CostModel.from_expert_shape(
       m.d_model, m.moe_d_ff, bytes_per_param=jnp.dtype(m.param_dtype).itemsize,
@@ -72,6 +73,13 @@ def planner_setup(config):
       intra_node_bw=p.get('intra_node_bw', 3.5e11),
       inter_node_bw=p.get('inter_node_bw', 5e10),
       overlap=p.get('overlap', 0.5))
+  # The planner balances loads summed over the data groups (planner_loads),
+  # while a device computes only its own group's tokens, about 1 / num_data
+  # of that sum; a copy takes as long on every data row (each row moves its
+  # own slots over its own 'expert' ring, in parallel). Per summed token, a
+  # device's compute time is therefore token_time_s / num_data.
+  cost = dataclasses.replace(
+      cost, token_time_s=cost.token_time_s / config.parallel.num_data)
   num_nodes = p.get('num_nodes', 1)
   topo = planner_lib.Topology(num_nodes, config.parallel.num_expert // num_nodes,
                               config_lib.slots_per_device(config))

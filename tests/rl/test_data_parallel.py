@@ -212,3 +212,14 @@ def test_dp_bucket_is_smallest_dropless_for_per_group_cells(dp_run):
   home = [ctx.identity] * NUM_MB
   static_cells = numpy_cells_MGDD(routes, valid, mbs, home, 2, 4)
   assert dp['static'] == _smallest_dropless(static_cells.max(), ctx.buckets)
+
+
+def test_planner_cost_is_per_summed_token():
+  """The planner's loads are summed over the data groups while a device
+  computes one group's share: per summed token it spends 1 / num_data of a
+  token's time, and a copy costs the same on every data row."""
+  _, one = trainer.planner_setup(_config(1, 4))
+  _, two = trainer.planner_setup(_config(2, 4))
+  assert two.token_time_s == one.token_time_s / 2
+  assert two.bytes_per_expert == one.bytes_per_expert
+  assert two.move_tokens(False) == 2 * one.move_tokens(False)
