@@ -453,7 +453,8 @@ def train(config, workdir: str) -> dict:
   key = jax.random.key(config.seed)
   model = transformer.Transformer(config.model, mesh,
                                   rngs=nnx.Rngs(config.seed))
-  graphdef, params = sharding.split_model(model, mesh)
+  graphdef, params = sharding.split_model(model, mesh,
+                                         fsdp=config.parallel.get('fsdp', False))
   # Training holds the float32 master copy (checkpoints included), whatever
   # model.param_dtype is; the model casts to model.dtype where it computes.
   params = step_lib.master_params(params)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
@@ -27,12 +28,13 @@ NUM_EXPERTS, TOP_K, SPD = 8, 2, 3
 PROMPTS, NUM_GEN, NUM_MB = 16, 4, 2  # 64 samples, 32 per micro-step.
 
 
-def _config(num_data, num_expert):
+def _config(num_data, num_expert, fsdp=False):
   cfg = importlib.import_module('configs.tiny').get_config()
   m = cfg.model
   m.num_layers, m.num_experts, m.top_k = 1, NUM_EXPERTS, TOP_K
   cfg.parallel.num_data, cfg.parallel.num_expert = num_data, num_expert
   cfg.parallel.slots_per_device = SPD
+  cfg.parallel.fsdp = fsdp
   cfg.rl.prompts_per_step, cfg.rl.num_generations = PROMPTS, NUM_GEN
   cfg.rl.num_microbatches = NUM_MB
   cfg.planner.deadline_ms = 60_000.0  # Never the fallback: test the plan.
@@ -109,7 +111,8 @@ def _smallest_dropless(max_cell, buckets):
 
 def _state(cfg, mesh, ctx):
   model = transformer.Transformer(cfg.model, mesh, rngs=nnx.Rngs(0))
-  graphdef, params = sharding.split_model(model, mesh)
+  graphdef, params = sharding.split_model(model, mesh,
+                                         fsdp=cfg.parallel.fsdp)
   return step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
                                    with_ref=cfg.rl.beta > 0)
 
@@ -120,9 +123,34 @@ def _context(cfg, mesh, task):
   return trainer.make_rl_context(cfg, graphdef, mesh, task)
 
 
+def _trainer_step(cfg, mesh, task, ro, mbs, batch, logps=None):
+  """foresight -> plan -> recompute -> update, as `trainer.rl_iteration`;
+  given `logps`, those stand in for the recompute."""
+  ctx = _context(cfg, mesh, task)
+  try:
+    loads_MGLDE = trainer.foresight(ctx, ro, mbs)
+    planned = trainer.plan_async(ctx, loads_MGLDE).result()
+    assert ctx.planner.num_fallbacks == 0
+  finally:
+    ctx.planner.close()
+  state = _state(cfg, mesh, ctx)
+  params0 = jax.device_get(state.params)
+  if logps is None:
+    logps = trainer.recompute(ctx, state, batch, loads_MGLDE)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  new_state, m = trainer.update(ctx, state, batch, logps, planned)
+  return dict(ctx=ctx, loads=loads_MGLDE, planned=planned, metrics=m,
+              logps=logps,
+              params=jax.device_get(new_state.params),
+              static=trainer.static_capacity(ctx, loads_MGLDE),
+              shardings=shardings, params0=params0,
+              new_shardings=jax.tree.map(lambda x: x.sharding, new_state))
+
+
 @pytest.fixture(scope='module')
 def dp_run():
-  """The trainer's step on (2, 4) and the static dropless step on (1, 8)."""
+  """The trainer's step on (2, 4), without and with FSDP, and the static
+  dropless step on (1, 8)."""
   task = get_task('addition')
   ro = _rollout(task)
   rewards = np.random.default_rng(1).random(PROMPTS * NUM_GEN)
@@ -132,22 +160,12 @@ def dp_run():
                        trainer.rl_batch_from_rollout(ro, rewards, mbs))
   out = {'ro': ro, 'mbs': mbs}
 
-  cfg = _config(2, 4)
   mesh = ep.make_mesh(2, 4)
-  ctx = _context(cfg, mesh, task)
-  try:
-    loads_MGLDE = trainer.foresight(ctx, ro, mbs)
-    planned = trainer.plan_async(ctx, loads_MGLDE).result()
-    assert ctx.planner.num_fallbacks == 0
-  finally:
-    ctx.planner.close()
-  state = _state(cfg, mesh, ctx)
-  out['params0'] = jax.device_get(state.params)
-  logps = trainer.recompute(ctx, state, batch, loads_MGLDE)
-  new_state, m = trainer.update(ctx, state, batch, logps, planned)
-  out['dp'] = dict(ctx=ctx, loads=loads_MGLDE, planned=planned, metrics=m,
-                   params=jax.device_get(new_state.params),
-                   static=trainer.static_capacity(ctx, loads_MGLDE))
+  out['dp'] = _trainer_step(_config(2, 4), mesh, task, ro, mbs, batch)
+  # FSDP reuses those old log-probs (one compile fewer): its update runs the
+  # same forward, on data-sharded weights, and must match the reference.
+  out['fsdp'] = _trainer_step(_config(2, 4, fsdp=True), mesh, task, ro, mbs,
+                              batch, logps=out['dp']['logps'])
 
   cfg = _config(1, 8)
   mesh = ep.make_mesh(1, 8)
@@ -155,6 +173,11 @@ def dp_run():
   ctx.planner.close()
   state = _state(cfg, mesh, ctx)
   out['ref_params0'] = jax.device_get(state.params)
+  # The same seed builds the same weights on every mesh and layout.
+  for run in ('dp', 'fsdp'):
+    for a, b in zip(jax.tree.leaves(out[run]['params0']),
+                    jax.tree.leaves(out['ref_params0'])):
+      np.testing.assert_array_equal(a, b)
   identity = placement_lib.stack_placements([ctx.identity] * NUM_MB)
   plan = step_lib.make_step_plan(identity, NUM_EXPERTS, ctx.topo, ctx.budget,
                                  capacity=ctx.buckets[-1])  # Dropless.
@@ -164,16 +187,7 @@ def dp_run():
   return out
 
 
-def test_dp_step_equals_static_dropless_step_on_one_data_group(dp_run):
-  dp, ref = dp_run['dp'], dp_run['ref']
-  # Same initial weights on both meshes: the comparison is of the step.
-  for a, b in zip(jax.tree.leaves(dp_run['params0']),
-                  jax.tree.leaves(dp_run['ref_params0'])):
-    np.testing.assert_array_equal(a, b)
-  # The plan is not the home layout: replicas and splits are exercised.
-  home = placement_lib.stack_placements([dp['ctx'].identity] * NUM_MB)
-  assert not np.array_equal(dp['planned'].plan.placement.slot_expert,
-                            home.slot_expert)
+def _assert_same_step(dp, ref, params0):
   m = dp['metrics']
   assert int(m['dropped']) == 0 and int(ref['metrics']['dropped']) == 0
   assert int(m['transfer_id_errors']) == 0
@@ -184,11 +198,38 @@ def test_dp_step_equals_static_dropless_step_on_one_data_group(dp_run):
   moved = 0
   for a, b, b0 in zip(jax.tree.leaves(dp['params']),
                       jax.tree.leaves(ref['params']),
-                      jax.tree.leaves(dp_run['ref_params0'])):
+                      jax.tree.leaves(params0)):
     scale = float(np.abs(b).max())
     assert float(np.abs(a - b).max()) <= 1e-5 * scale + 1e-9
     moved += not np.array_equal(b, b0)
   assert moved == len(jax.tree.leaves(ref['params']))
+
+
+def test_dp_step_equals_static_dropless_step_on_one_data_group(dp_run):
+  dp, ref = dp_run['dp'], dp_run['ref']
+  assert dp['planned'].capacity < dp['ctx'].buckets[-1]  # Not dropless.
+  # The plan is not the home layout: replicas and splits are exercised.
+  home = placement_lib.stack_placements([dp['ctx'].identity] * NUM_MB)
+  assert not np.array_equal(dp['planned'].plan.placement.slot_expert,
+                            home.slot_expert)
+  _assert_same_step(dp, ref, dp_run['ref_params0'])
+
+
+def test_fsdp_step_equals_reference_and_keeps_its_sharding(dp_run):
+  """parallel.fsdp: non-expert parameters and their Adam moments split over
+  'data', experts over 'expert'; the step's numbers do not change, and it
+  returns the state in the layout it got (the next call reuses the
+  executable)."""
+  fsdp = dp_run['fsdp']
+  _assert_same_step(fsdp, dp_run['ref'], dp_run['ref_params0'])
+  assert fsdp['planned'].capacity == dp_run['dp']['planned'].capacity
+  specs = [s.spec for s in jax.tree.leaves(fsdp['shardings'].params)]
+  assert P('expert') in specs
+  assert sum('data' in tuple(s) for s in specs) >= len(specs) // 2
+  # Adam's moments are laid out like the parameters.
+  opt_specs = {s.spec for s in jax.tree.leaves(fsdp['shardings'].opt_state)}
+  assert set(specs) <= opt_specs
+  assert fsdp['new_shardings'] == fsdp['shardings']
 
 
 def test_dp_bucket_is_smallest_dropless_for_per_group_cells(dp_run):
@@ -224,3 +265,13 @@ def test_planner_cost_is_per_summed_token():
   assert two.token_time_s == one.token_time_s / 2
   assert two.bytes_per_expert == one.bytes_per_expert
   assert two.move_tokens(False) == 2 * one.move_tokens(False)
+
+
+def test_fsdp_data_spec():
+  """The first axis that splits evenly over 'data'; none: replicated."""
+  assert sharding.data_spec((6, 4), 2) == P('data')
+  assert sharding.data_spec((3, 4), 2) == P(None, 'data')
+  assert sharding.data_spec((3, 5), 2) == P()
+  assert sharding.data_spec((1, 8), 4) == P(None, 'data')
+  assert sharding.data_spec((), 2) == P()
+  assert sharding.data_spec((6, 4), 1) == P()  # No data axis: replicated.
