@@ -61,6 +61,10 @@ def parallel_defaults() -> ml_collections.ConfigDict:
   p = ml_collections.ConfigDict()
   p.num_data = 1  # 'data' mesh axis.
   p.num_expert = 1  # 'expert' mesh axis (EP size, D).
+  # Shard the non-expert parameters (and so their optimizer moments) over
+  # 'data' (ZeRO-3 style; XLA gathers each where it is used). Experts stay
+  # sharded over 'expert' only. No effect with num_data = 1.
+  p.fsdp = False
   p.slots_per_device = 0  # 0: E / D, no redundant slots.
   # Capacity buckets per (source device, destination device) cell, as
   # multiples of the uniform expectation tokens * top_k / D; the dropless
@@ -134,6 +138,8 @@ def validate_config(config) -> None:
     p = config.parallel
     _require(p.num_data >= 1, 'parallel.num_data', 'must be >= 1')
     _require(p.num_expert >= 1, 'parallel.num_expert', 'must be >= 1')
+    _require(isinstance(p.get('fsdp', False), bool), 'parallel.fsdp',
+             'must be a bool')
     _require(m.num_experts % p.num_expert == 0, 'parallel.num_expert',
              f'num_experts ({m.num_experts}) must be divisible by the EP size '
              f'num_expert ({p.num_expert}): canonical experts are sharded '

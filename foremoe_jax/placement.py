@@ -227,9 +227,28 @@ def cell_counts(counts_LDE: np.ndarray, p: Placement) -> np.ndarray:
   """Tokens each source sends each destination device: [L, D_src, D_dst].
 
   The expert-parallel layer pads every (source, destination) cell to one
-  static capacity, so the largest cell picks the capacity bucket.
+  static capacity, so the largest cell picks the capacity bucket. counts_LDE
+  are one data group's loads (with data parallelism, `max_cell` takes the
+  largest over the groups).
   """
   sc_LDS = slot_counts(counts_LDE, p)
   num_layers, num_devices, num_slots = sc_LDS.shape
   return sc_LDS.reshape(num_layers, num_devices, num_devices,
                         num_slots // num_devices).sum(axis=3)
+
+
+def max_cell(counts_GLDE: np.ndarray, p: Placement) -> int:
+  """Largest (source, destination device) cell of any data group.
+
+  counts_GLDE: one micro-step's loads per data group ([G, L, D, E],
+  `foresight.loads.microstep_group_loads`). Each data group dispatches its
+  own tokens over its own 'expert' row with its own split of each source's
+  count over the replicas, so cells are counted group by group; the capacity
+  must hold the largest. (Cells of the loads summed over groups would be
+  about G times too large, and not exactly any group's: the split rule
+  rounds each group's count separately.)
+  """
+  counts_GLDE = np.asarray(counts_GLDE)
+  if counts_GLDE.ndim != 4:
+    raise ValueError(f'counts must be [G, L, D, E]; got {counts_GLDE.shape}.')
+  return max(int(cell_counts(c_LDE, p).max(initial=0)) for c_LDE in counts_GLDE)

@@ -133,7 +133,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     loads = trainer.foresight(ctx, ro, mbs)
     batches.append((jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
         ro, rewards, mbs)), loads))
-  batch, loads_MLDE = batches[1]
+  batch, loads_MGLDE = batches[1]
+  loads_MLDE = trainer.planner_loads(loads_MGLDE)
   planners = {}
   for method in METHODS:
     p = planner_lib.StepPlanner(method, ctx.topo, ctx.cost, ctx.identity,
@@ -141,7 +142,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
                                 carry_over=False,
                                 anchor_rounds=ctx.budget.step_rounds,
                                 moves_per_layer=ctx.budget.microstep_rounds)
-    p.history_LE = planner_lib.update_history(None, batches[0][1], 0.5)
+    p.history_LE = planner_lib.update_history(
+        None, trainer.planner_loads(batches[0][1]), 0.5)
     planners[method] = p
   num_micro = loads_MLDE.shape[0]
   expert_elems = cfg.d_model * cfg.moe_d_ff
@@ -155,8 +157,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
       state = jax.tree.map(jnp.copy, state0)
       jax.block_until_ready(state)
       t0 = time.perf_counter()
-      ticket = trainer.plan_async(ctx, loads_MLDE)
-      logps = trainer.recompute(ctx, state, batch, loads_MLDE)
+      ticket = trainer.plan_async(ctx, loads_MGLDE)
+      logps = trainer.recompute(ctx, state, batch, loads_MGLDE)
       clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
       planned = ticket.result()
       t_plan = time.perf_counter()
@@ -220,7 +222,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
                                  for c, t in times.items()}
   if extras is not None:
     extras['loads_MLDE'] = loads_MLDE
-    extras['static_capacity'] = trainer.static_capacity(ctx, loads_MLDE)
+    extras['static_capacity'] = trainer.static_capacity(ctx, loads_MGLDE)
     extras['planned'] = {m: res[m]['plan'] for m in METHODS}
     extras['config'] = config
 

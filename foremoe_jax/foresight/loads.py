@@ -8,15 +8,23 @@ from these counts (`loads_MLDE`), and `placement.device_loads` scores a
 placement against them. Plain numpy, no jax.
 
 Shape letters: L MoE layers, B samples, T tokens per sample, K top-k,
-M micro-steps, D expert-parallel (EP) source devices, E experts.
+M micro-steps, G data groups (d_data), D expert-parallel (EP) source devices
+(d_ep), E experts.
 
 Device layout of a micro-batch (fixed; the model's expert-parallel layer
 follows it): micro-batch m holds samples `microbatches[m]`, in that order. Its
 tokens [B_m, T] are flattened row-major to i in [0, B_m * T) and split into
 N = d_data * d_ep equal contiguous shards, shard = i // (B_m * T // N), on a
-mesh ('data', 'expert') laid out data-major, so the shard's EP device is
-shard % d_ep. Loads are summed over the data groups: each data group runs its
-own expert dispatch, and the planner places one set of slots for all of them.
+mesh ('data', 'expert') laid out data-major, so the shard's data group is
+shard // d_ep and its EP device shard % d_ep.
+
+Each data group runs its own dispatch (an all-to-all over its 'expert' row,
+with its own split of each source's tokens over an expert's replicas), so the
+dispatch cells, and the capacity bucket picked from them, are per data
+group: `microstep_group_loads` keeps the groups apart (loads_MGLDE). Every
+data row holds the same placement, so the planner balances the sum over the
+groups (`microstep_loads`, loads_MLDE); a bucket picked from that sum would
+be about d_data times too large.
 Padding tokens (valid_BT False) are not dispatched and count for nothing.
 """
 from __future__ import annotations
@@ -26,9 +34,10 @@ from typing import Sequence
 import numpy as np
 
 
-def source_devices(num_rows: int, num_tokens: int, d_data: int,
-                   d_ep: int) -> np.ndarray:
-  """EP source device of each token of a [num_rows, num_tokens] micro-batch."""
+def source_shards(num_rows: int, num_tokens: int, d_data: int,
+                  d_ep: int) -> np.ndarray:
+  """Device shard g * d_ep + d of each token of a [num_rows, num_tokens]
+  micro-batch: data group g, EP source device d."""
   num_shards = d_data * d_ep
   size = num_rows * num_tokens
   if size % num_shards:
@@ -37,7 +46,13 @@ def source_devices(num_rows: int, num_tokens: int, d_data: int,
         f'tokens does not split over d_data * d_ep = {num_shards} devices; '
         f'pick a micro-batch size with B_m * T divisible by {num_shards}.')
   shard_I = np.arange(size) // (size // num_shards)
-  return (shard_I % d_ep).reshape(num_rows, num_tokens)
+  return shard_I.reshape(num_rows, num_tokens)
+
+
+def source_devices(num_rows: int, num_tokens: int, d_data: int,
+                   d_ep: int) -> np.ndarray:
+  """EP source device of each token of a [num_rows, num_tokens] micro-batch."""
+  return source_shards(num_rows, num_tokens, d_data, d_ep) % d_ep
 
 
 def _check_record(routes_LBTK, valid_BT):
@@ -73,27 +88,45 @@ def _count_LDE(routes_LBTK, valid_BT, src_BT, num_experts, num_devices):
   return counts.astype(np.int64).reshape(num_layers, num_devices, num_experts)
 
 
-def microstep_loads(routes_LBTK: np.ndarray, valid_BT: np.ndarray | None,
-                    microbatches: Sequence[np.ndarray], num_experts: int,
-                    d_data: int, d_ep: int) -> np.ndarray:
-  """int64 loads_MLDE: assignments each source device sends each expert.
+def microstep_group_loads(routes_LBTK: np.ndarray,
+                          valid_BT: np.ndarray | None,
+                          microbatches: Sequence[np.ndarray], num_experts: int,
+                          d_data: int, d_ep: int) -> np.ndarray:
+  """int64 loads_MGLDE: assignments each (data group, EP source device)
+  sends each expert.
 
-  `microbatches[m]` lists the sample indices of micro-step m in device order
-  (see the module docstring); valid_BT None means every token is valid.
+  What one data group's dispatch sees: its cells (and so the capacity
+  bucket) come from these, one group at a time. `microbatches[m]` lists the
+  sample indices of micro-step m in device order (see the module
+  docstring); valid_BT None means every token is valid.
   """
   routes_LBTK, valid_BT = _check_record(routes_LBTK, valid_BT)
   num_layers, num_samples, num_tokens, _ = routes_LBTK.shape
-  loads_MLDE = np.zeros((len(microbatches), num_layers, d_ep, num_experts),
-                        np.int64)
+  loads_MGLDE = np.zeros((len(microbatches), d_data, num_layers, d_ep,
+                          num_experts), np.int64)
   for m, idx in enumerate(microbatches):
     idx = np.asarray(idx, np.int64).reshape(-1)
     if idx.size and (idx.min() < 0 or idx.max() >= num_samples):
       raise ValueError(f'micro-batch {m} holds sample ids outside '
                        f'[0, {num_samples}).')
-    src_BT = source_devices(idx.size, num_tokens, d_data, d_ep)
-    loads_MLDE[m] = _count_LDE(routes_LBTK[:, idx], valid_BT[idx], src_BT,
-                               num_experts, d_ep)
-  return loads_MLDE
+    # Shards are data-major, so counting per shard and splitting the shard
+    # axis into (G, D) keeps the groups apart.
+    shard_BT = source_shards(idx.size, num_tokens, d_data, d_ep)
+    counts_LNE = _count_LDE(routes_LBTK[:, idx], valid_BT[idx], shard_BT,
+                            num_experts, d_data * d_ep)
+    loads_MGLDE[m] = counts_LNE.reshape(num_layers, d_data, d_ep,
+                                        num_experts).transpose(1, 0, 2, 3)
+  return loads_MGLDE
+
+
+def microstep_loads(routes_LBTK: np.ndarray, valid_BT: np.ndarray | None,
+                    microbatches: Sequence[np.ndarray], num_experts: int,
+                    d_data: int, d_ep: int) -> np.ndarray:
+  """int64 loads_MLDE: assignments each EP source device sends each expert,
+  summed over the data groups (the planner's view; see the module docstring).
+  """
+  return microstep_group_loads(routes_LBTK, valid_BT, microbatches,
+                               num_experts, d_data, d_ep).sum(axis=1)
 
 
 def step_loads(routes_LBTK: np.ndarray, valid_BT: np.ndarray | None,

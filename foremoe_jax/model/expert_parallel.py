@@ -10,7 +10,9 @@ new placement never recompiles anything.
 
 Dispatch is into per-(source device, destination device) cells of static
 capacity C, exchanged by `all_to_all` over 'expert' with each row's local
-slot as a label. The receiver groups its R = D * C rows by slot into tiles
+slot as a label. Each 'data' row dispatches its own tokens over its own
+'expert' ring (same placement on every row), so cells, and C, are per data
+group (`placement.max_cell`). The receiver groups its R = D * C rows by slot into tiles
 of t rows and runs a tiled grouped GEMM, so it computes ~R + s * t rows: the
 busiest (source, destination) cell picks C (from a few static buckets), and
 device balance, which is what the planner optimises, is what sets C.
@@ -37,7 +39,8 @@ DATA, EXPERT = 'data', 'expert'
 class DispatchStats(NamedTuple):
   """Per-layer dispatch statistics, summed over all devices."""
   dropped: jax.Array  # int32 []: assignments over capacity (not computed).
-  # int32 []: largest (source, destination device) count; <= C is dropless.
+  # int32 []: largest (source, destination device) count of any data group;
+  # <= C is dropless.
   max_cell: jax.Array
   slot_tokens_S: jax.Array  # int32 [S]: assignments each slot received.
 

@@ -28,7 +28,8 @@ class StepPlan(NamedTuple):
   loads_MLD: np.ndarray  # int64: tokens each device computes
   slot_loads_MLS: np.ndarray  # int64: tokens each slot computes
   # int64: largest (source, slot) count. The EP layer pads (source,
-  # destination device) cells: pick its bucket with placement.cell_counts.
+  # destination device) cells of each data group: pick its bucket with
+  # placement.max_cell of the per-group loads (the planner sees their sum).
   max_cell_ML: np.ndarray
   moves_MLD: np.ndarray  # int64: experts newly copied into each device
   bytes_moved_M: np.ndarray  # float64: bytes copied before each micro-step

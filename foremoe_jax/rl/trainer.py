@@ -64,7 +64,8 @@ def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
 
 
 def planner_setup(config):
-  """(Topology, CostModel) of the EP group the config describes."""
+  """(Topology, CostModel) of the EP group the config describes, the cost
+  per token of the planner's loads (summed over the data groups)."""
   m, p = config.model, config.planner
   cost = planner_lib.CostModel.from_expert_shape(
       m.d_model, m.moe_d_ff, bytes_per_param=jnp.dtype(m.param_dtype).itemsize,
@@ -72,6 +73,13 @@ def planner_setup(config):
       intra_node_bw=p.get('intra_node_bw', 3.5e11),
       inter_node_bw=p.get('inter_node_bw', 5e10),
       overlap=p.get('overlap', 0.5))
+  # The planner balances loads summed over the data groups (planner_loads),
+  # while a device computes only its own group's tokens, about 1 / num_data
+  # of that sum; a copy takes as long on every data row (each row moves its
+  # own slots over its own 'expert' ring, in parallel). Per summed token, a
+  # device's compute time is therefore token_time_s / num_data.
+  cost = dataclasses.replace(
+      cost, token_time_s=cost.token_time_s / config.parallel.num_data)
   num_nodes = p.get('num_nodes', 1)
   topo = planner_lib.Topology(num_nodes, config.parallel.num_expert // num_nodes,
                               config_lib.slots_per_device(config))
@@ -179,31 +187,44 @@ def compose(ctx: RLContext, ro, step: int):
 
 
 def foresight(ctx: RLContext, ro, microbatches) -> np.ndarray:
-  """Exact loads [M, L, D, E] of the coming update, from the routes."""
+  """Exact loads [M, G, L, D, E] of the coming update, from the routes, per
+  data group G (each group's dispatch has its own cells)."""
   p = ctx.config.parallel
-  return loads_lib.microstep_loads(ro.routes_LBTK[:, :, :-1],
-                                   ro.valid_BT[:, :-1], microbatches,
-                                   ctx.num_experts, p.num_data, p.num_expert)
+  return loads_lib.microstep_group_loads(ro.routes_LBTK[:, :, :-1],
+                                         ro.valid_BT[:, :-1], microbatches,
+                                         ctx.num_experts, p.num_data,
+                                         p.num_expert)
 
 
-def _finalize(ctx: RLContext, t_submit: float):
+def planner_loads(loads_MGLDE) -> np.ndarray:
+  """loads_MLDE the planner balances: every data row holds the same
+  placement, so an EP device's work is its load summed over the groups."""
+  return np.asarray(loads_MGLDE).sum(axis=1)
+
+
+def _capacity(ctx: RLContext, loads_MGLDE, placement_of) -> int:
+  """Smallest dropless bucket over the micro-steps; cells per data group."""
+  cells = max(placement_lib.max_cell(loads_MGLDE[m], placement_of(m))
+              for m in range(loads_MGLDE.shape[0]))
+  return config_lib.pick_bucket(cells, ctx.buckets)
+
+
+def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE):
   """Runs in the planner thread after planning: fit the plan to the move
-  budget, build its move schedule and pick its capacity bucket."""
+  budget, build its move schedule and pick its capacity bucket (from the
+  per-group loads: the planner only sees their sum)."""
   def finalize(plan, loads_MLDE):
     plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, ctx.topo,
                                                  ctx.cost, ctx.budget)
     transfer = schedule.build_step_transfer(
         plan.placement.slot_expert, ctx.num_experts, ctx.topo, ctx.budget)
-    cells = max(int(placement_lib.cell_counts(loads_MLDE[m], plan.microstep(m)
-                                              ).max())
-                for m in range(plan.num_microsteps))
-    return PlannedStep(plan, transfer, config_lib.pick_bucket(cells,
-                                                              ctx.buckets),
+    return PlannedStep(plan, transfer,
+                       _capacity(ctx, loads_MGLDE, plan.microstep),
                        reverted, time.perf_counter() - t_submit)
   return finalize
 
 
-def plan_async(ctx: RLContext, loads_MLDE) -> planner_lib.guard.PlanTicket:
+def plan_async(ctx: RLContext, loads_MGLDE) -> planner_lib.guard.PlanTicket:
   """Starts planning in the worker thread; returns at once.
 
   Deadline: the plan should be ready when the recompute it overlaps ends,
@@ -216,15 +237,14 @@ def plan_async(ctx: RLContext, loads_MLDE) -> planner_lib.guard.PlanTicket:
     deadline_s = max(deadline_s, pcfg.get('deadline_recompute_frac', 1.0)
                      * ctx.recompute_s)
   t0 = time.perf_counter()
-  return ctx.planner.submit(loads_MLDE, deadline_s=deadline_s,
-                            finalize=_finalize(ctx, t0))
+  loads_MGLDE = np.asarray(loads_MGLDE)
+  return ctx.planner.submit(planner_loads(loads_MGLDE), deadline_s=deadline_s,
+                            finalize=_finalize(ctx, t0, loads_MGLDE))
 
 
-def static_capacity(ctx: RLContext, loads_MLDE) -> int:
-  """Bucket of the canonical layout (recompute) for these loads."""
-  cells = max(int(placement_lib.cell_counts(loads_MLDE[m], ctx.identity).max())
-              for m in range(loads_MLDE.shape[0]))
-  return config_lib.pick_bucket(cells, ctx.buckets)
+def static_capacity(ctx: RLContext, loads_MGLDE) -> int:
+  """Bucket of the canonical layout (recompute) for these per-group loads."""
+  return _capacity(ctx, np.asarray(loads_MGLDE), lambda m: ctx.identity)
 
 
 class _ReadyClock:
@@ -245,9 +265,9 @@ class _ReadyClock:
     return self.t_ready
 
 
-def recompute(ctx: RLContext, state, batch, loads_MLDE):
+def recompute(ctx: RLContext, state, batch, loads_MGLDE):
   """Dispatches old/reference log-probs (plan-independent); async."""
-  return ctx.rl_step.recompute(state, batch, static_capacity(ctx, loads_MLDE))
+  return ctx.rl_step.recompute(state, batch, static_capacity(ctx, loads_MGLDE))
 
 
 def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
@@ -296,12 +316,13 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   sample_s = time.perf_counter() - t_step
   rewards = score(ctx, prompts, ro)
   microbatches = compose(ctx, ro, step)
-  loads_MLDE = foresight(ctx, ro, microbatches)
-  ticket = plan_async(ctx, loads_MLDE)
+  loads_MGLDE = foresight(ctx, ro, microbatches)
+  loads_MLDE = planner_loads(loads_MGLDE)
+  ticket = plan_async(ctx, loads_MGLDE)
   batch = jax.tree.map(jnp.asarray,
                        rl_batch_from_rollout(ro, rewards, microbatches))
   t_rec = time.perf_counter()
-  logps = recompute(ctx, state, batch, loads_MLDE)
+  logps = recompute(ctx, state, batch, loads_MGLDE)
   clock = _ReadyClock(logps)
   planned = ticket.result()
   t_plan = time.perf_counter()
@@ -320,7 +341,7 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       completion_len=float(ro.lengths_B.mean()),
       **load_metrics(ctx, loads_MLDE, planned.plan),
       capacity=planned.capacity,
-      capacity_static=static_capacity(ctx, loads_MLDE),
+      capacity_static=static_capacity(ctx, loads_MGLDE),
       dropped=int(m['dropped']), planner=ctx.config.planner.method,
       plan_fallbacks=ctx.planner.num_fallbacks,
       moves_per_device_per_microstep=float(planned.plan.moves_MLD.mean()),
@@ -432,7 +453,8 @@ def train(config, workdir: str) -> dict:
   key = jax.random.key(config.seed)
   model = transformer.Transformer(config.model, mesh,
                                   rngs=nnx.Rngs(config.seed))
-  graphdef, params = sharding.split_model(model, mesh)
+  graphdef, params = sharding.split_model(model, mesh,
+                                         fsdp=config.parallel.get('fsdp', False))
   # Training holds the float32 master copy (checkpoints included), whatever
   # model.param_dtype is; the model casts to model.dtype where it computes.
   params = step_lib.master_params(params)

@@ -2,24 +2,34 @@
 import numpy as np
 import pytest
 
-from foremoe_jax.foresight.loads import (microstep_loads, sample_expert_counts,
+from foremoe_jax.foresight.loads import (microstep_group_loads,
+                                         microstep_loads, sample_expert_counts,
                                          source_devices, step_loads)
 
 
-def _loop_loads(routes, valid, microbatches, num_experts, d_data, d_ep):
+def _loop_group_loads(routes, valid, microbatches, num_experts, d_data, d_ep):
+  """[M, G, L, D, E] by a literal loop: shard = flat token // shard size on
+  the data-major ('data', 'expert') mesh."""
   num_layers, _, num_tokens, top_k = routes.shape
-  out = np.zeros((len(microbatches), num_layers, d_ep, num_experts), np.int64)
+  out = np.zeros((len(microbatches), d_data, num_layers, d_ep, num_experts),
+                 np.int64)
   for m, idx in enumerate(microbatches):
     shard_size = len(idx) * num_tokens // (d_data * d_ep)
     for row, b in enumerate(idx):
       for t in range(num_tokens):
         if not valid[b, t]:
           continue
-        src = ((row * num_tokens + t) // shard_size) % d_ep
+        shard = (row * num_tokens + t) // shard_size
+        group, src = shard // d_ep, shard % d_ep
         for l in range(num_layers):
           for k in range(top_k):
-            out[m, l, src, int(routes[l, b, t, k])] += 1
+            out[m, group, l, src, int(routes[l, b, t, k])] += 1
   return out
+
+
+def _loop_loads(routes, valid, microbatches, num_experts, d_data, d_ep):
+  return _loop_group_loads(routes, valid, microbatches, num_experts, d_data,
+                           d_ep).sum(axis=1)
 
 
 def _record(seed, num_layers=3, num_samples=8, num_tokens=6, top_k=2,
@@ -50,6 +60,9 @@ def test_matches_loop(dtype, d_data, d_ep, microbatches):
       step_loads(routes, valid, microbatches, 5, d_data, d_ep), want.sum(0))
   # Every valid assignment is counted exactly once.
   assert got.sum() == valid.sum() * routes.shape[0] * routes.shape[3]
+  groups = microstep_group_loads(routes, valid, microbatches, 5, d_data, d_ep)
+  np.testing.assert_array_equal(
+      groups, _loop_group_loads(routes, valid, microbatches, 5, d_data, d_ep))
 
 
 def test_hand_example():
@@ -67,6 +80,12 @@ def test_hand_example():
   got = microstep_loads(routes, valid, [np.array([1, 0])], 4, 2, 2)
   np.testing.assert_array_equal(got[0, 0], [[1, 1, 2, 0],
                                             [1, 1, 0, 1]])
+  # Data group 0 holds shards 0, 1 (sample 1), group 1 shards 2, 3.
+  got = microstep_group_loads(routes, valid, [np.array([1, 0])], 4, 2, 2)
+  np.testing.assert_array_equal(got[0, :, 0], [[[0, 0, 2, 0],    # g0 dev 0
+                                                [1, 0, 0, 1]],   # g0 dev 1
+                                               [[1, 1, 0, 0],    # g1 dev 0
+                                                [0, 1, 0, 0]]])  # g1 dev 1
 
 
 def test_source_devices_layout():

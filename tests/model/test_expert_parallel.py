@@ -144,19 +144,41 @@ def test_one_compile_across_placements(setup):
   assert f._cache_size() == 1
 
 
-@pytest.mark.parametrize('capacity', [1, 3, 6])
-def test_dropped_counts_equal_numpy(setup, capacity):
+def numpy_group_counts(ids, valid, num_data, d_ep):
+  """counts[G, 1, D, E]: numpy_counts of each data group's own tokens (the
+  group's shards are the contiguous block g * N / G ...)."""
+  per_group = N // num_data
+  return np.stack([
+      numpy_counts(ids[g * per_group:(g + 1) * per_group],
+                   valid[g * per_group:(g + 1) * per_group], per_group, d_ep,
+                   d_ep) for g in range(num_data)])
+
+
+@pytest.mark.parametrize('num_data,num_expert,spd,capacity', [
+    (1, 8, 3, 1), (1, 8, 3, 3), (1, 8, 3, 6), (2, 4, 5, 3)])
+def test_dropped_counts_equal_numpy(setup, num_data, num_expert, spd,
+                                    capacity):
+  """Cells are per data group: the device's largest cell and its drops are
+  the host's per-group counts (`placement.max_cell`), not the counts of the
+  groups' summed loads."""
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
-  ffn = jitted_ffn(ep.make_mesh(1, 8))
-  counts = numpy_counts(np.asarray(ids), np.asarray(valid), N, 8, 8)
-  for p in _placements(rng, 8, 3):
+  ffn = jitted_ffn(ep.make_mesh(num_data, num_expert))
+  counts_GLDE = numpy_group_counts(np.asarray(ids), np.asarray(valid),
+                                   num_data, num_expert)
+  counts = counts_GLDE.sum(0)
+  for p in _placements(rng, num_expert, spd):
     _, stats = ffn(x, ids, gates, valid, wg, wu, wd, p.slot_expert[0],
                    p.slot_share[0], capacity=capacity)
-    cells_LDD = placement_lib.cell_counts(counts, p)
-    assert int(stats.dropped) == int(np.maximum(cells_LDD - capacity, 0).sum())
-    assert int(stats.max_cell) == int(cells_LDD.max())
+    cells_GLDD = np.stack([placement_lib.cell_counts(c, p)
+                           for c in counts_GLDE])
+    assert int(stats.dropped) == int(np.maximum(cells_GLDD - capacity, 0).sum())
+    assert int(stats.max_cell) == placement_lib.max_cell(counts_GLDE, p)
+    assert int(stats.max_cell) == int(cells_GLDD.max())
+    if num_data > 1:  # The summed loads' cells would over-size the bucket.
+      assert placement_lib.cell_counts(counts, p).max() > stats.max_cell
     np.testing.assert_array_equal(
-        stats.slot_tokens_S, placement_lib.slot_counts(counts, p)[0].sum(0))
+        stats.slot_tokens_S,
+        sum(placement_lib.slot_counts(c, p)[0].sum(0) for c in counts_GLDE))
 
 
 def hot_expert_placement(num_devices, spd):
