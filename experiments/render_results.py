@@ -37,16 +37,23 @@ BLOCK_RE = re.compile(
 # ---------------------------------------------------------------- formatting
 
 def _f(x, digits: int = 3) -> str:
-  """Round to `digits` significant figures; plain integers stay whole."""
+  """`digits` significant figures, trailing zeros kept (1.00, not 1); never
+  an exponent above 1; integers whole with thousands separators."""
   if x is None:
     return '-'
   if isinstance(x, bool):
     return 'yes' if x else 'no'
-  if isinstance(x, int) or (isinstance(x, float) and x.is_integer()
-                            and abs(x) >= 10 ** digits):
-    return f'{int(x):,}'
+  if isinstance(x, int):
+    return f'{x:,}'
   if x == 0:
     return '0'
+  if abs(x) >= 1:
+    whole = len(str(int(abs(x))))
+    if whole >= digits:
+      return f'{round(x):,}'
+    return f'{x:.{digits - whole}f}'
+  if round(abs(x), digits - 1) >= 1:  # 0.9999 reads 1.00, not 1.
+    return f'{x:.{digits - 1}f}'
   return f'{x:.{digits}g}'
 
 
@@ -91,8 +98,8 @@ def render_rl_step(res: dict) -> str:
     r = res['methods'][m]
     rows.append([
         name, _f(r['update_s']), _f(r['step_s']),
-        f"{_f(r['microstep_max_over_mean_mean'])} "
-        f"({_f(r['microstep_max_over_mean_p95'])})",
+        f"{_f(r['microstep_max_over_mean_mean'], 4)} "
+        f"({_f(r['microstep_max_over_mean_p95'], 4)})",
         _f(r['capacity']),
         _bytes(r['weight_bytes_moved_per_device_per_microstep']),
         _f(r['exposed_transfer_s'], 2),
@@ -118,9 +125,9 @@ def render_rl_step(res: dict) -> str:
 
 def render_moe_layer(res: dict) -> str:
   rows = [
-      ['static', _f(res['static_max_over_mean']),
+      ['static', _f(res['static_max_over_mean'], 4),
        _f(res['static_cell_capacity']), _f(res['static_s']), '-', '-'],
-      ['balanced (ForeMoE placement)', _f(res['balanced_max_over_mean']),
+      ['balanced (ForeMoE placement)', _f(res['balanced_max_over_mean'], 4),
        _f(res['balanced_cell_capacity']), _f(res['balanced_s']),
        f"{_f(res['speedup'])} (target {_f(res['target_speedup'])})",
        _f(res['speedup_with_moves'])],
@@ -149,8 +156,8 @@ def render_planner(res: dict) -> str:
                           if c.get('load_scale', 1) != 1 else '')
     rows.append([
         c['name'], trace, _f(c['redundant_slots_per_device']),
-        _f(mm['static']), _f(mm['eplb_step']), _f(mm['eplb_microstep']),
-        f"**{_f(mm['foremoe'])}**",
+        _f(mm['static'], 4), _f(mm['eplb_step'], 4),
+        _f(mm['eplb_microstep'], 4), f"**{_f(mm['foremoe'], 4)}**",
         f"{_f(c['target_max_over_mean'])} {'met' if c['meets_target'] else '**missed**'}",
         f"{_f(fm['copies_per_device_per_microstep_all_layers'], 2)}"
         f" ({_f(micro['copies_per_device_per_microstep_all_layers'], 2)})",
@@ -253,6 +260,7 @@ def render_simulate_cluster_validation(res: dict) -> str:
 def render_simulate_cluster(res: dict) -> str:
   summ, rows = res['summary'], res['rows']
   profile = summ['assumptions']['profile']['name']
+  hw = profile.upper().replace('_', ' ')
   pick = lambda **kw: [r for r in rows if r['profile'] == profile
                        and all(r[k] == v for k, v in kw.items())]
   models = list(dict.fromkeys(r['model'] for r in rows))
@@ -293,20 +301,20 @@ def render_simulate_cluster(res: dict) -> str:
       t3.append([model, _f(before['step_s']), _f(before['reverted_moves']),
                  _f(now['step_s']), _f(now['reverted_moves'])])
   out = [
-      f"**Predicted on {big} {profile.upper()}s, exact-count dispatch**"
+      f"**Predicted on {big} {hw}s, exact-count dispatch**"
       " (whole step = recompute + plan wait + update; rollout excluded):", '',
       _table(['model', 'static step s', 'EPLB-step s', 'EPLB-microstep s',
               'ForeMoE s', 'ForeMoE vs static', 'vs EPLB-step',
               'ForeMoE plan s (recompute s)', 'exposed moves s'], t1), '',
-      f"**ForeMoE step speedup vs EPLB-step by device count** ({profile},"
+      f"**ForeMoE step speedup vs EPLB-step by device count** ({hw},"
       " exact-count dispatch; padded layer in brackets):", '',
       _table(['model'] + [str(d) for d in devices], t2)]
   if t3:
     out += ['', f"**ForeMoE before / after the planner fixes** ({big}"
-            f" {profile}s; slot changes undone to fit the move budget):", '',
+            f" {hw}s; slot changes undone to fit the move budget):", '',
             _table(['model', 'before: step s', 'before: undone',
                     'now: step s', 'now: undone'], t3)]
-  out += ['', f"- Headline (Qwen3-30B-A3B, 64 {profile}s, exact-count"
+  out += ['', f"- Headline (Qwen3-30B-A3B, 64 {hw}s, exact-count"
           f" dispatch): ForeMoE step"
           f" **{_f(summ['speedup_64gpu_foremoe_vs_static'])}x** vs static EP,"
           f" **{_f(summ['speedup_64gpu_foremoe_vs_eplb_step'])}x** vs"
