@@ -46,7 +46,7 @@ def test_render_replaces_only_inside_the_markers(tmp_path):
   out = render_results.render(text, str(tmp_path))
   assert out.startswith('intro 1.0\n<!-- results:bench_sampler -->\n')
   assert out.endswith('<!-- /results:bench_sampler -->\noutro 2.0\n')
-  assert 'old 99x' not in out and '**40x**' in out
+  assert 'old 99x' not in out and '**40.0x**' in out
   assert '`python -m experiments.bench_sampler --json`' in out
   # Idempotent, and a new result changes the block.
   assert render_results.render(out, str(tmp_path)) == out

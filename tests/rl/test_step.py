@@ -140,12 +140,15 @@ def test_step_updates_params_and_compiles_once(setup):
                                         np.split(np.arange(32), 4))
   before = jax.tree.map(np.asarray, state.params)
   rng = np.random.default_rng(0)
+  # jit caches are shared by every wrapper of the same function, so other
+  # tests in this worker may have filled them: count what these calls add.
+  cached = (rl_step.update._cache_size(), rl_step.recompute._cache_size())
   for _ in range(3):  # New placements and moves every step: same executable.
     plan = _step_plan(random_plan(rng, 4, cfg.model.num_layers))
     state, m = rl_step(state, batch, plan)
     assert int(m['transfer_id_errors']) == 0
-  assert rl_step.update._cache_size() == 1
-  assert rl_step.recompute._cache_size() == 1
+  assert rl_step.update._cache_size() - cached[0] <= 1
+  assert rl_step.recompute._cache_size() - cached[1] <= 1
   assert int(state.step) == 3
   assert float(m['grad_norm']) > 0
   moved = [not np.allclose(a, b) for a, b in
@@ -180,6 +183,7 @@ def test_moving_experts_changes_no_number(setup):
     updates, _ = tx.update(grads, state.opt_state, state.params)
     return optax.apply_updates(state.params, updates)
 
+  cached = rl_step.update._cache_size()  # Shared with other tests' steps.
   for name, plan in (('moving', moving), ('static', still)):
     state = step_lib.init_train_state(
         graphdef, jax.tree.map(jnp.copy, params), tx, mesh, with_ref=True)
@@ -192,7 +196,7 @@ def test_moving_experts_changes_no_number(setup):
       scale = float(jnp.abs(b).max())
       assert float(jnp.abs(a - b).max()) <= 1e-6 * scale, name
     out[name] = (grads, m, new_state.params)
-  assert rl_step.update._cache_size() == 1
+  assert rl_step.update._cache_size() - cached <= 1
   (g_a, m_a, p_a), (g_b, m_b, p_b) = out['moving'], out['static']
   assert int(m_a['transfer_id_errors']) == 0
   np.testing.assert_allclose(m_a['loss'], m_b['loss'], rtol=1e-5, atol=1e-8)
