@@ -210,14 +210,16 @@ def run_length(cfg: MSABench, t: int) -> dict:
   }
 
 
-def dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
-  """One new token per sequence against its cache: jax.nn attention (XLA)."""
+def dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B, implementation=None):
+  """One new token per sequence against its cache: jax.nn attention (XLA
+  on CPU; 'cudnn' on GPU)."""
   out = jax.nn.dot_product_attention(q_BHD[:, None], k_BSGD, v_BSGD,
-                                     key_value_seq_lengths=lengths_B)
+                                     key_value_seq_lengths=lengths_B,
+                                     implementation=implementation)
   return out[:, 0]
 
 
-def _time_calls(fn, args, n_calls: int) -> float:
+def time_calls(fn, args, n_calls: int) -> float:
   """Seconds per call over n_calls back-to-back calls, one sync at the end."""
   t0 = time.perf_counter()
   out = None
@@ -225,6 +227,25 @@ def _time_calls(fn, args, n_calls: int) -> float:
     out = fn(*args)
   jax.block_until_ready(out)
   return (time.perf_counter() - t0) / n_calls
+
+
+def measure(fns: dict, repeats: int, budget_s: float = 0.05,
+            max_calls: int = 200) -> dict:
+  """Median seconds per call of each {name: (fn, args)}: compiled and run
+  once first, then `repeats` interleaved timings of enough back-to-back
+  calls (about budget_s each) that dispatch overhead is amortised."""
+  compiled = {}
+  for name, (fn, args) in fns.items():
+    compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
+    jax.block_until_ready(compiled[name][0](*args))
+  n_calls = {name: max(1, min(max_calls,
+                              int(budget_s / max(time_calls(f, a, 1), 1e-6))))
+             for name, (f, a) in compiled.items()}
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, (fn, args) in compiled.items():
+      times[name].append(time_calls(fn, args, n_calls[name]))
+  return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_decode(cfg: MSABench, s: int) -> dict:
@@ -241,18 +262,7 @@ def run_decode(cfg: MSABench, s: int) -> dict:
                           top_k=cfg.top_k)
   fns = {'dense': (dense_decode, (q, k, v, lengths)),
          'msa': (lambda *a: msa(*a)[0], (q, k, v, qi, ki, lengths))}
-  fns = {name: (jax.jit(fn).lower(*args).compile(), args)
-         for name, (fn, args) in fns.items()}
-  for fn, args in fns.values():
-    jax.block_until_ready(fn(*args))
-  # Enough back-to-back calls per timing that dispatch is amortised.
-  n_calls = {name: max(1, min(50, int(0.2 / max(_time_calls(f, a, 1), 1e-6))))
-             for name, (f, a) in fns.items()}
-  times = {name: [] for name in fns}
-  for _ in range(cfg.repeats):
-    for name, (fn, args) in fns.items():
-      times[name].append(_time_calls(fn, args, n_calls[name]))
-  med = {name: statistics.median(ts) for name, ts in times.items()}
+  med = measure(fns, cfg.repeats, budget_s=0.2, max_calls=50)
   return {
       'cache_len': s,
       'batch': b,

@@ -25,13 +25,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.msa import benchmark
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference
 from pallas_kernels.msa import select_kernel
@@ -90,45 +89,12 @@ def dense_prefill(q_BTHD, k_BTGD, v_BTGD, implementation='cudnn'):
                                       implementation=implementation)
 
 
-def dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B, implementation):
-  out = jax.nn.dot_product_attention(
-      q_BHD[:, None], k_BSGD, v_BSGD, key_value_seq_lengths=lengths_B,
-      implementation=implementation)
-  return out[:, 0]
-
-
 def _grad_of_sum(attn):
   def loss(q, k, v):
     out = attn(q, k, v)
     out = out[0] if isinstance(out, tuple) else out
     return jnp.sum(out.astype(jnp.float32))
   return jax.grad(loss, argnums=(0, 1, 2))
-
-
-def _time(fn, args, n_calls: int) -> float:
-  """Seconds per call over n_calls back-to-back calls (one sync at the end)."""
-  t0 = time.perf_counter()
-  out = None
-  for _ in range(n_calls):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / n_calls
-
-
-def _measure(fns: dict, cfg: GPUBench) -> dict:
-  """Median seconds per fn; compiled and run once first, then interleaved."""
-  compiled = {}
-  for name, (fn, args) in fns.items():
-    compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
-    jax.block_until_ready(compiled[name][0](*args))
-  # Enough back-to-back calls that launch overhead is amortised (~50 ms).
-  n_calls = {name: max(1, min(200, int(0.05 / max(_time(f, a, 1), 1e-6))))
-             for name, (f, a) in compiled.items()}
-  times = {name: [] for name in fns}
-  for _ in range(cfg.repeats):
-    for name, (fn, args) in compiled.items():
-      times[name].append(_time(fn, args, n_calls[name]))
-  return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _decode_impl(cfg: GPUBench) -> str:
@@ -138,7 +104,7 @@ def _decode_impl(cfg: GPUBench) -> str:
   q, k, v, _, _ = _inputs(cfg, 2, 1, 256)
   try:
     jax.block_until_ready(jax.jit(functools.partial(
-        dense_decode, implementation='cudnn'))(
+        benchmark.dense_decode, implementation='cudnn'))(
             q[:, 0], k, v, jnp.array([256, 100], jnp.int32)))
     return 'cudnn'
   except Exception:  # pylint: disable=broad-except
@@ -165,7 +131,7 @@ def run_length(cfg: GPUBench, t: int, decode_impl: str) -> dict:
     fns['dense_train'] = (_grad_of_sum(dense), (q, k, v))
     fns['msa_train'] = (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
                         (q, k, v))
-  med = _measure(fns, cfg)
+  med = benchmark.measure(fns, cfg.repeats)
   dense_f, msa_f = prefill_flops(cfg, t)
   row = {
       'seq_len': t,
@@ -193,11 +159,12 @@ def run_decode(cfg: GPUBench, s: int, impl: str) -> dict:
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
   q, k, v, qi, ki = _inputs(cfg, b, 1, s)
   lengths = jnp.full((b,), s, jnp.int32)
-  dense = functools.partial(dense_decode, implementation=impl)
+  dense = functools.partial(benchmark.dense_decode, implementation=impl)
   msa = functools.partial(pallas_path.msa_decode, backend='gpu',
                           interpret=cfg.interpret, **kw)
-  med = _measure({'dense': (dense, (q[:, 0], k, v, lengths)),
-                  'msa': (msa, (q[:, 0], k, v, qi[:, 0], ki, lengths))}, cfg)
+  med = benchmark.measure(
+      {'dense': (dense, (q[:, 0], k, v, lengths)),
+       'msa': (msa, (q[:, 0], k, v, qi[:, 0], ki, lengths))}, cfg.repeats)
   dense_f, msa_f = decode_flops(cfg, s)
   return {'decode_dense_s': med['dense'], 'decode_msa_s': med['msa'],
           'decode_speedup': med['dense'] / med['msa'],
