@@ -1,7 +1,7 @@
 """GQA self-attention with RoPE and an optional KV cache.
 
 The layer type picks the attention kernel: 'dense' is exact causal GQA in
-jnp; 'msa' is MiniMax Sparse Attention (pallas_kernels/msa, DESIGN.md §6):
+jnp; 'msa' is MiniMax Sparse Attention (pallas_kernels/msa, docs/design.md §6):
 an index branch (one query head per group, one shared key head, RMSNorm and
 RoPE) selects top-k key blocks and the main branch attends only to them. The
 index branch trains on its own KL loss, computed from a detached backbone;
@@ -124,7 +124,8 @@ class Attention(nnx.Module):
   def _index_branch(self, x_BTM, positions_BT):
     """Index queries [B, T, G, I] and keys [B, T, I] from a detached backbone."""
     b, t, _ = x_BTM.shape
-    x = jax.lax.stop_gradient(x_BTM)  # DESIGN.md §6.5: the KL trains the indexer only.
+    # The KL trains the indexer only (docs/design.md §6.5).
+    x = jax.lax.stop_gradient(x_BTM)
     qi = self.qi_norm(self.qi_proj(x).reshape(b, t, self.num_kv_heads,
                                               self.index_dim))
     ki = self.ki_norm(self.ki_proj(x))

@@ -282,7 +282,8 @@ def gather_slot_weights(w_EXY, slot_expert_S, *, mesh):
   """Slot weights [S, ...] (sharded over 'expert') from canonical [E, ...].
 
   This is the weight transfer of a placement; its transpose sums the slot
-  gradients of a replicated expert onto the canonical weights (DESIGN.md §4).
+  gradients of a replicated expert onto the canonical weights
+  (docs/design.md §4.5).
   Computed once per placement, apart from the token path, so the transfer
   can be scheduled (and overlapped) independently of dispatch.
   """

@@ -5,7 +5,7 @@ Shape letters: N tokens, E experts, K top-k.
 Gates are always the softmax of the *current* router logits, read at the
 chosen ids (and renormalised over them if the config says so). With replay the
 ids come from the rollout's routing record instead of the top-k, so the router
-still gets gradients through the gates (DESIGN.md §4) and replaying the
+still gets gradients through the gates (docs/design.md §4.4) and replaying the
 model's own choices reproduces its outputs exactly.
 """
 from __future__ import annotations

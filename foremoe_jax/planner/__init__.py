@@ -4,7 +4,7 @@ Data flow: foresight (exact loads [M, L, D, E] of the coming RL step) ->
 planner -> StepPlan (one Placement per micro-step, plus predicted loads,
 moves and bytes) -> transfer engine and model. Nothing here imports jax.
 
-Modules, in the order of DESIGN.md §5:
+Modules, in the order of docs/design.md §5:
   topology   Topology (nodes x devices x slots) and CostModel (seconds).
   packing    steps 1-3: replica counts, node packing, device packing.
   split      step 4: token split across replicas (flows, exact counts).

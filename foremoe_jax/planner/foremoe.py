@@ -2,7 +2,7 @@
 
 Sits between foresight (loads [M, L, D, E] of the coming step, known because
 routing is replayed) and the transfer engine / model (which read the
-StepPlan). It follows the hierarchical decomposition of DESIGN.md §5:
+StepPlan). It follows the hierarchical decomposition of docs/design.md §5.2:
 
 * Step level (steps 1-3, ``step_anchor``): a hierarchical placement of the
   step's total loads (replica counts, node packing, device packing), relabelled

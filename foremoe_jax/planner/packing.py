@@ -1,4 +1,4 @@
-"""Hierarchical placement from a load matrix: steps 1-3 of DESIGN.md §5.
+"""Hierarchical placement from a load matrix: steps 1-3 of docs/design.md §5.2.
 
 Given expert loads per layer (a step's totals, a moving average of past
 steps, or one micro-step's foresight) this module decides

@@ -1,6 +1,6 @@
 """Token split: how an expert's tokens spread over its replicas.
 
-Step 4 of the hierarchical planner (DESIGN.md §5), also used by the
+Step 4 of the hierarchical planner (docs/design.md §5.2), also used by the
 baselines. Given a placement's slot_expert and a micro-step's exact loads it
 produces, in two stages:
 

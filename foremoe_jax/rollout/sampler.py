@@ -1,9 +1,10 @@
 """The sampler: prompts -> completions, their log-probs and the routing record.
 
-First stage of the RL step (DESIGN.md §2). One prefill call runs the prompts
-through the model and fills a preallocated KV cache; a jit'd `lax.while_loop`
-then decodes one token per step over that cache (donated, so it is updated in
-place) until every sequence has emitted EOS or `max_new_tokens` are out.
+First stage of the RL step (docs/design.md §2). One prefill call runs the
+prompts through the model and fills a preallocated KV cache; a jit'd
+`lax.while_loop` then decodes one token per step over that cache (donated, so
+it is updated in place) until every sequence has emitted EOS or
+`max_new_tokens` are out.
 Along the way it records, for every MoE layer, the top-k experts of every
 token fed to the model: the routing record that foresight turns into exact
 per-micro-step loads and that recompute/update replay (R3).

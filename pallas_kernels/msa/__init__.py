@@ -1,4 +1,4 @@
-"""MiniMax Sparse Attention (MSA, arXiv 2606.13392): DESIGN.md section 6.
+"""MiniMax Sparse Attention (MSA, arXiv 2606.13392): docs/design.md §6.
 
 A small index branch scores key blocks per GQA group and keeps the top-k
 blocks per query; the main branch is exact softmax attention over them.

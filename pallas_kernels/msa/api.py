@@ -76,7 +76,7 @@ def _check_budget(block_size, top_k):
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
                   top_k: int, q_offset: int = 0, impl: str = 'auto',
                   pallas_backend: str | None = None):
-  """MSA prefill / training attention (DESIGN.md 6.1-6.4).
+  """MSA prefill / training attention (docs/design.md §6.1-6.4).
 
   Args:
     q_BTHD: queries [B, T, H, D]; head h is in group h // (H / G).
@@ -110,7 +110,7 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
 def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
                         block_size: int, q_offset: int = 0,
                         impl: str = 'auto', weight_BT=None) -> jax.Array:
-  """DESIGN.md 6.5: mean over (b, g, t) of KL(main attention || index dist).
+  """docs/design.md §6.5: mean over (b, g, t) of KL(main || index dist).
 
   Pass the same q, k, qi, ki and the aux that msa_attention returned (its
   'sel_BGTK' and 'lse_BTH'). The target (main attention averaged over the

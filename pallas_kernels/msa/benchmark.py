@@ -55,9 +55,10 @@ class MSABench:
 
 
 def flop_ratio(*, r: int, d: int, di: int, block: int, k: int, n: int) -> float:
-  """Dense / MSA compute per group, averaged over causal positions (DESIGN 6).
+  """Dense / MSA compute per group, averaged over causal positions.
 
-  dense 4*r*D*N/2; MSA 2*dI*N/2 (index) + 4*r*D*K*B (main).
+  The compute model of docs/design.md §6.6: dense 4*r*D*N/2; MSA 2*dI*N/2
+  (index) + 4*r*D*K*B (main).
   """
   dense = 4 * r * d * n / 2
   msa = 2 * di * n / 2 + 4 * r * d * k * block

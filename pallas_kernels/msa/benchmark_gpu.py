@@ -11,7 +11,7 @@ Per sequence length, in interleaved repetitions within one process:
   decode   one new token per sequence against a full cache of the same
            length: dense attention over the cache vs kernels (a) + (d).
 
-Achieved TFLOP/s counts the formula's FLOPs (DESIGN.md section 6: dense
+Achieved TFLOP/s counts the formula's FLOPs (docs/design.md §6.6: dense
 causal 4*r*D*N/2 per query and group, MSA 2*dI*N/2 + 4*r*D*K*B), so it is
 useful work per second, not what the hardware executed (padding and masked
 columns are not counted). The FLOP ratio is printed beside the paper's

@@ -1,4 +1,4 @@
-"""Indexer training loss of MSA (DESIGN.md 6.5), XLA implementation.
+"""Indexer training loss of MSA (docs/design.md §6.5), XLA implementation.
 
 For each query t of group g, over the keys the main branch attended
 (selected block AND causal):
@@ -30,13 +30,13 @@ MASK_VALUE = xla.MASK_VALUE
 
 
 def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, *, q_offset: int,
-                pairs_per_tile: int, tiles_per_step: int):
+                pairs_per_tile: int | None, tiles_per_step: int | None):
   t, r, d = q_TRD.shape
   n, c, di = ki_NCI.shape
   k = sel_TK.shape[1]
-  q, mc = pairs_per_tile, tiles_per_step
   n_visible = min(n, (t - 1 + q_offset) // c + 1)
-  n_tiles = xla._round_up(-(-(t * k) // q) + n_visible, mc)
+  q, mc, n_tiles = xla.tile_shape(t * k, n_visible, pairs_per_tile,
+                                  tiles_per_step)
   table_MQ, block_M, slot_P = xla.pack_pairs(sel_TK, n, n_tiles, q)
 
   def step(carry, i):
@@ -67,8 +67,8 @@ def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, *, q_offset: int,
 
 def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
                     block_size: int, q_offset: int = 0,
-                    pairs_per_tile: int = 64,
-                    tiles_per_step: int = 16, weight_BT=None) -> jax.Array:
+                    pairs_per_tile: int | None = None,
+                    tiles_per_step: int | None = None, weight_BT=None) -> jax.Array:
   """Mean over (b, g, t) of KL(head-averaged main attention || index dist).
 
   weight_BT: weights of the query positions instead of the plain mean:

@@ -1,10 +1,10 @@
-"""Pure-jnp reference of MiniMax Sparse Attention (DESIGN.md section 6).
+"""Pure-jnp reference of MiniMax Sparse Attention (docs/design.md §6).
 
 Everything here is dense and masked on purpose: it is slow, O(T*S) memory, and
 written to be read against the paper rather than to run fast. The XLA path
 (`xla.py`) and the Pallas kernels are tested against it.
 
-Pipeline (section 6, points 1-5):
+Pipeline (docs/design.md §6.1-6.5; point n below is §6.n):
   index logits s[g,t,j]  ->  block scores S[g,t,n] (causal block max)
   ->  selection sel[g,t,k] (local block last, ties to the lower id, -1 pad)
   ->  main branch: exact softmax over the selected, causally visible keys

@@ -4,8 +4,8 @@ One program owns a tile of queries of one GQA group and streams the key
 blocks past it, keeping a running top-(K-1) of the earlier blocks per query in
 a small (value, id) table, so the [T, N] score matrix is never written out.
 When the last visible block has been seen the table is sorted (score
-descending, lower id first on ties, as `lax.top_k`) and laid out as DESIGN.md
-6.3 asks: earlier blocks, then the local block, then -1.
+descending, lower id first on ties, as `lax.top_k`) and laid out as
+docs/design.md §6.3 asks: earlier blocks, then the local block, then -1.
 
 Two lowerings share the math helpers below:
 * TPU (Mosaic): grid (B, G, query tiles, key chunks); the key chunk index is

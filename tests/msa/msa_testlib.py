@@ -45,7 +45,7 @@ def assert_close(actual, expected, tol, what=''):
 
 
 def brute_force_selection(qi_BTGI, ki_BSI, block_size, top_k, q_offset):
-  """DESIGN 6.1-6.3 with Python loops over (b, g, t) and numpy."""
+  """docs/design.md §6.1-6.3 with Python loops over (b, g, t) and numpy."""
   qi = np.asarray(qi_BTGI, np.float64)
   ki = np.asarray(ki_BSI, np.float64)
   b, t, g, di = qi.shape

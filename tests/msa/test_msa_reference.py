@@ -1,4 +1,7 @@
-"""The pure-jnp MSA reference against independent computations (DESIGN 6)."""
+"""The pure-jnp MSA reference against independent computations.
+
+What it must compute: docs/design.md §6.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
