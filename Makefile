@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_DIR ?= /tmp/foremoe_demo
+# A fresh workdir per `make demo`; DEMO_DIR=... resumes or extends a given one.
+DEMO_DIR ?= /tmp/foremoe_demo/$(shell date +%Y%m%d-%H%M%S)
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: venv demo test bench simulate gpu-check clean

@@ -16,6 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.task_kwargs = ml_collections.ConfigDict({'partial_credit': 0.0})
   c.eval_prompts = 256  # Greedy accuracy before and after RL (0: skip).
   c.checkpoint_every = 10
+  # RL steps to trace with jax.profiler into <workdir>/profile, e.g. '3,5'.
+  c.profile_steps = ''
 
   c.model = config_lib.model_defaults()
   c.model.name = 'tiny'

@@ -4,16 +4,28 @@ Intentionally kept short: the logic lives in foremoe_jax.rl.trainer.
 
   python -m experiments.rl_train --config=configs/tiny.py --workdir=/tmp/run
   (overrides: --config.rl.steps=10 --config.planner.method=static ...)
+
+Rerunning with the same --workdir resumes from its latest checkpoint; a
+finished run is left as it is. SIGINT (Ctrl-C) or SIGTERM finishes the step
+in flight, saves a checkpoint, prints how to resume and exits with status
+128 + the signal number (130, 143), as a shell reports a signal. A bad flag
+or config field is one line on stderr and exit status 2, before any work.
 """
 import json
 import os
+import shlex
+import signal
+import sys
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
-from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+from absl import flags, logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
+from foremoe_jax import config as config_lib
 from foremoe_jax.rl import trainer
+from foremoe_jax.utils import cli
+from foremoe_jax.utils.preemption import PreemptionGuard
 from foremoe_jax.utils.run_info import print_run_info
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
@@ -24,10 +36,21 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory.',
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO.
+  config_lib.validate_config(_CONFIG.value)  # Before any work (cli.run).
   print_run_info({'config': _CONFIG.value.to_dict()})
-  summary = trainer.train(_CONFIG.value, _WORKDIR.value)
+  with PreemptionGuard() as guard:
+    summary = trainer.train(_CONFIG.value, _WORKDIR.value, guard=guard)
+  if summary.get('preempted'):
+    where = ('nothing saved yet: the warm start runs again'
+             if summary['phase'] == 'warmstart' else
+             f"step {summary['step']} saved in {summary['checkpoint_dir']}")
+    name = signal.Signals(summary['signal']).name
+    print(f"stopped by {name}: {where}; resume with: "
+          f"python -m experiments.rl_train {shlex.join(sys.argv[1:])}",
+          flush=True)
+    sys.exit(summary['exit_code'])
   print(json.dumps(summary, default=str))
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

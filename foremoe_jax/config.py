@@ -11,6 +11,10 @@ import math
 import ml_collections
 
 
+# Names of model.remat_policy (the policies live in model/transformer.py).
+REMAT_POLICIES = ('none', 'full', 'minimal', 'dots')
+
+
 class ConfigError(ValueError):
   """A config breaks a rule; the message names the field and the rule."""
 
@@ -54,6 +58,12 @@ def model_defaults() -> ml_collections.ConfigDict:
   # keeps a float32 master copy and float32 optimizer moments.
   m.dtype = 'float32'
   m.param_dtype = 'float32'
+  # Activation memory of the update (transformer.REMAT_POLICIES): 'none'
+  # keeps every activation; 'full' keeps each block's input only and
+  # recomputes the block in the backward pass; 'minimal' also keeps the
+  # matmul outputs (MaxText's 'minimal'); 'dots' keeps every dot's output,
+  # batched ones included. Gradients are the same under every policy.
+  m.remat_policy = 'none'
   return m
 
 
@@ -125,6 +135,9 @@ def validate_config(config) -> None:
            f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
   _require(m.param_dtype in ('float32', 'bfloat16'), 'model.param_dtype',
            f"must be 'float32' or 'bfloat16', got {m.param_dtype!r}")
+  _require(m.get('remat_policy', 'none') in REMAT_POLICIES,
+           'model.remat_policy', f'must be one of {", ".join(REMAT_POLICIES)}, '
+           f"got {m.get('remat_policy')!r}")
   if m.attention_type == 'msa':
     _require(0 <= m.first_sparse_layer < m.num_layers, 'model.first_sparse_layer',
              f'must be in [0, num_layers={m.num_layers})')
@@ -156,24 +169,125 @@ def validate_config(config) -> None:
     for f in ('step_rounds', 'microstep_rounds'):
       _require(int(t[f]) >= 1, f'transfer.{f}',
                f'must be >= 1 (rounds of one expert per device), got {t[f]}')
-  if 'planner' in config and 'deadline_recompute_frac' in config.planner:
-    _require(config.planner.deadline_recompute_frac > 0,
-             'planner.deadline_recompute_frac', 'must be > 0')
+  if 'planner' in config:
+    _validate_planner(config.planner)
   if 'rl' in config:
-    r = config.rl
-    _require(r.num_generations >= 2, 'rl.num_generations',
-             'GRPO needs >= 2 samples per prompt for a group baseline')
-    _require(r.num_microbatches >= 1, 'rl.num_microbatches', 'must be >= 1')
-    batch = r.prompts_per_step * r.num_generations
-    _require(batch % r.num_microbatches == 0, 'rl.num_microbatches',
-             f'prompts_per_step * num_generations ({batch}) must be divisible '
-             f'by num_microbatches ({r.num_microbatches})')
-    _require(0 <= r.eps_low < 1 and r.eps_high >= 0, 'rl.eps_low',
-             'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
-    epochs = r.get('num_update_epochs', 1)
-    _require(isinstance(epochs, int) and epochs >= 1, 'rl.num_update_epochs',
-             f'must be an integer >= 1 (optimizer updates per rollout), got '
-             f'{epochs!r}')
+    _validate_rl(config.rl)
+  if 'warmstart' in config:
+    w = config.warmstart
+    _require(_is_int(w.steps) and w.steps >= 0, 'warmstart.steps',
+             f'must be an integer >= 0, got {w.steps!r}')
+    _require(_is_int(w.batch_size) and w.batch_size >= 1,
+             'warmstart.batch_size', f'must be an integer >= 1, got '
+             f'{w.batch_size!r}')
+    _require(w.learning_rate > 0, 'warmstart.learning_rate',
+             f'must be > 0, got {w.learning_rate!r}')
+  if 'sampler' in config:
+    s = config.sampler
+    _require(s.temperature > 0, 'sampler.temperature',
+             f'must be > 0 (greedy decoding is SamplingParams.greedy), got '
+             f'{s.temperature!r}')
+    _require(_is_int(s.top_k) and s.top_k >= 0, 'sampler.top_k',
+             f'must be an integer >= 0 (0: off), got {s.top_k!r}')
+    _require(0 < s.top_p <= 1, 'sampler.top_p',
+             f'must be in (0, 1] (1: off), got {s.top_p!r}')
+  for f, low in (('checkpoint_every', 1), ('eval_prompts', 0)):
+    if f in config:
+      _require(_is_int(config[f]) and config[f] >= low, f,
+               f'must be an integer >= {low}, got {config[f]!r}')
+  if 'task' in config:
+    _validate_task(config)
+  profile_steps(config)
+
+
+def profile_steps(config) -> tuple[int, ...]:
+  """`profile_steps` ('3,5', a tuple, or absent) as RL step numbers."""
+  raw = config.get('profile_steps', ())
+  if isinstance(raw, str):
+    parts = [p.strip() for p in raw.split(',') if p.strip()]
+  elif isinstance(raw, int):
+    parts = [raw]
+  else:
+    parts = list(raw)
+  try:
+    steps = tuple(int(p) for p in parts)
+  except (TypeError, ValueError):
+    steps = ()
+    parts = None
+  _require(parts is not None and all(s >= 1 for s in steps), 'profile_steps',
+           f"must be RL step numbers >= 1 like '3,5', got {raw!r}")
+  return steps
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _validate_planner(p) -> None:
+  # Imported here: the planner package imports this module.
+  from foremoe_jax.planner.guard import METHODS  # pylint: disable=g-import-not-at-top
+  _require(p.method in METHODS, 'planner.method',
+           f'must be one of {", ".join(METHODS)}, got {p.method!r}')
+  if 'deadline_ms' in p:
+    _require(p.deadline_ms >= 0, 'planner.deadline_ms',
+             f'must be >= 0, got {p.deadline_ms!r}')
+  if 'deadline_recompute_frac' in p:
+    _require(p.deadline_recompute_frac > 0, 'planner.deadline_recompute_frac',
+             'must be > 0')
+  if 'num_nodes' in p:
+    _require(_is_int(p.num_nodes) and p.num_nodes >= 1, 'planner.num_nodes',
+             f'must be an integer >= 1, got {p.num_nodes!r}')
+
+
+def _validate_rl(r) -> None:
+  _require(_is_int(r.steps) and r.steps >= 0, 'rl.steps',
+           f'must be an integer >= 0, got {r.steps!r}')
+  _require(_is_int(r.prompts_per_step) and r.prompts_per_step >= 1,
+           'rl.prompts_per_step', f'must be an integer >= 1, got '
+           f'{r.prompts_per_step!r}')
+  _require(r.learning_rate > 0, 'rl.learning_rate',
+           f'must be > 0, got {r.learning_rate!r}')
+  _require(r.beta >= 0, 'rl.beta', f'must be >= 0 (0: no KL term), got '
+           f'{r.beta!r}')
+  _require(r.grad_clip > 0, 'rl.grad_clip',
+           f'must be > 0 (global-norm clip), got {r.grad_clip!r}')
+  _require(r.weight_decay >= 0, 'rl.weight_decay',
+           f'must be >= 0, got {r.weight_decay!r}')
+  _require(r.num_generations >= 2, 'rl.num_generations',
+           'GRPO needs >= 2 samples per prompt for a group baseline')
+  _require(r.num_microbatches >= 1, 'rl.num_microbatches', 'must be >= 1')
+  batch = r.prompts_per_step * r.num_generations
+  _require(batch % r.num_microbatches == 0, 'rl.num_microbatches',
+           f'prompts_per_step * num_generations ({batch}) must be divisible '
+           f'by num_microbatches ({r.num_microbatches})')
+  _require(0 <= r.eps_low < 1 and r.eps_high >= 0, 'rl.eps_low',
+           'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
+  epochs = r.get('num_update_epochs', 1)
+  _require(isinstance(epochs, int) and epochs >= 1, 'rl.num_update_epochs',
+           f'must be an integer >= 1 (optimizer updates per rollout), got '
+           f'{epochs!r}')
+
+
+def _validate_task(config) -> None:
+  """The task exists, takes task_kwargs, and fits the model's vocabulary and
+  context (building a task is cheap: a tokenizer and a few numbers)."""
+  # Imported here: tasks are an optional layer above the config schema.
+  from foremoe_jax import tasks  # pylint: disable=g-import-not-at-top
+  _require(config.task in tasks.task_names(), 'task',
+           f'must be one of {", ".join(tasks.task_names())}, got '
+           f'{config.task!r}')
+  kwargs = dict(config.get('task_kwargs', {}))
+  try:
+    task = tasks.get_task(config.task, **kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'task_kwargs: {e}') from None
+  m = config.model
+  _require(m.vocab_size >= task.vocab_size, 'model.vocab_size',
+           f'must be >= the vocabulary of task {config.task!r} '
+           f'({task.vocab_size}), got {m.vocab_size}')
+  _require(m.max_seq_len >= task.sequence_len, 'model.max_seq_len',
+           f'must be >= prompt + completion ({task.sequence_len}) for task '
+           f'{config.task!r}, got {m.max_seq_len}')
 
 
 def capacity_buckets(tokens_per_device: int, top_k: int, num_devices: int,

@@ -46,6 +46,31 @@ BAD = [
     ('rl.eps_low', lambda c: setattr(c.rl, 'eps_low', 1.5), 'clip range'),
     ('rl.num_update_epochs', lambda c: setattr(c.rl, 'num_update_epochs', 0), '>= 1'),
     ('model.param_dtype', lambda c: setattr(c.model, 'param_dtype', 'float16'), 'bfloat16'),
+    # Fields of the job around the model: each one is checked before any work.
+    ('planner.method', lambda c: setattr(c.planner, 'method', 'bogus'), 'eplb_microstep'),
+    ('planner.deadline_ms', lambda c: setattr(c.planner, 'deadline_ms', -1.0), '>= 0'),
+    ('planner.num_nodes', lambda c: setattr(c.planner, 'num_nodes', 0), '>= 1'),
+    ('rl.steps', lambda c: setattr(c.rl, 'steps', -1), '>= 0'),
+    ('rl.prompts_per_step', lambda c: setattr(c.rl, 'prompts_per_step', 0), '>= 1'),
+    ('rl.learning_rate', lambda c: setattr(c.rl, 'learning_rate', 0.0), '> 0'),
+    ('rl.beta', lambda c: setattr(c.rl, 'beta', -0.1), 'KL'),
+    ('rl.grad_clip', lambda c: setattr(c.rl, 'grad_clip', 0.0), '> 0'),
+    ('rl.weight_decay', lambda c: setattr(c.rl, 'weight_decay', -1.0), '>= 0'),
+    ('warmstart.steps', lambda c: setattr(c.warmstart, 'steps', -5), '>= 0'),
+    ('warmstart.batch_size', lambda c: setattr(c.warmstart, 'batch_size', 0), '>= 1'),
+    ('warmstart.learning_rate', lambda c: setattr(c.warmstart, 'learning_rate', -1.0), '> 0'),
+    ('sampler.temperature', lambda c: setattr(c.sampler, 'temperature', 0.0), 'greedy'),
+    ('sampler.top_k', lambda c: setattr(c.sampler, 'top_k', -1), '>= 0'),
+    ('sampler.top_p', lambda c: setattr(c.sampler, 'top_p', 1.5), '(0, 1]'),
+    ('checkpoint_every', lambda c: setattr(c, 'checkpoint_every', 0), '>= 1'),
+    ('eval_prompts', lambda c: setattr(c, 'eval_prompts', -1), '>= 0'),
+    ('task', lambda c: setattr(c, 'task', 'chess'), 'addition3_rev'),
+    ('task_kwargs', lambda c: c.task_kwargs.update({'num_digitz': 3}), 'num_digitz'),
+    ('model.vocab_size', lambda c: setattr(c.model, 'vocab_size', 8), 'vocabulary of task'),
+    ('profile_steps', lambda c: setattr(c, 'profile_steps', '3,x'), 'RL step numbers'),
+    ('profile_steps', lambda c: setattr(c, 'profile_steps', '0'), '>= 1'),
+    ('model.remat_policy', lambda c: setattr(c.model, 'remat_policy', 'some'), 'minimal'),
+    ('model.max_seq_len', lambda c: (setattr(c, 'task', 'sort5'), setattr(c.model, 'max_seq_len', 8)), 'prompt + completion'),
 ]
 
 
@@ -67,3 +92,10 @@ def test_capacity_buckets_ascending_and_dropless_last():
   assert caps[0] == 16  # a cell's uniform share: 64 * 2 / 8
   assert config_lib.pick_bucket(17, caps) == caps[1] == 24
   assert config_lib.pick_bucket(10_000, caps) == 128
+
+
+def test_profile_steps_parse():
+  c = tiny()
+  assert config_lib.profile_steps(c) == ()
+  c.profile_steps = ' 3, 5 '
+  assert config_lib.profile_steps(c) == (3, 5)

@@ -1,6 +1,7 @@
 """Entry points run as users run them: absl flags and --config.* overrides."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -33,6 +34,75 @@ def test_bad_override_fails_with_the_rule():
                        timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
   assert out.returncode != 0
   assert 'model.top_k: top_k (99) must be <= num_experts (8)' in out.stderr
+
+
+def _rl_train(*flags, timeout=300):
+  cmd = [sys.executable, '-m', 'experiments.rl_train',
+         '--config=configs/tiny.py', *flags]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_bad_planner_method_is_one_line_before_any_work(tmp_path):
+  out = _rl_train(f'--workdir={tmp_path}', '--config.planner.method=bogus')
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+      "config error: planner.method: must be one of static, eplb_step, "
+      "eplb_microstep, foremoe, got 'bogus'"]
+  assert '# run:' not in out.stdout and not os.listdir(tmp_path)
+
+
+def test_unknown_config_field_is_one_line_with_the_nearest_name(tmp_path):
+  out = _rl_train(f'--workdir={tmp_path}', '--config.rl.stepz=3')
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+      'unknown config field --config.rl.stepz; did you mean --config.rl.steps?']
+  out = _rl_train(f'--workdir={tmp_path}', '--config.planr.method=static')
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+      'unknown config field --config.planr.method; did you mean '
+      '--config.planner.method?']
+
+
+def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
+  """As a scheduler preempts a job: SIGTERM mid-RL, then the same command."""
+  flags = [f'--workdir={tmp_path}', '--config.warmstart.steps=20',
+           '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
+           '--config.checkpoint_every=100', '--config.task=sort']
+  cmd = [sys.executable, '-m', 'experiments.rl_train',
+         '--config=configs/tiny.py', *flags, '--config.rl.steps=50',
+         '--config.profile_steps=1']
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith('step    2 |'):
+      proc.send_signal(signal.SIGTERM)
+      break
+  rest, err = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  last = [l for l in (lines + rest.splitlines(True)) if l.startswith('step ')]
+  stopped_at = int(last[-1].split('|')[0].split()[1])
+  assert stopped_at < 50
+  final = rest.strip().splitlines()[-1]
+  assert final.startswith(f'stopped by SIGTERM: step {stopped_at} saved in '), final
+  assert 'resume with: python -m experiments.rl_train --config=configs/tiny.py' \
+      in final
+  assert 'Traceback' not in err
+  assert os.path.isdir(tmp_path / 'checkpoints' / str(stopped_at))
+  traces = [f for _, _, fs in os.walk(tmp_path / 'profile') for f in fs]
+  assert any(f.endswith('.xplane.pb') for f in traces), traces
+  steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
+  assert steps == list(range(1, stopped_at + 1))
+
+  out = _rl_train(*flags, f'--config.rl.steps={stopped_at + 2}', timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f'restored the rl checkpoint at step {stopped_at}' in out.stdout
+  assert 'warm start ' not in out.stdout
+  steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
+  assert steps == list(range(1, stopped_at + 3))
 
 
 def test_benchmark_writes_its_results_file_and_the_renderer_reads_it(tmp_path):

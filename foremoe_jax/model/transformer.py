@@ -7,6 +7,11 @@ K top-k, E experts, S slots, D EP devices.
 with, per MoE layer, the slot weights the transfer engine filled for it,
 optional replayed routes [L, B, T, K] and a static capacity; it returns the
 logits, the routes it used (the routing record) and MoE statistics.
+
+Without a KV cache (training), each block can run under `nnx.remat`
+(`model.remat_policy`): the backward pass recomputes what the policy does not
+keep, trading compute for activation memory as MaxText's `remat_policy`
+does. The numbers do not change, only what is stored.
 """
 from __future__ import annotations
 
@@ -18,6 +23,18 @@ from flax import nnx
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.model import attention, expert_parallel, layers, moe
+
+
+# model.remat_policy -> what the backward pass keeps of a block's forward.
+# 'full': nothing but the block input; 'minimal': also the outputs of
+# matmuls without batch dimensions (the projections and expert GEMMs), as
+# MaxText's 'minimal'; 'dots': every dot output, batched ones included.
+REMAT_POLICIES = {
+    'full': None,
+    'minimal': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    'dots': jax.checkpoint_policies.checkpoint_dots,
+}
+assert set(REMAT_POLICIES) | {'none'} == set(config_lib.REMAT_POLICIES)
 
 
 class ModelAux(NamedTuple):
@@ -45,6 +62,26 @@ class Block(nnx.Module):
     else:
       self.ffn = layers.SwiGLU(cfg.d_model, cfg.dense_d_ff, rngs=rngs,
                                param_dtype=pdt, dtype=cdt)
+
+
+def _block_forward(block, x, positions_BT, cache, valid_BT, indexer_weight_BT,
+                   moe_kw, *, capacity, cache_index):
+  """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)).
+
+  Returns (x, new cache, indexer loss, MoE aux or None); a function of its
+  arguments only, so `nnx.remat` can wrap it.
+  """
+  h, c, index_loss = block.attn(block.attn_norm(x), positions_BT, cache=cache,
+                                cache_index=cache_index,
+                                indexer_weight_BT=indexer_weight_BT)
+  x = x + h
+  hn = block.ffn_norm(x)
+  aux = None
+  if block.is_moe:
+    h, aux = block.ffn(hn, capacity=capacity, valid_BT=valid_BT, **moe_kw)
+  else:
+    h = block.ffn(hn)
+  return x + h, c, index_loss, aux
 
 
 class Transformer(nnx.Module):
@@ -88,31 +125,30 @@ class Transformer(nnx.Module):
       positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
     x = self.embed(tokens_BT)
     moe_auxes, new_cache, index_losses, moe_idx = [], [], [], 0
+    policy = self.cfg.get('remat_policy', 'none')
     for i, block in enumerate(self.blocks):
-      h, c, index_loss = block.attn(block.attn_norm(x), positions_BT,
-                                    cache=None if cache is None else cache[i],
-                                    cache_index=cache_index,
-                                    indexer_weight_BT=indexer_weight_BT)
+      moe_kw = {}
+      if block.is_moe:
+        if placement is not None:
+          moe_kw = dict(slot_expert_S=placement.slot_expert[moe_idx],
+                        slot_share_DS=placement.slot_share[moe_idx])
+          if slot_weights_L is not None:
+            moe_kw['slot_weights'] = slot_weights_L[moe_idx]
+        if replay_routes_LBTK is not None:
+          moe_kw['replay_ids_BTK'] = replay_routes_LBTK[moe_idx]
+        moe_idx += 1
+      def run(*args):
+        return _block_forward(*args, capacity=capacity,
+                              cache_index=cache_index)
+      if cache is None and policy != 'none':
+        run = nnx.remat(run, policy=REMAT_POLICIES[policy])
+      x, c, index_loss, moe_aux = run(
+          block, x, positions_BT, None if cache is None else cache[i],
+          valid_BT, indexer_weight_BT, moe_kw)
       new_cache.append(c)
       index_losses.append(index_loss)
-      x = x + h
-      hn = block.ffn_norm(x)
-      if block.is_moe:
-        kw = {}
-        if placement is not None:
-          kw = dict(slot_expert_S=placement.slot_expert[moe_idx],
-                    slot_share_DS=placement.slot_share[moe_idx])
-          if slot_weights_L is not None:
-            kw['slot_weights'] = slot_weights_L[moe_idx]
-        replay = (None if replay_routes_LBTK is None
-                  else replay_routes_LBTK[moe_idx])
-        h, aux = block.ffn(hn, capacity=capacity, replay_ids_BTK=replay,
-                           valid_BT=valid_BT, **kw)
-        moe_auxes.append(aux)
-        moe_idx += 1
-      else:
-        h = block.ffn(hn)
-      x = x + h
+      if moe_aux is not None:
+        moe_auxes.append(moe_aux)
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
       # The tied unembedding runs in float32 on the compute-dtype table.

@@ -1,7 +1,7 @@
 """The main job's imperative shell: warm start, then GRPO with routing foresight.
 
-One RL iteration reads as its data flow (DESIGN.md §2), one named function a
-phase:
+One RL iteration reads as its data flow (docs/design.md §2), one named
+function a phase:
 
   rollout -> score -> compose -> foresight -> plan (async, host thread)
           -> recompute (device, async) -> transfer + update -> record
@@ -359,7 +359,15 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
 # ------------------------------------------------------- the job's pieces
 
 
-def _log_line(step, m):
+def _clock(seconds: float) -> str:
+  seconds = int(round(seconds))
+  h, rem = divmod(seconds, 3600)
+  return f'{h}:{rem // 60:02d}:{rem % 60:02d}' if h else \
+      f'{rem // 60}:{rem % 60:02d}'
+
+
+def _log_line(step, m, total_steps=None, elapsed_s=None, done_steps=None):
+  """One line per RL step; elapsed time and ETA once `done_steps` ran."""
   mom = np.mean(m['microstep_max_over_mean'])
   mom_s = np.mean(m['microstep_max_over_mean_static'])
   return (f"step {step:4d} | reward {m['reward_mean']:.3f} | kl {m['kl']:.4f} "
@@ -367,22 +375,24 @@ def _log_line(step, m):
           f"{m['capacity']} (static {m['capacity_static']}) | moved "
           f"{m['weight_bytes_moved_per_device_per_microstep'] / 1e3:.1f} kB/"
           f"dev/micro-step | plan wait {m['plan_wait_s'] * 1e3:.0f} ms | "
-          f"{m['step_s']:.2f}s")
+          f"{m['step_s']:.2f}s" + _progress(step, total_steps, elapsed_s,
+                                            done_steps))
 
 
-def _check_task_fits(config, task):
-  mcfg = config.model
-  if mcfg.vocab_size < task.vocab_size:
-    raise config_lib.ConfigError(
-        f'model.vocab_size: must be >= the task vocabulary ({task.vocab_size})')
-  if mcfg.max_seq_len < task.sequence_len:
-    raise config_lib.ConfigError(
-        f'model.max_seq_len: must be >= prompt + completion '
-        f'({task.sequence_len}) for task {config.task!r}')
+def _progress(step, total_steps, elapsed_s, done_steps) -> str:
+  if total_steps is None or elapsed_s is None or not done_steps:
+    return ''
+  eta = elapsed_s / done_steps * (total_steps - step)
+  return f' | {step}/{total_steps} elapsed {_clock(elapsed_s)} ETA {_clock(eta)}'
 
 
-def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt):
-  """Supervised warm start; writes warmstart.jsonl and a checkpoint."""
+def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
+               guard=None):
+  """Supervised warm start; writes warmstart.jsonl and a checkpoint.
+
+  Returns None, with nothing saved, when `guard` asks to stop first: the
+  warm start is short and a rerun starts it again.
+  """
   mcfg = config.model
   tx = step_lib.make_optimizer(config.warmstart.learning_rate, 1.0)
   state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
@@ -391,6 +401,8 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt):
   t0 = time.perf_counter()
   with metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl') as writer:
     for i in range(config.warmstart.steps):
+      if guard is not None and guard.requested:
+        return None
       tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
       state, m = sft_step(state, jnp.asarray(tokens), jnp.asarray(mask))
       if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
@@ -420,33 +432,101 @@ def greedy_eval(config, task, graphdef, mesh):
   return evaluate
 
 
-def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt):
-  """RL steps start..rl.steps-1; checkpoints every `checkpoint_every`."""
+def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
+            guard=None):
+  """RL steps start..rl.steps-1; checkpoints every `checkpoint_every`.
+
+  Returns (state, last step done). When `guard` asks to stop, the step in
+  flight finishes, is checkpointed, and the loop returns early. Steps in
+  `profile_steps` (1-based, as logged) each write a jax.profiler trace under
+  workdir/profile (TensorBoard's profile plugin or Perfetto reads it).
+  """
   config = ctx.config
-  rewards = []
-  for step in range(start, config.rl.steps):
+  total = config.rl.steps
+  profile = set(config_lib.profile_steps(config))
+  t0 = time.perf_counter()
+  for step in range(start, total):
     key, k_sample = jax.random.split(key)
+    if step + 1 in profile:
+      jax.profiler.start_trace(os.path.join(writer.workdir, 'profile'))
     state, record = rl_iteration(ctx, state, step, rng, k_sample)
-    rewards.append(record['reward_mean'])
+    if step + 1 in profile:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
     writer.write(step + 1, record)
-    print(_log_line(step + 1, record), flush=True)
+    print(_log_line(step + 1, record, total, time.perf_counter() - t0,
+                    step + 1 - start), flush=True)
+    stop = guard is not None and guard.requested
     if ((step + 1) % config.get('checkpoint_every', 10) == 0
-        or step + 1 == config.rl.steps):
+        or step + 1 == total or stop):
       ckpt.save(step + 1, state.params, phase='rl', opt_state=state.opt_state)
-  return state, rewards
+    if stop:
+      return state, step + 1
+  return state, total
 
 
-def train(config, workdir: str) -> dict:
+SUMMARY_FILE = 'summary.json'
+EVAL_FILE = 'greedy_eval.json'
+
+
+def _complete(workdir: str, step: int, config) -> dict:
+  """A finished run: say so and leave its files as they are."""
+  print(f'the run in {workdir} is complete (step {step}, rl.steps = '
+        f'{config.rl.steps}); its summary.json is left as it is. Pass a new '
+        f'--workdir for a new run, or raise --config.rl.steps to train on.',
+        flush=True)
+  path = os.path.join(workdir, SUMMARY_FILE)
+  summary = None
+  if os.path.exists(path):
+    with open(path) as f:
+      summary = json.load(f)
+  return dict(complete=True, step=step, workdir=workdir, summary=summary)
+
+
+def _stopped(workdir: str, step: int, phase: str, guard) -> dict:
+  """What `train` returns when a signal stopped it (see PreemptionGuard)."""
+  return dict(preempted=True, phase=phase, step=step, workdir=workdir,
+              checkpoint_dir=os.path.join(workdir, 'checkpoints'),
+              signal=guard.signum, exit_code=guard.exit_code)
+
+
+def _greedy_before_rl(workdir: str, evaluate, params, resumed: bool):
+  """Greedy reward of the warm-started policy, kept in greedy_eval.json so a
+  resumed run reports the real before-RL value, not its restored policy's."""
+  path = os.path.join(workdir, EVAL_FILE)
+  if resumed and os.path.exists(path):
+    with open(path) as f:
+      return json.load(f).get('greedy_reward_before_rl')
+  value = evaluate(params)
+  with open(path, 'w') as f:
+    json.dump({'greedy_reward_before_rl': value}, f)
+  return value
+
+
+def _reward_summary(workdir: str) -> dict:
+  """First and last mean rewards over the whole run (all of metrics.jsonl,
+  so a resumed run counts the steps before its restart too)."""
+  rewards = [r['reward_mean'] for r in metrics_lib.read_metrics(workdir)
+             if r.get('phase') == 'rl' and 'reward_mean' in r]
+  k = max(1, min(5, len(rewards) // 3))
+  return dict(reward_first=float(np.mean(rewards[:k])) if rewards else None,
+              reward_last=float(np.mean(rewards[-k:])) if rewards else None,
+              rl_steps_logged=len(rewards))
+
+
+def train(config, workdir: str, guard=None) -> dict:
   """Runs warm start + RL in `workdir`; returns the summary.
 
   Writes warmstart.jsonl (SFT loss), metrics.jsonl (one line per RL step),
   summary.json, PNG plots and orbax checkpoints; a rerun with the same
-  workdir resumes from the latest checkpoint.
+  workdir resumes from the latest checkpoint (metrics.jsonl is cut back to
+  its step), and a rerun of a finished run changes nothing. With a
+  `PreemptionGuard`, a signal stops the run at the next step boundary after
+  a checkpoint, and the result says so (`preempted`).
   """
   config_lib.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   task = get_task(config.task, **config.get('task_kwargs', {}))
-  _check_task_fits(config, task)
   mesh = expert_parallel.make_mesh(config.parallel.num_data,
                                    config.parallel.num_expert)
   rng = np.random.default_rng(config.seed)
@@ -461,16 +541,22 @@ def train(config, workdir: str) -> dict:
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
 
   restored = ckpt.restore_latest(params)
+  resumed = restored is not None and restored['phase'] == 'rl'
+  if resumed and restored['step'] >= config.rl.steps:
+    return _complete(workdir, restored['step'], config)
   if restored is not None and restored['phase'] in ('warmstart_done', 'rl'):
     params = restored['params']
     print(f"restored the {restored['phase']} checkpoint at step "
           f"{restored['step']}", flush=True)
   else:
     params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
-                        ckpt)
+                        ckpt, guard)
+    if params is None:
+      return _stopped(workdir, 0, 'warmstart', guard)
 
   evaluate = greedy_eval(config, task, graphdef, mesh)
-  summary = {'greedy_reward_before_rl': evaluate(params)}
+  summary = {'greedy_reward_before_rl': _greedy_before_rl(
+      workdir, evaluate, params, resumed)}
   if summary['greedy_reward_before_rl'] is not None:
     print(f"greedy reward after warm start: "
           f"{summary['greedy_reward_before_rl']:.3f}", flush=True)
@@ -478,23 +564,27 @@ def train(config, workdir: str) -> dict:
   state = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
                                     with_ref=config.rl.beta > 0)
   start = 0
-  if restored is not None and restored['phase'] == 'rl':
+  if resumed:
     state = dataclasses.replace(state, opt_state=ckpt.restore_opt_state(
         restored['step'], state.opt_state), step=jnp.asarray(restored['step']))
     start = restored['step']
+  # Steps a crash ran past the checkpoint are run again: log them once.
+  dropped = metrics_lib.truncate_after(workdir, start)
+  if dropped:
+    print(f'metrics.jsonl: dropped {dropped} records past step {start}, '
+          f'where this run resumes', flush=True)
   writer = metrics_lib.MetricsWriter(workdir)
   try:
-    state, rewards = rl_loop(ctx, state, start, rng, key, writer, ckpt)
+    state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard)
   finally:
     ctx.planner.close()
     writer.close()
+  if done < config.rl.steps:
+    return _stopped(workdir, done, 'rl', guard)
   summary['greedy_reward_after_rl'] = evaluate(state.params)
-  k = max(1, min(5, len(rewards) // 3))
-  summary.update(
-      reward_first=float(np.mean(rewards[:k])) if rewards else None,
-      reward_last=float(np.mean(rewards[-k:])) if rewards else None,
-      plan_fallbacks=ctx.planner.num_fallbacks)
-  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+  summary.update(_reward_summary(workdir),
+                 plan_fallbacks=ctx.planner.num_fallbacks)
+  with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
     json.dump(summary, f, indent=1)
   summary['plots'] = metrics_lib.plot_metrics(workdir)
   return summary

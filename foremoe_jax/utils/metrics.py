@@ -44,6 +44,7 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, filename: str = METRICS_FILE):
     os.makedirs(workdir, exist_ok=True)
+    self.workdir = workdir
     self.path = os.path.join(workdir, filename)
     needs_newline = False
     if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
@@ -90,6 +91,36 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
       except json.JSONDecodeError:
         continue  # A line torn by a crash mid-write.
   return records
+
+
+def truncate_after(path: str, step: int) -> int:
+  """Drops the records past `step` (and torn lines); returns how many.
+
+  A resumed run restarts at its checkpoint's step, so the steps a crash ran
+  past it would otherwise appear twice. The file is rewritten through a
+  temporary and renamed, so a crash here leaves either version whole.
+  """
+  if os.path.isdir(path):
+    path = os.path.join(path, METRICS_FILE)
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  keep = []
+  for line in lines:
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if record.get('step', 0) <= step:
+      keep.append(line)
+  dropped = sum(1 for line in lines if line.strip()) - len(keep)
+  if dropped:
+    tmp = path + '.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.write(''.join(line + '\n' for line in keep))
+    os.replace(tmp, path)
+  return dropped
 
 
 def _is_number(x) -> bool:

@@ -44,10 +44,23 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   # A rerun in the same workdir (as after a crash) resumes from the latest
   # checkpoint: no second warm start, RL continues at step 41.
   cfg.rl.steps = 41
-  trainer.train(cfg, workdir)
+  summary = trainer.train(cfg, workdir)
   steps = [json.loads(l)['step'] for l in open(os.path.join(workdir,
                                                               'metrics.jsonl'))]
   assert steps == list(range(1, 42))
   warm = open(os.path.join(workdir, 'warmstart.jsonl')).read().splitlines()
   assert len(warm) == 2  # 100 steps logged every 50: written once only.
 
+  # The summary covers the whole run, the steps before the restart included.
+  assert summary['rl_steps_logged'] == 41
+  assert summary['reward_first'] is not None and summary['reward_last'] > \
+      summary['reward_first']
+
+  # Rerunning a finished run changes nothing: no step, no summary of nulls.
+  path = os.path.join(workdir, 'summary.json')
+  before = open(path, 'rb').read()
+  again = trainer.train(cfg, workdir)
+  assert again['complete'] and again['step'] == 41
+  assert open(path, 'rb').read() == before
+  assert again['summary']['reward_last'] == summary['reward_last']
+  assert len(open(os.path.join(workdir, 'metrics.jsonl')).readlines()) == 41

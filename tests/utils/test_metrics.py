@@ -9,6 +9,7 @@ import pytest
 
 from foremoe_jax.utils.metrics import MetricsWriter, plot_metrics, read_metrics
 from foremoe_jax.utils.metrics import _phase_boundaries
+from foremoe_jax.utils import metrics
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -107,3 +108,18 @@ def test_only_present_keys_are_plotted(tmp_path, keys, expected):
   assert sorted(os.path.basename(p) for p in paths) == expected
   assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.png')) == \
       expected
+
+
+def test_truncate_after_drops_later_and_torn_records(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  with metrics.MetricsWriter(str(tmp_path)) as w:
+    for step in range(1, 6):
+      w.write(step, {'phase': 'rl', 'x': step})
+  with open(path, 'a') as f:
+    f.write('{"step": 6, "x"')  # torn by a crash mid-write
+  assert metrics.truncate_after(str(tmp_path), 3) == 3
+  assert [r['step'] for r in metrics.read_metrics(str(path))] == [1, 2, 3]
+  assert metrics.truncate_after(str(tmp_path), 3) == 0
+  with metrics.MetricsWriter(str(tmp_path)) as w:  # appends after step 3
+    w.write(4, {'phase': 'rl', 'x': 40})
+  assert [r['x'] for r in metrics.read_metrics(str(path))] == [1, 2, 3, 40]
