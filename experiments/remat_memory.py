@@ -36,8 +36,10 @@ def main(argv):
                   'mesh': [p.num_data, p.num_expert], 'batch': _BATCH.value,
                   'seq_len': _SEQ_LEN.value})
   mesh = expert_parallel.make_mesh(p.num_data, p.num_expert)
-  tokens = jax.random.randint(jax.random.key(0), (_BATCH.value, _SEQ_LEN.value),
-                              0, config.model.vocab_size)
+  # seq_len + 1 tokens: the model reads seq_len of them and predicts the next.
+  tokens = jax.random.randint(jax.random.key(1),
+                              (_BATCH.value, _SEQ_LEN.value + 1), 0,
+                              config.model.vocab_size)
   result = remat.report(config.model, mesh, tokens)
   if not _JSON.value:
     for policy, r in result.items():

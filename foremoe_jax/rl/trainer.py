@@ -19,6 +19,7 @@ strings them together.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,6 +43,7 @@ from foremoe_jax.tasks import get_task
 from foremoe_jax.transfer import engine as transfer_engine
 from foremoe_jax.transfer import schedule
 from foremoe_jax.utils import metrics as metrics_lib
+from foremoe_jax.utils import tensorboard
 
 
 def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
@@ -301,12 +303,17 @@ def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
 
 
 def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:
-  """Micro-step max/mean device load of the plan and of static EP."""
+  """Micro-step max/mean device load of the plan and of static EP, and the
+  plan's load per micro-step and device, summed over MoE layers."""
   num_micro = loads_MLDE.shape[0]
   mom = lambda p: [float(placement_lib.max_over_mean(placement_lib.device_loads(
       loads_MLDE[i], p(i))).mean()) for i in range(num_micro)]
+  device_load_MD = [placement_lib.device_loads(
+      loads_MLDE[i], plan.microstep(i)).sum(axis=0).tolist()
+                    for i in range(num_micro)]
   return dict(microstep_max_over_mean=mom(plan.microstep),
-              microstep_max_over_mean_static=mom(lambda i: ctx.identity))
+              microstep_max_over_mean_static=mom(lambda i: ctx.identity),
+              device_load_MD=device_load_MD)
 
 
 def rl_iteration(ctx: RLContext, state, step: int, rng, key):
@@ -387,7 +394,7 @@ def _progress(step, total_steps, elapsed_s, done_steps) -> str:
 
 
 def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
-               guard=None):
+               guard=None, tb=None):
   """Supervised warm start; writes warmstart.jsonl and a checkpoint.
 
   Returns None, with nothing saved, when `guard` asks to stop first: the
@@ -399,7 +406,8 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
   sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,
                                     mcfg.aux_loss_coef)
   t0 = time.perf_counter()
-  with metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl') as writer:
+  with metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl',
+                                 mirror=tb) as writer:
     for i in range(config.warmstart.steps):
       if guard is not None and guard.requested:
         return None
@@ -518,7 +526,8 @@ def train(config, workdir: str, guard=None) -> dict:
   """Runs warm start + RL in `workdir`; returns the summary.
 
   Writes warmstart.jsonl (SFT loss), metrics.jsonl (one line per RL step),
-  summary.json, PNG plots and orbax checkpoints; a rerun with the same
+  TensorBoard events (tensorboard/), summary.json, PNG plots and orbax
+  checkpoints; a rerun with the same
   workdir resumes from the latest checkpoint (metrics.jsonl is cut back to
   its step), and a rerun of a finished run changes nothing. With a
   `PreemptionGuard`, a signal stops the run at the next step boundary after
@@ -539,52 +548,59 @@ def train(config, workdir: str, guard=None) -> dict:
   # model.param_dtype is; the model casts to model.dtype where it computes.
   params = step_lib.master_params(params)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  with contextlib.closing(tensorboard.TensorBoardWriter(workdir)) as tb:
+    restored = ckpt.restore_latest(params)
+    resumed = restored is not None and restored['phase'] == 'rl'
+    if resumed and restored['step'] >= config.rl.steps:
+      return _complete(workdir, restored['step'], config)
+    if restored is not None and restored['phase'] in ('warmstart_done', 'rl'):
+      params = restored['params']
+      print(f"restored the {restored['phase']} checkpoint at step "
+            f"{restored['step']}", flush=True)
+    else:
+      params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
+                          ckpt, guard, tb)
+      if params is None:
+        return _stopped(workdir, 0, 'warmstart', guard)
 
-  restored = ckpt.restore_latest(params)
-  resumed = restored is not None and restored['phase'] == 'rl'
-  if resumed and restored['step'] >= config.rl.steps:
-    return _complete(workdir, restored['step'], config)
-  if restored is not None and restored['phase'] in ('warmstart_done', 'rl'):
-    params = restored['params']
-    print(f"restored the {restored['phase']} checkpoint at step "
-          f"{restored['step']}", flush=True)
-  else:
-    params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
-                        ckpt, guard)
-    if params is None:
-      return _stopped(workdir, 0, 'warmstart', guard)
-
-  evaluate = greedy_eval(config, task, graphdef, mesh)
-  summary = {'greedy_reward_before_rl': _greedy_before_rl(
-      workdir, evaluate, params, resumed)}
-  if summary['greedy_reward_before_rl'] is not None:
-    print(f"greedy reward after warm start: "
-          f"{summary['greedy_reward_before_rl']:.3f}", flush=True)
-  ctx = make_rl_context(config, graphdef, mesh, task)
-  state = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
-                                    with_ref=config.rl.beta > 0)
-  start = 0
-  if resumed:
-    state = dataclasses.replace(state, opt_state=ckpt.restore_opt_state(
-        restored['step'], state.opt_state), step=jnp.asarray(restored['step']))
-    start = restored['step']
-  # Steps a crash ran past the checkpoint are run again: log them once.
-  dropped = metrics_lib.truncate_after(workdir, start)
-  if dropped:
-    print(f'metrics.jsonl: dropped {dropped} records past step {start}, '
-          f'where this run resumes', flush=True)
-  writer = metrics_lib.MetricsWriter(workdir)
-  try:
-    state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard)
-  finally:
-    ctx.planner.close()
-    writer.close()
-  if done < config.rl.steps:
-    return _stopped(workdir, done, 'rl', guard)
-  summary['greedy_reward_after_rl'] = evaluate(state.params)
-  summary.update(_reward_summary(workdir),
-                 plan_fallbacks=ctx.planner.num_fallbacks)
-  with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
-    json.dump(summary, f, indent=1)
-  summary['plots'] = metrics_lib.plot_metrics(workdir)
-  return summary
+    evaluate = greedy_eval(config, task, graphdef, mesh)
+    summary = {'greedy_reward_before_rl': _greedy_before_rl(
+        workdir, evaluate, params, resumed)}
+    if summary['greedy_reward_before_rl'] is not None:
+      print(f"greedy reward after warm start: "
+            f"{summary['greedy_reward_before_rl']:.3f}", flush=True)
+    ctx = make_rl_context(config, graphdef, mesh, task)
+    state = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
+                                      with_ref=config.rl.beta > 0)
+    start = 0
+    if resumed:
+      state = dataclasses.replace(state, opt_state=ckpt.restore_opt_state(
+          restored['step'], state.opt_state),
+                                  step=jnp.asarray(restored['step']))
+      start = restored['step']
+    # Steps a crash ran past the checkpoint are run again: log them once.
+    dropped = metrics_lib.truncate_after(workdir, start)
+    if dropped:
+      print(f'metrics.jsonl: dropped {dropped} records past step {start}, '
+            f'where this run resumes', flush=True)
+    writer = metrics_lib.MetricsWriter(workdir, mirror=tb)
+    try:
+      state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard)
+    finally:
+      ctx.planner.close()
+      writer.close()
+    if done < config.rl.steps:
+      return _stopped(workdir, done, 'rl', guard)
+    summary['greedy_reward_after_rl'] = evaluate(state.params)
+    tb.write(done, {'phase': 'eval', **{k: v for k, v in summary.items()
+                                        if k.startswith('greedy')}})
+    summary.update(_reward_summary(workdir),
+                   plan_fallbacks=ctx.planner.num_fallbacks)
+    with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
+      json.dump(summary, f, indent=1)
+    greedy = [(0, summary['greedy_reward_before_rl']),
+              (done, summary['greedy_reward_after_rl'])]
+    summary['plots'] = metrics_lib.plot_metrics(
+        workdir, reward_range=task.reward_range,
+        greedy=[g for g in greedy if g[1] is not None])
+    return summary

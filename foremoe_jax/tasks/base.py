@@ -60,6 +60,11 @@ class Task(abc.ABC):
   # Derived, shared by all tasks.
 
   @property
+  def reward_range(self) -> tuple[float, float]:
+    """Lowest and highest reward the verifier gives (plots clip to it)."""
+    return (0.0, 1.0)
+
+  @property
   def tokenizer(self) -> CharTokenizer:
     return CharTokenizer(self.alphabet)
 

@@ -42,7 +42,11 @@ class MetricsWriter:
   from a crash is closed off first so the next record starts on its own line.
   """
 
-  def __init__(self, workdir: str, filename: str = METRICS_FILE):
+  def __init__(self, workdir: str, filename: str = METRICS_FILE,
+               mirror=None):
+    """mirror: another writer (`write(step, record)`) that gets every record
+    too, such as `tensorboard.TensorBoardWriter`."""
+    self._mirror = mirror
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.path = os.path.join(workdir, filename)
@@ -61,6 +65,9 @@ class MetricsWriter:
     record.update({str(k): _to_json(v) for k, v in metrics.items()})
     self._file.write(json.dumps(record) + '\n')
     self._file.flush()
+    if self._mirror is not None:  # The plain-Python values, as logged.
+      self._mirror.write(int(step), {k: v for k, v in record.items()
+                                     if k != 'step'})
 
   def close(self) -> None:
     self._file.close()
@@ -168,25 +175,34 @@ _FIGURES = (
 )
 
 
-def plot_metrics(workdir: str, records: list[dict] | None = None) -> list[str]:
+def plot_metrics(workdir: str, records: list[dict] | None = None, *,
+                 reward_range: tuple[float, float] | None = None,
+                 greedy: list[tuple[int, float]] | None = None) -> list[str]:
   """Writes the PNGs whose keys the log holds; returns their paths.
 
-  reward.png: reward_mean vs step. microstep_load.png: every key
-  microstep_max_over_mean* (one line per planner method, e.g. the suffix
-  _static), lists drawn as mean with a min..max band. loss.png: loss and
-  *_loss keys. kl.png: kl and kl_* keys. Each marks phase changes.
+  reward.png: reward_mean vs step, its ± std band clipped to `reward_range`
+  (the task's), and the greedy evaluations `greedy` [(step, reward)] as
+  markers. microstep_load.png: every key microstep_max_over_mean* (one line
+  per planner method, e.g. the suffix _static), lists drawn as mean with a
+  min..max band. loss.png: loss and *_loss keys, leaving out a loss that is
+  zero throughout (a term that is off). kl.png: kl and kl_* keys. Each marks
+  phase changes. warmstart.png: the supervised warm start's loss, from
+  warmstart.jsonl.
   """
   from matplotlib.figure import Figure  # No pyplot: no global backend state.
 
+  written = _plot_warmstart(workdir, Figure)
   if records is None:
     records = read_metrics(workdir)
   keys = sorted({k for r in records for k in r if k not in ('step', 'phase')})
   boundaries = _phase_boundaries(records)
-  written = []
   for filename, title, ylabel, wanted, hline in _FIGURES:
     chosen = [k for k in keys if wanted(k)]
     series = [(k, _series(records, k)) for k in chosen]
     series = [(k, s) for k, s in series if s[0]]
+    if filename == 'loss.png':
+      series = [(k, s) for k, s in series
+                if any(v != 0 for col in s[1:] for v in col)]
     if not series:
       continue
     fig = Figure(figsize=(6.4, 4.0), dpi=100)
@@ -201,10 +217,17 @@ def plot_metrics(workdir: str, records: list[dict] | None = None) -> list[str]:
                     and _is_number(r.get('reward_std')) and 'step' in r)
       if band:
         steps, mean, std = zip(*band)
-        ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                        [m + s for m, s in zip(mean, std)], alpha=0.15,
+        lo = [m - s for m, s in zip(mean, std)]
+        hi = [m + s for m, s in zip(mean, std)]
+        if reward_range is not None:
+          clip = lambda v: min(max(v, reward_range[0]), reward_range[1])
+          lo, hi = [clip(v) for v in lo], [clip(v) for v in hi]
+        ax.fill_between(steps, lo, hi, alpha=0.15,
                         color=ax.lines[0].get_color(),
                         label='reward_mean ± reward_std')
+      if greedy:
+        ax.plot(*zip(*greedy), 'D', color='k', ms=6,
+                label='greedy eval (held-out prompts)')
     if hline is not None:
       ax.axhline(hline, color='gray', lw=0.8, ls=':')
     for step, phase in boundaries:
@@ -219,3 +242,27 @@ def plot_metrics(workdir: str, records: list[dict] | None = None) -> list[str]:
     fig.savefig(path)
     written.append(path)
   return written
+
+
+WARMSTART_FILE = 'warmstart.jsonl'
+
+
+def _plot_warmstart(workdir: str, figure_cls) -> list[str]:
+  """warmstart.png: the supervised loss of warmstart.jsonl, if there is one."""
+  path = os.path.join(workdir, WARMSTART_FILE)
+  if not os.path.exists(path):
+    return []
+  steps, loss, _, _ = _series(read_metrics(path), 'sft_loss')
+  if not steps:
+    return []
+  fig = figure_cls(figsize=(6.4, 4.0), dpi=100)
+  ax = fig.subplots()
+  ax.plot(steps, loss, lw=1.5, label='sft_loss')
+  ax.set(title='Supervised warm start', xlabel='warm-start step',
+         ylabel='cross-entropy', yscale='log')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  out = os.path.join(workdir, 'warmstart.png')
+  fig.savefig(out)
+  return [out]

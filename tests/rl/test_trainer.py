@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from foremoe_jax.rl import trainer
+from foremoe_jax.utils import tensorboard
 
 
 def test_short_run_reward_rises_and_writes_outputs(tmp_path):
@@ -40,6 +41,16 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
     with open(os.path.join(workdir, png), 'rb') as f:
       assert f.read(8) == b'\x89PNG\r\n\x1a\n'
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', '40'))
+  assert os.path.exists(os.path.join(workdir, 'warmstart.png'))
+  # TensorBoard holds the same run: every RL step, the warm start, and the
+  # per-device load of each micro-step.
+  tags = tensorboard.read_scalars(os.path.join(workdir, 'tensorboard'))
+  assert [s for s, _ in tags['rl/reward_mean']] == list(range(1, 41))
+  np.testing.assert_allclose([v for _, v in tags['rl/reward_mean']],
+                             [l['reward_mean'] for l in rl], rtol=1e-6)
+  assert [s for s, _ in tags['warmstart/sft_loss']] == [50, 100]
+  assert len(tags['rl/device_load_max_over_mean/microstep_0']) == 40
+  assert len(rl[0]['device_load_MD']) == cfg.rl.num_microbatches
 
   # A rerun in the same workdir (as after a crash) resumes from the latest
   # checkpoint: no second warm start, RL continues at step 41.

@@ -123,3 +123,40 @@ def test_truncate_after_drops_later_and_torn_records(tmp_path):
   with metrics.MetricsWriter(str(tmp_path)) as w:  # appends after step 3
     w.write(4, {'phase': 'rl', 'x': 40})
   assert [r['x'] for r in metrics.read_metrics(str(path))] == [1, 2, 3, 40]
+
+
+def test_plots_clip_the_reward_band_drop_zero_losses_and_draw_warm_start(
+    tmp_path):
+  from matplotlib.axes import Axes
+  from foremoe_jax.utils import metrics as m
+  with MetricsWriter(str(tmp_path), 'warmstart.jsonl') as w:
+    for step in (50, 100):
+      w.write(step, {'phase': 'warmstart', 'sft_loss': 3.0 / step})
+  records = [{'step': s, 'phase': 'rl', 'reward_mean': 0.9, 'reward_std': 0.5,
+              'loss': 0.1 * s, 'indexer_loss': 0.0} for s in (1, 2, 3)]
+  bands, lines = [], []
+  fill, plot = Axes.fill_between, Axes.plot
+
+  def spy_fill(self, x, y1, y2=0, **kw):
+    bands.append((self, list(y1), list(y2)))
+    return fill(self, x, y1, y2, **kw)
+
+  def spy_plot(self, *args, **kw):
+    lines.append((self, kw.get('label')))
+    return plot(self, *args, **kw)
+  Axes.fill_between, Axes.plot = spy_fill, spy_plot
+  try:
+    paths = m.plot_metrics(str(tmp_path), records, reward_range=(0.0, 1.0),
+                           greedy=[(0, 0.2), (3, 0.7)])
+  finally:
+    Axes.fill_between, Axes.plot = fill, plot
+  names = sorted(os.path.basename(p) for p in paths)
+  assert names == ['loss.png', 'reward.png', 'warmstart.png']
+  # 0.9 +- 0.5 would reach 1.4: the band stops at the reward's maximum.
+  (lo, hi), = [(y1, y2) for ax, y1, y2 in bands if ax.get_title() == 'Reward']
+  assert max(hi) == 1.0 and min(lo) == pytest.approx(0.4)
+  drawn = lambda title: [l for ax, l in lines if ax.get_title() == title]
+  assert drawn('Reward') == ['reward_mean', 'greedy eval (held-out prompts)']
+  # The all-zero indexer loss is left out; the real loss stays.
+  assert drawn('Loss') == ['loss']
+  assert drawn('Supervised warm start') == ['sft_loss']

@@ -1,0 +1,104 @@
+"""TensorBoard event files of a run, beside metrics.jsonl.
+
+`TensorBoardWriter.write(step, record)` logs every number of a metrics
+record as a scalar under `<phase>/<name>` (a list of numbers, such as the
+per-micro-step max/mean, as `<phase>/<name>/<i>`), and a `device_load_MD`
+record as one histogram of the per-device load per micro-step plus its
+max/mean. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
+Host-side; tensorboardX is imported when the writer is made, and without it
+the writer says so once and writes nothing (metrics.jsonl stays complete).
+
+`read_scalars` parses the event files back (the TFRecord framing and the
+Event proto that tensorboardX ships), for tests and notebooks.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+
+TB_DIR = 'tensorboard'
+
+
+def _numbers(value):
+  if isinstance(value, bool):
+    return None
+  if isinstance(value, (int, float)) and math.isfinite(value):
+    return float(value)
+  return None
+
+
+class TensorBoardWriter:
+
+  def __init__(self, workdir: str, subdir: str = TB_DIR):
+    self.logdir = os.path.join(workdir, subdir)
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      print('tensorboardX is not installed: no TensorBoard events (pip '
+            'install tensorboardX); metrics.jsonl has every metric',
+            file=sys.stderr, flush=True)
+      self._w = None
+      return
+    self._w = tensorboardX.SummaryWriter(self.logdir, flush_secs=10)
+
+  def write(self, step: int, record: dict) -> None:
+    if self._w is None:
+      return
+    phase = record.get('phase', 'run')
+    for name, value in record.items():
+      if name == 'device_load_MD':
+        self._device_loads(step, phase, np.asarray(value, np.float64))
+        continue
+      x = _numbers(value)
+      if x is not None:
+        self._w.add_scalar(f'{phase}/{name}', x, step)
+      elif isinstance(value, (list, tuple)) and value and all(
+          _numbers(v) is not None for v in value):
+        for i, v in enumerate(value):
+          self._w.add_scalar(f'{phase}/{name}/{i}', float(v), step)
+
+  def _device_loads(self, step, phase, load_MD):
+    for m, load_D in enumerate(load_MD):
+      self._w.add_histogram(f'{phase}/device_load/microstep_{m}', load_D, step)
+      mean = load_D.mean()
+      if mean > 0:
+        self._w.add_scalar(f'{phase}/device_load_max_over_mean/microstep_{m}',
+                           float(load_D.max() / mean), step)
+
+  def flush(self) -> None:
+    if self._w is not None:
+      self._w.flush()
+
+  def close(self) -> None:
+    if self._w is not None:
+      self._w.close()
+      self._w = None
+
+
+def _records(path: str):
+  """Payloads of a TFRecord file: u64 length, u32 crc, data, u32 crc."""
+  with open(path, 'rb') as f:
+    data = f.read()
+  i = 0
+  while i + 12 <= len(data):
+    (n,) = struct.unpack('<Q', data[i:i + 8])
+    yield data[i + 12:i + 12 + n]
+    i += 12 + n + 4
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} of every scalar in the logdir's files."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  out: dict[str, list[tuple[int, float]]] = {}
+  for path in sorted(glob.glob(os.path.join(logdir, 'events.out.tfevents.*'))):
+    for payload in _records(path):
+      event = event_pb2.Event.FromString(payload)
+      for v in event.summary.value:
+        if v.HasField('simple_value'):
+          out.setdefault(v.tag, []).append((event.step, v.simple_value))
+  return out

@@ -1,0 +1,31 @@
+"""TensorBoard events: every number of a record comes back from the files."""
+import numpy as np
+import pytest
+
+from foremoe_jax.utils import tensorboard
+
+
+def test_records_round_trip_through_the_event_files(tmp_path):
+  w = tensorboard.TensorBoardWriter(str(tmp_path))
+  rng = np.random.default_rng(0)
+  sent = []
+  for step in (1, 2, 3):
+    load_MD = rng.integers(1, 100, (2, 4)).astype(float)
+    record = {'phase': 'rl', 'reward_mean': 0.1 * step, 'dropped': step,
+              'planner': 'foremoe', 'ok': True,
+              'microstep_max_over_mean': [1.0 + step, 2.0 + step],
+              'device_load_MD': load_MD.tolist()}
+    w.write(step, record)
+    sent.append((step, record, load_MD))
+  w.close()
+  got = tensorboard.read_scalars(str(tmp_path / 'tensorboard'))
+  for step, record, load_MD in sent:
+    at = lambda tag: dict(got[tag])[step]
+    assert at('rl/reward_mean') == pytest.approx(record['reward_mean'])
+    assert at('rl/dropped') == step
+    assert at('rl/microstep_max_over_mean/1') == pytest.approx(2.0 + step)
+    for m in range(2):
+      assert at(f'rl/device_load_max_over_mean/microstep_{m}') == \
+          pytest.approx(load_MD[m].max() / load_MD[m].mean(), rel=1e-6)
+  # Strings and bools are not scalars.
+  assert not any(t.endswith(('planner', 'ok')) for t in got)
