@@ -100,7 +100,9 @@ def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
                        tiles_per_step=tiles_per_step)
 
   kl_XT = jax.lax.map(one_group, (q_XTRD, k_XNCD, qi_XTI, ki_XNCI, sel_XTK,
-                                  lse_XTR))
+                                  lse_XTR),
+                      batch_size=xla.groups_per_step(
+                          b * g, t * sel_XTK.shape[-1] * r * (d + di)))
   if weight_BT is None:
     return kl_XT.mean()
   kl_BT = kl_XT.reshape(b, g, t).mean(axis=1)

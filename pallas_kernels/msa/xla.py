@@ -161,6 +161,20 @@ def pack_pairs(sel_TK, n_blocks: int, n_tiles: int, pairs_per_tile: int):
 
 # Lanes (pairs) per loop step when the tile shape is chosen automatically.
 STEP_LANES = 512
+# Floats of per-pair partial outputs that one lax.map step over (sequence,
+# group) may hold: long sequences go one group at a time (a 32k group alone
+# holds ~300M), while short ones are vmapped many at a time, because a
+# while-loop iteration per tiny group costs more than its work (measured:
+# the tiny MSA config's update, 128 groups of 32 tokens, ran ~2x slower
+# one group a step).
+GROUP_STEP_FLOATS = 1 << 22
+
+
+def groups_per_step(n_groups: int, floats_per_group: int) -> int:
+  """lax.map batch size over (sequence, group) for `sparse_attention` and
+  the indexer loss: as many groups as fit in GROUP_STEP_FLOATS, at least 1."""
+  return int(max(1, min(n_groups, GROUP_STEP_FLOATS // max(floats_per_group,
+                                                             1))))
 
 
 def tile_shape(n_pairs: int, n_visible: int, pairs_per_tile: int | None = None,
@@ -274,7 +288,9 @@ def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
       lses.append(lse)
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
-  out_XTRD, lse_XTR = jax.lax.map(one_group, (q_XTRD, k_XNCD, v_XNCD, sel_XTK))
+  out_XTRD, lse_XTR = jax.lax.map(
+      one_group, (q_XTRD, k_XNCD, v_XNCD, sel_XTK),
+      batch_size=groups_per_step(b * g, t * sel_XTK.shape[-1] * r * d))
   out_BTHD = out_XTRD.reshape(b, g, t, r, d).transpose(0, 2, 1, 3, 4).reshape(
       b, t, h, d)
   lse_BTH = lse_XTR.reshape(b, g, t, r).transpose(0, 2, 1, 3).reshape(b, t, h)
