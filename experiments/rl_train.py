@@ -39,7 +39,11 @@ def main(argv):
   config_lib.validate_config(_CONFIG.value)  # Before any work (cli.run).
   print_run_info({'config': _CONFIG.value.to_dict()})
   with PreemptionGuard() as guard:
-    summary = trainer.train(_CONFIG.value, _WORKDIR.value, guard=guard)
+    try:
+      summary = trainer.train(_CONFIG.value, _WORKDIR.value, guard=guard)
+    except trainer.NonFiniteError as e:
+      print(f'error: {e}', file=sys.stderr, flush=True)
+      sys.exit(1)
   if summary.get('preempted'):
     where = ('nothing saved yet: the warm start runs again'
              if summary['phase'] == 'warmstart' else

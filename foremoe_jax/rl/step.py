@@ -182,6 +182,12 @@ def replace_experts(tree, moe_blocks, experts_L):
   return jax.tree_util.tree_map_with_path(swap, tree)
 
 
+def all_finite(tree) -> jax.Array:
+  """True when every element of every leaf is finite."""
+  return jnp.all(jnp.stack([jnp.isfinite(x).all()
+                            for x in jax.tree.leaves(tree)]))
+
+
 def _split_microbatches(x_B, microbatches_Mb):
   return jnp.take(x_B, microbatches_Mb, axis=0)
 
@@ -302,6 +308,9 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     (g, g_slots_L), metrics = grad_fn(
         state.params, [s[:3] for s in slots_L], toks, valid, routes,
         placement, mask, adv, old, ref if has_ref else None)
+    # Which micro-step went non-finite, so the host can name it.
+    metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
+                              & all_finite((g, g_slots_L)))).astype(jnp.int32)
     # The ids travelled with the weights: every slot must hold the expert
     # the placement routes to it.
     metrics['transfer_id_errors'] = transfer_engine.id_errors(
@@ -326,11 +335,13 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   # The canonical experts were not used directly (every MoE call read slot
   # buffers), so their autodiff gradients are zero: the returns are theirs.
   grads = replace_experts(grads, moe_blocks, gcanon_L)
-  per_step = ('dropped', 'max_cell', 'transfer_id_errors')  # Set below.
+  per_step = ('dropped', 'max_cell', 'transfer_id_errors',
+              'nonfinite')  # Set below.
   metrics = {k: v.sum() for k, v in metrics_M.items() if k not in per_step}
   metrics.update(dropped=metrics_M['dropped'].sum(),
                  max_cell_M=metrics_M['max_cell'],
                  transfer_id_errors=metrics_M['transfer_id_errors'].sum(),
+                 nonfinite_M=metrics_M['nonfinite'],
                  adv_abs_mean=jnp.abs(adv_B).mean())
   if 'rollout_vs_recompute_logp_max_abs' in logps:
     metrics['rollout_vs_recompute_logp_max_abs'] = logps[
@@ -345,7 +356,9 @@ PER_EPOCH_METRICS = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
 # Same in every epoch (routes, plan and advantages do not change): epoch 0's.
 _FIRST_EPOCH_METRICS = ('dropped', 'max_cell_M', 'adv_abs_mean',
                         'rollout_vs_recompute_logp_max_abs')
-_SUMMED_METRICS = ('transfer_id_errors',)
+# Summed over epochs: for nonfinite_M, the epochs in which each micro-step
+# had a non-finite loss or gradient.
+_SUMMED_METRICS = ('transfer_id_errors', 'nonfinite_M')
 
 
 def _epoch_summary(metrics_U: dict) -> dict:

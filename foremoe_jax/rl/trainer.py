@@ -284,6 +284,24 @@ def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
   return state, jax.device_get(m)
 
 
+class NonFiniteError(RuntimeError):
+  """A step's loss or gradient was NaN or Inf; the run stops before that
+  step's state is checkpointed."""
+
+
+def check_finite(step: int, m) -> None:
+  """Raises NonFiniteError naming the step and its bad micro-steps."""
+  bad_M = np.flatnonzero(np.asarray(m['nonfinite_M']))
+  if bad_M.size or not np.isfinite(float(m['grad_norm'])) or \
+      not np.isfinite(float(m['loss'])):
+    where = (f'micro-step(s) {bad_M.tolist()} of '
+             f'{len(m["nonfinite_M"])}' if bad_M.size else 'the update')
+    raise NonFiniteError(
+        f'RL step {step}: non-finite loss or gradient in {where}; stopped '
+        f'before checkpointing it (the last checkpoint is the latest good '
+        f'state)')
+
+
 def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
   """Weights moved (useful fills across devices) and gradients returned."""
   num_micro = planned.plan.num_microsteps
@@ -336,6 +354,7 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   t_rec_done = clock.wait()
   ctx.recompute_s = t_rec_done - t_rec
   state, m = update(ctx, state, batch, logps, planned)
+  check_finite(step + 1, m)
   t_done = time.perf_counter()
   record = dict(
       phase='rl', reward_mean=float(rewards.mean()),
