@@ -43,8 +43,10 @@ def main(argv):
   result = remat.report(config.model, mesh, tokens)
   if not _JSON.value:
     for policy, r in result.items():
-      print(f"{policy:>8}: temp {r['temp_bytes'] / 2**20:8.2f} MiB | grad diff "
-            f"vs none {r['grad_max_abs_diff_vs_none']:.2e}")
+      print(f"{policy:>8}: kept for backward "
+            f"{r['saved_residual_bytes'] / 2**20:7.2f} MiB | XLA temp "
+            f"{r['temp_bytes'] / 2**20:7.2f} MiB | grad diff vs none "
+            f"{r['grad_max_abs_diff_vs_none']:.1e}")
   print(json.dumps(result), flush=True)
 
 
