@@ -175,11 +175,8 @@ def validate_config(config) -> None:
     _validate_rl(config.rl)
   if 'warmstart' in config:
     w = config.warmstart
-    _require(_is_int(w.steps) and w.steps >= 0, 'warmstart.steps',
-             f'must be an integer >= 0, got {w.steps!r}')
-    _require(_is_int(w.batch_size) and w.batch_size >= 1,
-             'warmstart.batch_size', f'must be an integer >= 1, got '
-             f'{w.batch_size!r}')
+    _require_int(w.steps, 'warmstart.steps', 0)
+    _require_int(w.batch_size, 'warmstart.batch_size', 1)
     _require(w.learning_rate > 0, 'warmstart.learning_rate',
              f'must be > 0, got {w.learning_rate!r}')
   if 'sampler' in config:
@@ -187,14 +184,12 @@ def validate_config(config) -> None:
     _require(s.temperature > 0, 'sampler.temperature',
              f'must be > 0 (greedy decoding is SamplingParams.greedy), got '
              f'{s.temperature!r}')
-    _require(_is_int(s.top_k) and s.top_k >= 0, 'sampler.top_k',
-             f'must be an integer >= 0 (0: off), got {s.top_k!r}')
+    _require_int(s.top_k, 'sampler.top_k', 0, ' (0: off)')
     _require(0 < s.top_p <= 1, 'sampler.top_p',
              f'must be in (0, 1] (1: off), got {s.top_p!r}')
   for f, low in (('checkpoint_every', 1), ('eval_prompts', 0)):
     if f in config:
-      _require(_is_int(config[f]) and config[f] >= low, f,
-               f'must be an integer >= {low}, got {config[f]!r}')
+      _require_int(config[f], f, low)
   if 'task' in config:
     _validate_task(config)
   profile_steps(config)
@@ -219,8 +214,10 @@ def profile_steps(config) -> tuple[int, ...]:
   return steps
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
+def _require_int(x, field: str, low: int, note: str = '') -> None:
+  """`field` must be an int (not a bool) >= low; `note` explains it."""
+  ok = isinstance(x, int) and not isinstance(x, bool) and x >= low
+  _require(ok, field, f'must be an integer >= {low}{note}, got {x!r}')
 
 
 def _validate_planner(p) -> None:
@@ -235,16 +232,12 @@ def _validate_planner(p) -> None:
     _require(p.deadline_recompute_frac > 0, 'planner.deadline_recompute_frac',
              'must be > 0')
   if 'num_nodes' in p:
-    _require(_is_int(p.num_nodes) and p.num_nodes >= 1, 'planner.num_nodes',
-             f'must be an integer >= 1, got {p.num_nodes!r}')
+    _require_int(p.num_nodes, 'planner.num_nodes', 1)
 
 
 def _validate_rl(r) -> None:
-  _require(_is_int(r.steps) and r.steps >= 0, 'rl.steps',
-           f'must be an integer >= 0, got {r.steps!r}')
-  _require(_is_int(r.prompts_per_step) and r.prompts_per_step >= 1,
-           'rl.prompts_per_step', f'must be an integer >= 1, got '
-           f'{r.prompts_per_step!r}')
+  _require_int(r.steps, 'rl.steps', 0)
+  _require_int(r.prompts_per_step, 'rl.prompts_per_step', 1)
   _require(r.learning_rate > 0, 'rl.learning_rate',
            f'must be > 0, got {r.learning_rate!r}')
   _require(r.beta >= 0, 'rl.beta', f'must be >= 0 (0: no KL term), got '
@@ -262,10 +255,8 @@ def _validate_rl(r) -> None:
            f'by num_microbatches ({r.num_microbatches})')
   _require(0 <= r.eps_low < 1 and r.eps_high >= 0, 'rl.eps_low',
            'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
-  epochs = r.get('num_update_epochs', 1)
-  _require(isinstance(epochs, int) and epochs >= 1, 'rl.num_update_epochs',
-           f'must be an integer >= 1 (optimizer updates per rollout), got '
-           f'{epochs!r}')
+  _require_int(r.get('num_update_epochs', 1), 'rl.num_update_epochs', 1,
+               ' (optimizer updates per rollout)')
 
 
 def _validate_task(config) -> None:

@@ -7,7 +7,7 @@ compiled step (temporaries are where saved activations live) and the
 largest gradient difference from the 'none' policy, which must be zero up
 to float reassociation: remat changes what is stored, never the numbers.
 It also reports the bytes the forward pass saves for the backward pass
-(`jax.ad_checkpoint.saved_residuals`), which is what a policy changes.
+(`jax.ad_checkpoint.print_saved_residuals`), which is what a policy changes.
 """
 from __future__ import annotations
 
@@ -39,17 +39,14 @@ def loss_fn(model_cfg, mesh, tokens_BT):
   return params, loss
 
 
-def grad_step(model_cfg, mesh, tokens_BT):
-  """(params, jitted params -> (loss, grads)) of the model with `model_cfg`."""
-  params, loss = loss_fn(model_cfg, mesh, tokens_BT)
-  return params, jax.jit(jax.value_and_grad(loss))
-
-
 def saved_residual_bytes(model_cfg, mesh, tokens_BT) -> int:
   """Bytes the forward pass keeps for the backward pass under the policy
   (jax's own account of the residuals, whatever the backend's allocator
   then does with them)."""
-  params, loss = loss_fn(model_cfg, mesh, tokens_BT)
+  return _residual_bytes(*loss_fn(model_cfg, mesh, tokens_BT))
+
+
+def _residual_bytes(params, loss) -> int:
   # print_saved_residuals is the public API: one 'f32[16,32,64] <source>'
   # line per residual.
   text = io.StringIO()
@@ -79,8 +76,8 @@ def report(model_cfg, mesh, tokens_BT) -> dict:
   for policy in config_lib.REMAT_POLICIES:
     cfg = model_cfg.copy_and_resolve_references()
     cfg.remat_policy = policy
-    params, step = grad_step(cfg, mesh, tokens_BT)
-    compiled = step.lower(params).compile()
+    params, loss_of = loss_fn(cfg, mesh, tokens_BT)
+    compiled = jax.jit(jax.value_and_grad(loss_of)).lower(params).compile()
     mem = compiled.memory_analysis()
     loss, grads = compiled(params)
     grads = [np.asarray(g) for g in jax.tree.leaves(grads)]
@@ -91,6 +88,6 @@ def report(model_cfg, mesh, tokens_BT) -> dict:
         temp_bytes=int(getattr(mem, 'temp_size_in_bytes', -1)),
         argument_bytes=int(getattr(mem, 'argument_size_in_bytes', -1)),
         output_bytes=int(getattr(mem, 'output_size_in_bytes', -1)),
-        saved_residual_bytes=saved_residual_bytes(cfg, mesh, tokens_BT),
+        saved_residual_bytes=_residual_bytes(params, loss_of),
         loss=float(loss), grad_max_abs_diff_vs_none=diff)
   return out

@@ -125,7 +125,11 @@ class Transformer(nnx.Module):
       positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
     x = self.embed(tokens_BT)
     moe_auxes, new_cache, index_losses, moe_idx = [], [], [], 0
+    def run(*args):
+      return _block_forward(*args, capacity=capacity, cache_index=cache_index)
     policy = self.cfg.get('remat_policy', 'none')
+    if cache is None and policy != 'none':
+      run = nnx.remat(run, policy=REMAT_POLICIES[policy])
     for i, block in enumerate(self.blocks):
       moe_kw = {}
       if block.is_moe:
@@ -137,11 +141,6 @@ class Transformer(nnx.Module):
         if replay_routes_LBTK is not None:
           moe_kw['replay_ids_BTK'] = replay_routes_LBTK[moe_idx]
         moe_idx += 1
-      def run(*args):
-        return _block_forward(*args, capacity=capacity,
-                              cache_index=cache_index)
-      if cache is None and policy != 'none':
-        run = nnx.remat(run, policy=REMAT_POLICIES[policy])
       x, c, index_loss, moe_aux = run(
           block, x, positions_BT, None if cache is None else cache[i],
           valid_BT, indexer_weight_BT, moe_kw)

@@ -425,7 +425,7 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
   sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,
                                     mcfg.aux_loss_coef)
   t0 = time.perf_counter()
-  with metrics_lib.MetricsWriter(workdir, 'warmstart.jsonl',
+  with metrics_lib.MetricsWriter(workdir, metrics_lib.WARMSTART_FILE,
                                  mirror=tb) as writer:
     for i in range(config.warmstart.steps):
       if guard is not None and guard.requested:
@@ -546,9 +546,9 @@ def train(config, workdir: str, guard=None) -> dict:
 
   Writes warmstart.jsonl (SFT loss), metrics.jsonl (one line per RL step),
   TensorBoard events (tensorboard/), summary.json, PNG plots and orbax
-  checkpoints; a rerun with the same
-  workdir resumes from the latest checkpoint (metrics.jsonl is cut back to
-  its step), and a rerun of a finished run changes nothing. With a
+  checkpoints; a rerun with the same workdir resumes from the latest
+  checkpoint (metrics.jsonl is cut back to its step), and a rerun of a
+  finished run changes nothing. With a
   `PreemptionGuard`, a signal stops the run at the next step boundary after
   a checkpoint, and the result says so (`preempted`).
   """

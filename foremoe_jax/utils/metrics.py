@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 METRICS_FILE = 'metrics.jsonl'
+WARMSTART_FILE = 'warmstart.jsonl'
 
 
 def _to_json(value: Any) -> Any:
@@ -242,9 +243,6 @@ def plot_metrics(workdir: str, records: list[dict] | None = None, *,
     fig.savefig(path)
     written.append(path)
   return written
-
-
-WARMSTART_FILE = 'warmstart.jsonl'
 
 
 def _plot_warmstart(workdir: str, figure_cls) -> list[str]:

@@ -68,7 +68,8 @@ def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, *, q_offset: int,
 def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
                     block_size: int, q_offset: int = 0,
                     pairs_per_tile: int | None = None,
-                    tiles_per_step: int | None = None, weight_BT=None) -> jax.Array:
+                    tiles_per_step: int | None = None,
+                    weight_BT=None) -> jax.Array:
   """Mean over (b, g, t) of KL(head-averaged main attention || index dist).
 
   weight_BT: weights of the query positions instead of the plain mean:
