@@ -20,6 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.head_dim = 128
   m.rope_theta = 10_000.0
   m.qk_norm = True
+  m.qk_norm_scope = 'full'  # One RMSNorm over all heads' q (and k).
   m.tie_embeddings = False
   m.max_seq_len = 4096
   m.num_experts = 64

@@ -65,8 +65,14 @@ class Attention(nnx.Module):
     self.k_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.v_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.o_proj = nnx.Linear(h * d, m, kernel_init=layers.dense_init(h * d), **kw)
+    # qk_norm_scope 'head' (Qwen3): one RMSNorm over head_dim, its scale
+    # shared by every head; 'full' (OLMoE): one RMSNorm over all heads'
+    # projection at once ([H * D] for q, [G * D] for k), before the split
+    # into heads. The two differ in the statistics, not only the scale shape.
+    self.qk_norm_full = cfg.get('qk_norm_scope', 'head') == 'full'
     if cfg.qk_norm:
-      self.q_norm, self.k_norm = norm(d), norm(d)
+      self.q_norm, self.k_norm = ((norm(h * d), norm(g * d))
+                                  if self.qk_norm_full else (norm(d), norm(d)))
     self.qk_norm = bool(cfg.qk_norm)
     self.layer_type = layer_type
     if layer_type == 'msa':
@@ -89,10 +95,13 @@ class Attention(nnx.Module):
     it weights query positions by indexer_weight_BT (None: plain mean).
     """
     b, t, _ = x_BTM.shape
-    q = self.q_proj(x_BTM).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x_BTM).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k = self.q_proj(x_BTM), self.k_proj(x_BTM)
+    if self.qk_norm and self.qk_norm_full:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x_BTM).reshape(b, t, self.num_kv_heads, self.head_dim)
-    if self.qk_norm:
+    if self.qk_norm and not self.qk_norm_full:
       q, k = self.q_norm(q), self.k_norm(k)
     q = layers.apply_rope(q, positions_BT, self.rope_theta)
     k = layers.apply_rope(k, positions_BT, self.rope_theta)
