@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from foremoe_jax.model import expert_parallel
 from foremoe_jax.tasks.tokenizer import EOS_ID, PAD_ID
+from foremoe_jax.utils import distributed
 
 
 class Rollout(NamedTuple):
@@ -300,8 +301,11 @@ class Sampler:
         [prompts_BP, np.full((num_rows - num_samples, plen), p.pad_id,
                              np.int32)])
     row_valid_B = np.arange(num_rows) < num_samples
-    prompts_BP, row_valid_B = jax.device_put((prompts_BP, row_valid_B),
-                                             self._rows)
+    # Every process holds all rows (same prompts everywhere) and fills only
+    # its own devices' shards, so this also works when the mesh spans
+    # processes (utils/distributed.py).
+    prompts_BP, row_valid_B = (distributed.global_array(x, self._rows)
+                               for x in (prompts_BP, row_valid_B))
     cache = self._init_cache(state, num_rows, total)
     return self._prefill(
         state, prompts_BP, row_valid_B, key, placement, cache,
@@ -319,7 +323,9 @@ class Sampler:
   def rollout(self, carry: DecodeState) -> Rollout:
     """The host-side Rollout of a finished decode, batch padding dropped."""
     p = self.params
-    tokens_BX, logp_BX, routes, steps, row_valid_B = jax.device_get(
+    # Gathered from every process's rows (a collective when the mesh spans
+    # processes): each process's host code sees the whole rollout.
+    tokens_BX, logp_BX, routes, steps, row_valid_B = distributed.to_host(
         (carry.tokens_BX, carry.logp_BX, carry.routes_LBTK, carry.step,
          carry.row_valid_B))
     num_samples = int(row_valid_B.sum())  # Padding rows come last.

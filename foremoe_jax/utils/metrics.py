@@ -16,6 +16,8 @@ import json
 import os
 from typing import Any
 
+from foremoe_jax.utils import distributed
+
 METRICS_FILE = 'metrics.jsonl'
 WARMSTART_FILE = 'warmstart.jsonl'
 
@@ -41,6 +43,8 @@ class MetricsWriter:
   Each line is flushed as written, so a crash loses at most the step in
   flight. Opening an existing file appends (resuming a run); a torn last line
   from a crash is closed off first so the next record starts on its own line.
+  In a multi-process run only process 0 writes (`distributed.is_primary`);
+  the others' writers (and their mirrors) drop every record.
   """
 
   def __init__(self, workdir: str, filename: str = METRICS_FILE,
@@ -48,9 +52,12 @@ class MetricsWriter:
     """mirror: another writer (`write(step, record)`) that gets every record
     too, such as `tensorboard.TensorBoardWriter`."""
     self._mirror = mirror
-    os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.path = os.path.join(workdir, filename)
+    self._file = None
+    if not distributed.is_primary():
+      return
+    os.makedirs(workdir, exist_ok=True)
     needs_newline = False
     if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
       with open(self.path, 'rb') as f:
@@ -62,6 +69,8 @@ class MetricsWriter:
       self._file.flush()
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if self._file is None:  # Not process 0.
+      return
     record = {'step': int(step)}
     record.update({str(k): _to_json(v) for k, v in metrics.items()})
     self._file.write(json.dumps(record) + '\n')
@@ -71,7 +80,8 @@ class MetricsWriter:
                                      if k != 'step'})
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
 
   def __enter__(self) -> 'MetricsWriter':
     return self
@@ -106,8 +116,11 @@ def truncate_after(path: str, step: int) -> int:
 
   A resumed run restarts at its checkpoint's step, so the steps a crash ran
   past it would otherwise appear twice. The file is rewritten through a
-  temporary and renamed, so a crash here leaves either version whole.
+  temporary and renamed, so a crash here leaves either version whole. Only
+  process 0 of a multi-process run rewrites the file (the others return 0).
   """
+  if not distributed.is_primary():
+    return 0
   if os.path.isdir(path):
     path = os.path.join(path, METRICS_FILE)
   if not os.path.exists(path):
@@ -188,8 +201,11 @@ def plot_metrics(workdir: str, records: list[dict] | None = None, *,
   min..max band. loss.png: loss and *_loss keys, leaving out a loss that is
   zero throughout (a term that is off). kl.png: kl and kl_* keys. Each marks
   phase changes. warmstart.png: the supervised warm start's loss, from
-  warmstart.jsonl.
+  warmstart.jsonl. Only process 0 of a multi-process run draws (the others
+  return []).
   """
+  if not distributed.is_primary():
+    return []
   from matplotlib.figure import Figure  # No pyplot: no global backend state.
 
   written = _plot_warmstart(workdir, Figure)

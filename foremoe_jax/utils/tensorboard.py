@@ -7,6 +7,7 @@ record as one histogram of the per-device load per micro-step plus its
 max/mean. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
 Host-side; tensorboardX is imported when the writer is made, and without it
 the writer says so once and writes nothing (metrics.jsonl stays complete).
+In a multi-process run only process 0 writes.
 
 `read_scalars` parses the event files back (the TFRecord framing and the
 Event proto that tensorboardX ships), for tests and notebooks.
@@ -20,6 +21,8 @@ import struct
 import sys
 
 import numpy as np
+
+from foremoe_jax.utils import distributed
 
 TB_DIR = 'tensorboard'
 
@@ -36,6 +39,9 @@ class TensorBoardWriter:
 
   def __init__(self, workdir: str, subdir: str = TB_DIR):
     self.logdir = os.path.join(workdir, subdir)
+    if not distributed.is_primary():  # Process 0 logs for all.
+      self._w = None
+      return
     try:
       import tensorboardX  # pylint: disable=g-import-not-at-top
     except ImportError:

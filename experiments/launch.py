@@ -1,0 +1,34 @@
+"""Runs an entry point as several local processes that share one mesh.
+
+  python -m experiments.launch --num_processes=2 --devices_per_process=4 -- \
+    experiments.rl_train --config=configs/tiny.py --workdir=/tmp/run
+
+Each process gets `devices_per_process` simulated CPU devices and the
+FOREMOE_* variables that `foremoe_jax.utils.distributed.initialize_from_env`
+reads, so the 2 x 4 devices above form the 8-device mesh of one process
+with 8. Output lines carry a `[pI]` prefix; when a process fails the others
+are stopped and this exits with its status. On a cluster, start the entry
+point once per host instead (WORKSPACE.md, "Several processes").
+"""
+import sys
+
+from absl import app, flags
+
+from foremoe_jax.utils import launcher
+
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2,
+                                      'Processes to start.')
+_DEVICES = flags.DEFINE_integer('devices_per_process', 4,
+                                'Simulated CPU devices per process.')
+
+
+def main(argv):
+  if len(argv) < 2:
+    raise app.UsageError('usage: python -m experiments.launch [flags] -- '
+                         'MODULE [MODULE FLAGS]')
+  sys.exit(launcher.launch(argv[1], argv[2:], _NUM_PROCESSES.value,
+                           _DEVICES.value))
+
+
+if __name__ == '__main__':
+  app.run(main)

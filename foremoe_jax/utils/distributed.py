@@ -1,0 +1,132 @@
+"""Several processes, one mesh: start-up and the host <-> device boundary.
+
+Sits under every stage: the entry point calls `initialize_from_env` before
+any jax work, and the host-side shell (trainer, sampler) moves arrays
+through `global_arrays` and `to_host`, so the same code runs when the mesh
+spans processes (one per host on a cluster, or `experiments.launch`'s local
+processes on CPU).
+
+The scheme (WORKSPACE.md, "Several processes"): every process runs the same
+host code with the same seed, so host-side data (prompts, rewards, plans,
+micro-batches) is the same everywhere. A host array enters jit as a global
+array that every process builds from its own full copy, each contributing
+the shards its devices hold (`jax.make_array_from_callback`); an array the
+host reads back is gathered from all processes (`process_allgather`), since
+`jax.device_get` cannot fetch shards another process holds. Only process 0
+writes logs and plots (`is_primary`); checkpoints are written by all of
+them together (orbax coordinates).
+
+Environment (set by `experiments.launch`, or by hand):
+  FOREMOE_COORDINATOR_ADDRESS  host:port of process 0's coordinator
+  FOREMOE_NUM_PROCESSES        number of processes
+  FOREMOE_PROCESS_ID           this process's id, 0 .. N-1
+  FOREMOE_DISTRIBUTED=auto     instead of the three above: let
+                               `jax.distributed.initialize()` detect them
+                               (Cloud TPU pod slices, SLURM, Open MPI)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+# jax is imported inside the functions that use it: the host-side loggers
+# (utils/metrics.py, utils/tensorboard.py) and the launcher import this
+# module and stay jax-free.
+
+COORDINATOR_ENV = 'FOREMOE_COORDINATOR_ADDRESS'
+NUM_PROCESSES_ENV = 'FOREMOE_NUM_PROCESSES'
+PROCESS_ID_ENV = 'FOREMOE_PROCESS_ID'
+AUTO_ENV = 'FOREMOE_DISTRIBUTED'
+
+
+def initialize_from_env(environ=None) -> bool:
+  """Joins the distributed runtime the environment describes; False (and
+  nothing done) when it describes none.
+
+  Must run before anything touches a jax backend. On CPU the processes
+  exchange collectives over TCP with gloo (jaxlib's CPU client picks it
+  from `jax_cpu_collectives_implementation` when the distributed client
+  exists; without one each process would only see its own devices).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  env = os.environ if environ is None else environ
+  if env.get(AUTO_ENV, '').lower() in ('auto', '1', 'true'):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize()
+    return True
+  names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
+  given = [n for n in names if env.get(n)]
+  if not given:
+    return False
+  if len(given) != len(names):
+    missing = sorted(set(names) - set(given))
+    raise ValueError(f'distributed run: {", ".join(given)} set but '
+                     f'{", ".join(missing)} missing')
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # All three given: skip the cluster auto-detection (it would look for
+  # SLURM / MPI variables that a local launch may inherit).
+  jax.distributed.initialize(env[COORDINATOR_ENV],
+                             num_processes=int(env[NUM_PROCESSES_ENV]),
+                             process_id=int(env[PROCESS_ID_ENV]),
+                             cluster_detection_method='deactivate')
+  return True
+
+
+def is_primary() -> bool:
+  """True in the process that writes logs, plots and summaries (process 0).
+
+  A process that has not loaded jax runs no distributed job: it is primary.
+  """
+  jax = sys.modules.get('jax')
+  return jax is None or jax.process_index() == 0
+
+
+def global_array(x, sharding):
+  """A global jax.Array with `sharding` from the full host value `x`, which
+  every process holds identically; each process fills only its devices'
+  shards."""
+  import jax  # pylint: disable=g-import-not-at-top
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def global_arrays(tree, mesh, spec=None):
+  """`global_array` over a pytree of host arrays, every leaf laid out as the
+  PartitionSpec `spec` on `mesh` (default: replicated)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  sharding = NamedSharding(mesh, P() if spec is None else spec)
+  return jax.tree.map(lambda x: global_array(x, sharding), tree)
+
+
+def to_host(tree):
+  """numpy copies of a pytree of arrays, whichever processes hold them.
+
+  Fully addressable leaves are fetched with `jax.device_get`; the rest are
+  gathered from every process (a collective: all processes must call this
+  with the same tree, in the same order).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  def fetch(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return jax.device_get(x)
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(fetch, tree)
+
+
+def max_over_processes(value: int) -> int:
+  """The largest of every process's `value` (`value` itself when the job is
+  one process, with no collective). All processes must call it together;
+  they all get the same answer, so they take the same branch after it."""
+  jax = sys.modules.get('jax')
+  if jax is None or jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return int(np.max(multihost_utils.process_allgather(
+      np.asarray(value, np.int32))))
