@@ -18,6 +18,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 10
   # RL steps to trace with jax.profiler into <workdir>/profile, e.g. '3,5'.
   c.profile_steps = ''
+  # A Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE) to start
+  # from: its architecture replaces c.model's shapes, its weights the random
+  # init (foremoe_jax/hf). '': random init.
+  c.init_from_hf = ''
 
   c.model = config_lib.model_defaults()
   c.model.name = 'tiny'

@@ -10,6 +10,12 @@ finished run is left as it is. SIGINT (Ctrl-C) or SIGTERM finishes the step
 in flight, saves a checkpoint, prints how to resume and exits with status
 128 + the signal number (130, 143), as a shell reports a signal. A bad flag
 or config field is one line on stderr and exit status 2, before any work.
+
+As one of several processes sharing one mesh (one per host on a cluster),
+it joins the others first (`utils.distributed.initialize_from_env`); locally:
+  python -m experiments.launch --num_processes=2 --devices_per_process=4 -- \
+    experiments.rl_train --config=configs/tiny.py --workdir=/tmp/run
+(WORKSPACE.md, "Several processes").
 """
 import json
 import os
@@ -24,7 +30,7 @@ from ml_collections import config_flags
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.rl import trainer
-from foremoe_jax.utils import cli
+from foremoe_jax.utils import cli, distributed, host_memory
 from foremoe_jax.utils.preemption import PreemptionGuard
 from foremoe_jax.utils.run_info import print_run_info
 
@@ -37,7 +43,13 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO.
   config_lib.validate_config(_CONFIG.value)  # Before any work (cli.run).
-  print_run_info({'config': _CONFIG.value.to_dict()})
+  # One of several processes (experiments.launch, a cluster): join them
+  # before any jax work; a no-op when run alone.
+  distributed.initialize_from_env()
+  # RSS stays flat over a long run (utils/host_memory.py, experiments.soak).
+  pinned = host_memory.pin_mmap_threshold()
+  print_run_info({'config': _CONFIG.value.to_dict(),
+                  'mmap_threshold_pinned': pinned})
   with PreemptionGuard() as guard:
     try:
       summary = trainer.train(_CONFIG.value, _WORKDIR.value, guard=guard)

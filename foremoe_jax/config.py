@@ -7,12 +7,15 @@ naming the field and the rule, so a bad experiment fails before any compile.
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 
 
 # Names of model.remat_policy (the policies live in model/transformer.py).
 REMAT_POLICIES = ('none', 'full', 'minimal', 'dots')
+# Hugging Face model types foremoe_jax/hf imports and exports.
+HF_MODEL_TYPES = ('qwen3_moe', 'mixtral', 'olmoe')
 
 
 class ConfigError(ValueError):
@@ -33,6 +36,9 @@ def model_defaults() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.tie_embeddings = True
   m.qk_norm = False
+  # RMSNorm of q and k per head over head_dim ('head': Qwen3) or over the
+  # whole projection before the split into heads ('full': OLMoE).
+  m.qk_norm_scope = 'head'
   m.max_seq_len = 64
   # Mixture of experts.
   m.num_experts = 8
@@ -64,6 +70,9 @@ def model_defaults() -> ml_collections.ConfigDict:
   # matmul outputs (MaxText's 'minimal'); 'dots' keeps every dot's output,
   # batched ones included. Gradients are the same under every policy.
   m.remat_policy = 'none'
+  # Hugging Face family the model was imported from ('qwen3_moe', 'mixtral',
+  # 'olmoe'; foremoe_jax/hf), so export writes the same family; '': none.
+  m.hf_model_type = ''
   return m
 
 
@@ -135,6 +144,12 @@ def validate_config(config) -> None:
            f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
   _require(m.param_dtype in ('float32', 'bfloat16'), 'model.param_dtype',
            f"must be 'float32' or 'bfloat16', got {m.param_dtype!r}")
+  _require(m.get('qk_norm_scope', 'head') in ('head', 'full'),
+           'model.qk_norm_scope', f"must be 'head' or 'full', got "
+           f"{m.get('qk_norm_scope')!r}")
+  _require(m.get('hf_model_type', '') in ('',) + HF_MODEL_TYPES,
+           'model.hf_model_type', f'must be empty or one of '
+           f"{', '.join(HF_MODEL_TYPES)}, got {m.get('hf_model_type')!r}")
   _require(m.get('remat_policy', 'none') in REMAT_POLICIES,
            'model.remat_policy', f'must be one of {", ".join(REMAT_POLICIES)}, '
            f"got {m.get('remat_policy')!r}")
@@ -193,6 +208,11 @@ def validate_config(config) -> None:
   if 'task' in config:
     _validate_task(config)
   profile_steps(config)
+  hf_dir = config.get('init_from_hf', '')
+  if hf_dir:
+    _require(os.path.isfile(os.path.join(str(hf_dir), 'config.json')),
+             'init_from_hf', f'must be a Hugging Face checkpoint directory '
+             f'with a config.json, got {hf_dir!r}')
 
 
 def profile_steps(config) -> tuple[int, ...]:

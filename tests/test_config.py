@@ -70,6 +70,9 @@ BAD = [
     ('profile_steps', lambda c: setattr(c, 'profile_steps', '3,x'), 'RL step numbers'),
     ('profile_steps', lambda c: setattr(c, 'profile_steps', '0'), '>= 1'),
     ('model.remat_policy', lambda c: setattr(c.model, 'remat_policy', 'some'), 'minimal'),
+    ('model.qk_norm_scope', lambda c: setattr(c.model, 'qk_norm_scope', 'all'), "'full'"),
+    ('model.hf_model_type', lambda c: setattr(c.model, 'hf_model_type', 'llama'), 'qwen3_moe'),
+    ('init_from_hf', lambda c: setattr(c, 'init_from_hf', '/nonexistent/hf'), 'config.json'),
     ('model.max_seq_len', lambda c: (setattr(c, 'task', 'sort5'), setattr(c.model, 'max_seq_len', 8)), 'prompt + completion'),
 ]
 

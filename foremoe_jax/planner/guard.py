@@ -185,5 +185,40 @@ class StepPlanner:
             'timeouts': self.num_timeouts, 'failures': self.num_failures,
             'last_latency_s': self.last_latency_s}
 
+  def state_dict(self) -> dict:
+    """What the next plans depend on, as JSON-able lists (checkpointed so a
+    resumed run plans exactly as the uninterrupted one would).
+
+    Python floats round-trip through JSON exactly, so the EPLB history comes
+    back bit for bit.
+    """
+    return dict(
+        method=self.method,
+        current=dict(slot_expert=np.asarray(self.current.slot_expert).tolist(),
+                     slot_share=np.asarray(self.current.slot_share,
+                                           np.float64).tolist()),
+        history_LE=None if self.history_LE is None
+        else np.asarray(self.history_LE, np.float64).tolist(),
+        counters=dict(plans=self.num_plans, fallbacks=self.num_fallbacks,
+                      timeouts=self.num_timeouts, failures=self.num_failures))
+
+  def load_state_dict(self, state: dict) -> None:
+    if state['method'] != self.method:
+      raise ValueError(f"planner state is for method {state['method']!r}, "
+                       f'this planner runs {self.method!r}')
+    cur = state['current']
+    self.current = placement_lib.Placement(
+        np.asarray(cur['slot_expert'], self.initial.slot_expert.dtype),
+        np.asarray(cur['slot_share'], self.initial.slot_share.dtype))
+    if self.current.slot_expert.shape != self.initial.slot_expert.shape:
+      raise ValueError(
+          f'planner state has slot_expert {self.current.slot_expert.shape}, '
+          f'this topology needs {self.initial.slot_expert.shape}')
+    h = state['history_LE']
+    self.history_LE = None if h is None else np.asarray(h, np.float64)
+    c = state['counters']
+    self.num_plans, self.num_fallbacks = c['plans'], c['fallbacks']
+    self.num_timeouts, self.num_failures = c['timeouts'], c['failures']
+
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)

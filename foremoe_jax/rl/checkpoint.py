@@ -1,41 +1,124 @@
-"""Checkpoints of the policy (orbax), so a crashed job resumes where it was.
+"""Checkpoints of the whole run state (orbax), so a crashed job resumes
+exactly where it was.
 
-Host-side shell around `orbax.checkpoint.CheckpointManager`: parameters,
-optimizer state and a small JSON record of the phase ('warmstart_done' or
-'rl') and step. Restores lay arrays out like the given templates (shardings
-included), so a resumed run continues on the same mesh.
+Host-side shell around `orbax.checkpoint.CheckpointManager`. One checkpoint
+holds the device state (params, optimizer state, the reference policy of
+the KL term) as orbax array items and everything else the run depends on as
+one JSON item, `meta`: the phase ('warmstart_done' or 'rl'), the step and a
+`host` record (the numpy RNG state, the JAX key, the planner's state, the
+data position; see `trainer.host_state`). Restores lay arrays out like the
+given templates (shardings included), so a resumed run continues on the
+same mesh.
+
+A checkpoint that cannot be read (a crash while orbax finalised it, a disk
+that lost a file) is reported in one line and skipped: `restore_latest`
+falls back to the newest one that restores whole, as MaxText does with
+orbax's step list. Orbax writes each step under a temporary name and renames
+it when complete, so a save cut short never shows up as a step at all.
 """
 from __future__ import annotations
 
+import os
+import time
+
 import orbax.checkpoint as ocp
+
+from foremoe_jax.utils import distributed
+
+ARRAY_ITEMS = ('params', 'opt_state', 'ref_params')
 
 
 class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 2):
+    self.directory = directory
     self._mgr = ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
-  def save(self, step: int, params, *, phase: str, opt_state=None) -> None:
-    items = dict(params=ocp.args.StandardSave(params),
-                 meta=ocp.args.JsonSave({'phase': phase, 'step': int(step),
-                                         'has_opt_state': opt_state is not None}))
-    if opt_state is not None:
-      items['opt_state'] = ocp.args.StandardSave(opt_state)
+  def save(self, step: int, params, *, phase: str, opt_state=None,
+           ref_params=None, host: dict | None = None) -> None:
+    """Saves one step; `host` is JSON-able state beside the arrays."""
+    arrays = dict(params=params, opt_state=opt_state, ref_params=ref_params)
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
+    items['meta'] = ocp.args.JsonSave({
+        'phase': phase, 'step': int(step), 'items': sorted(arrays),
+        'has_opt_state': 'opt_state' in arrays, 'host': host or {}})
     self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
     self._mgr.wait_until_finished()
 
-  def restore_latest(self, params_template):
-    """{'phase', 'step', 'params'} of the latest checkpoint, or None."""
-    step = self._mgr.latest_step()
-    if step is None:
-      return None
-    r = self._mgr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(params_template),
-        meta=ocp.args.JsonRestore()))
-    return dict(phase=r.meta['phase'], step=r.meta['step'], params=r.params)
+  def _set_aside(self, steps: list[int], log) -> None:
+    """Moves unreadable steps out of the manager's directory, so the resumed
+    run can save those steps again; kept, not deleted, for a post-mortem.
+    In a multi-process run process 0 moves them (one shared directory)."""
+    if not steps:
+      return
+    if distributed.is_primary():
+      aside = os.path.normpath(self.directory) + '.unreadable'
+      os.makedirs(aside, exist_ok=True)
+      stamp = time.strftime('%Y%m%d-%H%M%S')
+      for step in steps:
+        src = os.path.join(self.directory, str(step))
+        if os.path.exists(src):
+          dst = os.path.join(aside, f'{step}.{stamp}')
+          os.replace(src, dst)
+          log(f'moved the unreadable step {step} to {dst}')
+    self._mgr.reload()
 
-  def restore_opt_state(self, step: int, opt_state_template):
+  def steps(self) -> list[int]:
+    return sorted(self._mgr.all_steps())
+
+  def restore(self, step: int, templates: dict) -> dict:
+    """{'phase', 'step', 'host', and each saved array item} of one step.
+
+    templates: item name -> a pytree laid out as the restored one should be
+    ('params' is required; 'opt_state' and 'ref_params' are restored when
+    both the checkpoint holds them and a template is given).
+    """
+    meta = self._mgr.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta
+    saved = meta.get('items', ['params'] + (
+        ['opt_state'] if meta.get('has_opt_state') else []))
+    wanted = [k for k in ARRAY_ITEMS
+              if k in saved and templates.get(k) is not None]
     r = self._mgr.restore(step, args=ocp.args.Composite(
-        opt_state=ocp.args.StandardRestore(opt_state_template)))
-    return r.opt_state
+        **{k: ocp.args.StandardRestore(templates[k]) for k in wanted}))
+    out = dict(phase=meta['phase'], step=meta['step'],
+               host=meta.get('host', {}))
+    out.update({k: r[k] for k in wanted})
+    return out
+
+  def restore_latest(self, params_template, *, log=print, **templates):
+    """The newest checkpoint that restores whole (see `restore`), or None.
+
+    A newer checkpoint that fails to restore is named in one line (through
+    `log`) and the next older one is tried; once one restores, the
+    unreadable ones are moved to `<directory>.unreadable/` so the run can
+    save those steps again. When checkpoints exist but none
+    restores, this raises: starting over silently would discard the run.
+    """
+    templates = dict(params=params_template, **templates)
+    steps = self.steps()
+    errors = []
+    for step in reversed(steps):
+      try:
+        restored = self.restore(step, templates)
+      except Exception as err:  # pylint: disable=broad-except
+        # Which exception a damaged checkpoint raises depends on what broke
+        # (tensorstore, JSON, a missing directory); all mean "unusable".
+        reason = f'{type(err).__name__}: {str(err).splitlines()[0][:200]}' \
+            if str(err) else type(err).__name__
+        errors.append((step, reason))
+        older = [s for s in steps if s < step]
+        then = (f'falling back to step {older[-1]}' if older
+                else 'no older checkpoint is left')
+        log(f'checkpoint at step {step} in {self.directory} is unreadable '
+            f'({reason}); {then}')
+        continue
+      self._set_aside([s for s, _ in errors], log)
+      return restored
+    if errors:
+      raise RuntimeError(
+          f'no checkpoint in {self.directory} restores (steps '
+          f'{[s for s, _ in errors]}); move the directory away to start over')
+    return None

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from foremoe_jax import config as config_lib
+from foremoe_jax import hf
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
 from foremoe_jax.foresight import composition, loads as loads_lib
@@ -42,6 +43,7 @@ from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
 from foremoe_jax.transfer import engine as transfer_engine
 from foremoe_jax.transfer import schedule
+from foremoe_jax.utils import distributed
 from foremoe_jax.utils import metrics as metrics_lib
 from foremoe_jax.utils import tensorboard
 
@@ -126,6 +128,12 @@ class PlannedStep:
   plan_s: float  # Planner wall time, fitting and move schedule included.
 
 
+def rl_optimizer(config):
+  rl = config.rl
+  return step_lib.make_optimizer(rl.learning_rate, rl.grad_clip,
+                                 rl.weight_decay)
+
+
 def make_rl_context(config, graphdef, mesh, task) -> RLContext:
   rl, mcfg, pcfg = config.rl, config.model, config.planner
   num_gen = rl.num_generations
@@ -133,7 +141,7 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
       max_new_tokens=task.completion_len, num_generations=num_gen,
       temperature=config.sampler.temperature, top_k=config.sampler.top_k,
       top_p=config.sampler.top_p)
-  tx = step_lib.make_optimizer(rl.learning_rate, rl.grad_clip, rl.weight_decay)
+  tx = rl_optimizer(config)
   rl_step = step_lib.make_rl_step(
       tx, num_generations=num_gen, eps_low=rl.eps_low, eps_high=rl.eps_high,
       beta=rl.beta, indexer_loss_coef=mcfg.msa_indexer_loss_coef,
@@ -281,7 +289,7 @@ def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
       transfer_engine.device_step_transfer(planned.transfer),
       planned.capacity)
   state, m = ctx.rl_step.update(state, batch, logps, plan)
-  return state, jax.device_get(m)
+  return state, distributed.to_host(m)
 
 
 class NonFiniteError(RuntimeError):
@@ -344,8 +352,9 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   loads_MGLDE = foresight(ctx, ro, microbatches)
   loads_MLDE = planner_loads(loads_MGLDE)
   ticket = plan_async(ctx, loads_MGLDE)
-  batch = jax.tree.map(jnp.asarray,
-                       rl_batch_from_rollout(ro, rewards, microbatches))
+  # Replicated global arrays: every process holds the same host batch.
+  batch = distributed.global_arrays(
+      rl_batch_from_rollout(ro, rewards, microbatches), ctx.mesh)
   t_rec = time.perf_counter()
   logps = recompute(ctx, state, batch, loads_MGLDE)
   clock = _ReadyClock(logps)
@@ -412,6 +421,56 @@ def _progress(step, total_steps, elapsed_s, done_steps) -> str:
   return f' | {step}/{total_steps} elapsed {_clock(elapsed_s)} ETA {_clock(eta)}'
 
 
+def stop_requested(guard) -> bool:
+  """Whether a stop signal reached this or any other process of the job.
+
+  Processes of one job may see a scheduler's SIGTERM at different step
+  boundaries; if one checkpointed while another ran on, the next collective
+  would hang. So they agree (one scalar all-gather per step, nothing when
+  the job is one process), and a process that got no signal itself adopts
+  the other's, for its exit status.
+  """
+  if guard is None:
+    return False
+  signum = distributed.max_over_processes(guard.signum or 0)
+  if signum and not guard.requested:
+    guard.signum = signum
+  return bool(signum)
+
+
+def host_state(rng, key, planner=None, task=None, prompts_drawn=0) -> dict:
+  """Everything besides the arrays that the next steps depend on (JSON).
+
+  With it in the checkpoint, a resumed run draws the same prompts (numpy
+  RNG), samples the same tokens (JAX key), plans from the same placement and
+  EPLB history, and reads on from the same data position as the run that
+  was interrupted: its later steps equal the uninterrupted run's exactly.
+  """
+  out = dict(numpy_rng=rng.bit_generator.state,
+             jax_key=dict(impl=str(jax.random.key_impl(key)),
+                          data=np.asarray(jax.random.key_data(key)).tolist()),
+             data=dict(prompts_drawn=int(prompts_drawn),
+                       task=task.data_state() if task is not None else {}))
+  if planner is not None:
+    out['planner'] = planner.state_dict()
+  return out
+
+
+def restore_host_state(host: dict, rng, task=None):
+  """Puts `host_state`'s RNG and data position back into rng and task (in
+  place; the planner's part is loaded once the planner exists); returns the
+  JAX key, or None when the record holds none."""
+  if 'numpy_rng' in host:
+    rng.bit_generator.state = host['numpy_rng']
+  if task is not None and 'data' in host:
+    task.load_data_state(host['data'].get('task', {}))
+  if 'jax_key' not in host:
+    return None
+  k = host['jax_key']
+  return jax.random.wrap_key_data(np.asarray(k['data'], np.uint32),
+                                  impl=k['impl'])
+
+
 def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
                guard=None, tb=None):
   """Supervised warm start; writes warmstart.jsonl and a checkpoint.
@@ -428,17 +487,19 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
   with metrics_lib.MetricsWriter(workdir, metrics_lib.WARMSTART_FILE,
                                  mirror=tb) as writer:
     for i in range(config.warmstart.steps):
-      if guard is not None and guard.requested:
+      if stop_requested(guard):
         return None
       tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
-      state, m = sft_step(state, jnp.asarray(tokens), jnp.asarray(mask))
+      state, m = sft_step(state, *distributed.global_arrays((tokens, mask),
+                                                            mesh))
       if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
-        m = jax.device_get(m)
+        m = distributed.to_host(m)
         writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
                                  elapsed_s=time.perf_counter() - t0))
         print(f"warm start {i + 1:4d}/{config.warmstart.steps} | loss "
               f"{m['loss']:.4f} | {time.perf_counter() - t0:.1f}s", flush=True)
-  ckpt.save(0, state.params, phase='warmstart_done')
+  ckpt.save(0, state.params, phase='warmstart_done',
+            host=host_state(rng, jax.random.key(config.seed), task=task))
   return state.params
 
 
@@ -483,10 +544,13 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
     writer.write(step + 1, record)
     print(_log_line(step + 1, record, total, time.perf_counter() - t0,
                     step + 1 - start), flush=True)
-    stop = guard is not None and guard.requested
+    stop = stop_requested(guard)
     if ((step + 1) % config.get('checkpoint_every', 10) == 0
         or step + 1 == total or stop):
-      ckpt.save(step + 1, state.params, phase='rl', opt_state=state.opt_state)
+      ckpt.save(step + 1, state.params, phase='rl', opt_state=state.opt_state,
+                ref_params=state.ref_params,
+                host=host_state(rng, key, ctx.planner, ctx.task,
+                                (step + 1) * config.rl.prompts_per_step))
     if stop:
       return state, step + 1
   return state, total
@@ -494,6 +558,41 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
 
 SUMMARY_FILE = 'summary.json'
 EVAL_FILE = 'greedy_eval.json'
+CONFIG_FILE = 'config.json'
+# Fields a rerun may change without changing the steps already run.
+_RESUMABLE_CHANGES = ('rl.steps', 'checkpoint_every', 'profile_steps',
+                      'eval_prompts')
+
+
+def _flat(d: dict, prefix: str = '') -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def _record_config(workdir: str, config) -> None:
+  """Writes workdir/config.json (what export and resume read back); on a
+  rerun, names the fields that differ from the run's first config, since
+  resuming under another config no longer reproduces the run."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  now = json.loads(json.dumps(config.to_dict(), default=str))
+  if os.path.exists(path):
+    with open(path) as f:
+      before = _flat(json.load(f))
+    changed = sorted(k for k, v in _flat(now).items()
+                     if before.get(k, v) != v and k not in _RESUMABLE_CHANGES)
+    if changed:
+      print(f'warning: config differs from the run in {workdir} in '
+            f'{", ".join(changed)}; the resumed steps follow the new values',
+            flush=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(now, f, indent=1)
+  os.replace(tmp, path)
 
 
 def _complete(workdir: str, step: int, config) -> dict:
@@ -525,8 +624,9 @@ def _greedy_before_rl(workdir: str, evaluate, params, resumed: bool):
     with open(path) as f:
       return json.load(f).get('greedy_reward_before_rl')
   value = evaluate(params)
-  with open(path, 'w') as f:
-    json.dump({'greedy_reward_before_rl': value}, f)
+  if distributed.is_primary():
+    with open(path, 'w') as f:
+      json.dump({'greedy_reward_before_rl': value}, f)
   return value
 
 
@@ -559,6 +659,10 @@ def train(config, workdir: str, guard=None) -> dict:
                                    config.parallel.num_expert)
   rng = np.random.default_rng(config.seed)
   key = jax.random.key(config.seed)
+  if config.get('init_from_hf'):
+    # The checkpoint fixes the architecture; config.model keeps the rest.
+    config.model = hf.model_config_from_hf(config.init_from_hf, config.model)
+    config_lib.validate_config(config)
   model = transformer.Transformer(config.model, mesh,
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = sharding.split_model(model, mesh,
@@ -566,9 +670,21 @@ def train(config, workdir: str, guard=None) -> dict:
   # Training holds the float32 master copy (checkpoints included), whatever
   # model.param_dtype is; the model casts to model.dtype where it computes.
   params = step_lib.master_params(params)
+  if config.get('init_from_hf'):
+    params = hf.place_like(hf.load_into(config, config.init_from_hf), params)
+  if distributed.is_primary():  # One writer of the shared workdir.
+    _record_config(workdir, config)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
   with contextlib.closing(tensorboard.TensorBoardWriter(workdir)) as tb:
-    restored = ckpt.restore_latest(params)
+    # Templates in the RL state's layout, so a restore lands on the same
+    # shardings (the reference policy is laid out like the params).
+    opt_template = step_lib.init_train_state(
+        graphdef, params, rl_optimizer(config), mesh, with_ref=False).opt_state
+    restored = ckpt.restore_latest(
+        params, opt_state=opt_template,
+        ref_params=params if config.rl.beta > 0 else None,
+        log=lambda line: print(line, flush=True))
+    del opt_template
     resumed = restored is not None and restored['phase'] == 'rl'
     if resumed and restored['step'] >= config.rl.steps:
       return _complete(workdir, restored['step'], config)
@@ -576,6 +692,12 @@ def train(config, workdir: str, guard=None) -> dict:
       params = restored['params']
       print(f"restored the {restored['phase']} checkpoint at step "
             f"{restored['step']}", flush=True)
+      restored_key = restore_host_state(restored['host'], rng, task=task)
+      if restored_key is None:
+        print('the checkpoint holds no RNG or planner state (written before '
+              'exact resume): the resumed steps draw new samples', flush=True)
+      else:
+        key = restored_key
     else:
       params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
                           ckpt, guard, tb)
@@ -593,9 +715,13 @@ def train(config, workdir: str, guard=None) -> dict:
                                       with_ref=config.rl.beta > 0)
     start = 0
     if resumed:
-      state = dataclasses.replace(state, opt_state=ckpt.restore_opt_state(
-          restored['step'], state.opt_state),
+      # The KL anchor is the policy RL started from, not the restored one.
+      ref = restored.get('ref_params', state.ref_params)
+      state = dataclasses.replace(state, opt_state=restored['opt_state'],
+                                  ref_params=ref,
                                   step=jnp.asarray(restored['step']))
+      if 'planner' in restored['host']:
+        ctx.planner.load_state_dict(restored['host']['planner'])
       start = restored['step']
     # Steps a crash ran past the checkpoint are run again: log them once.
     dropped = metrics_lib.truncate_after(workdir, start)
@@ -615,8 +741,9 @@ def train(config, workdir: str, guard=None) -> dict:
                                         if k.startswith('greedy')}})
     summary.update(_reward_summary(workdir),
                    plan_fallbacks=ctx.planner.num_fallbacks)
-    with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
-      json.dump(summary, f, indent=1)
+    if distributed.is_primary():
+      with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
+        json.dump(summary, f, indent=1)
     greedy = [(0, summary['greedy_reward_before_rl']),
               (done, summary['greedy_reward_after_rl'])]
     summary['plots'] = metrics_lib.plot_metrics(

@@ -161,3 +161,17 @@ class Task(abc.ABC):
   def decode(self, ids) -> str:
     """Text of a 1-D id sequence (PAD/BOS dropped, stops at EOS)."""
     return self.tokenizer.decode(ids)
+
+  def data_state(self) -> dict:
+    """The task's data position, JSON-able, for the checkpoint.
+
+    A generated task draws its problems from the run's numpy RNG, whose
+    state the checkpoint already holds, so it has no position of its own;
+    a task that reads a dataset returns its reader's position here.
+    """
+    return {}
+
+  def load_data_state(self, state: dict) -> None:
+    if state:
+      raise ValueError(f'{type(self).__name__} keeps no data position, but '
+                       f'the checkpoint holds one: {state}')
