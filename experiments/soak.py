@@ -1,0 +1,69 @@
+"""Software aging of the RL loop: memory growth over many steps.
+
+  python -m experiments.soak --steps=200 --json [--config=configs/tiny.py]
+      [--warmup_steps=20] [--workdir=/tmp/soak]
+
+Runs the trainer's RL loop (checkpoints and metrics included) from a fresh
+model and samples the process RSS and live device-buffer bytes after every
+step. The last line is one JSON object; `rss_growth` and
+`device_bytes_growth` are the fractions by which each grew from the end of
+the warm-up to the end of the run, read from a Theil-Sen trend over all the
+samples (foremoe_jax/benchmarks/soak.py). A healthy run keeps both <= 0.02.
+It also writes soak.png (the samples and the trends) in the workdir.
+"""
+import os
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+import contextlib  # pylint: disable=g-import-not-at-top
+import io  # pylint: disable=g-import-not-at-top
+import tempfile  # pylint: disable=g-import-not-at-top
+
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from experiments import common
+from foremoe_jax.benchmarks import soak
+from foremoe_jax.utils import cli
+from foremoe_jax.utils import host_memory
+from foremoe_jax.utils.run_info import print_run_info
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
+_STEPS = flags.DEFINE_integer('steps', 200, 'RL steps to run.')
+_WARMUP = flags.DEFINE_integer(
+    'warmup_steps', None, 'Steps left out of the trend (compiles, allocator '
+    'warm-up); default: a tenth of --steps, at least 5.')
+_WORKDIR = flags.DEFINE_string('workdir', None,
+                               'Where metrics, checkpoints and soak.png go; '
+                               'default: a new temporary directory.')
+_JSON = flags.DEFINE_bool('json', False, 'Print only the setup and the '
+                          'result line, not a line per step.')
+_PIN = flags.DEFINE_bool(
+    'pin_mmap_threshold', True, 'Pin glibc\'s mmap threshold first, as '
+    'experiments.rl_train does (foremoe_jax/utils/host_memory.py); '
+    '--nopin_mmap_threshold measures the allocator\'s default behaviour.')
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO.
+  config = _CONFIG.value
+  steps = _STEPS.value
+  warmup = _WARMUP.value if _WARMUP.value is not None else max(5, steps // 10)
+  workdir = _WORKDIR.value or tempfile.mkdtemp(prefix='foremoe_soak_')
+  pinned = _PIN.value and host_memory.pin_mmap_threshold()
+  run = {'bench': 'soak', 'steps': steps, 'warmup_steps': warmup,
+         'workdir': workdir, 'mmap_threshold_pinned': pinned,
+         'config': config.to_dict()}
+  print_run_info(run)
+  quiet = contextlib.redirect_stdout(io.StringIO()) if _JSON.value \
+      else contextlib.nullcontext()
+  with quiet:
+    result = soak.run(config, workdir, steps, warmup)
+  result['plot'] = soak.plot(result, os.path.join(workdir, 'soak.png'))
+  common.finish('soak', run, result)
+
+
+if __name__ == '__main__':
+  cli.run(main)

@@ -1,0 +1,69 @@
+"""The soak benchmark: its trend statistics, its probes and a short run."""
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foremoe_jax.benchmarks import soak
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_trend_reads_a_steady_leak_through_noise_and_spikes():
+  rng = np.random.default_rng(0)
+  n, base, leak = 200, 1e9, 2e5  # 0.02% a step: +3.98% over 199 steps.
+  y = base + leak * np.arange(n) + rng.normal(0, 2e6, n)
+  y[[50, 120, 180]] += 5e7  # Garbage-collection-like spikes.
+  t = soak.trend(y)
+  assert t['growth'] == pytest.approx(leak * (n - 1) / base, rel=0.1)
+  assert t['kendall_tau'] > 0.5 and t['p_value'] < 1e-6
+
+
+def test_trend_of_a_flat_series_is_flat_even_with_a_late_spike():
+  """Two points (first and last) would call this a 5% leak."""
+  rng = np.random.default_rng(1)
+  y = 1e9 + rng.normal(0, 2e6, 200)
+  y[-1] += 5e7
+  t = soak.trend(y)
+  assert abs(t['growth']) < 0.002
+  assert t['p_value'] > 0.01
+
+
+def test_trend_matches_the_hand_computed_line():
+  t = soak.trend([100.0, 102.0, 104.0, 106.0])
+  assert t['slope_per_step'] == pytest.approx(2.0)
+  assert t['level'] == pytest.approx(100.0)
+  assert t['growth'] == pytest.approx(0.06)
+
+
+def test_device_bytes_counts_a_buffer():
+  x = jnp.ones((1024, 256), jnp.float32) + 0  # A fresh 1 MiB buffer.
+  nbytes, with_x = x.nbytes, soak.device_bytes()
+  x.delete()
+  assert with_x - soak.device_bytes() == nbytes
+
+
+def test_short_soak_run_prints_its_growth_and_plot(tmp_path):
+  cmd = [sys.executable, '-m', 'experiments.soak', '--steps=8',
+         '--warmup_steps=3', '--json', f'--workdir={tmp_path}',
+         f'--results_dir={tmp_path}', '--config.rl.prompts_per_step=8',
+         '--config.planner.method=eplb_step']
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.strip().splitlines()
+  assert not any(l.startswith('step ') for l in lines)  # --json: quiet.
+  result = json.loads(lines[-1])
+  assert len(result['samples']['rss_bytes']) == 8
+  assert result['rss_growth'] == result['rss']['growth']
+  assert np.isfinite(result['rss_growth'])
+  # Device buffers hold the state, the plan and the batch: no more each step.
+  assert abs(result['device_bytes_growth']) <= 0.02
+  assert os.path.getsize(tmp_path / 'soak.png') > 0
+  steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
+  assert steps == list(range(1, 9))
+  assert json.load(open(tmp_path / 'soak.json'))['result'] == result
