@@ -15,7 +15,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.task = 'addition'
   c.task_kwargs = ml_collections.ConfigDict({'partial_credit': 0.0})
   c.eval_prompts = 256  # Greedy accuracy before and after RL (0: skip).
-  c.checkpoint_every = 10
+  # RL steps between checkpoints (a signal or the last step saves too). Each
+  # orbax save costs ~0.3 s here and keeps a few hundred kB of native memory
+  # (experiments.soak), so a long run should not save every few seconds.
+  c.checkpoint_every = 50
   # RL steps to trace with jax.profiler into <workdir>/profile, e.g. '3,5'.
   c.profile_steps = ''
   # A Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE) to start

@@ -36,11 +36,21 @@ def test_bad_override_fails_with_the_rule():
   assert 'model.top_k: top_k (99) must be <= num_experts (8)' in out.stderr
 
 
-def _rl_train(*flags, timeout=300):
+def _rl_train(*flags, timeout=300, env=None):
   cmd = [sys.executable, '-m', 'experiments.rl_train',
          '--config=configs/tiny.py', *flags]
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+                        timeout=timeout,
+                        env=env or dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _cached_env(cache_dir):
+  """A persistent compilation cache shared by one test's runs: the second
+  run of the same programs skips their compiles."""
+  return dict(os.environ, PYTHONPATH=ROOT,
+              JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
 
 
 def test_bad_planner_method_is_one_line_before_any_work(tmp_path):
@@ -72,9 +82,9 @@ def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
   cmd = [sys.executable, '-m', 'experiments.rl_train',
          '--config=configs/tiny.py', *flags, '--config.rl.steps=50',
          '--config.profile_steps=1']
+  env = _cached_env(tmp_path.parent / f'{tmp_path.name}_jax_cache')
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          stderr=subprocess.PIPE, text=True, env=env)
   lines = []
   for line in proc.stdout:
     lines.append(line)
@@ -97,7 +107,8 @@ def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
   steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
   assert steps == list(range(1, stopped_at + 1))
 
-  out = _rl_train(*flags, f'--config.rl.steps={stopped_at + 2}', timeout=600)
+  out = _rl_train(*flags, f'--config.rl.steps={stopped_at + 2}', timeout=600,
+                  env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert f'restored the rl checkpoint at step {stopped_at}' in out.stdout
   assert 'warm start ' not in out.stdout
