@@ -333,6 +333,28 @@ def render_simulate_cluster(res: dict) -> str:
   return '\n'.join(out)
 
 
+def render_soak(res: dict) -> str:
+  rss, dev = res['rss'], res['device_bytes']
+  table = _table(
+      ['after warm-up', 'level', 'trend growth', 'Mann-Kendall p'],
+      [['process RSS (compile steps out)', _bytes(rss['level']),
+        f"{100 * res['rss_growth']:+.2f}%", f"{rss['p_value']:.1e}"],
+       ['live device buffers', _bytes(dev['level']),
+        f"{100 * res['device_bytes_growth']:+.2f}%", f"{dev['p_value']:.1e}"]])
+  return '\n'.join([
+      table, '',
+      f"- {res['steps']} RL steps, the first {res['warmup_steps']} left out;"
+      f" {res['checkpoint_saves']} checkpoint saves (every"
+      f" {res['checkpoint_every']} steps). Target: both <= +2%."
+      f" {res['compile_steps_after_warmup']} step(s) after warm-up compiled"
+      f" (one-time compiles, such as the first checkpoint's or a new"
+      f" capacity bucket's), shifts of"
+      f" {_bytes(res['compile_shift_bytes'])} in all, taken out of the RSS"
+      f" series; with them the fit reads"
+      f" {100 * res['rss_growth_with_compiles']:+.1f}%.",
+  ])
+
+
 RENDERERS = {
     'bench_rl_step': render_rl_step,
     'bench_moe_layer': render_moe_layer,
@@ -341,6 +363,7 @@ RENDERERS = {
     'bench_sampler': render_sampler,
     'simulate_cluster': render_simulate_cluster,
     'simulate_cluster.validation': render_simulate_cluster_validation,
+    'soak': render_soak,
 }
 
 

@@ -56,13 +56,14 @@ def main(argv):
   run = {'bench': 'soak', 'steps': steps, 'warmup_steps': warmup,
          'workdir': workdir, 'mmap_threshold_pinned': pinned,
          'config': config.to_dict()}
-  print_run_info(run)
+  info = print_run_info(run)
   quiet = contextlib.redirect_stdout(io.StringIO()) if _JSON.value \
       else contextlib.nullcontext()
   with quiet:
     result = soak.run(config, workdir, steps, warmup)
   result['plot'] = soak.plot(result, os.path.join(workdir, 'soak.png'))
-  common.finish('soak', run, result)
+  common.finish('soak', {k: v for k, v in info.items() if k != 'config'},
+                result)
 
 
 if __name__ == '__main__':
