@@ -119,7 +119,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   if cfg.warmstart_steps:
     params = trainer.warm_start(config, task, graphdef, params, mesh,
                                 tempfile.mkdtemp(prefix='bench_rl_step_'),
-                                rng, ckpt)
+                                rng, jax.random.key(cfg.seed), ckpt)
   ctx = trainer.make_rl_context(config, graphdef, mesh, task)
   ctx.planner.close()
   state0 = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,

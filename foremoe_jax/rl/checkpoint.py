@@ -43,7 +43,7 @@ class Checkpointer:
     items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
     items['meta'] = ocp.args.JsonSave({
         'phase': phase, 'step': int(step), 'items': sorted(arrays),
-        'has_opt_state': 'opt_state' in arrays, 'host': host or {}})
+        'host': host or {}})
     self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
     self._mgr.wait_until_finished()
 
@@ -77,6 +77,7 @@ class Checkpointer:
     """
     meta = self._mgr.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore())).meta
+    # Checkpoints written before `items` existed said only `has_opt_state`.
     saved = meta.get('items', ['params'] + (
         ['opt_state'] if meta.get('has_opt_state') else []))
     wanted = [k for k in ARRAY_ITEMS

@@ -471,7 +471,7 @@ def restore_host_state(host: dict, rng, task=None):
                                   impl=k['impl'])
 
 
-def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
+def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
                guard=None, tb=None):
   """Supervised warm start; writes warmstart.jsonl and a checkpoint.
 
@@ -499,7 +499,7 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, ckpt,
         print(f"warm start {i + 1:4d}/{config.warmstart.steps} | loss "
               f"{m['loss']:.4f} | {time.perf_counter() - t0:.1f}s", flush=True)
   ckpt.save(0, state.params, phase='warmstart_done',
-            host=host_state(rng, jax.random.key(config.seed), task=task))
+            host=host_state(rng, key, task=task))
   return state.params
 
 
@@ -700,7 +700,7 @@ def train(config, workdir: str, guard=None) -> dict:
         key = restored_key
     else:
       params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
-                          ckpt, guard, tb)
+                          key, ckpt, guard, tb)
       if params is None:
         return _stopped(workdir, 0, 'warmstart', guard)
 
