@@ -30,6 +30,9 @@ class KVCache(NamedTuple):
   k_BSGD: jax.Array
   v_BSGD: jax.Array
   ki_BSI: jax.Array | None = None  # MSA index keys (MSA layers only).
+  # bool [B, S]: the key at this position is a real token. A left-padded
+  # prompt's PADs are written False, so later decode steps never see them.
+  valid_BS: jax.Array | None = None
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -37,7 +40,8 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
   shape = (batch, max_len, num_kv_heads, head_dim)
   ki = (None if index_dim is None
         else jnp.zeros((batch, max_len, index_dim), dtype))
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ki)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ki,
+                 jnp.ones((batch, max_len), bool))
 
 
 def dense_attention(q_BTHD, k_BSGD, v_BSGD, mask_BTS):
@@ -87,12 +91,20 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
 
   def __call__(self, x_BTM, positions_BT, *, cache: KVCache | None = None,
-               cache_index=None, indexer_weight_BT=None):
+               cache_index=None, indexer_weight_BT=None, valid_BT=None):
     """Returns (y_BTM, new_cache, indexer_loss).
 
     With a cache, positions must be cache_index + arange(T) for every row
-    (prompts share one length). indexer_loss is 0 for dense layers; for MSA
-    it weights query positions by indexer_weight_BT (None: plain mean).
+    (prompts share one padded length). valid_BT (bool, None: all valid)
+    marks real tokens: in dense layers an invalid token is never a key, which
+    is how a left-padded prompt hides its PADs (positions stay the column
+    index; RoPE scores depend only on offsets, so the shift is harmless). A
+    query at an invalid position attends nowhere in particular: its output
+    is garbage by design and must not be used. MSA layers do not mask keys
+    (the kernels take causal block-sparse structure only), so callers must
+    not left-pad their prompts (config validation refuses it).
+    indexer_loss is 0 for dense layers; for MSA it weights query positions by
+    indexer_weight_BT (None: plain mean).
     """
     b, t, _ = x_BTM.shape
     q, k = self.q_proj(x_BTM), self.k_proj(x_BTM)
@@ -110,6 +122,7 @@ class Attention(nnx.Module):
       qi, ki = self._index_branch(x_BTM, positions_BT)
     if cache is None:
       k_all, v_all, ki_all, key_pos_BS = k, v, ki, positions_BT
+      key_valid_BS = valid_BT
       new_cache = None
     else:
       idx = jnp.asarray(cache_index, jnp.int32)
@@ -117,12 +130,18 @@ class Attention(nnx.Module):
           c, x.astype(c.dtype), idx, axis=1)
       k_all, v_all = put(cache.k_BSGD, k), put(cache.v_BSGD, v)
       ki_all = None if ki is None else put(cache.ki_BSI, ki)
-      new_cache = KVCache(k_all, v_all, ki_all)
+      key_valid_BS = cache.valid_BS
+      if key_valid_BS is not None:
+        key_valid_BS = put(key_valid_BS, jnp.ones((b, t), bool)
+                           if valid_BT is None else valid_BT)
+      new_cache = KVCache(k_all, v_all, ki_all, key_valid_BS)
       key_pos_BS = jnp.broadcast_to(jnp.arange(k_all.shape[1]),
                                     (b, k_all.shape[1]))
     k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
     if self.layer_type == 'dense':
       mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+      if key_valid_BS is not None:
+        mask_BTS = mask_BTS & key_valid_BS[:, None, :]
       out, index_loss = dense_attention(q, k_all, v_all, mask_BTS), 0.0
     else:
       out, index_loss = self._msa(q, k, v, qi, ki, k_all, v_all, ki_all,

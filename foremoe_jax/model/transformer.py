@@ -73,7 +73,8 @@ def _block_forward(block, x, positions_BT, cache, valid_BT, indexer_weight_BT,
   """
   h, c, index_loss = block.attn(block.attn_norm(x), positions_BT, cache=cache,
                                 cache_index=cache_index,
-                                indexer_weight_BT=indexer_weight_BT)
+                                indexer_weight_BT=indexer_weight_BT,
+                                valid_BT=valid_BT)
   x = x + h
   hn = block.ffn_norm(x)
   aux = None

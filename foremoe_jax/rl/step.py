@@ -446,9 +446,11 @@ def make_sft_step(tx: optax.GradientTransformation,
                   balance_loss_coef: float = 0.0):
   """Supervised warm start: next-token cross-entropy on masked positions."""
 
-  def sft_step(state: TrainState, tokens_BT, loss_mask_BT):
+  def sft_step(state: TrainState, tokens_BT, loss_mask_BT, valid_BT=None):
+    # valid_BT: False at a left-padded prompt's PADs (None: all real).
     def loss_fn(params):
-      valid = jnp.ones(tokens_BT.shape, bool)
+      valid = (jnp.ones(tokens_BT.shape, bool) if valid_BT is None
+               else valid_BT)
       mask = loss_mask_BT[:, 1:].astype(jnp.float32)
       # The indexer KL over the same positions as the loss (token mean).
       logp, aux = token_logp(state.graphdef, params, tokens_BT, valid, None,

@@ -140,7 +140,7 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
   sp = sampler_lib.SamplingParams(
       max_new_tokens=task.completion_len, num_generations=num_gen,
       temperature=config.sampler.temperature, top_k=config.sampler.top_k,
-      top_p=config.sampler.top_p)
+      top_p=config.sampler.top_p, eos_id=task.eos_id, pad_id=task.pad_id)
   tx = rl_optimizer(config)
   rl_step = step_lib.make_rl_step(
       tx, num_generations=num_gen, eps_low=rl.eps_low, eps_high=rl.eps_high,
@@ -490,8 +490,10 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
       if stop_requested(guard):
         return None
       tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
-      state, m = sft_step(state, *distributed.global_arrays((tokens, mask),
-                                                            mesh))
+      # A left-padded prompt's PADs are hidden, as the sampler hides them.
+      valid = sampler_lib.prompt_valid(tokens, task.pad_id)
+      state, m = sft_step(state, *distributed.global_arrays(
+          (tokens, mask, valid), mesh))
       if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
         m = distributed.to_host(m)
         writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
@@ -509,10 +511,10 @@ def greedy_eval(config, task, graphdef, mesh):
   if not num_eval:
     return lambda params: None
   sp = sampler_lib.SamplingParams(max_new_tokens=task.completion_len,
-                                  num_generations=1, greedy=True)
+                                  num_generations=1, greedy=True,
+                                  eos_id=task.eos_id, pad_id=task.pad_id)
   greedy = sampler_lib.Sampler(graphdef, config.model, mesh, sp)
-  prompts = task.sample_prompts(np.random.default_rng(10_000 + config.seed),
-                                num_eval)
+  prompts = task.eval_prompts(num_eval, config.seed)
 
   def evaluate(params):
     r = greedy(params, prompts, jax.random.key(0))

@@ -39,7 +39,10 @@ def recompute_decode(graphdef, state, prompts_BP, key, params, *,
   def body(i, carry):
     tokens_BT, alive_B = carry
     pos = plen + i  # The column to fill; its logits sit one to the left.
-    logits_BTV, _, _ = model(tokens_BT, placement=placement, capacity=capacity)
+    # Left-padded prompts: their leading PADs are hidden as in the sampler.
+    valid_BT = sampler_lib.prompt_valid(tokens_BT, params.pad_id)
+    logits_BTV, _, _ = model(tokens_BT, valid_BT=valid_BT, placement=placement,
+                             capacity=capacity)
     logits_BV = jax.lax.dynamic_index_in_dim(logits_BTV, pos - 1, axis=1,
                                              keepdims=False)
     new_B = sampler_lib.sample_tokens(logits_BV, jax.random.fold_in(key, i),

@@ -37,6 +37,11 @@ Position conventions (what RL must reproduce):
   * valid_BT = prompt positions and completion positions up to and including
     EOS (or all C when there is no EOS). Padding tokens are not dispatched to
     experts while sampling, matching what recompute does with valid_BT.
+  * Prompts of different lengths come left-padded with PAD to one width P
+    (dataset tasks): a prompt's leading PADs are not valid, so dense
+    attention never sees them as keys and the experts never see them (see
+    `prompt_valid`). Generated tasks have no leading PADs and every prompt
+    position is valid.
 
 Batch padding: the expert-parallel layer needs every call's token count to
 split over the mesh's devices, and a decode step feeds one token per row, so
@@ -140,6 +145,13 @@ def sample_tokens(logits_BV, key, params: SamplingParams):
   return jax.random.categorical(key, x_BV, axis=-1).astype(jnp.int32)
 
 
+def prompt_valid(prompts_BP, pad_id: int):
+  """bool [B, P]: False at a prompt's leading PADs (left padding), True
+  from its first other token on. Works on numpy and jax arrays."""
+  xp = jnp if isinstance(prompts_BP, jax.Array) else np
+  return xp.cumsum(prompts_BP != pad_id, axis=1) > 0
+
+
 def _token_logp(logits_BV, tokens_B):
   logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
@@ -205,7 +217,7 @@ class Sampler:
     p = self.params
     num_rows, plen = prompts_BP.shape
     model = nnx.merge(self.graphdef, state)
-    valid_BP = jnp.broadcast_to(row_valid_B[:, None], prompts_BP.shape)
+    valid_BP = row_valid_B[:, None] & prompt_valid(prompts_BP, p.pad_id)
     logits_BPV, aux, cache = model(
         prompts_BP, valid_BT=valid_BP, placement=placement, capacity=capacity,
         cache=cache, cache_index=0)
@@ -268,7 +280,7 @@ class Sampler:
 
     Args:
       state: the model state (from `sharding.split_model`).
-      prompts_NP: int32 [N, P] prompts, no padding (fixed-length tasks).
+      prompts_NP: int32 [N, P] prompts; shorter ones left-padded with PAD.
       key: a jax.random key.
       placement: optional Placement for the MoE layers (None = identity).
       capacity: optional static per-(source, destination device) capacity;
@@ -338,7 +350,7 @@ class Sampler:
                          p.max_new_tokens).astype(np.int32)
     valid_BC = np.arange(p.max_new_tokens) < lengths_B[:, None]
     valid_BT = np.concatenate(
-        [np.ones((num_samples, plen), bool), valid_BC], axis=1)
+        [prompt_valid(tokens_BT[:, :plen], p.pad_id), valid_BC], axis=1)
     return Rollout(
         tokens_BT=tokens_BT, completion_BC=completion_BC,
         logp_BC=logp_BX[:num_samples, :-1], lengths_B=lengths_B, done_B=done_B,

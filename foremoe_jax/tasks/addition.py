@@ -19,11 +19,11 @@ import dataclasses
 
 import numpy as np
 
-from foremoe_jax.tasks.base import Task
+from foremoe_jax.tasks.base import CharTask
 
 
 @dataclasses.dataclass(frozen=True)
-class AdditionTask(Task):
+class AdditionTask(CharTask):
   """a + b with a, b uniform in [0, 10**num_digits)."""
 
   num_digits: int = 2

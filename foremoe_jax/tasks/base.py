@@ -1,4 +1,4 @@
-"""The verifiable-task interface: prompts in, rewards out.
+"""The task interface: prompts in, rewards out.
 
 Sits at both ends of the rollout: `sample_prompts` feeds the sampler, and
 `reward` scores what it generated (the verifier in the RL step, before the
@@ -8,7 +8,15 @@ model the answer format before RL.
 Shape letters: N problems, P prompt tokens, C completion tokens,
 S = P + C sequence tokens.
 
-Layout shared by every task:
+Two kinds implement `Task`:
+  * `CharTask` (this module): generated problems over a character alphabet,
+    every prompt exactly `prompt_len` ids, no padding. Addition and sorting.
+  * `tasks.dataset.DatasetTask`: prompts and reference answers read from
+    JSONL or Parquet, a Hugging Face tokenizer, a verifier by name. Prompts
+    differ in length and are left-padded with PAD to `prompt_len`; the
+    sampler hides those PADs (`rollout.sampler.prompt_valid`).
+
+Layout of a CharTask:
   prompt     = [BOS] + problem characters, exactly `prompt_len` ids (no PAD, so
                prompts batch to a static shape and no attention mask is needed).
   completion = answer characters + [EOS]; at most `completion_len` =
@@ -29,6 +37,85 @@ from foremoe_jax.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 
 class Task(abc.ABC):
+  """What the trainer needs of a task. Prompts are int32 [N, prompt_len],
+  left-padded with `pad_id` where shorter; completions end with `eos_id`."""
+
+  name: str
+
+  @property
+  @abc.abstractmethod
+  def prompt_len(self) -> int:
+    """Prompt ids per row (the padded width), BOS included."""
+
+  @property
+  @abc.abstractmethod
+  def completion_len(self) -> int:
+    """Tokens the sampler must be able to generate, EOS included."""
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    """Ids the tokenizer can produce (the model's vocabulary may be larger)."""
+
+  @abc.abstractmethod
+  def sample_prompts(self, rng, n: int) -> np.ndarray:
+    """int32 [n, prompt_len] prompts for one RL step."""
+
+  @abc.abstractmethod
+  def reward(self, prompts_NP: np.ndarray, completions_NC: np.ndarray,
+             lengths_N: np.ndarray | None = None) -> np.ndarray:
+    """float32 [N] verifier rewards of the completions of these prompts."""
+
+  @abc.abstractmethod
+  def supervised_batch(self, rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Warm-start examples: (tokens int32 [n, S], loss_mask float32 [n, S])."""
+
+  @abc.abstractmethod
+  def decode(self, ids) -> str:
+    """Text of a 1-D id sequence (specials dropped, stops at EOS)."""
+
+  @property
+  def pad_id(self) -> int:
+    return PAD_ID
+
+  @property
+  def eos_id(self) -> int:
+    return EOS_ID
+
+  @property
+  def sequence_len(self) -> int:
+    return self.prompt_len + self.completion_len
+
+  @property
+  def pads_prompts(self) -> bool:
+    """Whether prompts may be left-padded (MSA layers cannot hide PADs)."""
+    return False
+
+  @property
+  def reward_range(self) -> tuple[float, float]:
+    """Lowest and highest reward the verifier gives (plots clip to it)."""
+    return (0.0, 1.0)
+
+  def eval_prompts(self, n: int, seed: int) -> np.ndarray:
+    """int32 [n, prompt_len] held-out prompts for the greedy evaluation."""
+    return self.sample_prompts(np.random.default_rng(10_000 + seed), n)
+
+  def data_state(self) -> dict:
+    """The task's data position, JSON-able, for the checkpoint.
+
+    A generated task draws its problems from the run's numpy RNG, whose
+    state the checkpoint already holds, so it has no position of its own;
+    a task that reads a dataset returns its reader's position here.
+    """
+    return {}
+
+  def load_data_state(self, state: dict) -> None:
+    if state:
+      raise ValueError(f'{type(self).__name__} keeps no data position, but '
+                       f'the checkpoint holds one: {state}')
+
+
+class CharTask(Task):
   """A task with a character alphabet, fixed-length prompts and a verifier.
 
   Subclasses give `name`, `alphabet`, `prompt_len`, `max_answer_len`,
@@ -38,11 +125,6 @@ class Task(abc.ABC):
   name: str
   alphabet: str
   partial_credit: float
-
-  @property
-  @abc.abstractmethod
-  def prompt_len(self) -> int:
-    """Prompt ids, BOS included."""
 
   @property
   @abc.abstractmethod
@@ -60,11 +142,6 @@ class Task(abc.ABC):
   # Derived, shared by all tasks.
 
   @property
-  def reward_range(self) -> tuple[float, float]:
-    """Lowest and highest reward the verifier gives (plots clip to it)."""
-    return (0.0, 1.0)
-
-  @property
   def tokenizer(self) -> CharTokenizer:
     return CharTokenizer(self.alphabet)
 
@@ -76,10 +153,6 @@ class Task(abc.ABC):
   def completion_len(self) -> int:
     """Tokens the sampler must be able to generate: answer plus EOS."""
     return self.max_answer_len + 1
-
-  @property
-  def sequence_len(self) -> int:
-    return self.prompt_len + self.completion_len
 
   def sample_prompts(self, rng, n: int) -> np.ndarray:
     """int32 [n, prompt_len] prompt ids; rng is a Generator or a seed."""
@@ -161,17 +234,3 @@ class Task(abc.ABC):
   def decode(self, ids) -> str:
     """Text of a 1-D id sequence (PAD/BOS dropped, stops at EOS)."""
     return self.tokenizer.decode(ids)
-
-  def data_state(self) -> dict:
-    """The task's data position, JSON-able, for the checkpoint.
-
-    A generated task draws its problems from the run's numpy RNG, whose
-    state the checkpoint already holds, so it has no position of its own;
-    a task that reads a dataset returns its reader's position here.
-    """
-    return {}
-
-  def load_data_state(self, state: dict) -> None:
-    if state:
-      raise ValueError(f'{type(self).__name__} keeps no data position, but '
-                       f'the checkpoint holds one: {state}')

@@ -1,11 +1,14 @@
 """Task lookup by name, for configs (`config.task = 'addition'`)."""
 from __future__ import annotations
 
+import importlib
+
 from foremoe_jax.tasks.addition import AdditionTask
 from foremoe_jax.tasks.base import Task
 from foremoe_jax.tasks.sorting import SortTask
 
-# Name -> (class, default keyword arguments). A read-only table, not state.
+# Name -> (class or 'module:Class', default keyword arguments). A read-only
+# table, not state.
 _TASKS = {
     'addition': (AdditionTask, {'num_digits': 2}),
     'addition3': (AdditionTask, {'num_digits': 3}),
@@ -13,6 +16,8 @@ _TASKS = {
     'addition3_rev': (AdditionTask, {'num_digits': 3, 'reverse_answer': True}),
     'sort': (SortTask, {'num_digits': 4}),
     'sort5': (SortTask, {'num_digits': 5}),
+    # Imported on use: it needs grain, tokenizers and a dataset file.
+    'dataset': ('foremoe_jax.tasks.dataset:DatasetTask', {}),
 }
 
 
@@ -21,8 +26,12 @@ def task_names() -> list[str]:
 
 
 def get_task(name: str, **overrides) -> Task:
-  """The task called `name`; keyword overrides (num_digits, partial_credit)."""
+  """The task called `name`; keyword overrides (num_digits, partial_credit;
+  for 'dataset' the `DatasetTask` arguments: train_path, tokenizer_path...)."""
   if name not in _TASKS:
     raise ValueError(f'unknown task {name!r}; known: {task_names()}.')
   cls, defaults = _TASKS[name]
+  if isinstance(cls, str):
+    module, attr = cls.split(':')
+    cls = getattr(importlib.import_module(module), attr)
   return cls(**{**defaults, **overrides})

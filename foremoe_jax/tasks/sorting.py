@@ -12,11 +12,11 @@ import dataclasses
 
 import numpy as np
 
-from foremoe_jax.tasks.base import Task
+from foremoe_jax.tasks.base import CharTask
 
 
 @dataclasses.dataclass(frozen=True)
-class SortTask(Task):
+class SortTask(CharTask):
   """Sort num_digits uniform random digits in ascending order."""
 
   num_digits: int = 4

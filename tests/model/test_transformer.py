@@ -100,3 +100,51 @@ def test_no_placement_equals_explicit_identity_placement():
   np.testing.assert_allclose(lg0, lg1, atol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_left_padded_rows_equal_unpadded_forward():
+  """A prompt left-padded with PAD, its PADs marked invalid, gives the same
+  logits and routes at its real positions as the same prompt alone; and a
+  row-by-row decode over the cache matches too (keys of PADs stay hidden)."""
+  cfg = tiny_model_cfg()
+  mesh = ep.make_mesh(1, 1)
+  graphdef, state = sharding.split_model(
+      transformer.Transformer(cfg, mesh, rngs=nnx.Rngs(0)), mesh)
+
+  @jax.jit
+  def forward(state, tokens, valid):
+    logits, aux, _ = nnx.merge(graphdef, state)(tokens, valid_BT=valid)
+    return logits, aux.routes_LBTK
+
+  @jax.jit
+  def prefill_and_step(state, tokens, valid, nxt):
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(tokens.shape[0], tokens.shape[1] + 1)
+    _, _, cache = model(tokens, valid_BT=valid, cache=cache, cache_index=0)
+    return model(nxt, cache=cache, cache_index=tokens.shape[1])[0][:, 0]
+
+  rng = np.random.default_rng(0)
+  width, lens = 8, [8, 5, 2]
+  tokens = np.zeros((len(lens), width), np.int32)
+  valid = np.zeros((len(lens), width), bool)
+  rows = [rng.integers(3, cfg.vocab_size, n).astype(np.int32) for n in lens]
+  for i, r in enumerate(rows):
+    tokens[i, width - len(r):], valid[i, width - len(r):] = r, True
+  nxt = rng.integers(3, cfg.vocab_size, (len(lens), 1)).astype(np.int32)
+  logits, routes = forward(state, tokens, valid)
+  step_logits = prefill_and_step(state, tokens, valid, nxt)
+  for i, r in enumerate(rows):
+    # The reference: the row alone, unpadded, with its next token appended,
+    # positions from 0.
+    seq = np.r_[r, nxt[i]][None]
+    ref_logits, ref_routes = forward(state, seq, np.ones_like(seq, bool))
+    n = len(r)
+    np.testing.assert_allclose(logits[i, width - n:], ref_logits[0, :n],
+                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(routes[:, i, width - n:],
+                                  ref_routes[:, 0, :n])
+    np.testing.assert_allclose(step_logits[i], ref_logits[0, -1],
+                               atol=2e-5, rtol=2e-5)
+  # Without the mask the PADs would be attended to: the check can fail.
+  unmasked, _ = forward(state, tokens, np.ones_like(valid))
+  assert not np.allclose(unmasked[2, -1], logits[2, -1], atol=1e-3)

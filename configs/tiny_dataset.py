@@ -1,0 +1,43 @@
+"""The tiny main job on a dataset task: JSONL files, a BPE tokenizer, math-verify.
+
+The same model and RL as configs/tiny.py, on generated arithmetic word
+problems in GSM8K's file layout. Make the files once, then train:
+  python -m experiments.make_word_problems --out_dir=data/word_problems
+  python -m experiments.rl_train --config=configs/tiny_dataset.py \
+      --workdir=/tmp/foremoe_dataset
+(`make demo-dataset` does both.) For GSM8K itself, see WORKSPACE.md
+("Dataset tasks"): point train_path/eval_path at its files and
+tokenizer_path at the checkpoint's tokenizer.json.
+"""
+import ml_collections
+
+from configs import tiny
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = tiny.get_config()
+  c.task = 'dataset'
+  c.task_kwargs = ml_collections.ConfigDict(dict(
+      train_path='data/word_problems/train.jsonl',
+      eval_path='data/word_problems/eval.jsonl',
+      tokenizer_path='data/word_problems',  # Its tokenizer.json.
+      prompt_field='question',
+      answer_field='answer',
+      answer_marker='####',  # The reference is what follows it.
+      solution_field='',  # Warm-start target: '' = the answer field, whole.
+      prompt_template='Q: {prompt}\nA: ',
+      chat_template='',  # 'auto': the tokenizer's own (tokenizer_config.json).
+      system_prompt='',
+      add_bos=True,
+      reward='math',  # math-verify; or exact_match, numeric, pkg.mod:fn.
+      reward_range=(0.0, 1.0),
+      max_prompt_len=48,  # Longer prompts are skipped (and counted).
+      max_completion_len=16,  # EOS included.
+      shuffle_seed=0,
+  ))
+  c.eval_prompts = 256
+  c.model.vocab_size = 512  # The BPE's vocabulary.
+  c.model.max_seq_len = 64
+  c.warmstart.steps = 600
+  c.rl.prompts_per_step = 16
+  return c
