@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= /tmp/foremoe_demo/$(shell date +%Y%m%d-%H%M%S)
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo test bench simulate gpu-check clean
+.PHONY: venv demo demo-dataset test bench simulate gpu-check clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,14 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: venv
 	$(PY) -m experiments.rl_train --config=configs/tiny.py --workdir=$(DEMO_DIR)
+
+# The same job on a dataset task: word problems in GSM8K's file layout, a
+# BPE tokenizer.json, math-verify rewards (configs/tiny_dataset.py).
+demo-dataset: venv
+	test -f data/word_problems/train.jsonl || \
+	  $(PY) -m experiments.make_word_problems --out_dir=data/word_problems
+	$(PY) -m experiments.rl_train --config=configs/tiny_dataset.py \
+	  --workdir=$(DEMO_DIR)
 
 test: venv
 	$(PY) -m pytest -q -n 2 tests

@@ -167,7 +167,8 @@ class DatasetTask(Task):
     prompt_f, answer_f, solution_f = self._fields
     questions = _field(records, prompt_f, path)
     tok = self.tokenizer
-    texts = [tok.render_prompt(self._template.format(prompt=str(q)),
+    # replace, not format: a template may hold other braces (LaTeX, JSON).
+    texts = [tok.render_prompt(self._template.replace('{prompt}', str(q)),
                                system_prompt=self._system) for q in questions]
     bos = ([tok.bos_id] if self._add_bos and tok.bos_id is not None else [])
     prompts = []

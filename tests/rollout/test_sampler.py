@@ -228,3 +228,39 @@ def test_routes_dtype_and_length_check(setup):
   smp = make_sampler(setup, max_new_tokens=setup.cfg.max_seq_len)
   with pytest.raises(ValueError, match='max_seq_len'):
     smp(setup.state, setup.prompts_NP, jax.random.key(0))
+
+
+def test_left_padded_prompts_decode_as_if_alone(setup):
+  """Prompts of different lengths, left-padded with PAD to one width: each
+  row's greedy completion, log-probs and routes equal the model's on that
+  prompt alone, unpadded (a full forward from position 0)."""
+  full = setup.prompts_NP  # [4, P]: BOS + problem.
+  plen = full.shape[1]
+  keep = [plen, plen - 2, 3, 1]  # Ids kept from the right; 1 = the '=' only.
+  prompts = np.full_like(full, PAD_ID)
+  for i, k in enumerate(keep):
+    prompts[i, plen - k:] = full[i, plen - k:]
+  smp = make_sampler(setup, num_generations=1, greedy=True)
+  r = smp(setup.state, prompts, jax.random.key(0))
+  np.testing.assert_array_equal(r.valid_BT[:, :plen],
+                                np.arange(plen) >= plen - np.array(keep)[:, None])
+  for i, k in enumerate(keep):
+    n = int(r.lengths_B[i])
+    seq = np.r_[full[i, plen - k:], r.completion_BC[i, :n]]  # Unpadded.
+    tokens = np.zeros((16, len(seq)), np.int32)
+    tokens[0] = seq
+    valid = np.zeros((16, len(seq)), bool)
+    valid[0] = True
+    logits, aux = setup.forward(setup.state, tokens, valid)
+    logits = np.asarray(logits[0])
+    # Greedy tokens are the argmax of the unpadded forward...
+    np.testing.assert_array_equal(logits[k - 1:-1].argmax(-1),
+                                  r.completion_BC[i, :n])
+    # ... their log-probs its log-softmax, and the routes its routes.
+    logp = np.asarray(jax.nn.log_softmax(logits[k - 1:-1]))
+    np.testing.assert_allclose(
+        logp[np.arange(n), r.completion_BC[i, :n]], r.logp_BC[i, :n],
+        atol=1e-5)
+    np.testing.assert_array_equal(
+        r.routes_LBTK[:, i, plen - k:plen + n],
+        np.asarray(aux.routes_LBTK)[:, 0])

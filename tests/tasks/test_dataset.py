@@ -1,0 +1,246 @@
+"""DatasetTask: files -> left-padded prompt ids -> verifier rewards, and its
+data position. Everything is generated here: word-problem JSONL in GSM8K's
+layout and a BPE tokenizer trained on it (tasks/word_problems.py); the
+references are the files read back with json and the tokenizer called
+directly."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from foremoe_jax import config as config_lib
+from foremoe_jax.tasks import get_task, rewards, word_problems
+from foremoe_jax.tasks.dataset import DatasetTask
+from foremoe_jax.tasks.hf_tokenizer import HFTokenizer
+
+TEMPLATE = 'Q: {prompt}\nA: '
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+  out = tmp_path_factory.mktemp('word_problems')
+  paths = word_problems.make_dataset(str(out), num_train=120, num_eval=16,
+                                     seed=1, vocab_size=300)
+  paths['dir'] = str(out)
+  return paths
+
+
+def make(data, **kw):
+  args = dict(train_path=data['train'], eval_path=data['eval'],
+              tokenizer_path=data['dir'], answer_marker='####',
+              prompt_template=TEMPLATE, reward='numeric', max_prompt_len=48,
+              max_completion_len=16)
+  return DatasetTask(**{**args, **kw})
+
+
+def records(path):
+  return [json.loads(l) for l in open(path)]
+
+
+def test_prompts_are_the_tokenized_questions_left_padded(data):
+  task = make(data)
+  tok = HFTokenizer.from_path(data['dir'])
+  prompts = task.sample_prompts(None, 8)
+  assert prompts.shape == (8, 48) and prompts.dtype == np.int32
+  questions = {r['question'] for r in records(data['train'])}
+  for row in prompts:
+    start = int(np.argmax(row != tok.pad_id))
+    assert (row[:start] == tok.pad_id).all() and start > 0
+    ids = row[start:].tolist()
+    assert ids[0] == tok.bos_id
+    text = tok.decode(ids)
+    assert text.startswith('Q: ') and text.endswith('\nA: ')
+    assert text[3:-4] in questions
+    assert ids[1:] == tok.encode(TEMPLATE.format(prompt=text[3:-4]))
+  assert task.pad_id == tok.pad_id and task.eos_id == tok.eos_id
+  assert task.vocab_size == tok.vocab_size and task.pads_prompts
+
+
+def test_an_epoch_draws_every_fitting_record_once_then_reshuffles(data):
+  task = make(data)
+  n = task.num_records - task.num_skipped
+  first = [task.decode(p) for p in task.sample_prompts(None, n)]
+  second = [task.decode(p) for p in task.sample_prompts(None, n)]
+  tok = HFTokenizer.from_path(data['dir'])
+  fitting = [TEMPLATE.format(prompt=r['question'])
+             for r in records(data['train'])
+             if len(tok.encode(TEMPLATE.format(prompt=r['question']))) < 48]
+  assert sorted(first) == sorted(fitting) == sorted(second)
+  assert first != second  # A new order each epoch.
+
+
+def test_skipped_prompts_are_counted_and_an_all_long_file_is_refused(data):
+  tok = HFTokenizer.from_path(data['dir'])
+  lens = [len(tok.encode(TEMPLATE.format(prompt=r['question']))) + 1
+          for r in records(data['train'])]
+  limit = int(np.median(lens))
+  task = make(data, max_prompt_len=limit)
+  assert task.num_skipped == sum(l > limit for l in lens) > 0
+  assert (task.sample_prompts(None, 50) != task.pad_id).sum(1).max() <= limit
+  with pytest.raises(ValueError, match='no prompt fits max_prompt_len'):
+    make(data, max_prompt_len=min(lens) - 1)
+
+
+def test_data_position_round_trips_and_resumes_the_same_stream(data):
+  a = make(data)
+  a.sample_prompts(None, 5)
+  a.supervised_batch(None, 3)
+  state = json.loads(json.dumps(a.data_state()))
+  assert state == dict(position=5, sft_position=3, num_records=120)
+  want = [a.sample_prompts(None, 7) for _ in range(30)]  # Past an epoch.
+  want_sft = a.supervised_batch(None, 4)
+  b = make(data)
+  b.load_data_state(state)
+  for w in want:
+    np.testing.assert_array_equal(b.sample_prompts(None, 7), w)
+  for x, y in zip(b.supervised_batch(None, 4), want_sft):
+    np.testing.assert_array_equal(x, y)
+  with pytest.raises(ValueError, match='different file'):
+    make(data).load_data_state(dict(state, num_records=99))
+
+
+def test_rewards_score_decoded_text_against_the_reference(data):
+  task = make(data)
+  tok = task.tokenizer
+  prompts = task.sample_prompts(None, 6)
+  refs = task.references(prompts)
+  by_q = {r['question']: r['answer'] for r in records(data['train'])}
+  for p, ref in zip(prompts, refs):
+    q = task.decode(p)[3:-4]
+    assert ref == by_q[q].split('####')[-1].strip()
+  c = task.completion_len
+  comps = np.full((6, c), task.pad_id, np.int32)
+  texts = [f'{r} #### {r}' if i % 3 == 0 else str(r) if i % 3 == 1
+           else f'{int(r) + 1}' for i, r in enumerate(refs)]
+  for i, t in enumerate(texts):
+    ids = tok.encode(t) + [task.eos_id]
+    comps[i, :len(ids)] = ids
+  want = np.array([1.0, 1.0, 0.0] * 2, np.float32)
+  np.testing.assert_array_equal(task.reward(prompts, comps), want)
+  # lengths cut a completion: an empty answer scores 0.
+  lengths = np.where(np.arange(6) == 0, 0, c)
+  np.testing.assert_array_equal(task.reward(prompts, comps, lengths),
+                                np.where(np.arange(6) == 0, 0.0, want))
+  with pytest.raises(KeyError, match='not drawn from this task'):
+    task.reward(np.full_like(prompts, 5), comps)
+
+
+def test_a_registered_reward_is_called_with_text_and_reference(data):
+  seen = []
+
+  def length_reward(text, ref):
+    seen.append((text, ref))
+    return float(len(text))
+  rewards.register_reward('test_length', length_reward)
+  try:
+    task = make(data, reward='test_length', reward_range=(0.0, 20.0))
+    prompts = task.sample_prompts(None, 2)
+    ids = task.tokenizer.encode('42') + [task.eos_id, 7, 7]
+    comps = np.array([ids, ids], np.int32)
+    np.testing.assert_array_equal(task.reward(prompts, comps), [2.0, 2.0])
+    assert seen == [('42', r) for r in task.references(prompts)]
+    assert task.reward_range == (0.0, 20.0)
+  finally:
+    rewards._REWARDS.pop('test_length')  # pylint: disable=protected-access
+
+
+def test_supervised_batch_is_prompt_then_solution_and_eos(data):
+  task = make(data)
+  tokens, mask = task.supervised_batch(None, 4)
+  p, c = task.prompt_len, task.completion_len
+  assert tokens.shape == mask.shape == (4, p + c)
+  by_q = {r['question']: r['answer'] for r in records(data['train'])}
+  for row, m in zip(tokens, mask):
+    q = task.decode(row[:p])[3:-4]
+    want = task.tokenizer.encode(by_q[q]) + [task.eos_id]
+    np.testing.assert_array_equal(row[p:p + len(want)], want)
+    assert (row[p + len(want):] == task.pad_id).all()
+    np.testing.assert_array_equal(m, np.r_[np.zeros(p), np.ones(len(want)),
+                                           np.zeros(c - len(want))])
+
+
+def test_eval_prompts_come_from_the_eval_file_in_order(data):
+  task = make(data, max_prompt_len=64)  # Every eval prompt fits.
+  got = [task.decode(p)[3:-4] for p in task.eval_prompts(5, seed=0)]
+  assert got == [r['question'] for r in records(data['eval'])[:5]]
+  no_eval = make(data, eval_path='')
+  assert no_eval.eval_prompts(5, seed=0).shape == (5, 48)
+  # Eval references are known to reward, like the training prompts'.
+  assert task.references(task.eval_prompts(2, seed=0)) == [
+      r['answer'].split('####')[-1].strip()
+      for r in records(data['eval'])[:2]]
+  assert no_eval.data_state()['position'] == 0  # Not the training stream.
+
+
+def test_parquet_json_list_and_jsonl_give_the_same_task(data, tmp_path):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  recs = records(data['train'])
+  pq.write_table(pa.Table.from_pylist(recs), tmp_path / 'train.parquet')
+  (tmp_path / 'train.json').write_text(json.dumps(recs))
+  want = make(data).sample_prompts(None, 9)
+  for name in ('train.parquet', 'train.json'):
+    got = make(data, train_path=str(tmp_path / name)).sample_prompts(None, 9)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bad_inputs_fail_with_a_clear_message(data, tmp_path):
+  with pytest.raises(ValueError, match='does not exist'):
+    make(data, train_path=str(tmp_path / 'missing.jsonl'))
+  with pytest.raises(ValueError, match="no field 'problem'"):
+    make(data, prompt_field='problem')
+  bad = tmp_path / 'bad.jsonl'
+  bad.write_text('{"question": "a", "answer": "1"}\nnot json\n')
+  with pytest.raises(ValueError, match='bad.jsonl:2'):
+    make(data, train_path=str(bad))
+  with pytest.raises(ValueError, match='tokenizer'):
+    make(data, tokenizer_path='')
+  with pytest.raises(ValueError, match='Did you mean'):
+    make(data, reward='exact_mach')
+  with pytest.raises(ValueError, match='must contain'):
+    make(data, prompt_template='Q:')
+
+
+def test_chat_template_renders_the_question_as_a_user_turn(data, tmp_path):
+  d = tmp_path / 'tok'
+  d.mkdir()
+  (d / 'tokenizer.json').write_bytes(open(data['tokenizer'], 'rb').read())
+  template = ('{% for m in messages %}[{{ m.role }}] {{ m.content }}\n'
+              '{% endfor %}{% if add_generation_prompt %}[assistant] '
+              '{% endif %}')
+  cfg = json.load(open(os.path.join(data['dir'], 'tokenizer_config.json')))
+  (d / 'tokenizer_config.json').write_text(json.dumps(
+      dict(cfg, chat_template=template)))
+  task = make(data, tokenizer_path=str(d), chat_template='auto',
+              prompt_template='{prompt}', max_prompt_len=64)
+  text = task.decode(task.sample_prompts(None, 1)[0])
+  q = text[len('[user] '):-len('\n[assistant] ')]
+  assert text == f'[user] {q}\n[assistant] '
+  assert q in {r['question'] for r in records(data['train'])}
+
+
+def _dataset_config(data, **model):
+  import importlib  # pylint: disable=g-import-not-at-top
+  cfg = importlib.import_module('configs.tiny_dataset').get_config()
+  cfg.task_kwargs.train_path = data['train']
+  cfg.task_kwargs.eval_path = data['eval']
+  cfg.task_kwargs.tokenizer_path = data['dir']
+  for k, v in model.items():
+    cfg.model[k] = v
+  return cfg
+
+
+def test_config_validation_knows_the_dataset_task(data):
+  config_lib.validate_config(_dataset_config(data))
+  assert isinstance(get_task('dataset', **_dataset_config(data).task_kwargs),
+                    DatasetTask)
+  with pytest.raises(config_lib.ConfigError, match='model.attention_type'):
+    config_lib.validate_config(_dataset_config(data, attention_type='msa',
+                                               first_sparse_layer=1))
+  with pytest.raises(config_lib.ConfigError, match='model.vocab_size'):
+    config_lib.validate_config(_dataset_config(data, vocab_size=64))
+  cfg = _dataset_config(data)
+  cfg.task_kwargs.train_path = '/nonexistent.jsonl'
+  with pytest.raises(config_lib.ConfigError, match='task_kwargs: .*exist'):
+    config_lib.validate_config(cfg)
