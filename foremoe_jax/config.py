@@ -287,9 +287,8 @@ def _validate_task(config) -> None:
   _require(config.task in tasks.task_names(), 'task',
            f'must be one of {", ".join(tasks.task_names())}, got '
            f'{config.task!r}')
-  kwargs = dict(config.get('task_kwargs', {}))
   try:
-    task = tasks.get_task(config.task, **kwargs)
+    task = tasks.task_from_config(config)
   except (TypeError, ValueError) as e:
     raise ConfigError(f'task_kwargs: {e}') from None
   m = config.model

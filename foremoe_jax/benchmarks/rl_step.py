@@ -36,7 +36,7 @@ from foremoe_jax import planner as planner_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
-from foremoe_jax.tasks import get_task
+from foremoe_jax.tasks import task_from_config
 from foremoe_jax.transfer import engine
 from foremoe_jax.utils import hlo
 
@@ -109,7 +109,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   extras['static_update_s'] ({capacity: median seconds})."""
   config = bench_config(cfg)
   config_lib.validate_config(config)
-  task = get_task(config.task, **config.task_kwargs)
+  task = task_from_config(config)
   mesh = expert_parallel.make_mesh(1, 8)
   model = transformer.Transformer(config.model, mesh, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = sharding.split_model(model, mesh)

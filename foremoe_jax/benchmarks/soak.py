@@ -45,7 +45,7 @@ from scipy import stats
 from foremoe_jax import config as config_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import checkpoint, step as step_lib, trainer
-from foremoe_jax.tasks import get_task
+from foremoe_jax.tasks import task_from_config
 from foremoe_jax.utils import metrics as metrics_lib
 
 # Emitted once per XLA backend compile (jax/_src/dispatch.py).
@@ -136,7 +136,7 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
   config = config.copy_and_resolve_references()
   config.rl.steps = steps
   config_lib.validate_config(config)
-  task = get_task(config.task, **config.get('task_kwargs', {}))
+  task = task_from_config(config)
   mesh = expert_parallel.make_mesh(config.parallel.num_data,
                                    config.parallel.num_expert)
   model = transformer.Transformer(config.model, mesh,

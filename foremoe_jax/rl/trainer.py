@@ -40,7 +40,7 @@ from foremoe_jax.foresight import composition, loads as loads_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import checkpoint, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
-from foremoe_jax.tasks import get_task
+from foremoe_jax.tasks import task_from_config
 from foremoe_jax.transfer import engine as transfer_engine
 from foremoe_jax.transfer import schedule
 from foremoe_jax.utils import distributed
@@ -656,7 +656,9 @@ def train(config, workdir: str, guard=None) -> dict:
   """
   config_lib.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
-  task = get_task(config.task, **config.get('task_kwargs', {}))
+  task = task_from_config(config)
+  if task.describe() and distributed.is_primary():
+    print(task.describe(), flush=True)
   mesh = expert_parallel.make_mesh(config.parallel.num_data,
                                    config.parallel.num_expert)
   rng = np.random.default_rng(config.seed)

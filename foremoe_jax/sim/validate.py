@@ -27,7 +27,7 @@ from foremoe_jax.benchmarks import rl_step
 from foremoe_jax.sim import calibrate, simulate
 from foremoe_jax.sim.hardware import HardwareProfile, describe
 from foremoe_jax.sim.workload import ModelShape, Workload
-from foremoe_jax.tasks import get_task
+from foremoe_jax.tasks import task_from_config
 
 
 def refit_compute(profile: HardwareProfile, update_s: dict, mp_static,
@@ -64,7 +64,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
              log=print) -> dict:
   config = rl_step.bench_config(bench)
   seqs_per_device = bench.prompts * bench.generations // bench.microbatches // 8
-  task = get_task(config.task, **config.task_kwargs)
+  task = task_from_config(config)
   tokens_per_seq = task.sequence_len - 1  # Positions the model reads.
   kernels, raw = calibrate.cpu_profile(
       config.model, tokens_per_seq=tokens_per_seq,

@@ -96,6 +96,10 @@ class Task(abc.ABC):
     """Lowest and highest reward the verifier gives (plots clip to it)."""
     return (0.0, 1.0)
 
+  def describe(self) -> str:
+    """One line on the data the run reads ('' for a generated task)."""
+    return ''
+
   def eval_prompts(self, n: int, seed: int) -> np.ndarray:
     """int32 [n, prompt_len] held-out prompts for the greedy evaluation."""
     return self.sample_prompts(np.random.default_rng(10_000 + seed), n)

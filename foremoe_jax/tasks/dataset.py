@@ -121,6 +121,7 @@ class DatasetTask(Task):
     except FileNotFoundError as e:
       raise ValueError(str(e)) from None
     self.reward_fn = rewards_lib.get_reward(reward)
+    self._reward_name = reward
     self._reward_range = (float(reward_range[0]), float(reward_range[1]))
     self._prompt_len, self._completion_len = max_prompt_len, max_completion_len
     self._template, self._system = prompt_template, system_prompt or None
@@ -151,6 +152,7 @@ class DatasetTask(Task):
     self._sft_order = grain.MapDataset.source(sft_keep).shuffle(
         seed=shuffle_seed + 1).repeat(None)
     self._position = self._sft_position = 0
+    self._train_path = train_path
     self._eval = None
     if eval_path:
       prompts, refs, _ = self._load(eval_path, with_solutions=False)
@@ -197,6 +199,17 @@ class DatasetTask(Task):
     return prompts_NP
 
   # The Task interface.
+
+  def describe(self) -> str:
+    used = self.num_records - self.num_skipped
+    line = (f'dataset {self._train_path}: {used} of {self.num_records} '
+            f'records used ({self.num_skipped} prompts longer than '
+            f'max_prompt_len={self._prompt_len} skipped; '
+            f'{used - self.num_sft_skipped} with a warm-start target within '
+            f'max_completion_len={self._completion_len})')
+    if self._eval is not None:
+      line += f'; {len(self._eval[0])} eval prompts'
+    return line + f'; reward {self._reward_name!r}'
 
   @property
   def prompt_len(self) -> int:

@@ -35,3 +35,16 @@ def get_task(name: str, **overrides) -> Task:
     module, attr = cls.split(':')
     cls = getattr(importlib.import_module(module), attr)
   return cls(**{**defaults, **overrides})
+
+
+def task_from_config(config) -> Task:
+  """The task an experiment config names (`task`, `task_kwargs`).
+
+  A dataset task without a `tokenizer_path` takes the tokenizer that ships
+  with `init_from_hf`'s checkpoint, as its ids must match that model's.
+  """
+  kwargs = dict(config.get('task_kwargs', {}))
+  if (config.task == 'dataset' and not kwargs.get('tokenizer_path')
+      and config.get('init_from_hf')):
+    kwargs['tokenizer_path'] = config.init_from_hf
+  return get_task(config.task, **kwargs)

@@ -77,6 +77,7 @@ def test_skipped_prompts_are_counted_and_an_all_long_file_is_refused(data):
   limit = int(np.median(lens))
   task = make(data, max_prompt_len=limit)
   assert task.num_skipped == sum(l > limit for l in lens) > 0
+  assert f'{120 - task.num_skipped} of 120 records used' in task.describe()
   assert (task.sample_prompts(None, 50) != task.pad_id).sum(1).max() <= limit
   with pytest.raises(ValueError, match='no prompt fits max_prompt_len'):
     make(data, max_prompt_len=min(lens) - 1)
@@ -244,3 +245,14 @@ def test_config_validation_knows_the_dataset_task(data):
   cfg.task_kwargs.train_path = '/nonexistent.jsonl'
   with pytest.raises(config_lib.ConfigError, match='task_kwargs: .*exist'):
     config_lib.validate_config(cfg)
+
+
+def test_without_a_tokenizer_path_the_imported_checkpoints_is_used(data):
+  from foremoe_jax.tasks import task_from_config  # pylint: disable=g-import-not-at-top
+  cfg = _dataset_config(data)
+  cfg.task_kwargs.tokenizer_path = ''
+  with pytest.raises(ValueError, match='tokenizer'):
+    task_from_config(cfg)
+  cfg.init_from_hf = data['dir']  # A checkpoint directory ships tokenizer.json.
+  task = task_from_config(cfg)
+  assert task.vocab_size == HFTokenizer.from_path(data['dir']).vocab_size
