@@ -19,6 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
   # orbax save costs ~0.3 s here and keeps a few hundred kB of native memory
   # (experiments.soak), so a long run should not save every few seconds.
   c.checkpoint_every = 50
+  # Every this many RL steps, a few decoded samples (prompt, completion,
+  # reference, reward) go to samples.jsonl and one to the log (0: never).
+  c.sample_log_every = 10
   # RL steps to trace with jax.profiler into <workdir>/profile, e.g. '3,5'.
   c.profile_steps = ''
   # A Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE) to start

@@ -202,7 +202,8 @@ def validate_config(config) -> None:
     _require_int(s.top_k, 'sampler.top_k', 0, ' (0: off)')
     _require(0 < s.top_p <= 1, 'sampler.top_p',
              f'must be in (0, 1] (1: off), got {s.top_p!r}')
-  for f, low in (('checkpoint_every', 1), ('eval_prompts', 0)):
+  for f, low in (('checkpoint_every', 1), ('eval_prompts', 0),
+                 ('sample_log_every', 0)):
     if f in config:
       _require_int(config[f], f, low)
   if 'task' in config:

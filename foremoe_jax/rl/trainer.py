@@ -49,7 +49,11 @@ from foremoe_jax.utils import tensorboard
 
 
 def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
-  """Aligns the rollout with the RL step's T-1 input/target positions."""
+  """Aligns the rollout with the RL step's T-1 input/target positions.
+
+  rewards_B None leaves 'rewards_B' out: the recompute does not read it, so
+  the verifier can run while the device recomputes (`rl_iteration`).
+  """
   plen = rollout.prompt_len
   num, total = rollout.tokens_BT.shape
   # Target position t predicts token t + 1: a completion token when t+1 >= P.
@@ -57,14 +61,16 @@ def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
   loss_mask = rollout.valid_BT[:, 1:] & (target_pos >= plen)[None]
   rollout_logp = np.zeros((num, total - 1), np.float32)
   rollout_logp[:, plen - 1:] = rollout.logp_BC
-  return dict(
+  batch = dict(
       tokens_BT=rollout.tokens_BT.astype(np.int32),
       valid_BT=rollout.valid_BT,
       loss_mask_BT=loss_mask.astype(np.float32),
       routes_LBTK=rollout.routes_LBTK[:, :, :-1],
-      rewards_B=np.asarray(rewards_B, np.float32),
       microbatches_Mb=np.stack(microbatches).astype(np.int32),
       rollout_logp_BT=rollout_logp)
+  if rewards_B is not None:
+    batch['rewards_B'] = np.asarray(rewards_B, np.float32)
+  return batch
 
 
 def planner_setup(config):
@@ -184,6 +190,24 @@ def score(ctx: RLContext, prompts, ro) -> np.ndarray:
   num_gen = ctx.config.rl.num_generations
   return ctx.task.reward(np.repeat(prompts, num_gen, axis=0), ro.completion_BC,
                          ro.lengths_B)
+
+
+SAMPLES_FILE = 'samples.jsonl'
+_SAMPLES_PER_LOG = 4
+
+
+def samples_for_log(ctx: RLContext, prompts, ro, rewards) -> list[dict]:
+  """The first sample of the first few prompts, decoded: what a researcher
+  reads to see what the policy writes and how the verifier scored it."""
+  num_gen, task = ctx.config.rl.num_generations, ctx.task
+  n = min(_SAMPLES_PER_LOG, len(prompts))
+  refs = task.references(prompts[:n])
+  return [dict(prompt=task.decode(prompts[i]),
+               completion=task.decode(
+                   ro.completion_BC[i * num_gen, :ro.lengths_B[i * num_gen]]),
+               reference=refs[i], reward=float(rewards[i * num_gen]),
+               finished=bool(ro.done_B[i * num_gen]))
+          for i in range(n)]
 
 
 def compose(ctx: RLContext, ro, step: int):
@@ -347,17 +371,25 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   t_step = time.perf_counter()
   prompts, ro = rollout(ctx, state.params, rng, key)
   sample_s = time.perf_counter() - t_step
-  rewards = score(ctx, prompts, ro)
   microbatches = compose(ctx, ro, step)
   loads_MGLDE = foresight(ctx, ro, microbatches)
   loads_MLDE = planner_loads(loads_MGLDE)
   ticket = plan_async(ctx, loads_MGLDE)
   # Replicated global arrays: every process holds the same host batch.
   batch = distributed.global_arrays(
-      rl_batch_from_rollout(ro, rewards, microbatches), ctx.mesh)
+      rl_batch_from_rollout(ro, None, microbatches), ctx.mesh)
   t_rec = time.perf_counter()
   logps = recompute(ctx, state, batch, loads_MGLDE)
   clock = _ReadyClock(logps)
+  # The verifier runs on the host while the device recomputes and the
+  # planner thread plans: only the update needs the rewards. A slow
+  # verifier (math-verify on long answers) then costs the step only what
+  # it takes beyond the recompute.
+  t_score = time.perf_counter()
+  rewards = score(ctx, prompts, ro)
+  score_s = time.perf_counter() - t_score
+  batch['rewards_B'] = distributed.global_array(
+      np.asarray(rewards, np.float32), batch['tokens_BT'].sharding)
   planned = ticket.result()
   t_plan = time.perf_counter()
   t_rec_done = clock.wait()
@@ -374,6 +406,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       indexer_loss=float(m['indexer_loss']),
       grad_norm=float(m['grad_norm']),
       completion_len=float(ro.lengths_B.mean()),
+      # Share of samples that ended with EOS (the rest hit completion_len).
+      finished_frac=float(ro.done_B.mean()),
       **load_metrics(ctx, loads_MLDE, planned.plan),
       capacity=planned.capacity,
       capacity_static=static_capacity(ctx, loads_MGLDE),
@@ -383,11 +417,14 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       **transfer_metrics(ctx, planned),
       transfer_id_errors=int(m['transfer_id_errors']),
       replay_logp_gap=float(logps['rollout_vs_recompute_logp_max_abs']),
-      sample_s=sample_s, plan_s=planned.plan_s,
+      sample_s=sample_s, score_s=score_s, plan_s=planned.plan_s,
       recompute_s=ctx.recompute_s,
       plan_wait_s=max(0.0, t_plan - t_rec_done),
       update_s=t_done - max(t_plan, t_rec_done),
       step_s=t_done - t_step)
+  every = ctx.config.get('sample_log_every', 0)
+  if every and (step + 1) % every == 0:
+    record['samples'] = samples_for_log(ctx, prompts, ro, rewards)
   return state, record
 
 
@@ -523,7 +560,7 @@ def greedy_eval(config, task, graphdef, mesh):
 
 
 def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
-            guard=None):
+            guard=None, samples_writer=None):
   """RL steps start..rl.steps-1; checkpoints every `checkpoint_every`.
 
   Returns (state, last step done). When `guard` asks to stop, the step in
@@ -543,9 +580,18 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
     if step + 1 in profile:
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
+    samples = record.pop('samples', None)
     writer.write(step + 1, record)
     print(_log_line(step + 1, record, total, time.perf_counter() - t0,
                     step + 1 - start), flush=True)
+    if samples:
+      if samples_writer is not None:
+        samples_writer.write(step + 1, dict(samples=samples))
+      if distributed.is_primary():
+        print(f'  sample | {samples[0]["prompt"]!r} -> '
+              f'{samples[0]["completion"]!r} (reference '
+              f'{samples[0]["reference"]!r}, reward '
+              f'{samples[0]["reward"]:.2f})', flush=True)
     stop = stop_requested(guard)
     if ((step + 1) % config.get('checkpoint_every', 10) == 0
         or step + 1 == total or stop):
@@ -563,7 +609,7 @@ EVAL_FILE = 'greedy_eval.json'
 CONFIG_FILE = 'config.json'
 # Fields a rerun may change without changing the steps already run.
 _RESUMABLE_CHANGES = ('rl.steps', 'checkpoint_every', 'profile_steps',
-                      'eval_prompts')
+                      'eval_prompts', 'sample_log_every')
 
 
 def _flat(d: dict, prefix: str = '') -> dict:
@@ -732,12 +778,16 @@ def train(config, workdir: str, guard=None) -> dict:
     if dropped:
       print(f'metrics.jsonl: dropped {dropped} records past step {start}, '
             f'where this run resumes', flush=True)
+    metrics_lib.truncate_after(os.path.join(workdir, SAMPLES_FILE), start)
     writer = metrics_lib.MetricsWriter(workdir, mirror=tb)
+    samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE)
     try:
-      state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard)
+      state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard,
+                            samples_writer)
     finally:
       ctx.planner.close()
       writer.close()
+      samples_writer.close()
     if done < config.rl.steps:
       return _stopped(workdir, done, 'rl', guard)
     summary['greedy_reward_after_rl'] = evaluate(state.params)

@@ -96,6 +96,10 @@ class Task(abc.ABC):
     """Lowest and highest reward the verifier gives (plots clip to it)."""
     return (0.0, 1.0)
 
+  def references(self, prompts_NP: np.ndarray) -> list[str]:
+    """The reference answer of each prompt row, as text (for logs)."""
+    raise NotImplementedError
+
   def describe(self) -> str:
     """One line on the data the run reads ('' for a generated task)."""
     return ''
@@ -174,6 +178,9 @@ class CharTask(Task):
     """Correct answer text for each prompt row."""
     tok = self.tokenizer
     return [self.solve(tok.decode(p)) for p in np.asarray(prompts_NP)]
+
+  def references(self, prompts_NP: np.ndarray) -> list[str]:
+    return self.answers(prompts_NP)
 
   def targets(self, prompts_NP: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(targets_NC, answer_len_N): answer ids + EOS, PAD-padded, int32."""

@@ -47,6 +47,7 @@ def test_dataset_config_trains_and_resumes_exactly(tmp_path):
            f'--config.task_kwargs.tokenizer_path={data}',
            '--config.warmstart.steps=10', '--config.rl.prompts_per_step=8',
            '--config.eval_prompts=8', '--config.checkpoint_every=2',
+           '--config.sample_log_every=1',
            '--config.planner.method=eplb_step',
            '--config.planner.deadline_ms=600000']
   train = ['experiments.rl_train', *flags]
@@ -63,3 +64,17 @@ def test_dataset_config_trains_and_resumes_exactly(tmp_path):
              tmp_path)
   assert 'restored the rl checkpoint at step 2' in out
   assert _metrics(resumed) == expected
+
+  # Decoded samples, one record per step, logged once across the resume,
+  # and the same as the uninterrupted run's.
+  samples = [json.loads(l) for l in open(resumed / 'samples.jsonl')]
+  assert [r['step'] for r in samples] == [1, 2, 3, 4]
+  assert samples == [json.loads(l) for l in open(straight / 'samples.jsonl')]
+  questions = {json.loads(l)['question']: json.loads(l)['answer']
+               for l in open(data / 'train.jsonl')}
+  for r in samples:
+    for smp in r['samples']:
+      q = smp['prompt'][len('Q: '):-len('\nA: ')]
+      assert smp['reference'] == questions[q].split('####')[-1].strip()
+      assert smp['reward'] in (0.0, 1.0)
+  assert '  sample | ' in out

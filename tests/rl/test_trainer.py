@@ -41,6 +41,17 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
     with open(os.path.join(workdir, png), 'rb') as f:
       assert f.read(8) == b'\x89PNG\r\n\x1a\n'
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', '40'))
+  # Every 10 steps (the config's sample_log_every), 4 decoded samples with
+  # the verifier's reference: for sorting, the prompt's digits sorted.
+  samples = [json.loads(l) for l in open(os.path.join(workdir,
+                                                      'samples.jsonl'))]
+  assert [r['step'] for r in samples] == [10, 20, 30, 40]
+  for r in samples:
+    assert len(r['samples']) == 4
+    for smp in r['samples']:
+      assert smp['reference'] == ''.join(sorted(smp['prompt'].rstrip('=')))
+      if smp['reward'] == 1.0:  # (A 0 may still decode alike: ids vs text.)
+        assert smp['completion'] == smp['reference'] and smp['finished']
   assert os.path.exists(os.path.join(workdir, 'warmstart.png'))
   # TensorBoard holds the same run: every RL step, the warm start, and the
   # per-device load of each micro-step.
