@@ -39,6 +39,7 @@ bench: venv
 	$(PY) -m experiments.bench_planner --json
 	$(PY) -m experiments.bench_msa --json
 	$(PY) -m experiments.bench_sampler --json
+	$(PY) -m experiments.bench_rewards --json
 	$(PY) -m experiments.render_results
 
 # The cluster simulator (8-256 devices), validated on this machine first.

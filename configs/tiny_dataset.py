@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
       max_prompt_len=48,  # Longer prompts are skipped (and counted).
       max_completion_len=16,  # EOS included.
       shuffle_seed=0,
+      reward_workers=0,  # >0: the verifier runs in that many processes.
   ))
   c.eval_prompts = 256
   c.model.vocab_size = 512  # The BPE's vocabulary.

@@ -355,6 +355,24 @@ def render_soak(res: dict) -> str:
   ])
 
 
+def render_rewards(res: dict) -> str:
+  rows = [['in-process', '1', _f(res['in_process_step_s']), '1.00', '-']]
+  rows += [[f"{w['workers']} worker process(es)", str(w['workers']),
+            _f(w['step_s']), _f(w['speedup'], 2),
+            _f(w['first_call_with_startup_s'])] for w in res['workers']]
+  table = _table(['verifier', 'processes', 'step s', 'speedup',
+                  'first call incl. start-up s'], rows)
+  return '\n'.join([
+      table, '',
+      f"- {res['completions']} GSM8K-shaped completions"
+      f" ({res['mean_completion_chars']:.0f} characters on average) scored by"
+      f" `{res['reward']}`: {_f(res['in_process_ms_per_completion'], 2)} ms"
+      f" each in-process; the sympy-free `numeric` verifier takes"
+      f" {_f(res['numeric_step_s'])} s for all of them. The trainer scores"
+      f" while the device recomputes, so a step pays only what scoring takes"
+      f" beyond the recompute."])
+
+
 RENDERERS = {
     'bench_rl_step': render_rl_step,
     'bench_moe_layer': render_moe_layer,
@@ -364,6 +382,7 @@ RENDERERS = {
     'simulate_cluster': render_simulate_cluster,
     'simulate_cluster.validation': render_simulate_cluster_validation,
     'soak': render_soak,
+    'bench_rewards': render_rewards,
 }
 
 

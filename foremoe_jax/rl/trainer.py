@@ -725,7 +725,9 @@ def train(config, workdir: str, guard=None) -> dict:
   if distributed.is_primary():  # One writer of the shared workdir.
     _record_config(workdir, config)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
-  with contextlib.closing(tensorboard.TensorBoardWriter(workdir)) as tb:
+  # closing(task): a dataset task's reward workers end with the run.
+  with contextlib.closing(tensorboard.TensorBoardWriter(workdir)) as tb, \
+      contextlib.closing(task):
     # Templates in the RL state's layout, so a restore lands on the same
     # shardings (the reference policy is laid out like the params).
     opt_template = step_lib.init_train_state(

@@ -108,6 +108,9 @@ class Task(abc.ABC):
     """int32 [n, prompt_len] held-out prompts for the greedy evaluation."""
     return self.sample_prompts(np.random.default_rng(10_000 + seed), n)
 
+  def close(self) -> None:
+    """Releases what the task started (a dataset task's reward workers)."""
+
   def data_state(self) -> dict:
     """The task's data position, JSON-able, for the checkpoint.
 

@@ -26,7 +26,8 @@ start. What differs:
     exactly where the interrupted one stopped.
   * `reward` decodes each completion to text (up to its EOS) and calls the
     verifier `reward` names (`tasks.rewards`: 'math' for math-verify,
-    'exact_match', 'numeric', a registered name or 'pkg.module:function').
+    'exact_match', 'numeric', a registered name or 'pkg.module:function'),
+    in `reward_workers` spawned processes when that is > 0 (`RewardPool`).
 
 The reference answer of each prompt is kept in a table keyed by the prompt's
 ids when the prompt is drawn, which is how `reward` finds it from the ids the
@@ -41,6 +42,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from foremoe_jax.tasks import reward_pool
 from foremoe_jax.tasks import rewards as rewards_lib
 from foremoe_jax.tasks.base import Task
 from foremoe_jax.tasks.hf_tokenizer import HFTokenizer
@@ -105,7 +107,7 @@ class DatasetTask(Task):
                add_bos: bool = True, reward: str = 'math',
                reward_range: tuple[float, float] = (0.0, 1.0),
                max_prompt_len: int = 64, max_completion_len: int = 32,
-               shuffle_seed: int = 0):
+               shuffle_seed: int = 0, reward_workers: int = 0):
     if not tokenizer_path:
       raise ValueError('a tokenizer is required (tokenizer_path: a '
                        'tokenizer.json or the directory holding one).')
@@ -122,6 +124,7 @@ class DatasetTask(Task):
       raise ValueError(str(e)) from None
     self.reward_fn = rewards_lib.get_reward(reward)
     self._reward_name = reward
+    self._scorer = reward_pool.RewardPool(self.reward_fn, reward_workers)
     self._reward_range = (float(reward_range[0]), float(reward_range[1]))
     self._prompt_len, self._completion_len = max_prompt_len, max_completion_len
     self._template, self._system = prompt_template, system_prompt or None
@@ -288,8 +291,10 @@ class DatasetTask(Task):
     if self._marker:  # Score the final answer, as the reference holds it.
       texts = [rewards_lib.answer_after_marker(t, self._marker)
                if self._marker in t else t for t in texts]
-    return np.array([self.reward_fn(t, r) for t, r in zip(texts, refs)],
-                    np.float32)
+    return np.array(self._scorer(texts, refs), np.float32)
+
+  def close(self) -> None:
+    self._scorer.close()
 
   def supervised_batch(self, rng, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The next n warm-start examples: left-padded prompt, then the solution

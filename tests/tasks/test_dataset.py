@@ -256,3 +256,20 @@ def test_without_a_tokenizer_path_the_imported_checkpoints_is_used(data):
   cfg.init_from_hf = data['dir']  # A checkpoint directory ships tokenizer.json.
   task = task_from_config(cfg)
   assert task.vocab_size == HFTokenizer.from_path(data['dir']).vocab_size
+
+
+def test_reward_workers_give_the_in_process_rewards(data):
+  tasks = [make(data, reward='math'), make(data, reward='math',
+                                           reward_workers=2)]
+  got = []
+  for task in tasks:
+    prompts = task.sample_prompts(None, 12)
+    refs = task.references(prompts)
+    comps = np.full((12, task.completion_len), task.pad_id, np.int32)
+    for i, r in enumerate(refs):
+      ids = task.tokenizer.encode(r if i % 2 else str(int(r) + 3))
+      comps[i, :len(ids) + 1] = ids + [task.eos_id]
+    got.append(task.reward(prompts, comps))
+    task.close()
+  np.testing.assert_array_equal(got[1], got[0])
+  np.testing.assert_array_equal(got[0], np.arange(12) % 2)
