@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
       prompt_template='Q: {prompt}\nA: ',
       chat_template='',  # 'auto': the tokenizer's own (tokenizer_config.json).
       system_prompt='',
+      chat_template_kwargs='',  # JSON, e.g. '{"enable_thinking": false}'.
       add_bos=True,
       reward='math',  # math-verify; or exact_match, numeric, pkg.mod:fn.
       reward_range=(0.0, 1.0),

@@ -104,6 +104,7 @@ class DatasetTask(Task):
                answer_field: str = 'answer', solution_field: str = '',
                answer_marker: str = '', prompt_template: str = '{prompt}',
                chat_template: str = '', system_prompt: str = '',
+               chat_template_kwargs: str | dict = '',
                add_bos: bool = True, reward: str = 'math',
                reward_range: tuple[float, float] = (0.0, 1.0),
                max_prompt_len: int = 64, max_completion_len: int = 32,
@@ -128,6 +129,17 @@ class DatasetTask(Task):
     self._reward_range = (float(reward_range[0]), float(reward_range[1]))
     self._prompt_len, self._completion_len = max_prompt_len, max_completion_len
     self._template, self._system = prompt_template, system_prompt or None
+    # A JSON object on the command line ('{"enable_thinking": false}').
+    if isinstance(chat_template_kwargs, str):
+      try:
+        chat_template_kwargs = json.loads(chat_template_kwargs or '{}')
+      except json.JSONDecodeError as e:
+        raise ValueError(f'chat_template_kwargs {chat_template_kwargs!r} is '
+                         f'not a JSON object ({e}).') from None
+    if not isinstance(chat_template_kwargs, dict):
+      raise ValueError('chat_template_kwargs must be a JSON object, got '
+                       f'{chat_template_kwargs!r}.')
+    self._template_vars = dict(chat_template_kwargs)
     self._add_bos = add_bos
     self._marker = answer_marker
     self._fields = (prompt_field, answer_field, solution_field or answer_field)
@@ -174,7 +186,8 @@ class DatasetTask(Task):
     tok = self.tokenizer
     # replace, not format: a template may hold other braces (LaTeX, JSON).
     texts = [tok.render_prompt(self._template.replace('{prompt}', str(q)),
-                               system_prompt=self._system) for q in questions]
+                               system_prompt=self._system,
+                               **self._template_vars) for q in questions]
     bos = ([tok.bos_id] if self._add_bos and tok.bos_id is not None else [])
     prompts = []
     for ids in tok.encode_batch(texts):

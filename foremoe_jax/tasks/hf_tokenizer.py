@@ -166,16 +166,22 @@ class HFTokenizer:
 
   # Text <-> ids.
 
-  def render_prompt(self, text: str, system_prompt: str | None = None) -> str:
+  def render_prompt(self, text: str, system_prompt: str | None = None,
+                    **template_vars) -> str:
     """`text` as a user turn in the chat template, ready for generation.
 
-    Without a template the text is returned as is.
+    Without a template the text is returned as is. template_vars are extra
+    template variables, as `apply_chat_template(**kwargs)` passes them
+    (Qwen3's `enable_thinking=False` closes an empty think block).
 
     Raises:
       ValueError: `system_prompt` given without a chat template, or the
         template itself raised (HF templates call `raise_exception`).
     """
     if self._template is None:
+      if template_vars:
+        raise ValueError(f'template variables {sorted(template_vars)} need a '
+                         'chat template.')
       if system_prompt is not None:
         raise ValueError('system_prompt needs a chat template; load with '
                          "chat_template='auto' or a template text.")
@@ -185,8 +191,9 @@ class HFTokenizer:
       messages.append({'role': 'system', 'content': system_prompt})
     messages.append({'role': 'user', 'content': text})
     return self._template.render(
-        messages=messages, add_generation_prompt=True,
-        bos_token=self.bos_token or '', eos_token=self.eos_token or '')
+        **{**template_vars, 'messages': messages,
+           'add_generation_prompt': True, 'bos_token': self.bos_token or '',
+           'eos_token': self.eos_token or ''})
 
   def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
     """Ids of `text`.

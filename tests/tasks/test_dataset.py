@@ -273,3 +273,33 @@ def test_reward_workers_give_the_in_process_rewards(data):
     task.close()
   np.testing.assert_array_equal(got[1], got[0])
   np.testing.assert_array_equal(got[0], np.arange(12) % 2)
+
+
+def test_chat_template_kwargs_reach_the_template(data, tmp_path):
+  d = tmp_path / 'tok'
+  d.mkdir()
+  (d / 'tokenizer.json').write_bytes(open(data['tokenizer'], 'rb').read())
+  # A thinking switch in the style of Qwen3's template, and a namespace and
+  # a reversed loop as real templates use them.
+  template = ('{%- set ns = namespace(n=0) %}'
+              '{%- for m in messages[::-1] %}{%- set ns.n = ns.n + 1 %}'
+              '{%- endfor %}'
+              '{%- for m in messages %}<{{ m.role }}>{{ m.content }}'
+              '{%- endfor %}[{{ ns.n }}]'
+              '{%- if add_generation_prompt %}<a>{%- if think is defined and '
+              'think is false %}(no thinking){%- endif %}{%- endif %}')
+  cfg = json.load(open(os.path.join(data['dir'], 'tokenizer_config.json')))
+  (d / 'tokenizer_config.json').write_text(json.dumps(
+      dict(cfg, chat_template=template)))
+  kw = dict(tokenizer_path=str(d), chat_template='auto',
+            prompt_template='{prompt}', max_prompt_len=96, eval_path='')
+  plain = make(data, **kw).sample_prompts(None, 1)[0]
+  task = make(data, chat_template_kwargs='{"think": false}',
+              system_prompt='Be brief.', **kw)
+  text = task.decode(task.sample_prompts(None, 1)[0])
+  q = task.decode(plain)[len('<user>'):-len('[1]<a>')]
+  assert text == f'<system>Be brief.<user>{q}[2]<a>(no thinking)'
+  with pytest.raises(ValueError, match='JSON object'):
+    make(data, chat_template_kwargs='{think: false}', **kw)
+  with pytest.raises(ValueError, match='need a chat template'):
+    make(data, chat_template_kwargs='{"think": false}')
