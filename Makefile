@@ -31,7 +31,7 @@ demo-dataset: venv
 	  --workdir=$(DEMO_DIR)
 
 test: venv
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --durations=15 tests
 
 bench: venv
 	$(PY) -m experiments.bench_rl_step --json

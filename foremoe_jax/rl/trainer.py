@@ -782,7 +782,8 @@ def train(config, workdir: str, guard=None) -> dict:
             f'where this run resumes', flush=True)
     metrics_lib.truncate_after(os.path.join(workdir, SAMPLES_FILE), start)
     writer = metrics_lib.MetricsWriter(workdir, mirror=tb)
-    samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE)
+    samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE,
+                                               mirror=tb)
     try:
       state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard,
                             samples_writer)

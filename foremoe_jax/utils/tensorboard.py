@@ -4,7 +4,8 @@
 record as a scalar under `<phase>/<name>` (a list of numbers, such as the
 per-micro-step max/mean, as `<phase>/<name>/<i>`), and a `device_load_MD`
 record as one histogram of the per-device load per micro-step plus its
-max/mean. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
+max/mean, and a `samples` record (decoded prompts and completions) as a
+markdown table under the Text tab. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
 Host-side; tensorboardX is imported when the writer is made, and without it
 the writer says so once and writes nothing (metrics.jsonl stays complete).
 In a multi-process run only process 0 writes.
@@ -57,6 +58,9 @@ class TensorBoardWriter:
       return
     phase = record.get('phase', 'run')
     for name, value in record.items():
+      if name == 'samples':  # Decoded samples (trainer.samples_for_log).
+        self._samples(step, value)
+        continue
       if name == 'device_load_MD':
         self._device_loads(step, phase, np.asarray(value, np.float64))
         continue
@@ -67,6 +71,14 @@ class TensorBoardWriter:
           _numbers(v) is not None for v in value):
         for i, v in enumerate(value):
           self._w.add_scalar(f'{phase}/{name}/{i}', float(v), step)
+
+  def _samples(self, step, samples):
+    """A markdown table of the samples, under TensorBoard's Text tab."""
+    cell = lambda x: str(x).replace('|', '\\|').replace('\n', '<br>')
+    rows = ['| prompt | completion | reference | reward |', '|---|---|---|---|']
+    rows += [f"| {cell(s['prompt'])} | {cell(s['completion'])} | "
+             f"{cell(s['reference'])} | {s['reward']:.3g} |" for s in samples]
+    self._w.add_text('rl/samples', '\n'.join(rows), step)
 
   def _device_loads(self, step, phase, load_MD):
     for m, load_D in enumerate(load_MD):

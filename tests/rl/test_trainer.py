@@ -1,4 +1,5 @@
 """A short end-to-end run of the main job: files appear and reward rises."""
+import glob
 import importlib
 import json
 import os
@@ -52,6 +53,11 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
       assert smp['reference'] == ''.join(sorted(smp['prompt'].rstrip('=')))
       if smp['reward'] == 1.0:  # (A 0 may still decode alike: ids vs text.)
         assert smp['completion'] == smp['reference'] and smp['finished']
+  # ... and TensorBoard's Text tab holds them too.
+  events = b''.join(open(p, 'rb').read() for p in glob.glob(
+      os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')))
+  assert b'rl/samples' in events
+  assert f"| {samples[-1]['samples'][0]['prompt']} |".encode() in events
   assert os.path.exists(os.path.join(workdir, 'warmstart.png'))
   # TensorBoard holds the same run: every RL step, the warm start, and the
   # per-device load of each micro-step.
