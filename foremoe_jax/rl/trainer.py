@@ -201,7 +201,10 @@ def samples_for_log(ctx: RLContext, prompts, ro, rewards) -> list[dict]:
   reads to see what the policy writes and how the verifier scored it."""
   num_gen, task = ctx.config.rl.num_generations, ctx.task
   n = min(_SAMPLES_PER_LOG, len(prompts))
-  refs = task.references(prompts[:n])
+  try:
+    refs = task.references(prompts[:n])
+  except NotImplementedError:  # A task that keeps no reference text.
+    refs = [None] * n
   return [dict(prompt=task.decode(prompts[i]),
                completion=task.decode(
                    ro.completion_BC[i * num_gen, :ro.lengths_B[i * num_gen]]),

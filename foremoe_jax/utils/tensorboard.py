@@ -77,7 +77,8 @@ class TensorBoardWriter:
     cell = lambda x: str(x).replace('|', '\\|').replace('\n', '<br>')
     rows = ['| prompt | completion | reference | reward |', '|---|---|---|---|']
     rows += [f"| {cell(s['prompt'])} | {cell(s['completion'])} | "
-             f"{cell(s['reference'])} | {s['reward']:.3g} |" for s in samples]
+             f"{cell(s['reference'] or '')} | {s['reward']:.3g} |"
+             for s in samples]
     self._w.add_text('rl/samples', '\n'.join(rows), step)
 
   def _device_loads(self, step, phase, load_MD):

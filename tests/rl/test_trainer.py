@@ -92,3 +92,36 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   assert open(path, 'rb').read() == before
   assert again['summary']['reward_last'] == summary['reward_last']
   assert len(open(os.path.join(workdir, 'metrics.jsonl')).readlines()) == 41
+
+
+def test_samples_for_log_decodes_the_first_sample_of_each_prompt():
+  """Against the task's own decode and references; a task that keeps no
+  reference text logs None instead of failing the step."""
+  import types  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.tasks import get_task  # pylint: disable=g-import-not-at-top
+  task = get_task('sort')
+  prompts = task.sample_prompts(0, 5)
+  num_gen = 2
+  tgt, _ = task.targets(prompts)
+  comp = np.repeat(tgt, num_gen, axis=0)
+  comp[1::2] = comp[1::2][:, ::-1]  # The second sample of each prompt differs.
+  ro = types.SimpleNamespace(completion_BC=comp,
+                             lengths_B=np.full(10, comp.shape[1]),
+                             done_B=np.ones(10, bool))
+  rewards = np.arange(10, dtype=np.float32)
+  ctx = types.SimpleNamespace(
+      config=types.SimpleNamespace(rl=types.SimpleNamespace(
+          num_generations=num_gen)), task=task)
+  got = trainer.samples_for_log(ctx, prompts, ro, rewards)
+  assert len(got) == 4
+  for i, smp in enumerate(got):
+    assert smp['prompt'] == task.decode(prompts[i])
+    assert smp['completion'] == smp['reference'] == task.answers(prompts)[i]
+    assert smp['reward'] == 2 * i and smp['finished']
+
+  class NoReferences(type(task)):
+    def references(self, prompts_NP):
+      raise NotImplementedError
+  ctx.task = NoReferences(num_digits=4)
+  assert [s['reference'] for s in trainer.samples_for_log(
+      ctx, prompts, ro, rewards)] == [None] * 4
