@@ -203,16 +203,23 @@ def test_bad_inputs_fail_with_a_clear_message(data, tmp_path):
     make(data, prompt_template='Q:')
 
 
-def test_chat_template_renders_the_question_as_a_user_turn(data, tmp_path):
+def _tokenizer_with_template(data, tmp_path, template):
+  """A copy of the dataset's tokenizer directory whose tokenizer_config.json
+  holds `template` as its chat template."""
   d = tmp_path / 'tok'
   d.mkdir()
   (d / 'tokenizer.json').write_bytes(open(data['tokenizer'], 'rb').read())
-  template = ('{% for m in messages %}[{{ m.role }}] {{ m.content }}\n'
-              '{% endfor %}{% if add_generation_prompt %}[assistant] '
-              '{% endif %}')
   cfg = json.load(open(os.path.join(data['dir'], 'tokenizer_config.json')))
   (d / 'tokenizer_config.json').write_text(json.dumps(
       dict(cfg, chat_template=template)))
+  return d
+
+
+def test_chat_template_renders_the_question_as_a_user_turn(data, tmp_path):
+  template = ('{% for m in messages %}[{{ m.role }}] {{ m.content }}\n'
+              '{% endfor %}{% if add_generation_prompt %}[assistant] '
+              '{% endif %}')
+  d = _tokenizer_with_template(data, tmp_path, template)
   task = make(data, tokenizer_path=str(d), chat_template='auto',
               prompt_template='{prompt}', max_prompt_len=64)
   text = task.decode(task.sample_prompts(None, 1)[0])
@@ -276,9 +283,6 @@ def test_reward_workers_give_the_in_process_rewards(data):
 
 
 def test_chat_template_kwargs_reach_the_template(data, tmp_path):
-  d = tmp_path / 'tok'
-  d.mkdir()
-  (d / 'tokenizer.json').write_bytes(open(data['tokenizer'], 'rb').read())
   # A thinking switch in the style of Qwen3's template, and a namespace and
   # a reversed loop as real templates use them.
   template = ('{%- set ns = namespace(n=0) %}'
@@ -288,9 +292,7 @@ def test_chat_template_kwargs_reach_the_template(data, tmp_path):
               '{%- endfor %}[{{ ns.n }}]'
               '{%- if add_generation_prompt %}<a>{%- if think is defined and '
               'think is false %}(no thinking){%- endif %}{%- endif %}')
-  cfg = json.load(open(os.path.join(data['dir'], 'tokenizer_config.json')))
-  (d / 'tokenizer_config.json').write_text(json.dumps(
-      dict(cfg, chat_template=template)))
+  d = _tokenizer_with_template(data, tmp_path, template)
   kw = dict(tokenizer_path=str(d), chat_template='auto',
             prompt_template='{prompt}', max_prompt_len=96, eval_path='')
   plain = make(data, **kw).sample_prompts(None, 1)[0]
