@@ -390,7 +390,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   # it takes beyond the recompute.
   t_score = time.perf_counter()
   rewards = score(ctx, prompts, ro)
-  score_s = time.perf_counter() - t_score
+  t_scored = time.perf_counter()
+  score_s = t_scored - t_score
   batch['rewards_B'] = distributed.global_array(
       np.asarray(rewards, np.float32), batch['tokens_BT'].sharding)
   planned = ticket.result()
@@ -422,7 +423,11 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       replay_logp_gap=float(logps['rollout_vs_recompute_logp_max_abs']),
       sample_s=sample_s, score_s=score_s, plan_s=planned.plan_s,
       recompute_s=ctx.recompute_s,
-      plan_wait_s=max(0.0, t_plan - t_rec_done),
+      # The update waits for the recompute, the rewards and the plan; each
+      # wait counts only beyond what came before it, so a slow verifier is
+      # not billed to the planner.
+      score_wait_s=max(0.0, t_scored - t_rec_done),
+      plan_wait_s=max(0.0, t_plan - max(t_rec_done, t_scored)),
       update_s=t_done - max(t_plan, t_rec_done),
       step_s=t_done - t_step)
   every = ctx.config.get('sample_log_every', 0)
