@@ -191,8 +191,12 @@ def _assert_same_step(dp, ref, params0):
   m = dp['metrics']
   assert int(m['dropped']) == 0 and int(ref['metrics']['dropped']) == 0
   assert int(m['transfer_id_errors']) == 0
+  # The loss is a cancellation of normalised advantages (its value sits at
+  # float32 noise), so its tolerance scales with its terms, the advantages;
+  # the gradients and parameters below carry the information.
+  loss_atol = 1e-6 * float(ref['metrics']['adv_abs_mean'])
   np.testing.assert_allclose(m['loss'], ref['metrics']['loss'], rtol=1e-5,
-                             atol=1e-8)
+                             atol=loss_atol)
   np.testing.assert_allclose(m['grad_norm'], ref['metrics']['grad_norm'],
                              rtol=1e-5)
   moved = 0

@@ -199,7 +199,9 @@ def test_moving_experts_changes_no_number(setup):
   assert rl_step.update._cache_size() - cached <= 1
   (g_a, m_a, p_a), (g_b, m_b, p_b) = out['moving'], out['static']
   assert int(m_a['transfer_id_errors']) == 0
-  np.testing.assert_allclose(m_a['loss'], m_b['loss'], rtol=1e-5, atol=1e-8)
+  # The loss cancels normalised advantages: its tolerance scales with them.
+  np.testing.assert_allclose(m_a['loss'], m_b['loss'], rtol=1e-5,
+                             atol=1e-6 * float(m_b['adv_abs_mean']))
   for tree_a, tree_b in ((g_a, g_b), (p_a, p_b)):
     for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b)):
       scale = float(jnp.abs(b).max())
