@@ -48,8 +48,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallel.num_data = 1
   c.parallel.num_expert = 8
   c.parallel.slots_per_device = 2  # 16 slots for 8 experts: 8 redundant.
-  # Few buckets: each one used is one more compile of the step.
-  c.parallel.capacity_factors = (1.0, 1.5, 2.0, 3.0, 4.0)
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 800

@@ -16,6 +16,8 @@ import ml_collections
 REMAT_POLICIES = ('none', 'full', 'minimal', 'dots')
 # Hugging Face model types foremoe_jax/hf imports and exports.
 HF_MODEL_TYPES = ('qwen3_moe', 'mixtral', 'olmoe')
+# parallel.dispatch values (the strategies live in foremoe_jax/model/).
+DISPATCHES = ('exact', 'padded')
 
 
 class ConfigError(ValueError):
@@ -85,10 +87,20 @@ def parallel_defaults() -> ml_collections.ConfigDict:
   # sharded over 'expert' only. No effect with num_data = 1.
   p.fsdp = False
   p.slots_per_device = 0  # 0: E / D, no redundant slots.
-  # Capacity buckets per (source device, destination device) cell, as
-  # multiples of the uniform expectation tokens * top_k / D; the dropless
-  # bucket (every local token's top-k to one device) is always added last.
-  p.capacity_factors = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+  # Expert dispatch (docs/design.md §4.3): 'exact' sends each device
+  # exactly the rows routed to it and computes only those (a ragged
+  # all-to-all; emulated on CPU); 'padded' pads every (source, destination)
+  # cell to one capacity and computes every padded row (for comparison).
+  p.dispatch = 'exact'
+  # Capacity buckets (static buffer sizes; one compile each): 'exact'
+  # bounds the rows a device receives, 'padded' a (source, destination)
+  # cell. The ladder climbs from the uniform expectation to the dropless
+  # bound (`dropless_capacity`) in steps of at most capacity_growth x (or
+  # 8 rows), each a multiple of 8. capacity_factors, when non-empty,
+  # replaces the ladder by these multiples of the uniform expectation (the
+  # dropless bound is always added).
+  p.capacity_growth = 1.25
+  p.capacity_factors = ()
   return p
 
 
@@ -176,9 +188,15 @@ def validate_config(config) -> None:
     _require(spd * p.num_expert >= m.num_experts, 'parallel.slots_per_device',
              f'num_expert * slots_per_device = {spd * p.num_expert} must be >= '
              f'num_experts ({m.num_experts}): every expert needs a slot')
-    _require(len(p.capacity_factors) >= 1 and min(p.capacity_factors) > 0,
-             'parallel.capacity_factors', 'must be a non-empty list of '
-             'positive factors')
+    _require(p.get('dispatch', 'exact') in DISPATCHES, 'parallel.dispatch',
+             f"must be one of {', '.join(DISPATCHES)}, got "
+             f"{p.get('dispatch')!r}")
+    _require(all(f > 0 for f in p.get('capacity_factors', ())),
+             'parallel.capacity_factors', 'must be positive multiples of the '
+             'uniform expectation (empty: the geometric ladder)')
+    _require(p.get('capacity_growth', 1.25) > 1.0, 'parallel.capacity_growth',
+             f"must be > 1 (the ladder's step), got "
+             f"{p.get('capacity_growth')!r}")
   if 'transfer' in config:
     t = config.transfer
     for f in ('step_rounds', 'microstep_rounds'):
@@ -307,25 +325,69 @@ def _validate_task(config) -> None:
            'left-padded and MSA layers do not mask padding keys yet')
 
 
-def capacity_buckets(tokens_per_device: int, top_k: int, num_devices: int,
-                     factors) -> tuple[int, ...]:
-  """Static per-(source, destination device) capacities, ascending.
+def dropless_capacity(dispatch: str, tokens_per_device: int, top_k: int,
+                      num_devices: int, slots_per_device: int) -> int:
+  """The one capacity that never drops, per data group.
 
-  A cell's uniform expectation is tokens_per_device * top_k / D (D = EP
-  devices); each factor scales it, rounded up to a multiple of 8 (vector-
-  friendly). The last bucket, tokens_per_device * top_k, is dropless: a
-  token can send each of its top-k choices to the same device.
+  A token sends one row per chosen expert, and all of its rows for one
+  device go to distinct slots there, so a token sends a device at most
+  min(top_k, s) rows. 'padded' bounds one (source, destination) cell:
+  tokens * min(top_k, s); 'exact' bounds the rows a device receives from
+  all D sources: D * tokens * min(top_k, s).
   """
-  dropless = tokens_per_device * top_k
-  uniform = dropless / num_devices
-  caps = {min(dropless, 8 * math.ceil(f * uniform / 8)) for f in factors}
+  per_cell = tokens_per_device * min(top_k, slots_per_device)
+  if dispatch == 'padded':
+    return per_cell
+  if dispatch == 'exact':
+    return num_devices * per_cell
+  raise ConfigError(f"parallel.dispatch: must be one of {', '.join(DISPATCHES)}"
+                    f', got {dispatch!r}')
+
+
+def capacity_buckets(tokens_per_device: int, top_k: int, num_devices: int,
+                     slots_per_device: int, *, dispatch: str = 'exact',
+                     growth: float = 1.25, factors=()) -> tuple[int, ...]:
+  """Static capacities, ascending, the last one dropless.
+
+  The uniform expectation is what a perfectly balanced step needs: a
+  device receives tokens_per_device * top_k rows ('exact'), a cell a D-th
+  of that ('padded'). From there the ladder climbs geometrically, each
+  bucket at most `growth` x the last (or 8 rows more, at small sizes), in
+  multiples of 8, up to `dropless_capacity`: the padding a bucket adds
+  over the rows it holds is under growth - 1 whatever the skew, and a
+  balanced plan needs the first rungs only. `factors` (multiples of the
+  uniform expectation) replaces the ladder when given.
+  """
+  dropless = dropless_capacity(dispatch, tokens_per_device, top_k,
+                               num_devices, slots_per_device)
+  uniform = tokens_per_device * top_k / (
+      num_devices if dispatch == 'padded' else 1)
+  round8 = lambda x: 8 * math.ceil(x / 8)
+  if factors:
+    caps = {min(dropless, round8(f * uniform)) for f in factors}
+  else:
+    caps, c = set(), max(8, round8(uniform))
+    while c < dropless:
+      caps.add(c)
+      c = max(c + 8, 8 * math.floor(c * growth / 8))
   caps.add(dropless)
   return tuple(sorted(c for c in caps if c > 0))
 
 
-def pick_bucket(max_cell_tokens: int, buckets) -> int:
-  """Smallest bucket that drops nothing for the given max cell count."""
+def buckets_from_config(config, tokens_per_device: int) -> tuple[int, ...]:
+  """`capacity_buckets` with the config's dispatch, ladder and shapes."""
+  p, m = config.parallel, config.model
+  return capacity_buckets(
+      tokens_per_device, m.top_k, p.num_expert, slots_per_device(config),
+      dispatch=p.get('dispatch', 'exact'),
+      growth=p.get('capacity_growth', 1.25),
+      factors=tuple(p.get('capacity_factors', ())))
+
+
+def pick_bucket(max_rows: int, buckets) -> int:
+  """Smallest bucket that drops nothing for the given row demand (a
+  device's received rows, or the largest cell)."""
   for c in buckets:
-    if c >= max_cell_tokens:
+    if c >= max_rows:
       return int(c)
   return int(buckets[-1])

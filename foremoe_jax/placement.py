@@ -252,3 +252,28 @@ def max_cell(counts_GLDE: np.ndarray, p: Placement) -> int:
   if counts_GLDE.ndim != 4:
     raise ValueError(f'counts must be [G, L, D, E]; got {counts_GLDE.shape}.')
   return max(int(cell_counts(c_LDE, p).max(initial=0)) for c_LDE in counts_GLDE)
+
+
+def max_received(counts_GLDE: np.ndarray, p: Placement) -> int:
+  """Most rows any device receives in any data group and layer.
+
+  What the exact-count dispatch's receive buffer must hold (its capacity R):
+  a device's load (`device_loads`) within one data group, whose tokens
+  alone it is sent. counts_GLDE: one micro-step's per-group loads.
+  """
+  counts_GLDE = np.asarray(counts_GLDE)
+  if counts_GLDE.ndim != 4:
+    raise ValueError(f'counts must be [G, L, D, E]; got {counts_GLDE.shape}.')
+  return max(int(device_loads(c_LDE, p).max(initial=0))
+             for c_LDE in counts_GLDE)
+
+
+def capacity_demand(counts_GLDE: np.ndarray, p: Placement,
+                    dispatch: str) -> int:
+  """Rows the capacity must hold under `dispatch` ('exact': a device's
+  received rows, `max_received`; 'padded': the largest cell, `max_cell`)."""
+  if dispatch == 'exact':
+    return max_received(counts_GLDE, p)
+  if dispatch == 'padded':
+    return max_cell(counts_GLDE, p)
+  raise ValueError(f"dispatch must be 'exact' or 'padded', got {dispatch!r}.")

@@ -1,6 +1,7 @@
 """Every config-validation rule rejects a bad config with a message naming it."""
 import importlib
 
+import numpy as np
 import pytest
 
 from foremoe_jax import config as config_lib
@@ -37,6 +38,8 @@ BAD = [
     ('parallel.num_expert', lambda c: setattr(c.parallel, 'num_expert', 3), 'divisible by the EP size'),
     ('parallel.slots_per_device', lambda c: (setattr(c.parallel, 'num_expert', 4), setattr(c.parallel, 'slots_per_device', 1)), 'every expert needs a slot'),
     ('parallel.capacity_factors', lambda c: setattr(c.parallel, 'capacity_factors', (0.0,)), 'positive'),
+    ('parallel.capacity_growth', lambda c: setattr(c.parallel, 'capacity_growth', 1.0), '> 1'),
+    ('parallel.dispatch', lambda c: setattr(c.parallel, 'dispatch', 'ragged'), 'must be one of'),
     ('transfer.step_rounds', lambda c: setattr(c.transfer, 'step_rounds', 0), '>= 1'),
     ('transfer.microstep_rounds', lambda c: setattr(c.transfer, 'microstep_rounds', 0), '>= 1'),
     ('planner.deadline_recompute_frac', lambda c: setattr(c.planner, 'deadline_recompute_frac', 0.0), '> 0'),
@@ -88,13 +91,52 @@ def test_rule_rejects_with_clear_message(field, mutate, rule):
   assert rule in msg, msg
 
 
-def test_capacity_buckets_ascending_and_dropless_last():
-  caps = config_lib.capacity_buckets(64, 2, 8, (1.0, 1.5, 2.0, 100.0))
+def test_capacity_buckets_factors_ascending_and_dropless_last():
+  caps = config_lib.capacity_buckets(64, 2, 8, 4, dispatch='padded',
+                                     factors=(1.0, 1.5, 2.0, 100.0))
   assert list(caps) == sorted(set(caps))
   assert caps[-1] == 128  # dropless: every local token's top-2 to one device
   assert caps[0] == 16  # a cell's uniform share: 64 * 2 / 8
   assert config_lib.pick_bucket(17, caps) == caps[1] == 24
   assert config_lib.pick_bucket(10_000, caps) == 128
+
+
+@pytest.mark.parametrize('dispatch,tokens,top_k,devices,spd,dropless', [
+    # A token sends a device at most min(top_k, s) rows, one per slot.
+    ('padded', 64, 2, 8, 4, 64 * 2),
+    ('padded', 64, 8, 8, 3, 64 * 3),
+    # A device receives at most that from each of the D sources.
+    ('exact', 64, 2, 8, 4, 8 * 64 * 2),
+    ('exact', 512, 8, 64, 3, 64 * 512 * 3),
+])
+def test_ladder_climbs_at_most_growth_to_the_one_dropless_bound(
+    dispatch, tokens, top_k, devices, spd, dropless):
+  assert config_lib.dropless_capacity(dispatch, tokens, top_k, devices,
+                                      spd) == dropless
+  caps = config_lib.capacity_buckets(tokens, top_k, devices, spd,
+                                     dispatch=dispatch)
+  assert caps[-1] == dropless and list(caps) == sorted(set(caps))
+  assert all(c % 8 == 0 for c in caps[:-1])
+  uniform = tokens * top_k / (devices if dispatch == 'padded' else 1)
+  assert caps[0] == max(8, 8 * np.ceil(uniform / 8)) or caps[0] == dropless
+  steps = np.asarray(caps[1:]) / np.asarray(caps[:-1])
+  small = np.asarray(caps[1:]) - np.asarray(caps[:-1]) <= 8
+  assert np.all((steps <= 1.25 + 1e-9) | small), caps
+  # Every demand up to the bound gets a bucket at most 1.25x (or 8 rows)
+  # larger than itself, never one that drops.
+  for demand in range(1, dropless + 1, max(1, dropless // 997)):
+    c = config_lib.pick_bucket(demand, caps)
+    assert c >= demand
+    assert c <= max(1.25 * demand, demand + 8, caps[0])
+
+
+def test_fine_ladder_at_64_devices_is_short():
+  """Qwen3-30B-A3B's shape at EP 64: 8,192 tokens, top-8, 18 slots a
+  device: a receive bucket from the uniform 65,536 rows to the dropless
+  64 x 8,192 x 8, in fewer than 25 rungs."""
+  caps = config_lib.capacity_buckets(8192, 8, 64, 18, dispatch='exact')
+  assert caps[0] == 8192 * 8 and caps[-1] == 64 * 8192 * 8
+  assert len(caps) <= 25
 
 
 def test_profile_steps_parse():

@@ -89,7 +89,8 @@ def run(cfg: MoELayerBench, mesh) -> dict:
                            config=planner.ForeMoEConfig(home_anchor=True))
   placements = {'static': identity, 'balanced': plan.microstep(0)}
   buckets = config_lib.capacity_buckets(cfg.tokens // num_dev, cfg.top_k,
-                                        num_dev, cfg.capacity_factors)
+                                        num_dev, spd, dispatch='padded',
+                                        factors=cfg.capacity_factors)
   traces = []
 
   # Reference transfer: every device all-gathers every expert, then indexes.
@@ -107,7 +108,8 @@ def run(cfg: MoELayerBench, mesh) -> dict:
   def fwd(tokens, slot_w, se, share, capacity):
     traces.append(capacity)
     return ep.expert_parallel_ffn(*tokens, *slot_w, se, share, mesh=mesh,
-                                  capacity=capacity, num_experts=cfg.experts)
+                                  capacity=capacity, num_experts=cfg.experts,
+                                  dispatch='padded')
   f = jax.jit(fwd, static_argnums=4)
   ref = reference_moe_ffn(x, jnp.asarray(ids), gates, valid, *w)
   # Tokens already sharded as the model's layers hand them over, so the

@@ -74,7 +74,6 @@ def bench_config(cfg: RLStepBench) -> ml_collections.ConfigDict:
   m.vocab_size, m.max_seq_len = 32, 64
   c.parallel.slots_per_device = (cfg.num_experts // 8
                                  + cfg.redundant_slots_per_device)
-  c.parallel.capacity_factors = (1.0, 1.5, 2.0, 3.0, 4.0)
   c.rl.prompts_per_step, c.rl.num_generations = cfg.prompts, cfg.generations
   c.rl.num_microbatches = cfg.microbatches
   c.warmstart.steps, c.warmstart.batch_size = cfg.warmstart_steps, 64
@@ -111,7 +110,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   config_lib.validate_config(config)
   task = task_from_config(config)
   mesh = expert_parallel.make_mesh(1, 8)
-  model = transformer.Transformer(config.model, mesh, rngs=nnx.Rngs(cfg.seed))
+  model = transformer.Transformer(config.model, mesh,
+                                  dispatch=config.parallel.dispatch,
+                                  rngs=nnx.Rngs(cfg.seed))
   graphdef, params = sharding.split_model(model, mesh)
   rng = np.random.default_rng(cfg.seed)
   log(f'warm start: {cfg.warmstart_steps} SFT steps (skews the routing)')

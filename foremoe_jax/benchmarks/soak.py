@@ -140,6 +140,7 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
   mesh = expert_parallel.make_mesh(config.parallel.num_data,
                                    config.parallel.num_expert)
   model = transformer.Transformer(config.model, mesh,
+                                  dispatch=config.parallel.dispatch,
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = sharding.split_model(model, mesh,
                                           fsdp=config.parallel.get('fsdp',

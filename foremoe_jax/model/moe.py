@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel, layers, router
 
@@ -35,7 +36,7 @@ class ExpertWeight(nnx.Param):
 
 class MoE(nnx.Module):
 
-  def __init__(self, cfg, mesh, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, mesh, *, rngs: nnx.Rngs, dispatch: str = 'exact'):
     m, f, e = cfg.d_model, cfg.moe_d_ff, cfg.num_experts
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.router = nnx.Linear(m, e, use_bias=False, param_dtype=pdt, dtype=cdt,
@@ -50,6 +51,10 @@ class MoE(nnx.Module):
     self.num_experts, self.top_k = e, cfg.top_k
     self.renormalize = bool(cfg.renormalize_topk)
     self.mesh = mesh
+    if dispatch not in expert_parallel.DISPATCHES:
+      raise ValueError(f'dispatch must be one of {expert_parallel.DISPATCHES}'
+                       f', got {dispatch!r}.')
+    self.dispatch = dispatch
 
   def __call__(self, x_BTM, *, slot_expert_S=None, slot_share_DS=None,
                capacity: int | None = None, replay_ids_BTK=None,
@@ -78,24 +83,21 @@ class MoE(nnx.Module):
                                                self.num_experts // num_ep)
       slot_expert_S, slot_share_DS = ident.slot_expert[0], ident.slot_share[0]
     if capacity is None:
-      # Dropless: a (source, destination device) cell gets at most one row
-      # per local token and slot of that device, and at most top_k.
-      spd = len(slot_expert_S) // num_ep
-      capacity = (n // (num_ep * self.mesh.shape[expert_parallel.DATA])
-                  * min(self.top_k, spd))
+      capacity = config_lib.dropless_capacity(
+          self.dispatch, n // (num_ep * self.mesh.shape[expert_parallel.DATA]),
+          self.top_k, num_ep, len(slot_expert_S) // num_ep)
     args = (x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
             self.w_gate[...], self.w_up[...], self.w_down[...],
             jnp.asarray(slot_expert_S, jnp.int32),
             jnp.asarray(slot_share_DS, jnp.float32))
+    kw = dict(mesh=self.mesh, capacity=capacity, dispatch=self.dispatch)
     if canonical_slots or slot_weights is not None:
       if slot_weights is not None:
         args = args[:4] + tuple(slot_weights) + args[7:]
       y_NM, stats = expert_parallel.expert_parallel_ffn(
-          *args, mesh=self.mesh, capacity=capacity,
-          num_experts=self.num_experts)
+          *args, num_experts=self.num_experts, **kw)
     else:
-      y_NM, stats = expert_parallel.routed_experts(
-          *args, mesh=self.mesh, capacity=capacity)
+      y_NM, stats = expert_parallel.routed_experts(*args, **kw)
     y_BTM = y_NM.reshape(b, t, m)
     if self.has_shared:
       y_BTM = y_BTM + self.shared(x_BTM)

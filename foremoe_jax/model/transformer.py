@@ -42,14 +42,16 @@ class ModelAux(NamedTuple):
   counts_LE: jax.Array  # int32 assignments per expert per MoE layer.
   balance_loss: jax.Array  # float32 mean over MoE layers.
   dropped_L: jax.Array  # int32 assignments over capacity per MoE layer.
-  max_cell_L: jax.Array  # int32 largest (source, destination device) cell per MoE layer.
+  # int32 per MoE layer: the most rows its capacity had to hold (a
+  # device's received rows, or the largest cell with 'padded' dispatch).
+  max_rows_L: jax.Array
   indexer_loss: jax.Array  # float32 sum over MSA layers of the indexer KL.
 
 
 class Block(nnx.Module):
 
   def __init__(self, cfg, mesh, layer_idx: int, attention_type: str, *,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, dispatch: str = 'exact'):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.attn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
                                     param_dtype=pdt, dtype=cdt)
@@ -58,7 +60,7 @@ class Block(nnx.Module):
                                    param_dtype=pdt, dtype=cdt)
     self.is_moe = layer_idx >= cfg.first_dense_layers
     if self.is_moe:
-      self.ffn = moe.MoE(cfg, mesh, rngs=rngs)
+      self.ffn = moe.MoE(cfg, mesh, rngs=rngs, dispatch=dispatch)
     else:
       self.ffn = layers.SwiGLU(cfg.d_model, cfg.dense_d_ff, rngs=rngs,
                                param_dtype=pdt, dtype=cdt)
@@ -87,7 +89,9 @@ def _block_forward(block, x, positions_BT, cache, valid_BT, indexer_weight_BT,
 
 class Transformer(nnx.Module):
 
-  def __init__(self, cfg, mesh=None, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, mesh=None, *, rngs: nnx.Rngs,
+               dispatch: str = 'exact'):
+    """dispatch: the MoE layers' expert dispatch (`parallel.dispatch`)."""
     self.cfg = cfg
     self.mesh = expert_parallel.make_mesh(1, 1) if mesh is None else mesh
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
@@ -98,7 +102,8 @@ class Transformer(nnx.Module):
                            embedding_init=layers.dense_init(cfg.d_model),
                            rngs=rngs)
     types = config_lib.layer_attention_types(cfg)
-    self.blocks = nnx.List([Block(cfg, self.mesh, i, types[i], rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, self.mesh, i, types[i], rngs=rngs,
+                                  dispatch=dispatch)
                             for i in range(cfg.num_layers)])
     self.final_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
                                      param_dtype=pdt, dtype=cdt)
@@ -161,7 +166,7 @@ class Transformer(nnx.Module):
         counts_LE=jnp.stack([a.counts_E for a in moe_auxes]),
         balance_loss=jnp.mean(jnp.stack([a.balance_loss for a in moe_auxes])),
         dropped_L=jnp.stack([a.stats.dropped for a in moe_auxes]),
-        max_cell_L=jnp.stack([a.stats.max_cell for a in moe_auxes]),
+        max_rows_L=jnp.stack([a.stats.max_rows for a in moe_auxes]),
         indexer_loss=jnp.asarray(sum(index_losses), jnp.float32))
     return logits.astype(jnp.float32), aux, (None if cache is None else new_cache)
 

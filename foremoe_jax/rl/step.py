@@ -296,7 +296,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     metrics['indexer_loss'] = jax.lax.stop_gradient(index_loss)
     metrics['balance_loss'] = jax.lax.stop_gradient(balance)
     metrics['dropped'] = aux.dropped_L.sum()
-    metrics['max_cell'] = aux.max_cell_L.max()
+    metrics['max_rows'] = aux.max_rows_L.max()
     return (loss + indexer_loss_coef * index_loss
             + balance_loss_coef * balance), metrics
 
@@ -335,11 +335,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   # The canonical experts were not used directly (every MoE call read slot
   # buffers), so their autodiff gradients are zero: the returns are theirs.
   grads = replace_experts(grads, moe_blocks, gcanon_L)
-  per_step = ('dropped', 'max_cell', 'transfer_id_errors',
+  per_step = ('dropped', 'max_rows', 'transfer_id_errors',
               'nonfinite')  # Set below.
   metrics = {k: v.sum() for k, v in metrics_M.items() if k not in per_step}
   metrics.update(dropped=metrics_M['dropped'].sum(),
-                 max_cell_M=metrics_M['max_cell'],
+                 max_rows_M=metrics_M['max_rows'],
                  transfer_id_errors=metrics_M['transfer_id_errors'].sum(),
                  nonfinite_M=metrics_M['nonfinite'],
                  adv_abs_mean=jnp.abs(adv_B).mean())
@@ -354,7 +354,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
 PER_EPOCH_METRICS = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
                      'grad_norm')
 # Same in every epoch (routes, plan and advantages do not change): epoch 0's.
-_FIRST_EPOCH_METRICS = ('dropped', 'max_cell_M', 'adv_abs_mean',
+_FIRST_EPOCH_METRICS = ('dropped', 'max_rows_M', 'adv_abs_mean',
                         'rollout_vs_recompute_logp_max_abs')
 # Summed over epochs: for nonfinite_M, the epochs in which each micro-step
 # had a non-finite loss or gradient.

@@ -43,6 +43,7 @@ from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import task_from_config
 from foremoe_jax.transfer import engine as transfer_engine
 from foremoe_jax.transfer import schedule
+from foremoe_jax.utils import compiles as compiles_lib
 from foremoe_jax.utils import distributed
 from foremoe_jax.utils import metrics as metrics_lib
 from foremoe_jax.utils import tensorboard
@@ -121,6 +122,9 @@ class RLContext:
   buckets: tuple[int, ...]
   num_experts: int
   recompute_s: float | None = None  # Last measured, for the plan deadline.
+  # Open while the RL loop runs: every XLA compile, so each new capacity
+  # bucket's compile is logged (None: not watched).
+  compile_log: compiles_lib.CompileLog | None = None
 
 
 @dataclasses.dataclass
@@ -167,13 +171,13 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
                                     anchor_rounds=budget.step_rounds,
                                     moves_per_layer=budget.microstep_rounds)
   batch_size = rl.prompts_per_step * num_gen
-  buckets = config_lib.capacity_buckets(
-      batch_size // rl.num_microbatches * (task.sequence_len - 1)
-      // (d_ep * d_data), mcfg.top_k, d_ep, config.parallel.capacity_factors)
-  return RLContext(config, task, mesh, sampler_lib.Sampler(
-      graphdef, mcfg, mesh, sp), rl_step, planner, topo, cost,
-                   budget, identity, buckets,
-                   mcfg.num_experts)
+  buckets = config_lib.buckets_from_config(
+      config, batch_size // rl.num_microbatches * (task.sequence_len - 1)
+      // (d_ep * d_data))
+  sampler = sampler_lib.Sampler(graphdef, mcfg, mesh, sp,
+                                config.parallel.dispatch)
+  return RLContext(config, task, mesh, sampler, rl_step, planner, topo, cost,
+                   budget, identity, buckets, mcfg.num_experts)
 
 
 # ----------------------------------------------------------------- phases
@@ -240,10 +244,13 @@ def planner_loads(loads_MGLDE) -> np.ndarray:
 
 
 def _capacity(ctx: RLContext, loads_MGLDE, placement_of) -> int:
-  """Smallest dropless bucket over the micro-steps; cells per data group."""
-  cells = max(placement_lib.max_cell(loads_MGLDE[m], placement_of(m))
-              for m in range(loads_MGLDE.shape[0]))
-  return config_lib.pick_bucket(cells, ctx.buckets)
+  """Smallest dropless bucket over the micro-steps, for the dispatch in use
+  (a device's received rows, or the largest cell), per data group."""
+  dispatch = ctx.config.parallel.get('dispatch', 'exact')
+  demand = max(placement_lib.capacity_demand(loads_MGLDE[m], placement_of(m),
+                                             dispatch)
+               for m in range(loads_MGLDE.shape[0]))
+  return config_lib.pick_bucket(demand, ctx.buckets)
 
 
 def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE):
@@ -369,6 +376,11 @@ def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:
               device_load_MD=device_load_MD)
 
 
+# The RL step's jitted programs (rl/step.py); their compiles are logged by
+# name, with the capacity bucket that caused them.
+_STEP_PROGRAMS = ('update', 'recompute')
+
+
 def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   """One RL step, phase by phase; returns (state, record)."""
   t_step = time.perf_counter()
@@ -401,6 +413,7 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   state, m = update(ctx, state, batch, logps, planned)
   check_finite(step + 1, m)
   t_done = time.perf_counter()
+  new_compiles = ctx.compile_log.take() if ctx.compile_log else []
   record = dict(
       phase='rl', reward_mean=float(rewards.mean()),
       reward_std=float(rewards.std()), kl=float(m['kl']),
@@ -429,7 +442,13 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       score_wait_s=max(0.0, t_scored - t_rec_done),
       plan_wait_s=max(0.0, t_plan - max(t_rec_done, t_scored)),
       update_s=t_done - max(t_plan, t_rec_done),
-      step_s=t_done - t_step)
+      step_s=t_done - t_step,
+      # Seconds of XLA compiles in this step (a new capacity bucket, the
+      # first step), which step_s includes; `compiled` names them for the
+      # log (a fact of the process, not of the run: not written).
+      compile_s=sum(c.seconds for c in new_compiles),
+      compiled=[f'{c.fun_name} {c.seconds:.1f}s' for c in new_compiles
+                if c.fun_name in _STEP_PROGRAMS or c.seconds >= 1.0])
   every = ctx.config.get('sample_log_every', 0)
   if every and (step + 1) % every == 0:
     record['samples'] = samples_for_log(ctx, prompts, ro, rewards)
@@ -558,7 +577,8 @@ def greedy_eval(config, task, graphdef, mesh):
   sp = sampler_lib.SamplingParams(max_new_tokens=task.completion_len,
                                   num_generations=1, greedy=True,
                                   eos_id=task.eos_id, pad_id=task.pad_id)
-  greedy = sampler_lib.Sampler(graphdef, config.model, mesh, sp)
+  greedy = sampler_lib.Sampler(graphdef, config.model, mesh, sp,
+                               config.parallel.dispatch)
   prompts = task.eval_prompts(num_eval, config.seed)
 
   def evaluate(params):
@@ -589,6 +609,11 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
     samples = record.pop('samples', None)
+    compiled = record.pop('compiled', [])
+    if compiled and distributed.is_primary():
+      print(f"  compiled {', '.join(compiled)} at step {step + 1} (capacity "
+            f"{record['capacity']}, recompute {record['capacity_static']})",
+            flush=True)
     writer.write(step + 1, record)
     print(_log_line(step + 1, record, total, time.perf_counter() - t0,
                     step + 1 - start), flush=True)
@@ -722,6 +747,7 @@ def train(config, workdir: str, guard=None) -> dict:
     config.model = hf.model_config_from_hf(config.init_from_hf, config.model)
     config_lib.validate_config(config)
   model = transformer.Transformer(config.model, mesh,
+                                  dispatch=config.parallel.dispatch,
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = sharding.split_model(model, mesh,
                                          fsdp=config.parallel.get('fsdp', False))
@@ -793,8 +819,11 @@ def train(config, workdir: str, guard=None) -> dict:
     samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE,
                                                mirror=tb)
     try:
-      state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard,
-                            samples_writer)
+      with compiles_lib.CompileLog() as ctx.compile_log:
+        state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard,
+                              samples_writer)
+      summary_compiles = dict(compiles=ctx.compile_log.count(),
+                              compile_s=ctx.compile_log.seconds())
     finally:
       ctx.planner.close()
       writer.close()
@@ -805,7 +834,8 @@ def train(config, workdir: str, guard=None) -> dict:
     tb.write(done, {'phase': 'eval', **{k: v for k, v in summary.items()
                                         if k.startswith('greedy')}})
     summary.update(_reward_summary(workdir),
-                   plan_fallbacks=ctx.planner.num_fallbacks)
+                   plan_fallbacks=ctx.planner.num_fallbacks,
+                   **summary_compiles)
     if distributed.is_primary():
       with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
         json.dump(summary, f, indent=1)

@@ -59,6 +59,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from foremoe_jax import config as config_lib
 from foremoe_jax.model import expert_parallel
 from foremoe_jax.tasks.tokenizer import EOS_ID, PAD_ID
 from foremoe_jax.utils import distributed
@@ -174,13 +175,17 @@ class DecodeState(NamedTuple):
   cache: list  # KVCache per layer, [Bp, T, G, D].
 
 
-def _call_capacity(capacity, num_tokens: int, top_k: int, mesh):
-  # A (source, destination device) cell never holds more than top_k rows per
-  # source token, so clamping keeps a capacity dropless-equivalent and
-  # avoids padded compute for the one-token decode calls.
+def _call_capacity(capacity, num_tokens: int, top_k: int, mesh,
+                   dispatch: str):
+  # A source token sends a device at most top_k rows, so the dropless
+  # bound with s = top_k bounds any placement's: clamping keeps a capacity
+  # dropless-equivalent and avoids padded buffers for the one-token decode
+  # calls.
   if capacity is None:
     return None
-  return int(min(capacity, num_tokens // mesh.size * top_k))
+  return int(min(capacity, config_lib.dropless_capacity(
+      dispatch, num_tokens // mesh.size, top_k,
+      mesh.shape[expert_parallel.EXPERT], top_k)))
 
 
 class Sampler:
@@ -191,9 +196,12 @@ class Sampler:
   `prefill` -> `decode` -> `rollout`; the steps are public for benchmarks.
   """
 
-  def __init__(self, graphdef, model_cfg, mesh, params: SamplingParams):
+  def __init__(self, graphdef, model_cfg, mesh, params: SamplingParams,
+               dispatch: str = 'exact'):
+    """dispatch: the model's `parallel.dispatch` (what a capacity means)."""
     self.graphdef, self.cfg, self.mesh, self.params = (graphdef, model_cfg,
                                                        mesh, params)
+    self.dispatch = dispatch
     self.record_dtype = routes_dtype(int(model_cfg.num_experts))
     # Every per-sample array is split by rows like the tokens of a one-token
     # decode call, so attention and the cache stay local to a device.
@@ -283,9 +291,9 @@ class Sampler:
       prompts_NP: int32 [N, P] prompts; shorter ones left-padded with PAD.
       key: a jax.random key.
       placement: optional Placement for the MoE layers (None = identity).
-      capacity: optional static per-(source, destination device) capacity;
-        clamped per call to top_k times the tokens each device holds (None =
-        dropless).
+      capacity: optional static capacity of the MoE layers (a device's
+        received rows, or a cell with padded dispatch); clamped per call to
+        the dropless bound (None = dropless).
     Returns:
       A Rollout with B = N * num_generations rows, prompt i's samples at rows
       [i * G, (i + 1) * G) (GRPO groups are consecutive).
@@ -322,7 +330,7 @@ class Sampler:
     return self._prefill(
         state, prompts_BP, row_valid_B, key, placement, cache,
         capacity=_call_capacity(capacity, num_rows * plen, self.cfg.top_k,
-                                self.mesh))
+                                self.mesh, self.dispatch))
 
   def decode(self, state, carry: DecodeState, key, *, placement=None,
              capacity: int | None = None) -> DecodeState:
@@ -330,7 +338,8 @@ class Sampler:
     num_rows = carry.tokens_BX.shape[0]
     return self._decode(state, carry, key, placement,
                         capacity=_call_capacity(capacity, num_rows,
-                                                self.cfg.top_k, self.mesh))
+                                                self.cfg.top_k, self.mesh,
+                                                self.dispatch))
 
   def rollout(self, carry: DecodeState) -> Rollout:
     """The host-side Rollout of a finished decode, batch padding dropped."""

@@ -132,7 +132,8 @@ def model_microstep_times(model_cfg, mesh, tokens_per_seq: int,
                           seed: int = 0) -> dict:
   """Seconds of the whole model's forward + backward on one micro-batch
   (canonical layout, uniform random routing) per capacity."""
-  model = transformer.Transformer(model_cfg, mesh, rngs=nnx.Rngs(seed))
+  model = transformer.Transformer(model_cfg, mesh, rngs=nnx.Rngs(seed),
+                                  dispatch='padded')
   graphdef, params = sharding.split_model(model, mesh)
   num_dev = mesh.shape[EXPERT]
   b = seqs_per_device * num_dev

@@ -97,7 +97,9 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
                             moves_per_layer=budget.microstep_rounds)
   rounds = budget.step_rounds
   buckets = config_lib.capacity_buckets(tokens_per_device, top_k,
-                                        topo.num_devices, capacity_factors)
+                                        topo.num_devices, topo.slots_per_device,
+                                        dispatch='padded',
+                                        factors=capacity_factors)
   static_cap = _bucket(loads_MLDE, [home] * num_micro, buckets)
   out = {}
   for method in methods:

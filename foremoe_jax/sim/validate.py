@@ -72,7 +72,8 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
       slots_per_device=config.parallel.slots_per_device, log=log)
   buckets = config_lib.capacity_buckets(
       seqs_per_device * tokens_per_seq, config.model.top_k, 8,
-      config.parallel.capacity_factors)
+      config.parallel.slots_per_device, dispatch='padded',
+      factors=simulate.CAPACITY_FACTORS)
   extras = {}
   measured = rl_step.run(bench, log=log, extras=extras,
                          calibration_capacities=buckets)

@@ -1,12 +1,26 @@
-"""Expert parallelism vs. a plain loop over experts, on 8 simulated devices."""
+"""Expert parallelism vs. a plain loop over experts, on 8 simulated devices.
+
+Both dispatch strategies (exact-count, padded-cell) and every grouped GEMM
+(the tile loop over non-empty tiles, the static tile scan, ragged_dot) are
+held to the loop reference in outputs and gradients; capacities, drops and
+row counts are re-derived on the host token by token.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
+from foremoe_jax.model import dispatch_exact
 from foremoe_jax.model import expert_parallel as ep
+from foremoe_jax.model import grouped_swiglu
+from foremoe_jax.model import slot_assignment
 from foremoe_jax.model.moe_reference import reference_moe_ffn
+
+# (dispatch, grouped GEMM): the CPU defaults of both strategies, and the
+# GPU/TPU grouped GEMM (ragged_dot) behind the exact dispatch.
+PATHS = [('exact', None), ('exact', 'ragged_dot'), ('padded', None)]
 
 E, M, F, N, K = 16, 8, 12, 128, 2
 
@@ -48,13 +62,16 @@ def numpy_counts(ids, valid, num_tokens, num_shards, d_ep):
   return c
 
 
-def numpy_kept(ids, valid, p, capacity, num_shards, d_ep):
-  """bool [N, K]: assignments that fit their (source, destination) cell.
+def numpy_kept(ids, valid, p, capacity, num_shards, d_ep, dispatch='padded'):
+  """bool [N, K]: assignments that fit under the capacity.
 
   Re-derives the dispatch rule on the host, one shard at a time: rank among
   the source's assignments to the expert (token order), slot by the split
-  rule, then position in the cell = the source's rows for earlier slots of
-  the destination device + the rank inside the slot.
+  rule, then position in the (source, destination) cell = the source's rows
+  for earlier slots of the destination device + the rank inside the slot.
+  'padded': kept when the cell position is < C. 'exact': the destination
+  stacks its sources' cells in source order, so kept when the rows of the
+  earlier sources of the same data group plus the cell position are < R.
   """
   num_tokens, top_k = ids.shape
   per = num_tokens // num_shards
@@ -62,8 +79,10 @@ def numpy_kept(ids, valid, p, capacity, num_shards, d_ep):
   se = p.slot_expert[0]
   lo, hi = placement_lib.cumulative_shares(p)
   kept = np.zeros((num_tokens, top_k), bool)
+  cell_pos = {}
+  cells = np.zeros((num_shards // d_ep, d_ep, d_ep), int)  # [G, src, dst]
   for shard in range(num_shards):
-    src = shard % d_ep
+    group, src = divmod(shard, d_ep)
     rows = [(n, k) for n in range(shard * per, (shard + 1) * per) if valid[n]
             for k in range(top_k)]
     n_E = np.bincount([ids[n, k] for n, k in rows], minlength=E)
@@ -71,6 +90,7 @@ def numpy_kept(ids, valid, p, capacity, num_shards, d_ep):
     start_S = placement_lib.round_half_up(lo[0, src] * n_S).astype(int)
     stop_S = placement_lib.round_half_up(hi[0, src] * n_S).astype(int)
     count_S = stop_S - start_S
+    cells[group, src] = count_S.reshape(d_ep, spd).sum(1)
     seen_E = np.zeros(E, int)
     for n, k in rows:
       e, r = ids[n, k], seen_E[ids[n, k]]
@@ -78,20 +98,23 @@ def numpy_kept(ids, valid, p, capacity, num_shards, d_ep):
       slot = next(j for j in range(p.num_slots) if se[j] == e
                   and start_S[j] <= r < stop_S[j])
       first = slot // spd * spd
-      pos = count_S[first:slot].sum() + r - start_S[slot]
-      kept[n, k] = pos < capacity
+      cell_pos[n, k] = (group, src, slot // spd,
+                        count_S[first:slot].sum() + r - start_S[slot])
+  for (n, k), (group, src, dst, pos) in cell_pos.items():
+    if dispatch == 'exact':
+      pos += cells[group, :src, dst].sum()
+    kept[n, k] = pos < capacity
   return kept
-
-
 @pytest.fixture(scope='module')
 def setup():
   rng = np.random.default_rng(0)
   return rng, make_inputs(rng)
 
 
-def jitted_ffn(mesh):
+def jitted_ffn(mesh, dispatch='padded', gemm=None):
   return jax.jit(lambda *a, capacity: ep.routed_experts(
-      *a, mesh=mesh, capacity=capacity), static_argnames='capacity')
+      *a, mesh=mesh, capacity=capacity, dispatch=dispatch, gemm=gemm),
+                 static_argnames='capacity')
 
 
 def _placements(rng, num_devices, spd):
@@ -99,35 +122,54 @@ def _placements(rng, num_devices, spd):
           + [random_placement(rng, E, num_devices, spd) for _ in range(3)])
 
 
+def _dropless(dispatch, num_data, num_expert, spd):
+  return config_lib.dropless_capacity(dispatch, N // (num_data * num_expert),
+                                      K, num_expert, spd)
+
+
+def _ref_loss(ids, valid, kept=None):
+  def loss(x, gates, wg, wu, wd):
+    g = gates if kept is None else gates * kept
+    y = reference_moe_ffn(x, ids, g, valid, wg, wu, wd)
+    return jnp.sum(jnp.sin(y)), y
+  return loss
+
+
+def _assert_close_to_ref(y, g, y_ref, g_ref):
+  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('dispatch,gemm', PATHS)
 @pytest.mark.parametrize('num_data,num_expert,spd', [(1, 8, 3), (2, 4, 5)])
-def test_output_and_grads_match_reference(setup, num_data, num_expert, spd):
+def test_output_and_grads_match_reference(setup, num_data, num_expert, spd,
+                                          dispatch, gemm):
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
   mesh = ep.make_mesh(num_data, num_expert)
-  # A token can send all K of its rows to one device.
-  dropless = N // (num_data * num_expert) * K
+  cap = _dropless(dispatch, num_data, num_expert, spd)
 
   def ep_loss(x, gates, wg, wu, wd, se, share):
-    y, _ = ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
-                                  mesh=mesh, capacity=dropless)
-    return jnp.sum(jnp.sin(y)), y
-
-  def ref_loss(x, gates, wg, wu, wd):
-    y = reference_moe_ffn(x, ids, gates, valid, wg, wu, wd)
-    return jnp.sum(jnp.sin(y)), y
+    y, st = ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
+                              mesh=mesh, capacity=cap, dispatch=dispatch,
+                              gemm=gemm)
+    return jnp.sum(jnp.sin(y)), (y, st.dropped)
 
   ep_grad = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1, 2, 3, 4),
                                        has_aux=True))
   (_, y_ref), g_ref = jax.value_and_grad(
-      ref_loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, gates, wg, wu, wd)
+      _ref_loss(ids, valid), argnums=(0, 1, 2, 3, 4), has_aux=True)(
+          x, gates, wg, wu, wd)
   for p in _placements(rng, num_expert, spd):
     placement_lib.validate_placement(p, E, spd)
-    (_, y), g = ep_grad(x, gates, wg, wu, wd, p.slot_expert[0], p.slot_share[0])
-    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g, g_ref):
-      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    (_, (y, dropped)), g = ep_grad(x, gates, wg, wu, wd, p.slot_expert[0],
+                                   p.slot_share[0])
+    assert int(dropped) == 0
+    _assert_close_to_ref(y, g, y_ref, g_ref)
 
 
-def test_one_compile_across_placements(setup):
+@pytest.mark.parametrize('dispatch', ['exact', 'padded'])
+def test_one_compile_across_placements(setup, dispatch):
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
   mesh = ep.make_mesh(1, 8)
   traces = []
@@ -135,7 +177,8 @@ def test_one_compile_across_placements(setup):
   def fwd(x, se, share):
     traces.append(1)
     return ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
-                                  mesh=mesh, capacity=16)[0]
+                             mesh=mesh, capacity=16 if dispatch == 'padded'
+                             else 64, dispatch=dispatch)[0]
 
   f = jax.jit(fwd)
   for p in _placements(rng, 8, 3) + [random_placement(rng, E, 8, 3)]:
@@ -156,13 +199,13 @@ def numpy_group_counts(ids, valid, num_data, d_ep):
 
 @pytest.mark.parametrize('num_data,num_expert,spd,capacity', [
     (1, 8, 3, 1), (1, 8, 3, 3), (1, 8, 3, 6), (2, 4, 5, 3)])
-def test_dropped_counts_equal_numpy(setup, num_data, num_expert, spd,
-                                    capacity):
+def test_padded_drops_and_max_cell_equal_numpy(setup, num_data, num_expert,
+                                               spd, capacity):
   """Cells are per data group: the device's largest cell and its drops are
   the host's per-group counts (`placement.max_cell`), not the counts of the
   groups' summed loads."""
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
-  ffn = jitted_ffn(ep.make_mesh(num_data, num_expert))
+  ffn = jitted_ffn(ep.make_mesh(num_data, num_expert), 'padded')
   counts_GLDE = numpy_group_counts(np.asarray(ids), np.asarray(valid),
                                    num_data, num_expert)
   counts = counts_GLDE.sum(0)
@@ -172,13 +215,56 @@ def test_dropped_counts_equal_numpy(setup, num_data, num_expert, spd,
     cells_GLDD = np.stack([placement_lib.cell_counts(c, p)
                            for c in counts_GLDE])
     assert int(stats.dropped) == int(np.maximum(cells_GLDD - capacity, 0).sum())
-    assert int(stats.max_cell) == placement_lib.max_cell(counts_GLDE, p)
-    assert int(stats.max_cell) == int(cells_GLDD.max())
+    assert int(stats.max_rows) == placement_lib.max_cell(counts_GLDE, p)
+    assert int(stats.max_rows) == placement_lib.capacity_demand(
+        counts_GLDE, p, 'padded') == int(cells_GLDD.max())
     if num_data > 1:  # The summed loads' cells would over-size the bucket.
-      assert placement_lib.cell_counts(counts, p).max() > stats.max_cell
+      assert placement_lib.cell_counts(counts, p).max() > stats.max_rows
     np.testing.assert_array_equal(
         stats.slot_tokens_S,
         sum(placement_lib.slot_counts(c, p)[0].sum(0) for c in counts_GLDE))
+
+
+@pytest.mark.parametrize('num_data,num_expert,spd,capacity,gemm', [
+    (1, 8, 3, 8, None), (1, 8, 3, 30, None), (2, 4, 5, 20, None),
+    (2, 4, 5, 200, None), (1, 8, 3, 30, 'ragged_dot'),
+    (2, 4, 5, 20, 'ragged_dot')])
+def test_exact_drops_and_max_received_equal_numpy(setup, num_data, num_expert,
+                                                  spd, capacity, gemm):
+  """The receive buffer bounds the rows a device receives in its data
+  group (`placement.max_received`, the planner's device load); rows past
+  it are dropped, and the outputs equal the reference with exactly the
+  host-predicted assignments dropped."""
+  rng, (x, ids, gates, valid, wg, wu, wd) = setup
+  mesh = ep.make_mesh(num_data, num_expert)
+  counts_GLDE = numpy_group_counts(np.asarray(ids), np.asarray(valid),
+                                   num_data, num_expert)
+
+  def ep_loss(x, gates, wg, se, share):
+    y, st = ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
+                              mesh=mesh, capacity=capacity, dispatch='exact',
+                              gemm=gemm)
+    return jnp.sum(jnp.sin(y)), (y, st)
+
+  ep_grad = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1, 2),
+                                       has_aux=True))
+  for p in _placements(rng, num_expert, spd)[:3]:
+    (_, (y, st)), g = ep_grad(x, gates, wg, p.slot_expert[0], p.slot_share[0])
+    recv_GD = np.stack([placement_lib.device_loads(c, p)[0]
+                        for c in counts_GLDE])
+    assert int(st.max_rows) == placement_lib.max_received(counts_GLDE, p)
+    assert int(st.max_rows) == int(recv_GD.max())
+    assert int(st.dropped) == int(np.maximum(recv_GD - capacity, 0).sum())
+    np.testing.assert_array_equal(
+        st.slot_tokens_S,
+        sum(placement_lib.slot_counts(c, p)[0].sum(0) for c in counts_GLDE))
+    kept = numpy_kept(np.asarray(ids), np.asarray(valid), p, capacity,
+                      num_data * num_expert, num_expert, 'exact')
+    assert (~kept & np.asarray(valid)[:, None]).sum() == int(st.dropped)
+    (_, y_ref), g_ref = jax.value_and_grad(
+        _ref_loss(ids, valid, kept), argnums=(0, 1, 2), has_aux=True)(
+            x, gates, wg, wu, wd)
+    _assert_close_to_ref(y, g, y_ref, g_ref)
 
 
 def hot_expert_placement(num_devices, spd):
@@ -203,41 +289,75 @@ def hot_ids(rng, ids):
   return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize('tile', [8, None])
-def test_hot_slot_matches_reference(setup, tile):
+def cold_devices_ids(rng):
+  """Every token picks two of experts 0..3 (homes on devices 0 and 1 of 8):
+  under static EP six devices receive nothing."""
+  return jnp.asarray(np.stack([rng.choice(4, K, replace=False)
+                               for _ in range(N)]).astype(np.int32))
+
+
+def replicated_hot_placement(num_devices, spd, rng):
+  """Expert 0 on a slot of every device (its home holds it twice), the
+  other experts at home; random shares split every expert's tokens."""
+  homes = E // num_devices
+  assert spd == homes + 1
+  se = np.concatenate([np.r_[np.arange(d * homes, (d + 1) * homes), 0]
+                       for d in range(num_devices)]).astype(np.int32)
+  share = rng.random((num_devices, se.size)) + 0.05
+  tot = np.zeros((num_devices, E))
+  np.add.at(tot.T, se, share.T)
+  share = (share / tot[:, se]).astype(np.float32)
+  return placement_lib.Placement(se[None], share[None])
+
+
+@pytest.mark.parametrize('dispatch,gemm', PATHS)
+@pytest.mark.parametrize('case', ['hot_slot', 'cold_devices', 'hot_replicated'])
+def test_adversarial_routing_matches_reference(setup, case, dispatch, gemm):
+  """Every token to one expert held by one slot; six of eight devices with
+  nothing to do; a hot expert replicated on every device with its tokens
+  split. The capacity is the exact fit the host computes; 8-row tiles, so
+  a hot slot spans many."""
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
+  rng = np.random.default_rng(7)
   mesh = ep.make_mesh(1, 8)
-  p = hot_expert_placement(8, 3)
-  placement_lib.validate_placement(p, E, 3)
-  ids = hot_ids(rng, ids)
-  counts = numpy_counts(np.asarray(ids), np.asarray(valid), N, 8, 8)
-  slot_tokens_S = placement_lib.slot_counts(counts, p)[0].sum(0)
-  assert slot_tokens_S[0] == np.asarray(valid).sum()
-  assert slot_tokens_S[1:3].sum() == 0
-  capacity = int(placement_lib.cell_counts(counts, p).max())  # Exact fit.
+  spd = 3
+  if case == 'hot_slot':
+    p, ids = hot_expert_placement(8, spd), hot_ids(rng, ids)
+  elif case == 'cold_devices':
+    p, ids = placement_lib.identity_placement(1, E, 8, spd), cold_devices_ids(
+        rng)
+  else:
+    p, ids = replicated_hot_placement(8, spd, rng), hot_ids(rng, ids)
+  placement_lib.validate_placement(p, E, spd)
+  counts = numpy_counts(np.asarray(ids), np.asarray(valid), N, 8, 8)[None]
+  capacity = placement_lib.capacity_demand(counts, p, dispatch)
+  if case == 'hot_slot':
+    slot_tokens_S = placement_lib.slot_counts(counts[0], p)[0].sum(0)
+    assert slot_tokens_S[0] == np.asarray(valid).sum()
+    assert slot_tokens_S[1:3].sum() == 0
+  if case == 'cold_devices':
+    assert (placement_lib.device_loads(counts[0], p)[0] == 0).sum() == 6
 
   def ep_loss(x, gates, wg, wu, wd):
-    y, _ = ep.routed_experts(x, ids, gates, valid, wg, wu, wd,
-                             p.slot_expert[0], p.slot_share[0], mesh=mesh,
-                             capacity=capacity, tile=tile)
-    return jnp.sum(jnp.sin(y)), y
-
-  def ref_loss(x, gates, wg, wu, wd):
-    y = reference_moe_ffn(x, ids, gates, valid, wg, wu, wd)
-    return jnp.sum(jnp.sin(y)), y
+    y, st = ep.routed_experts(x, ids, gates, valid, wg, wu, wd,
+                              p.slot_expert[0], p.slot_share[0], mesh=mesh,
+                              capacity=capacity, tile=8, dispatch=dispatch,
+                              gemm=gemm)
+    return jnp.sum(jnp.sin(y)), (y, st)
 
   argnums = (0, 1, 2, 3, 4)
-  (_, y), g = jax.jit(jax.value_and_grad(ep_loss, argnums, has_aux=True))(
-      x, gates, wg, wu, wd)
-  (_, y_ref), g_ref = jax.value_and_grad(ref_loss, argnums, has_aux=True)(
-      x, gates, wg, wu, wd)
-  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-  for a, b in zip(g, g_ref):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  (_, (y, st)), g = jax.jit(jax.value_and_grad(ep_loss, argnums,
+                                               has_aux=True))(
+                                                   x, gates, wg, wu, wd)
+  (_, y_ref), g_ref = jax.value_and_grad(_ref_loss(ids, valid), argnums,
+                                         has_aux=True)(x, gates, wg, wu, wd)
+  assert int(st.dropped) == 0 and int(st.max_rows) == capacity
+  _assert_close_to_ref(y, g, y_ref, g_ref)
 
 
+@pytest.mark.parametrize('dispatch', ['exact', 'padded'])
 @pytest.mark.parametrize('hot', [False, True])
-def test_dropped_assignments_contribute_zero(setup, hot):
+def test_dropped_assignments_contribute_zero(setup, hot, dispatch):
   """Over capacity = gate zero: output and gradients equal the reference
   with exactly the host-predicted dropped assignments' gates zeroed."""
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
@@ -246,33 +366,110 @@ def test_dropped_assignments_contribute_zero(setup, hot):
     p, ids, capacity = hot_expert_placement(8, 3), hot_ids(rng, ids), 9
   else:
     p, capacity = random_placement(rng, E, 8, 3), 3
-  kept = numpy_kept(np.asarray(ids), np.asarray(valid), p, capacity, 8, 8)
+  if dispatch == 'exact':
+    capacity *= 4  # A device's rows, not one cell's.
+  kept = numpy_kept(np.asarray(ids), np.asarray(valid), p, capacity, 8, 8,
+                    dispatch)
   dropped = (~kept & np.asarray(valid)[:, None]).sum()
   assert dropped > 0 and kept.sum() > 0
 
   def ep_loss(x, gates, wg):
     y, st = ep.routed_experts(x, ids, gates, valid, wg, wu, wd,
                               p.slot_expert[0], p.slot_share[0], mesh=mesh,
-                              capacity=capacity)
+                              capacity=capacity, dispatch=dispatch)
     return jnp.sum(jnp.sin(y)), (y, st.dropped)
-
-  def ref_loss(x, gates, wg):
-    y = reference_moe_ffn(x, ids, gates * kept, valid, wg, wu, wd)
-    return jnp.sum(jnp.sin(y)), y
 
   (_, (y, n_dropped)), g = jax.jit(jax.value_and_grad(
       ep_loss, argnums=(0, 1, 2), has_aux=True))(x, gates, wg)
   (_, y_ref), g_ref = jax.value_and_grad(
-      ref_loss, argnums=(0, 1, 2), has_aux=True)(x, gates, wg)
+      _ref_loss(ids, valid, kept), argnums=(0, 1, 2), has_aux=True)(
+          x, gates, wg, wu, wd)
   assert int(n_dropped) == dropped
-  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-  for a, b in zip(g, g_ref):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  _assert_close_to_ref(y, g, y_ref, g_ref)
   # A dropped assignment's gate gets no gradient at all.
   assert np.all(np.asarray(g[1])[~kept] == 0)
 
 
-def test_grouped_swiglu_worst_case_padding():
+def test_slot_assignment_is_the_split_rule():
+  """The device's sort-based assignment gives every slot exactly the rows
+  `placement.slot_counts` predicts, each slot's rows numbered 0..n-1 in
+  token order, and its slot-sorted order lists them slot by slot."""
+  rng = np.random.default_rng(3)
+  num_slots, num_assign = 24, 300
+  for trial in range(6):
+    p = random_placement(rng, E, 8, 3)
+    if trial == 0:
+      p = hot_expert_placement(8, 3)
+    e_A = rng.integers(0, E, num_assign).astype(np.int32)
+    if trial % 2:
+      e_A[: num_assign // 2] = 0  # A hot expert, split over its replicas.
+    valid_A = rng.random(num_assign) > 0.2
+    src = int(rng.integers(0, 8))
+    sa = jax.jit(slot_assignment.assign_slots, static_argnums=4)(
+        e_A, valid_A, p.slot_expert[0], p.slot_share[0, src], E)
+    counts = np.zeros((1, 8, E), np.int64)
+    np.add.at(counts[0, src], e_A[valid_A], 1)
+    want_S = placement_lib.slot_counts(counts, p)[0, src]
+    np.testing.assert_array_equal(sa.count_S, want_S)
+    slot_A, pos_A, found_A = map(np.asarray, (sa.slot_A, sa.pos_A, sa.found_A))
+    np.testing.assert_array_equal(found_A, valid_A)
+    for j in range(num_slots):
+      rows = np.flatnonzero(found_A & (slot_A == j))
+      assert (p.slot_expert[0, j] == e_A[rows]).all()
+      np.testing.assert_array_equal(pos_A[rows], np.arange(len(rows)))
+    order = np.asarray(sa.order_A)
+    assert sorted(order.tolist()) == list(range(num_assign))
+    np.testing.assert_array_equal(
+        np.where(found_A[order], slot_A[order], num_slots),
+        np.sort(np.where(found_A, slot_A, num_slots)))
+
+
+def test_emulated_ragged_all_to_all_is_the_collective():
+  """Random ragged sends between 8 devices, each received chunk placed at
+  the sender's output offset: equal to a numpy model of
+  jax.lax.ragged_all_to_all's documented semantics."""
+  rng = np.random.default_rng(4)
+  d, rows, out_rows, chunk = 8, 64, 64, 12
+  send_DD = rng.integers(0, chunk + 1, (d, d))  # [sender, receiver]
+  send_DD = np.minimum(send_DD, 5)
+  operand = rng.normal(size=(d, rows, 3)).astype(np.float32)
+  in_off = np.zeros((d, d), np.int32)
+  for s_ in range(d):  # Chunks placed with gaps, in a shuffled order.
+    order = rng.permutation(d)
+    pos = 0
+    for r in order:
+      in_off[s_, r] = pos
+      pos += send_DD[s_, r] + 1
+  # Receiver r lays its senders out in sender order, with a gap of 2.
+  recv_off = np.zeros((d, d), np.int32)  # [receiver, sender]
+  for r in range(d):
+    recv_off[r] = np.cumsum(np.r_[0, send_DD[:-1, r] + 2])
+  out_off = recv_off.T.copy()  # [sender, receiver]: where its rows land.
+  fill = np.full((d, out_rows, 3), -7.0, np.float32)
+  want = fill.copy()
+  for s_ in range(d):
+    for r in range(d):
+      n = send_DD[s_, r]
+      want[r, out_off[s_, r]:out_off[s_, r] + n] = operand[
+          s_, in_off[s_, r]:in_off[s_, r] + n]
+  mesh = ep.make_mesh(1, d)
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  per = P(ep.EXPERT)
+
+  def body(op, out, i_off, snd, o_off, rcv, r_off):
+    return dispatch_exact.emulated_ragged_all_to_all(
+        op[0], out[0], i_off[0], snd[0], o_off[0], rcv[0], axis_name=ep.EXPERT,
+        chunk=chunk, recv_offsets=r_off[0])[None]
+
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(per,) * 7,
+                              out_specs=per))(
+      operand, fill, in_off, send_DD.astype(np.int32), out_off,
+      send_DD.T.copy().astype(np.int32), recv_off)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize('kind', grouped_swiglu.KINDS)
+def test_grouped_swiglu_worst_case_padding(kind):
   """Every slot one row past a tile boundary: exactly the floor(R / t) + s
   tiles the static layout holds; each row matches a per-row loop."""
   rng = np.random.default_rng(1)
@@ -284,12 +481,41 @@ def test_grouped_swiglu_worst_case_padding():
   x_RM = rng.normal(size=(label_R.size, M)).astype(np.float32)
   w = [rng.normal(size=s).astype(np.float32) * 0.3
        for s in [(spd, M, F), (spd, M, F), (spd, F, M)]]
-  y_RM = ep._grouped_swiglu(jnp.asarray(x_RM), jnp.asarray(label_R),
-                            *map(jnp.asarray, w), tile)
+  y_RM = grouped_swiglu.grouped_swiglu(
+      jnp.asarray(x_RM), jnp.asarray(label_R), *map(jnp.asarray, w),
+      tile=tile, kind=kind)
   for r in np.flatnonzero(label_R >= 0):
     j = label_R[r]
     h = jax.nn.silu(x_RM[r] @ w[0][j]) * (x_RM[r] @ w[1][j])
     np.testing.assert_allclose(y_RM[r], h @ w[2][j], atol=1e-5, rtol=1e-5)
+
+
+def test_exact_compute_loops_over_the_tiles_that_arrived():
+  """The tile loop's trip count is data (a while loop bounded by the
+  non-empty tiles), while the padded scan's is the buffer's static tile
+  count: the structure that makes exact-dispatch work follow the rows."""
+  rng = np.random.default_rng(2)
+  spd, tile, rows = 3, 8, 64
+  x = jnp.asarray(rng.normal(size=(rows, M)).astype(np.float32))
+  w = [jnp.asarray(rng.normal(size=s).astype(np.float32))
+       for s in [(spd, M, F), (spd, M, F), (spd, F, M)]]
+  label = jnp.asarray(rng.integers(-1, spd, rows).astype(np.int32))
+
+  def prims(kind):
+    jaxpr = jax.make_jaxpr(lambda x, lab: grouped_swiglu.grouped_swiglu(
+        x, lab, *w, tile=tile, kind=kind))(x, label)
+    names = set()
+
+    def walk(j):
+      for eqn in j.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+          walk(sub)
+    walk(jaxpr.jaxpr)
+    return names
+  assert 'while' in prims('tiles')
+  assert 'while' not in prims('tiles_static') and 'scan' in prims(
+      'tiles_static')
 
 
 def test_rejects_token_count_not_divisible():
@@ -297,7 +523,7 @@ def test_rejects_token_count_not_divisible():
   x = jnp.zeros((12, M))
   with pytest.raises(ValueError, match='do not split evenly'):
     ep.routed_experts(x, jnp.zeros((12, K), jnp.int32), jnp.zeros((12, K)),
-                           jnp.ones((12,), bool), jnp.zeros((E, M, F)),
-                           jnp.zeros((E, M, F)), jnp.zeros((E, F, M)),
-                           jnp.arange(E), jnp.ones((8, E)), mesh=mesh,
-                           capacity=4)
+                      jnp.ones((12,), bool), jnp.zeros((E, M, F)),
+                      jnp.zeros((E, M, F)), jnp.zeros((E, F, M)),
+                      jnp.arange(E), jnp.ones((8, E)), mesh=mesh,
+                      capacity=4)

@@ -65,10 +65,10 @@ def _rollout(task, seed=0):
       logp_BC=np.zeros((b, task.completion_len), np.float32))
 
 
-def numpy_cells_MGDD(routes_LBTK, valid_BT, microbatches, placements,
-                     d_data, d_ep):
-  """[M, G, D_src, D_dst] (max over layers): rows each (data group, source)
-  sends each destination device, from the routes token by token.
+def numpy_cells_MGLDD(routes_LBTK, valid_BT, microbatches, placements,
+                      d_data, d_ep):
+  """[M, G, L, D_src, D_dst]: rows each (data group, source) sends each
+  destination device, from the routes token by token.
 
   Tokens of micro-batch m flatten row-major into d_data * d_ep data-major
   shards; a shard ranks its assignments to each expert in token order and
@@ -77,7 +77,8 @@ def numpy_cells_MGDD(routes_LBTK, valid_BT, microbatches, placements,
   shares; a slot's rows go to device slot // s.
   """
   num_micro = len(microbatches)
-  out = np.zeros((num_micro, d_data, d_ep, d_ep), np.int64)
+  out = np.zeros((num_micro, d_data, routes_LBTK.shape[0], d_ep, d_ep),
+                 np.int64)
   for m, idx in enumerate(microbatches):
     se_LS = placements[m].slot_expert
     share_LDS = placements[m].slot_share
@@ -101,12 +102,18 @@ def numpy_cells_MGDD(routes_LBTK, valid_BT, microbatches, placements,
             stop = int(np.floor(hi * n + np.float32(0.5)))
             cell_D[j // spd] += stop - start
             lo = hi
-        out[m, g, src] = np.maximum(out[m, g, src], cell_D)
+        out[m, g, l, src] = cell_D
   return out
 
 
-def _smallest_dropless(max_cell, buckets):
-  return min(c for c in buckets if c >= max_cell)
+def numpy_received_MG(cells_MGLDD):
+  """[M, G]: the most rows any device receives (over layers) per data
+  group: what the exact dispatch's receive buffer must hold."""
+  return cells_MGLDD.sum(axis=3).max(axis=(2, 3))
+
+
+def _smallest_dropless(demand, buckets):
+  return min(c for c in buckets if c >= demand)
 
 
 def _state(cfg, mesh, ctx):
@@ -236,28 +243,35 @@ def test_fsdp_step_equals_reference_and_keeps_its_sharding(dp_run):
   assert fsdp['new_shardings'] == fsdp['shardings']
 
 
-def test_dp_bucket_is_smallest_dropless_for_per_group_cells(dp_run):
+def test_dp_bucket_is_smallest_dropless_for_per_group_rows(dp_run):
+  """The exact dispatch's bucket bounds the rows a device receives within
+  its data group, counted here token by token from the routes."""
   dp, ro, mbs = dp_run['dp'], dp_run['ro'], dp_run['mbs']
   ctx, planned = dp['ctx'], dp['planned']
   routes, valid = ro.routes_LBTK[:, :, :-1], ro.valid_BT[:, :-1]
   placements = [planned.plan.microstep(i) for i in range(NUM_MB)]
-  cells_MGDD = numpy_cells_MGDD(routes, valid, mbs, placements, 2, 4)
-  # The device's largest cell in each micro-step is this count.
-  np.testing.assert_array_equal(dp['metrics']['max_cell_M'],
-                                cells_MGDD.max(axis=(1, 2, 3)))
-  want = _smallest_dropless(cells_MGDD.max(), ctx.buckets)
+  cells_MGLDD = numpy_cells_MGLDD(routes, valid, mbs, placements, 2, 4)
+  received_MG = numpy_received_MG(cells_MGLDD)
+  # The device's busiest receiver in each micro-step is this count.
+  np.testing.assert_array_equal(dp['metrics']['max_rows_M'],
+                                received_MG.max(axis=1))
+  want = _smallest_dropless(received_MG.max(), ctx.buckets)
   assert planned.capacity == want
-  # Cells of the loads summed over the data groups (what picking the bucket
-  # from the planner's loads did) would pick a larger bucket, or dropless.
+  # The loads summed over the data groups (what the planner balances)
+  # would pick a larger bucket: a device is sent one group's rows only.
   summed = config_lib.pick_bucket(max(
-      int(placement_lib.cell_counts(dp['loads'][i].sum(0), placements[i]
-                                    ).max()) for i in range(NUM_MB)),
+      int(placement_lib.device_loads(dp['loads'][i].sum(0), placements[i]
+                                     ).max()) for i in range(NUM_MB)),
                               ctx.buckets)
   assert summed > want, (summed, want, ctx.buckets)
-  # The recompute's bucket: the home layout's per-group cells.
+  # The recompute's bucket: the home layout's per-group rows.
   home = [ctx.identity] * NUM_MB
-  static_cells = numpy_cells_MGDD(routes, valid, mbs, home, 2, 4)
-  assert dp['static'] == _smallest_dropless(static_cells.max(), ctx.buckets)
+  static_rows = numpy_received_MG(numpy_cells_MGLDD(routes, valid, mbs, home,
+                                                    2, 4))
+  assert dp['static'] == _smallest_dropless(static_rows.max(), ctx.buckets)
+  # Padded cells, the comparison path's demand, from the same count.
+  assert placement_lib.max_cell(dp['loads'][0], placements[0]) == \
+      cells_MGLDD[0].max()
 
 
 def test_planner_cost_is_per_summed_token():

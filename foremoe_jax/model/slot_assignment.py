@@ -1,0 +1,110 @@
+"""Which slot each token-assignment goes to: the placement's split rule on device.
+
+Shared by both dispatch strategies (dispatch_padded.py, dispatch_exact.py),
+and the jnp twin of `placement.slot_counts` (numpy, the planner's side);
+tests hold the two equal.
+
+Split rule (docs/design.md §4.2): this source device holds n assignments to
+expert e, ranked 0..n-1 in token order; the slots holding e, in slot order,
+get the rank ranges [round(lo n), round(hi n)) of their cumulative shares.
+
+Everything is sorts and searches, O(A log A + S log S): no [A, E] or [A, S]
+one-hot, which at real sizes (A = 8,192 tokens x top-8, S = 1,152 slots)
+would be larger than the activations themselves.
+
+Shape letters: A assignments on this device (tokens x top-k), E experts,
+S slots (global).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SlotAssignment(NamedTuple):
+  slot_A: jax.Array  # int32: global slot of each assignment (any if not found).
+  pos_A: jax.Array  # int32: position among this source's rows for that slot.
+  found_A: jax.Array  # bool: valid and covered by a slot's rank range.
+  count_S: jax.Array  # int32: rows this source sends each slot.
+  # int32: assignments sorted by slot (token order within a slot), the
+  # ones not found last: row i of a slot-major send buffer is order_A[i].
+  order_A: jax.Array
+
+
+def expert_ranks(e_A, valid_A, num_experts: int):
+  """(rank of each assignment among this source's valid assignments to the
+  same expert, in assignment order; count per expert [E]).
+
+  A stable sort by expert keeps token order inside each expert's run, so an
+  assignment's rank is its position in the run.
+  """
+  num_assign = e_A.shape[0]
+  key_A = jnp.where(valid_A, e_A, num_experts).astype(jnp.int32)
+  order_A = jnp.argsort(key_A, stable=True)
+  n_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_A].add(1)[:num_experts]
+  start_E = jnp.cumsum(n_E) - n_E
+  sorted_e = jnp.minimum(key_A[order_A], num_experts - 1)
+  rank_sorted = jnp.arange(num_assign, dtype=jnp.int32) - start_E[sorted_e]
+  rank_A = jnp.zeros((num_assign,), jnp.int32).at[order_A].set(rank_sorted)
+  return rank_A, n_E
+
+
+def slot_ranges(n_E, slot_expert_S, share_S):
+  """[start, stop) rank range each slot takes of its expert's assignments
+  from this source: (start_S, stop_S), int32."""
+  num_slots = slot_expert_S.shape[0]
+  share_S = share_S.astype(jnp.float32)
+  # lo[s]: shares of the earlier slots holding the same expert. A masked
+  # matmul (S^2, S ~ 10^3), not a segmented cumsum: the numpy side
+  # (`placement.cumulative_shares`) agrees with it exactly for experts with
+  # at most three slots, and to an ulp beyond (its docstring says why).
+  same_SS = slot_expert_S[:, None] == slot_expert_S[None, :]
+  before_SS = jnp.tril(jnp.ones((num_slots, num_slots), bool), k=-1)
+  lo_S = jnp.einsum('t,st->s', share_S,
+                    (same_SS & before_SS).astype(jnp.float32))
+  hi_S = lo_S + share_S
+  n_S = n_E[slot_expert_S].astype(jnp.float32)
+  start_S = jnp.floor(lo_S * n_S + 0.5).astype(jnp.int32)
+  stop_S = jnp.floor(hi_S * n_S + 0.5).astype(jnp.int32)
+  return start_S, stop_S
+
+
+def assign_slots(e_A, valid_A, slot_expert_S, share_S,
+                 num_experts: int) -> SlotAssignment:
+  """Slot of every assignment by the split rule, and its row in the slot.
+
+  The slot of rank r of expert e is the first slot of e (in slot order)
+  whose range stops past r: a search over the slots sorted by (expert,
+  stop). Ranks in no slot's range (only possible when float32 shares leave
+  a gap) are not found and are dropped, as `placement.slot_counts` counts.
+  """
+  num_assign = e_A.shape[0]
+  num_slots = slot_expert_S.shape[0]
+  slot_expert_S = slot_expert_S.astype(jnp.int32)
+  rank_A, n_E = expert_ranks(e_A, valid_A, num_experts)
+  start_S, stop_S = slot_ranges(n_E, slot_expert_S, share_S)
+  span = num_assign + 1  # stop <= A, so (expert, stop) packs into one key.
+  order_S = jnp.argsort(slot_expert_S, stable=True)
+  key_S = slot_expert_S[order_S] * span + stop_S[order_S]
+  # A running max keeps the keys sorted even if an ulp made one expert's
+  # stops non-monotone; the first slot past r is unchanged by it.
+  key_S = jax.lax.cummax(key_S)
+  query_A = e_A.astype(jnp.int32) * span + rank_A
+  at_A = jnp.searchsorted(key_S, query_A, side='right')
+  slot_A = order_S[jnp.minimum(at_A, num_slots - 1)].astype(jnp.int32)
+  found_A = (valid_A & (at_A < num_slots)
+             & (slot_expert_S[slot_A] == e_A)
+             & (start_S[slot_A] <= rank_A) & (rank_A < stop_S[slot_A]))
+  # Positions and counts from the rows actually found (not from the
+  # ranges), so a slot's rows are always 0..count-1 even where float32
+  # shares overlapped by an ulp.
+  key_A = jnp.where(found_A, slot_A, num_slots)
+  order_A = jnp.argsort(key_A, stable=True).astype(jnp.int32)
+  count_S = jnp.zeros((num_slots + 1,), jnp.int32).at[key_A].add(1)[:num_slots]
+  first_S = jnp.cumsum(count_S) - count_S
+  pos_sorted = (jnp.arange(num_assign, dtype=jnp.int32)
+                - first_S[jnp.minimum(key_A[order_A], num_slots - 1)])
+  pos_A = jnp.zeros((num_assign,), jnp.int32).at[order_A].set(pos_sorted)
+  return SlotAssignment(slot_A, pos_A, found_A, count_S, order_A)
