@@ -48,6 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallel.num_data = 1
   c.parallel.num_expert = 8
   c.parallel.slots_per_device = 2  # 16 slots for 8 experts: 8 redundant.
+  # 'exact': each device receives and computes exactly its rows (default);
+  # 'padded': every (source, destination) cell padded to one bucket.
+  c.parallel.dispatch = 'exact'
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 800
@@ -67,17 +70,26 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.learning_rate = 3e-4
   # GRPO's mu (TRL num_iterations, verl ppo_epochs): optimizer updates per
   # rollout, all against the same old log-probs. At 1 the ratio is 1 in the
-  # only update, so the clip (eps_low / eps_high) never acts.
+  # only update, so the clip (eps_low / eps_high) never acts, and the step
+  # runs no old-policy forward (the update's own log-probs are the old ones).
   c.rl.num_update_epochs = 1
+  # With several epochs, where the old log-probs come from: 'rollout' (the
+  # sampler's: this same model, routes replayed), 'recompute' (a forward of
+  # the old policy), or 'auto' (rollout in float32, recompute in bfloat16).
+  # A step whose sampler/training gap exceeds old_logp_max_gap switches the
+  # run to 'recompute'.
+  c.rl.old_logp_source = 'auto'
+  c.rl.old_logp_max_gap = 1e-3
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
-  c.rl.beta = 0.01
+  c.rl.beta = 0.01  # KL to the reference policy; 0 skips its forward too.
   c.rl.grad_clip = 1.0
   c.rl.weight_decay = 0.0
   c.rl.balance_microbatches = False
 
   c.planner = ml_collections.ConfigDict()
-  c.planner.method = 'foremoe'  # static | eplb_step | eplb_microstep | foremoe
+  # static | eplb_step | eplb_microstep | foresight_split | foremoe
+  c.planner.method = 'foremoe'
   # The plan must be ready when the recompute it overlaps ends: the deadline
   # is deadline_recompute_frac x the last recompute time, at least
   # deadline_ms (all of it on the first step). Past it, the home layout is

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import ml_collections
 
@@ -121,6 +122,40 @@ def layer_attention_types(model_config) -> tuple[str, ...]:
                for i in range(model_config.num_layers))
 
 
+class Segment(NamedTuple):
+  """A run of consecutive layers of one kind, stored stacked and scanned."""
+  start: int  # First layer (of all layers).
+  stop: int  # One past the last.
+  attention: str  # 'dense' | 'msa'
+  moe: bool  # MoE FFN (else the dense SwiGLU of the first layers).
+  moe_start: int  # Index of its first layer among the MoE layers.
+
+  @property
+  def num_layers(self) -> int:
+    return self.stop - self.start
+
+
+def layer_segments(model_config) -> tuple[Segment, ...]:
+  """The layers cut into maximal runs of the same attention and FFN kind.
+
+  The model stores each run's parameters stacked along a leading layer
+  axis and runs it as one `lax.scan`, so compile time does not grow with
+  depth: Qwen3-30B-A3B is one segment of 48 layers, a DeepSeek-style model
+  two (dense FFNs first), MSA from a layer on adds one more.
+  """
+  types = layer_attention_types(model_config)
+  first_moe = model_config.first_dense_layers
+  out, start = [], 0
+  for i in range(1, model_config.num_layers + 1):
+    if (i == model_config.num_layers or types[i] != types[start]
+        or (i >= first_moe) != (start >= first_moe)):
+      moe = start >= first_moe
+      out.append(Segment(start, i, types[start], moe,
+                         start - first_moe if moe else -1))
+      start = i
+  return tuple(out)
+
+
 def _require(cond: bool, field: str, rule: str) -> None:
   if not cond:
     raise ConfigError(f'{field}: {rule}')
@@ -206,6 +241,15 @@ def validate_config(config) -> None:
     _validate_planner(config.planner)
   if 'rl' in config:
     _validate_rl(config.rl)
+    if 'parallel' in config:
+      r, p = config.rl, config.parallel
+      per_mb = r.prompts_per_step * r.num_generations // r.num_microbatches
+      devices = p.num_data * p.num_expert
+      _require(per_mb % devices == 0, 'rl.num_microbatches',
+               f'each device holds whole sequences of every micro-batch: '
+               f'prompts_per_step * num_generations / num_microbatches '
+               f'({per_mb}) must be divisible by num_data * num_expert '
+               f'({devices})')
   if 'warmstart' in config:
     w = config.warmstart
     _require_int(w.steps, 'warmstart.steps', 0)
@@ -296,6 +340,29 @@ def _validate_rl(r) -> None:
            'clip range needs 0 <= eps_low < 1 and eps_high >= 0')
   _require_int(r.get('num_update_epochs', 1), 'rl.num_update_epochs', 1,
                ' (optimizer updates per rollout)')
+  _require(r.get('old_logp_max_gap', 1e-3) > 0, 'rl.old_logp_max_gap',
+           f"must be > 0, got {r.get('old_logp_max_gap')!r}")
+  _require(r.get('old_logp_source', 'auto') in OLD_LOGP_SOURCES,
+           'rl.old_logp_source', f"must be one of {', '.join(OLD_LOGP_SOURCES)}"
+           f", got {r.get('old_logp_source')!r}")
+
+
+OLD_LOGP_SOURCES = ('auto', 'recompute', 'rollout')
+
+
+def old_logp_source(config) -> str:
+  """Where the old log-probs of a multi-epoch update come from.
+
+  'rollout': the sampler's, which are this same model's with the same
+  routes replayed (measured gap to a recompute: rounding, < 2e-5 in
+  float32); 'recompute': a forward of the old policy. 'auto' takes the
+  rollout's in float32 and recomputes in bfloat16, where the sampler's
+  one-token decode rounds differently from the update's batched forward.
+  """
+  src = config.rl.get('old_logp_source', 'auto')
+  if src == 'auto':
+    return 'rollout' if config.model.dtype == 'float32' else 'recompute'
+  return src
 
 
 def _validate_task(config) -> None:

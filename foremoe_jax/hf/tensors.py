@@ -15,8 +15,13 @@ Layout facts the table encodes:
     half-split (rotate_half) convention (`layers.apply_rope`), so q_proj and
     k_proj need no row permutation (unlike Meta's interleaved Llama weights).
   * Embedding [V, M] is stored as is; lm_head only when untied.
+  * Our decoder layers are stored in segments, stacked along a leading
+    layer axis (`config.layer_segments`); HF stores one tensor per layer
+    (and per expert), so one of our leaves stacks n layers' tensors (and,
+    for experts, n x E of them).
 
-Shape letters: V vocab, M model dim, E experts, F expert hidden dim.
+Shape letters: V vocab, M model dim, E experts, F expert hidden dim,
+n layers of one segment.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
+from foremoe_jax import config as config_lib
 from foremoe_jax.hf import families
 from foremoe_jax.hf.families import HFCheckpointError
 from foremoe_jax.model import shapes
@@ -33,16 +39,15 @@ from foremoe_jax.model import shapes
 @dataclasses.dataclass(frozen=True)
 class Entry:
   path: tuple  # nnx path in the model's state.
-  hf_keys: tuple[str, ...]  # One key, or one per expert (kind 'experts').
-  kind: str  # 'copy' | 'transpose' | 'experts' (stack of transposes).
-  shape: tuple[int, ...]  # Our shape.
+  # HF keys, flattened over the `stack` axes (layers, then experts).
+  hf_keys: tuple[str, ...]
+  kind: str  # 'copy' | 'transpose' (of each stacked tensor).
+  shape: tuple[int, ...]  # Our shape (stack axes first).
+  stack: tuple[int, ...] = ()  # Leading axes our leaf stacks: (), (n,), (n, E).
 
   def hf_shape(self) -> tuple[int, ...]:
-    if self.kind == 'copy':
-      return self.shape
-    if self.kind == 'transpose':
-      return self.shape[::-1]
-    return self.shape[1:][::-1]
+    one = self.shape[len(self.stack):]
+    return one if self.kind == 'copy' else one[::-1]
 
 
 def param_shapes(model_cfg) -> dict[tuple, tuple[int, ...]]:
@@ -59,6 +64,7 @@ def tensor_map(model_cfg) -> list[Entry]:
         f'model.hf_model_type: {model_cfg.get("hf_model_type", "")!r} names '
         f'no Hugging Face family ({", ".join(families.FAMILIES)})')
   gate, up, down = fam.expert_names
+  segments = config_lib.layer_segments(model_cfg)
   out = []
   for path, shape in param_shapes(model_cfg).items():
     if path[0] == 'embed':
@@ -68,34 +74,42 @@ def tensor_map(model_cfg) -> list[Entry]:
     elif path[0] == 'lm_head':
       out.append(Entry(path, ('lm_head.weight',), 'transpose', shape))
     else:
-      out.append(_block_entry(fam, path, shape, (gate, up, down)))
+      out.append(_segment_entry(fam, segments[path[1]], path, shape,
+                                (gate, up, down)))
   return out
 
 
-def _block_entry(fam, path, shape, expert_names) -> Entry:
-  _, i, module, *rest = path
-  p = f'model.layers.{i}.'
+def _segment_entry(fam, seg, path, shape, expert_names) -> Entry:
+  _, _, module, *rest = path
+  layers = range(seg.start, seg.stop)
+  one = lambda fmt: tuple(fmt.format(p=f'model.layers.{i}.') for i in layers)
   if module in ('attn_norm', 'ffn_norm'):
     name = ('input_layernorm' if module == 'attn_norm'
             else 'post_attention_layernorm')
-    return Entry(path, (f'{p}{name}.weight',), 'copy', shape)
+    return Entry(path, one(f'{{p}}{name}.weight'), 'copy', shape,
+                 (seg.num_layers,))
   if module == 'attn':
     sub = rest[0]
     if sub in ('q_norm', 'k_norm'):
-      return Entry(path, (f'{p}self_attn.{sub}.weight',), 'copy', shape)
+      return Entry(path, one(f'{{p}}self_attn.{sub}.weight'), 'copy', shape,
+                   (seg.num_layers,))
     if sub in ('q_proj', 'k_proj', 'v_proj', 'o_proj'):
-      return Entry(path, (f'{p}self_attn.{sub}.weight',), 'transpose', shape)
+      return Entry(path, one(f'{{p}}self_attn.{sub}.weight'), 'transpose',
+                   shape, (seg.num_layers,))
   if module == 'ffn':
     sub = rest[0]
-    moe = f'{p}{fam.moe_prefix}.'
+    moe = f'{fam.moe_prefix}.'
     if sub == 'router':
-      return Entry(path, (f'{moe}gate.weight',), 'transpose', shape)
+      return Entry(path, one(f'{{p}}{moe}gate.weight'), 'transpose', shape,
+                   (seg.num_layers,))
     if sub in ('w_gate', 'w_up', 'w_down'):
       name = expert_names[('w_gate', 'w_up', 'w_down').index(sub)]
-      keys = tuple(f'{moe}experts.{e}.{name}.weight' for e in range(shape[0]))
-      return Entry(path, keys, 'experts', shape)
+      keys = tuple(f'model.layers.{i}.{moe}experts.{e}.{name}.weight'
+                   for i in layers for e in range(shape[1]))
+      return Entry(path, keys, 'transpose', shape, shape[:2])
     if sub in ('gate', 'up', 'down'):  # A dense layer (Qwen3 mlp_only_layers).
-      return Entry(path, (f'{p}mlp.{sub}_proj.weight',), 'transpose', shape)
+      return Entry(path, one(f'{{p}}mlp.{sub}_proj.weight'), 'transpose',
+                   shape, (seg.num_layers,))
   raise HFCheckpointError(f'parameter {"/".join(map(str, path))} of our model '
                           f'has no Hugging Face counterpart in {fam.model_type}')
 
@@ -138,12 +152,10 @@ def params_from_hf(model_cfg, tensors) -> dict[tuple, np.ndarray]:
   expected keys (`check_tensor_shapes`)."""
   out = {}
   for e in tensor_map(model_cfg):
-    if e.kind == 'experts':
-      x = np.stack([np.asarray(tensors[k]).T for k in e.hf_keys])
-    else:
-      x = np.asarray(tensors[e.hf_keys[0]])
-      if e.kind == 'transpose':
-        x = x.T
+    parts = [np.asarray(tensors[k]) for k in e.hf_keys]
+    if e.kind == 'transpose':
+      parts = [x.T for x in parts]
+    x = np.stack(parts).reshape(e.shape) if e.stack else parts[0]
     out[e.path] = np.ascontiguousarray(x, dtype=np.float32)
   return out
 
@@ -154,10 +166,9 @@ def hf_from_params(model_cfg, params: dict[tuple, np.ndarray],
   out = {}
   for e in tensor_map(model_cfg):
     x = np.asarray(params[e.path])
-    if e.kind == 'experts':
-      for idx, k in enumerate(e.hf_keys):
-        out[k] = np.ascontiguousarray(x[idx].T, dtype=dtype)
-    else:
-      out[e.hf_keys[0]] = np.ascontiguousarray(
-          x.T if e.kind == 'transpose' else x, dtype=dtype)
+    parts = (x.reshape((len(e.hf_keys),) + e.shape[len(e.stack):])
+             if e.stack else [x])
+    for k, part in zip(e.hf_keys, parts):
+      out[k] = np.ascontiguousarray(part.T if e.kind == 'transpose' else part,
+                                    dtype=dtype)
   return out

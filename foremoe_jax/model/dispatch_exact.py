@@ -7,16 +7,18 @@ do it at scale:
 1. Each source sorts its token-assignments by destination slot (a sort,
    `slot_assignment.assign_slots`), so the rows for device d are one
    contiguous run, slot-major inside it.
-2. Two small int exchanges: every receiver learns how many rows each source
-   sends each of its slots, lays the sources out one after another in its
-   receive buffer of R rows, and tells each source where its rows start
-   and how many fit.
+2. One small all-gather of the int counts: every device learns how many
+   rows each source sends each slot, lays the sources out one after
+   another in its receive buffer of R rows, and knows where its own rows
+   land on every destination and how many fit (as MaxText all-gathers its
+   group sizes).
 3. One ragged all-to-all moves exactly those rows (`exchange`): on GPU/TPU
    `jax.lax.ragged_all_to_all`; on CPU, where XLA has no such op, an
    emulation with the same arguments (`emulated_ragged_all_to_all`).
 4. The receiver runs only the rows that arrived through the grouped SwiGLU
-   (`grouped_swiglu`: a tile loop over the non-empty tiles on CPU,
-   `ragged_dot` on GPU/TPU).
+   (`grouped_swiglu`: a tile loop over the non-empty tiles on CPU, as
+   many as the busiest device has so that simulated devices sharing the
+   host's cores keep the straggler's wall-clock; `ragged_dot` on GPU/TPU).
 5. A second ragged all-to-all with the sizes and offsets swapped brings the
    outputs back; the source un-sorts them and sums them with the gates.
 
@@ -123,20 +125,20 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   token_sorted = sa.order_A // top_k
   send_AM = x_NM[token_sorted]
 
-  # 2. Counts per (source, my slot), and each source's send offsets (for the
-  # return trip), in one exchange; then where each source's rows start here
-  # and how many fit, back to the sources.
-  got = jax.lax.all_to_all(
-      jnp.concatenate([send_Ds, in_off_D[:, None]], axis=1).astype(i32),
-      EXPERT, 0, 0, tiled=True)
-  recv_Ds, src_in_off_D = got[:, :spd], got[:, spd]
-  recv_D = recv_Ds.sum(axis=1)
-  start_D = jnp.cumsum(recv_D) - recv_D
-  fit_D = jnp.clip(capacity - start_D, 0, recv_D).astype(i32)
-  back = jax.lax.all_to_all(jnp.stack([start_D, fit_D], axis=1).astype(i32),
-                            EXPERT, 0, 0, tiled=True)
-  out_off_D, send_fit_D = back[:, 0], back[:, 1]
-
+  # 2. One all-gather of every source's counts per slot [D, S]: from it
+  # each device lays out its own receive buffer (sources one after another,
+  # rows past R dropped), knows where its rows land on every destination
+  # and how many fit, where its returned rows come from, and how many tiles
+  # the busiest device will run, all without another collective.
+  counts_DS = jax.lax.all_gather(sa.count_S.astype(i32), EXPERT)
+  rows_DD = counts_DS.reshape(num_ep, num_ep, spd).sum(axis=2)  # [src, dst]
+  start_DD = jnp.cumsum(rows_DD, axis=0) - rows_DD  # Offset of src at dst.
+  fit_DD = jnp.clip(capacity - start_DD, 0, rows_DD).astype(i32)
+  recv_Ds = jax.lax.dynamic_slice_in_dim(counts_DS, me * spd, spd, axis=1)
+  recv_D, start_D, fit_D = rows_DD[:, me], start_DD[:, me], fit_DD[:, me]
+  out_off_D, send_fit_D = start_DD[me], fit_DD[me]
+  # Where each source's rows to me sit in its own sorted send buffer.
+  src_in_off_D = (jnp.cumsum(rows_DD, axis=1) - rows_DD)[:, me]
   # 3. Exactly the routed rows (those that fit) move.
   # A source never sends one destination more than N * min(K, s) rows.
   chunk = min(num_tokens * min(top_k, spd), capacity, num_assign)
@@ -150,8 +152,17 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   run_R = jnp.searchsorted(bounds, i_R, side='right')
   used = fit_D.sum()
   label_R = jnp.where(i_R < used, run_R % spd, -1).astype(i32)
+  num_tiles = None
+  if gemm == 'tiles_lockstep':
+    # The busiest device's tile count, read off the gathered counts (the
+    # other data rows' busiest by one small max).
+    per_slot_Ds = counts_DS.sum(axis=0).reshape(num_ep, spd)
+    num_tiles = ((per_slot_Ds + tile - 1) // tile).sum(axis=1).max()
+    if jax.lax.axis_size(DATA) > 1:
+      num_tiles = jax.lax.pmax(num_tiles, DATA)
   out_RM = grouped_swiglu.grouped_swiglu(recv_RM, label_R, wg_sMF, wu_sMF,
-                                         wd_sFM, tile=tile, kind=gemm)
+                                         wd_sFM, tile=tile, kind=gemm,
+                                         num_tiles=num_tiles)
 
   # 5. Back to the sources, into the sorted layout they sent from.
   back_AM = move(out_RM, jnp.zeros((num_assign, model_dim), out_RM.dtype),

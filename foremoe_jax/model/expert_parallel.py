@@ -53,19 +53,47 @@ class DispatchStats(NamedTuple):
   slot_tokens_S: jax.Array  # int32 [S]: assignments each slot received.
 
 
+def is_manual() -> bool:
+  """Whether the caller runs per device, inside a shard_map over the mesh
+  (the RL step's update and recompute), rather than on global arrays."""
+  return EXPERT in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def varying_axes(x) -> frozenset:
+  """Mesh axes over which `x` differs between devices (inside a shard_map)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, 'vma', None)
+  if vma is None:
+    vma = aval.manual_axis_type.varying
+  return frozenset(vma)
+
+
+def vary(x, axes):
+  """`x` marked as differing over `axes` (a no-op for axes it already
+  differs over). A value that differs per device gets per-device
+  gradients: autodiff then sums nothing over those axes."""
+  todo = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, todo, to='varying') if todo else x
+
+
 def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
-             slot_expert_S, slot_share_DS, *, dispatch, **kw):
+             slot_expert_S, slot_share_DS, *, dispatch, reduce_stats=True,
+             **kw):
   """Per-device body under shard_map; lower-case s: this device's slots."""
   # The slot weights are the same on every 'data' shard, the rows are not;
   # saying so up front gives the grouped matmul's hand-written VJP one type,
-  # and its transpose sums the weight gradients over 'data'.
-  wg_sMF, wu_sMF, wd_sFM = (jax.lax.pcast(w, DATA, to='varying')
-                            for w in (wg_sMF, wu_sMF, wd_sFM))
+  # and its transpose sums the weight gradients over 'data' (unless the
+  # caller already made them per-device, to sum them once per step).
+  wg_sMF, wu_sMF, wd_sFM = (vary(w, (DATA,)) for w in (wg_sMF, wu_sMF, wd_sFM))
   body = (dispatch_exact.dispatch_body if dispatch == 'exact'
           else dispatch_padded.dispatch_body)
   y_NM, (count_S, dropped, demand) = body(
       x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
       slot_expert_S, slot_share_DS, **kw)
+  if not reduce_stats:  # The caller sums all layers' at once.
+    return y_NM, DispatchStats(dropped.astype(jnp.int32),
+                               demand.astype(jnp.int32),
+                               count_S.astype(jnp.int32))
   axes = (DATA, EXPERT)
   # One psum for both sums: on CPU each collective is a rendezvous of all
   # devices, a fixed cost per layer call.
@@ -94,6 +122,43 @@ def gather_slot_weights(w_EXY, slot_expert_S, *, mesh):
   return jax.shard_map(_gather_body, mesh=mesh,
                        in_specs=(P(EXPERT), P()), out_specs=P(EXPERT))(
                            w_EXY, slot_expert_S)
+
+
+def _body_kwargs(dispatch, capacity, num_experts, num_ep, spd, tile, gemm,
+                 exchange) -> dict:
+  received = int(capacity) * (num_ep if dispatch == 'padded' else 1)
+  if tile is None:
+    tile = default_tile(received, spd)
+  kw = dict(dispatch=dispatch, capacity=int(capacity),
+            num_experts=num_experts, tile=int(tile))
+  if dispatch == 'padded':
+    kw['gemm'] = 'tiles_static' if gemm is None else gemm
+  else:
+    kw['gemm'] = grouped_swiglu.default_kind() if gemm is None else gemm
+    kw['exchange'] = (dispatch_exact.default_exchange() if exchange is None
+                      else exchange)
+  return kw
+
+
+def local_expert_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
+                     slot_expert_S, slot_share_DS, *, capacity: int,
+                     num_experts: int, dispatch: str = 'exact',
+                     tile: int | None = None, gemm: str | None = None,
+                     exchange: str | None = None, reduce_stats: bool = True):
+  """`expert_parallel_ffn` for a caller already inside a shard_map over
+  the mesh: this device's tokens and its slots' weights ([s, ...]) in,
+  (y_NM, DispatchStats) out. reduce_stats False: the stats are this
+  device's (dropped, its own demand, its slot counts) for the caller to
+  sum or max over the mesh once for many layers."""
+  if dispatch not in DISPATCHES:
+    raise ValueError(f'dispatch must be one of {DISPATCHES}, got '
+                     f'{dispatch!r}.')
+  num_ep = jax.lax.axis_size(EXPERT)
+  kw = _body_kwargs(dispatch, capacity, num_experts, num_ep,
+                    wg_sMF.shape[0], tile, gemm, exchange)
+  return _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
+                  slot_expert_S, slot_share_DS, reduce_stats=reduce_stats,
+                  **kw)
 
 
 def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
@@ -142,18 +207,8 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
                      f'{num_ep} EP devices.')
   if int(capacity) < 1:
     raise ValueError(f'capacity must be >= 1, got {capacity}.')
-  spd = slot_expert_S.shape[0] // num_ep
-  received = int(capacity) * (num_ep if dispatch == 'padded' else 1)
-  if tile is None:
-    tile = default_tile(received, spd)
-  kw = dict(dispatch=dispatch, capacity=int(capacity),
-            num_experts=num_experts, tile=int(tile))
-  if dispatch == 'padded':
-    kw['gemm'] = 'tiles_static' if gemm is None else gemm
-  else:
-    kw['gemm'] = grouped_swiglu.default_kind() if gemm is None else gemm
-    kw['exchange'] = (dispatch_exact.default_exchange() if exchange is None
-                      else exchange)
+  kw = _body_kwargs(dispatch, capacity, num_experts, num_ep,
+                    slot_expert_S.shape[0] // num_ep, tile, gemm, exchange)
   tok = P((DATA, EXPERT))
   fn = jax.shard_map(
       lambda *a: _ep_body(*a, **kw),

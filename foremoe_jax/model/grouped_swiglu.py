@@ -12,6 +12,13 @@ Shared by both dispatch strategies, in three forms:
   non-empty tiles, so work follows the rows that arrived (about rows +
   s * t). The exact-count dispatch's expert compute on CPU, where
   `jax.lax.ragged_dot` lowers to a dense matmul per group (G x the work).
+* ``tiles_lockstep``: ``tiles`` with the trip count of the busiest device
+  of the mesh. Simulated CPU devices share the host's cores, so a device
+  that finishes early hands its core to the others and the straggler
+  vanishes from wall-clock time; running every device for the busiest
+  device's tiles (the extra tiles compute zeros, never read back) makes
+  wall-clock follow the straggler as it does on a real mesh, where an
+  idle device waits at the next collective. The CPU default.
 * ``ragged_dot``: rows sorted by slot and `jax.lax.ragged_dot` with the
   slot counts as group sizes: the grouped GEMM of GPU/TPU backends (XLA's
   own kernel; rows past the groups are skipped).
@@ -31,7 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-KINDS = ('tiles_static', 'tiles', 'ragged_dot')
+KINDS = ('tiles_static', 'tiles', 'tiles_lockstep', 'ragged_dot')
 
 
 def default_tile(num_rows: int, slots_per_device: int) -> int:
@@ -48,9 +55,10 @@ def default_tile(num_rows: int, slots_per_device: int) -> int:
 
 
 def default_kind(backend: str | None = None) -> str:
-  """'tiles' on CPU, 'ragged_dot' on GPU and TPU."""
+  """'tiles_lockstep' on CPU (simulated devices), 'ragged_dot' on GPU and
+  TPU."""
   backend = jax.default_backend() if backend is None else backend
-  return 'tiles' if backend == 'cpu' else 'ragged_dot'
+  return 'tiles_lockstep' if backend == 'cpu' else 'ragged_dot'
 
 
 # ----------------------------------------------------------------- tiles
@@ -142,6 +150,19 @@ def _tiled_swiglu_bwd(res, dy_ntM):
 _tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
 
 
+def tiles_to_run(count_s, tile: int, kind: str, mesh_axes=()):
+  """Trip count of the tile loop: this device's non-empty tiles ('tiles'),
+  the busiest device's over `mesh_axes` ('tiles_lockstep'; callers that
+  know every device's counts pass the count instead), or None for every
+  tile of the buffer ('tiles_static')."""
+  if kind == 'tiles_static':
+    return None
+  used = ((count_s + tile - 1) // tile).sum()
+  if kind == 'tiles_lockstep' and mesh_axes:
+    used = jax.lax.pmax(used, tuple(mesh_axes))
+  return used
+
+
 def _slot_order(label_R, num_slots: int):
   """(rows sorted by slot, empty rows last; rows per slot [s])."""
   key_R = jnp.where(label_R >= 0, label_R, num_slots).astype(jnp.int32)
@@ -150,12 +171,13 @@ def _slot_order(label_R, num_slots: int):
   return key_R, order_R, count_s
 
 
-def _tiles(x_RM, label_R, w_sXY, tile: int, skip_empty: bool):
+def _tiles(x_RM, label_R, w_sXY, tile: int, kind: str, mesh_axes=(),
+           num_tiles=None):
   num_rows = x_RM.shape[0]
   spd = w_sXY[0].shape[0]
   # floor(R / t) + s tiles hold any split of R rows over s slots (each slot
   # wastes less than one tile).
-  num_tiles = num_rows // tile + spd
+  num_tiles_static = num_rows // tile + spd
   key_R, order_R, count_s = _slot_order(label_R, spd)
   tiles_s = (count_s + tile - 1) // tile
   end_s = jnp.cumsum(tiles_s) * tile
@@ -166,23 +188,26 @@ def _tiles(x_RM, label_R, w_sXY, tile: int, skip_empty: bool):
       jnp.minimum(key_R[order_R], spd - 1)]
   dest_sorted = jnp.where(key_R[order_R] < spd,
                           start_s[jnp.minimum(key_R[order_R], spd - 1)]
-                          + rank_sorted, num_tiles * tile)
+                          + rank_sorted, num_tiles_static * tile)
   dest_R = jnp.zeros((num_rows,), jnp.int32).at[order_R].set(dest_sorted)
   # Gather (not scatter) the tiled rows: the inverse map is an int scatter.
-  src_T = jnp.full((num_tiles * tile,), num_rows, jnp.int32)
+  src_T = jnp.full((num_tiles_static * tile,), num_rows, jnp.int32)
   src_T = src_T.at[dest_R].set(jnp.arange(num_rows, dtype=jnp.int32),
                                mode='drop')
   x_pad_RM = jnp.concatenate([x_RM, jnp.zeros_like(x_RM[:1])])
-  x_ntM = x_pad_RM[src_T].reshape(num_tiles, tile, -1)
+  x_ntM = x_pad_RM[src_T].reshape(num_tiles_static, tile, -1)
   # A tile's slot: how many slot groups end at or before its first row.
-  first_n = jnp.arange(num_tiles) * tile
+  first_n = jnp.arange(num_tiles_static) * tile
   slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
                        spd - 1).astype(jnp.int32)
-  num_used = tiles_s.sum() if skip_empty else None
+  num_used = (tiles_to_run(count_s, tile, kind, mesh_axes)
+              if num_tiles is None or kind == 'tiles_static' else
+              jnp.minimum(num_tiles, num_tiles_static))
   y_ntM = _tiled_swiglu(x_ntM, *w_sXY, slot_n, num_used)
-  y_TM = y_ntM.reshape(num_tiles * tile, -1)
+  y_TM = y_ntM.reshape(num_tiles_static * tile, -1)
   # Empty rows read some tile's row; the combine never reads them back.
-  return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles * tile - 1), axis=0)
+  return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles_static * tile - 1),
+                  axis=0)
 
 
 # ------------------------------------------------------------ ragged_dot
@@ -207,17 +232,20 @@ def _ragged(x_RM, label_R, w_sXY):
 
 
 def grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, *, tile: int,
-                   kind: str):
+                   kind: str, mesh_axes=(), num_tiles=None):
   """SwiGLU of each row with its local slot's weights: [R, M].
 
   label_R: int32 local slot of each row, -1 for empty rows (their output is
   unspecified; callers never read it back). kind: one of KINDS.
+  mesh_axes: the mesh axes this runs under ('tiles_lockstep' takes the
+  busiest device over them; none: the device's own count).
+  num_tiles: for 'tiles' and 'tiles_lockstep', the trip count when the
+  caller already knows it (an int32 scalar, at least this device's
+  non-empty tiles); None: computed here.
   """
   w_sXY = (wg_sMF, wu_sMF, wd_sFM)
-  if kind == 'tiles_static':
-    return _tiles(x_RM, label_R, w_sXY, tile, skip_empty=False)
-  if kind == 'tiles':
-    return _tiles(x_RM, label_R, w_sXY, tile, skip_empty=True)
+  if kind in ('tiles_static', 'tiles', 'tiles_lockstep'):
+    return _tiles(x_RM, label_R, w_sXY, tile, kind, mesh_axes, num_tiles)
   if kind == 'ragged_dot':
     return _ragged(x_RM, label_R, w_sXY)
   raise ValueError(f'grouped GEMM kind must be one of {KINDS}, got {kind!r}.')

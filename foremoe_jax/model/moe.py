@@ -24,9 +24,13 @@ from foremoe_jax.model import expert_parallel, layers, router
 
 
 class MoEAux(NamedTuple):
+  """Per-layer routing facts. Per device (inside the RL step's shard_map)
+  the counts, sums and stats are this device's, summed by the caller once
+  for all layers; on global arrays they are the batch's."""
   ids_BTK: jax.Array  # int32 expert ids used (record these for replay).
   counts_E: jax.Array  # int32 assignments per expert (valid tokens).
-  balance_loss: jax.Array  # float32 scalar (Switch-style).
+  prob_sum_E: jax.Array  # float32 router probabilities summed over tokens.
+  num_valid: jax.Array  # float32 valid tokens.
   stats: expert_parallel.DispatchStats
 
 
@@ -74,6 +78,9 @@ class MoE(nnx.Module):
     r = router.route(logits_NE, self.top_k, renormalize=self.renormalize,
                      replay_ids_NK=replay_NK)
     num_ep = self.mesh.shape[expert_parallel.EXPERT]
+    # Inside the RL step's shard_map the arrays are this device's: its
+    # tokens, its slots' weights, its canonical shard.
+    manual = expert_parallel.is_manual()
     # Without a placement: plain EP (identity, no redundant slots), whose slot
     # weights are exactly the local canonical shard, so no transfer at all
     # (this is the sampler's decode loop and the warm start).
@@ -83,25 +90,35 @@ class MoE(nnx.Module):
                                                self.num_experts // num_ep)
       slot_expert_S, slot_share_DS = ident.slot_expert[0], ident.slot_share[0]
     if capacity is None:
+      per_device = n if manual else n // (
+          num_ep * self.mesh.shape[expert_parallel.DATA])
       capacity = config_lib.dropless_capacity(
-          self.dispatch, n // (num_ep * self.mesh.shape[expert_parallel.DATA]),
-          self.top_k, num_ep, len(slot_expert_S) // num_ep)
+          self.dispatch, per_device, self.top_k, num_ep,
+          len(slot_expert_S) // num_ep)
     args = (x_NM, r.ids_NK, r.gates_NK.astype(x_NM.dtype), valid_N,
             self.w_gate[...], self.w_up[...], self.w_down[...],
             jnp.asarray(slot_expert_S, jnp.int32),
             jnp.asarray(slot_share_DS, jnp.float32))
-    kw = dict(mesh=self.mesh, capacity=capacity, dispatch=self.dispatch)
-    if canonical_slots or slot_weights is not None:
-      if slot_weights is not None:
-        args = args[:4] + tuple(slot_weights) + args[7:]
+    if slot_weights is not None:
+      args = args[:4] + tuple(slot_weights) + args[7:]
+    kw = dict(capacity=capacity, dispatch=self.dispatch)
+    if manual:
+      if not (canonical_slots or slot_weights is not None):
+        raise ValueError('per device, a placement needs its slot weights '
+                         '(the transfer engine fills them)')
+      y_NM, stats = expert_parallel.local_expert_ffn(
+          *args, num_experts=self.num_experts, reduce_stats=False, **kw)
+    elif canonical_slots or slot_weights is not None:
       y_NM, stats = expert_parallel.expert_parallel_ffn(
-          *args, num_experts=self.num_experts, **kw)
+          *args, num_experts=self.num_experts, mesh=self.mesh, **kw)
     else:
-      y_NM, stats = expert_parallel.routed_experts(*args, **kw)
+      y_NM, stats = expert_parallel.routed_experts(*args, mesh=self.mesh,
+                                                   **kw)
     y_BTM = y_NM.reshape(b, t, m)
     if self.has_shared:
       y_BTM = y_BTM + self.shared(x_BTM)
     counts_E = router.expert_counts(r.ids_NK, valid_N, self.num_experts)
-    aux = MoEAux(r.ids_NK.reshape(b, t, -1), counts_E,
-                 router.balance_loss(r.probs_NE, counts_E, valid_N), stats)
+    prob_sum_E, num_valid = router.prob_sums(r.probs_NE, valid_N)
+    aux = MoEAux(r.ids_NK.reshape(b, t, -1), counts_E, prob_sum_E, num_valid,
+                 stats)
     return y_BTM, aux

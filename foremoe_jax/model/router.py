@@ -37,14 +37,30 @@ def route(logits_NE, top_k: int, *, renormalize: bool, replay_ids_NK=None):
 
 def expert_counts(ids_NK, valid_N, num_experts: int):
   """Assignments per expert over valid tokens: int32 [E]."""
-  onehot = jax.nn.one_hot(ids_NK, num_experts, dtype=jnp.int32)
-  return jnp.sum(onehot * valid_N[:, None, None].astype(jnp.int32), axis=(0, 1))
+  ids_A = jnp.where(valid_N[:, None], ids_NK, num_experts).reshape(-1)
+  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[ids_A].add(1)
+  return counts[:num_experts]
+
+
+def prob_sums(probs_NE, valid_N):
+  """(sum of the router's probabilities over valid tokens [E], valid token
+  count): the sums the balance loss averages, additive over devices."""
+  w_N = valid_N.astype(jnp.float32)
+  return (probs_NE * w_N[:, None]).sum(0), w_N.sum()
+
+
+def balance_loss_from_sums(prob_sum_E, num_valid, counts_E):
+  """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (f: routed share,
+  P: mean router probability), from batch-wide sums (any leading axes)."""
+  num_experts = prob_sum_E.shape[-1]
+  mean_prob_E = prob_sum_E / jnp.maximum(num_valid, 1.0)[..., None]
+  counts_E = counts_E.astype(jnp.float32)
+  frac_E = counts_E / jnp.maximum(counts_E.sum(-1, keepdims=True), 1.0)
+  return num_experts * jnp.sum(jax.lax.stop_gradient(frac_E) * mean_prob_E,
+                               axis=-1)
 
 
 def balance_loss(probs_NE, counts_E, valid_N):
   """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (f: routed share)."""
-  num_experts = probs_NE.shape[-1]
-  w_N = valid_N.astype(jnp.float32)
-  mean_prob_E = (probs_NE * w_N[:, None]).sum(0) / jnp.maximum(w_N.sum(), 1.0)
-  frac_E = counts_E / jnp.maximum(counts_E.sum(), 1)
-  return num_experts * jnp.sum(jax.lax.stop_gradient(frac_E) * mean_prob_E)
+  prob_sum_E, num_valid = prob_sums(probs_NE, valid_N)
+  return balance_loss_from_sums(prob_sum_E, num_valid, counts_E)

@@ -1,17 +1,26 @@
 """Decoder-only MoE transformer (Qwen3-MoE / Mixtral / OLMoE families).
 
 Shape letters: B batch, T tokens, V vocab, M model dim, L MoE layers,
-K top-k, E experts, S slots, D EP devices.
+K top-k, E experts, S slots, D EP devices, n layers of one segment.
+
+Layers are stored in *segments* (`config.layer_segments`): maximal runs of
+layers of one kind (attention dense or MSA, FFN dense or MoE), each with
+its parameters stacked along a leading layer axis ([n, ...] leaves under
+`segments/k`). Training runs a segment as one `lax.scan` over its layers,
+as MaxText's `scan_layers` does, so compile time does not grow with
+depth; with a KV cache (prefill, decode) the layers run one after another
+on slices of the stack, so each layer updates its own cache in place.
 
 `__call__` takes the placement for the step's MoE layers ([L, ...] arrays)
-with, per MoE layer, the slot weights the transfer engine filled for it,
-optional replayed routes [L, B, T, K] and a static capacity; it returns the
-logits, the routes it used (the routing record) and MoE statistics.
+with the slot weights the transfer engine filled for it (three [L, S, ...]
+arrays), optional replayed routes [L, B, T, K] and a static capacity; it
+returns the logits, the routes it used (the routing record) and MoE
+statistics.
 
-Without a KV cache (training), each block can run under `nnx.remat`
-(`model.remat_policy`): the backward pass recomputes what the policy does not
-keep, trading compute for activation memory as MaxText's `remat_policy`
-does. The numbers do not change, only what is stored.
+Without a KV cache (training), each layer can run under `jax.checkpoint`
+(`model.remat_policy`): the backward pass recomputes what the policy does
+not keep, trading compute for activation memory as MaxText's
+`remat_policy` does. The numbers do not change, only what is stored.
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from foremoe_jax import config as config_lib
-from foremoe_jax.model import attention, expert_parallel, layers, moe
+from foremoe_jax.model import attention, expert_parallel, layers, moe, router
 
 
 # model.remat_policy -> what the backward pass keeps of a block's forward.
@@ -38,8 +47,17 @@ assert set(REMAT_POLICIES) | {'none'} == set(config_lib.REMAT_POLICIES)
 
 
 class ModelAux(NamedTuple):
+  """Routing facts and auxiliary losses of one forward.
+
+  Per device (inside the RL step's shard_map) the counts, sums and stats
+  are this device's, so that the caller can reduce them over the mesh once
+  for all layers, when it needs them (`reduced`); on global arrays they
+  are the batch's.
+  """
   routes_LBTK: jax.Array  # int32 expert ids per MoE layer (routing record).
   counts_LE: jax.Array  # int32 assignments per expert per MoE layer.
+  prob_sum_LE: jax.Array  # float32 router probabilities summed over tokens.
+  num_valid_L: jax.Array  # float32 valid tokens per MoE layer.
   balance_loss: jax.Array  # float32 mean over MoE layers.
   dropped_L: jax.Array  # int32 assignments over capacity per MoE layer.
   # int32 per MoE layer: the most rows its capacity had to hold (a
@@ -47,10 +65,25 @@ class ModelAux(NamedTuple):
   max_rows_L: jax.Array
   indexer_loss: jax.Array  # float32 sum over MSA layers of the indexer KL.
 
+  def reduced(self, axes) -> 'ModelAux':
+    """The batch's facts from per-device ones (one reduction for all
+    layers): sums over `axes`, the most rows as a max, the balance loss
+    recomputed from the batch's sums. The indexer loss stays this
+    device's share."""
+    counts_LE, prob_sum_LE, num_valid_L, dropped_L = jax.lax.psum(
+        (self.counts_LE, self.prob_sum_LE, self.num_valid_L, self.dropped_L),
+        axes)
+    return self._replace(
+        counts_LE=counts_LE, prob_sum_LE=prob_sum_LE, num_valid_L=num_valid_L,
+        balance_loss=jnp.mean(router.balance_loss_from_sums(
+            prob_sum_LE, num_valid_L, counts_LE)),
+        dropped_L=dropped_L, max_rows_L=jax.lax.pmax(self.max_rows_L, axes))
+
 
 class Block(nnx.Module):
+  """One pre-norm decoder layer: attention, then a dense or MoE FFN."""
 
-  def __init__(self, cfg, mesh, layer_idx: int, attention_type: str, *,
+  def __init__(self, cfg, mesh, attention_type: str, is_moe: bool, *,
                rngs: nnx.Rngs, dispatch: str = 'exact'):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.attn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
@@ -58,7 +91,7 @@ class Block(nnx.Module):
     self.attn = attention.Attention(cfg, attention_type, rngs=rngs)
     self.ffn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
                                    param_dtype=pdt, dtype=cdt)
-    self.is_moe = layer_idx >= cfg.first_dense_layers
+    self.is_moe = is_moe
     if self.is_moe:
       self.ffn = moe.MoE(cfg, mesh, rngs=rngs, dispatch=dispatch)
     else:
@@ -66,12 +99,23 @@ class Block(nnx.Module):
                                param_dtype=pdt, dtype=cdt)
 
 
+def stacked_blocks(cfg, mesh, seg: config_lib.Segment, rngs: nnx.Rngs,
+                   dispatch: str = 'exact') -> Block:
+  """A segment's layers as one Block whose every leaf has a leading [n]
+  layer axis (each layer initialised from its own split of the RNG)."""
+  @nnx.split_rngs(splits=seg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(r):
+    return Block(cfg, mesh, seg.attention, seg.moe, rngs=r, dispatch=dispatch)
+  return make(rngs)
+
+
 def _block_forward(block, x, positions_BT, cache, valid_BT, indexer_weight_BT,
                    moe_kw, *, capacity, cache_index):
   """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)).
 
   Returns (x, new cache, indexer loss, MoE aux or None); a function of its
-  arguments only, so `nnx.remat` can wrap it.
+  arguments only, so `jax.checkpoint` can wrap it.
   """
   h, c, index_loss = block.attn(block.attn_norm(x), positions_BT, cache=cache,
                                 cache_index=cache_index,
@@ -85,6 +129,10 @@ def _block_forward(block, x, positions_BT, cache, valid_BT, indexer_weight_BT,
   else:
     h = block.ffn(hn)
   return x + h, c, index_loss, aux
+
+
+def _layer(tree, i):
+  return jax.tree.map(lambda a: a[i], tree)
 
 
 class Transformer(nnx.Module):
@@ -101,10 +149,10 @@ class Transformer(nnx.Module):
                            # logits are ~N(0, 1), not saturated.
                            embedding_init=layers.dense_init(cfg.d_model),
                            rngs=rngs)
-    types = config_lib.layer_attention_types(cfg)
-    self.blocks = nnx.List([Block(cfg, self.mesh, i, types[i], rngs=rngs,
-                                  dispatch=dispatch)
-                            for i in range(cfg.num_layers)])
+    self.layer_segments = config_lib.layer_segments(cfg)
+    self.segments = nnx.List([
+        stacked_blocks(cfg, self.mesh, seg, rngs, dispatch)
+        for seg in self.layer_segments])
     self.final_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
                                      param_dtype=pdt, dtype=cdt)
     if not cfg.tie_embeddings:
@@ -117,58 +165,86 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BT, *, positions_BT=None, valid_BT=None,
                placement=None, replay_routes_LBTK=None,
                capacity: int | None = None, cache=None, cache_index=None,
-               slot_weights_L=None, indexer_weight_BT=None):
+               slot_weights=None, indexer_weight_BT=None,
+               return_hidden: bool = False):
     """Returns (logits_BTV f32, ModelAux, new_cache or None).
 
+    slot_weights: the MoE layers' slot weights (w_gate [L, S, M, F], w_up
+    [L, S, M, F], w_down [L, S, F, M]) for `placement`; None with a
+    placement gathers them from the canonical experts (the reference path).
     indexer_weight_BT: float weights of the query positions in each MSA
     layer's indexer KL (`pallas_kernels.msa.msa_indexer_kl_loss`), e.g. the
     loss mask over its sum, so padding and prompt positions do not count;
     None: the plain mean over every position.
+    return_hidden: return the final normalised hidden states [B, T, M]
+    in place of the logits (`unembed` maps them; a caller that needs one
+    token's log-prob per position can then avoid the [B, T, V] logits).
     """
     b, t = tokens_BT.shape
     if positions_BT is None:
       start = 0 if cache_index is None else cache_index
       positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
     x = self.embed(tokens_BT)
-    moe_auxes, new_cache, index_losses, moe_idx = [], [], [], 0
-    def run(*args):
-      return _block_forward(*args, capacity=capacity, cache_index=cache_index)
     policy = self.cfg.get('remat_policy', 'none')
-    if cache is None and policy != 'none':
-      run = nnx.remat(run, policy=REMAT_POLICIES[policy])
-    for i, block in enumerate(self.blocks):
-      moe_kw = {}
-      if block.is_moe:
-        if placement is not None:
-          moe_kw = dict(slot_expert_S=placement.slot_expert[moe_idx],
-                        slot_share_DS=placement.slot_share[moe_idx])
-          if slot_weights_L is not None:
-            moe_kw['slot_weights'] = slot_weights_L[moe_idx]
-        if replay_routes_LBTK is not None:
-          moe_kw['replay_ids_BTK'] = replay_routes_LBTK[moe_idx]
-        moe_idx += 1
-      x, c, index_loss, moe_aux = run(
-          block, x, positions_BT, None if cache is None else cache[i],
-          valid_BT, indexer_weight_BT, moe_kw)
-      new_cache.append(c)
-      index_losses.append(index_loss)
-      if moe_aux is not None:
-        moe_auxes.append(moe_aux)
+    run_kw = dict(positions_BT=positions_BT, valid_BT=valid_BT,
+                  indexer_weight_BT=indexer_weight_BT, capacity=capacity)
+    auxes, index_losses = [], []
+    new_cache = None if cache is None else []
+    for seg, stack in zip(self.layer_segments, self.segments):
+      layer_xs = self._moe_inputs(seg, placement, slot_weights,
+                                  replay_routes_LBTK)
+      if cache is None:
+        x, (index_loss_n, aux_n) = _scan_segment(
+            stack, x, layer_xs, remat_policy=policy, **run_kw)
+      else:
+        x, (index_loss_n, aux_n), caches = _unrolled_segment(
+            stack, x, layer_xs, cache[seg.start:seg.stop], cache_index,
+            seg.num_layers, **run_kw)
+        new_cache.extend(caches)
+      index_losses.append(index_loss_n.sum())
+      if seg.moe:
+        auxes.append(aux_n)
     x = self.final_norm(x)
+    cat = lambda f: jnp.concatenate([f(a) for a in auxes])
+    counts_LE, prob_sum_LE, num_valid_L = (
+        cat(lambda a: a.counts_E), cat(lambda a: a.prob_sum_E),
+        cat(lambda a: a.num_valid))
+    aux = ModelAux(
+        routes_LBTK=cat(lambda a: a.ids_BTK),
+        counts_LE=counts_LE, prob_sum_LE=prob_sum_LE, num_valid_L=num_valid_L,
+        balance_loss=jnp.mean(router.balance_loss_from_sums(
+            prob_sum_LE, num_valid_L, counts_LE)),
+        dropped_L=cat(lambda a: a.stats.dropped),
+        max_rows_L=cat(lambda a: a.stats.max_rows),
+        indexer_loss=jnp.asarray(sum(index_losses), jnp.float32))
+    out = x if return_hidden else self.unembed(x)
+    return out, aux, new_cache
+
+  def unembed(self, x_BTM):
+    """float32 logits [..., V] of final hidden states."""
     if self.cfg.tie_embeddings:
       # The tied unembedding runs in float32 on the compute-dtype table.
       table = self.embed.embedding[...].astype(self.dtype)
-      logits = jnp.dot(x.astype(jnp.float32), table.astype(jnp.float32).T)
+      logits = jnp.dot(x_BTM.astype(jnp.float32), table.astype(jnp.float32).T)
     else:
-      logits = self.lm_head(x)
-    aux = ModelAux(
-        routes_LBTK=jnp.stack([a.ids_BTK for a in moe_auxes]),
-        counts_LE=jnp.stack([a.counts_E for a in moe_auxes]),
-        balance_loss=jnp.mean(jnp.stack([a.balance_loss for a in moe_auxes])),
-        dropped_L=jnp.stack([a.stats.dropped for a in moe_auxes]),
-        max_rows_L=jnp.stack([a.stats.max_rows for a in moe_auxes]),
-        indexer_loss=jnp.asarray(sum(index_losses), jnp.float32))
-    return logits.astype(jnp.float32), aux, (None if cache is None else new_cache)
+      logits = self.lm_head(x_BTM)
+    return logits.astype(jnp.float32)
+
+  @staticmethod
+  def _moe_inputs(seg, placement, slot_weights, replay_routes_LBTK) -> dict:
+    """The per-layer MoE inputs of one segment ([n, ...] each)."""
+    if not seg.moe:
+      return {}
+    lo, hi = seg.moe_start, seg.moe_start + seg.num_layers
+    xs = {}
+    if placement is not None:
+      xs['slot_expert_S'] = placement.slot_expert[lo:hi]
+      xs['slot_share_DS'] = placement.slot_share[lo:hi]
+      if slot_weights is not None:
+        xs['slot_weights'] = tuple(w[lo:hi] for w in slot_weights)
+    if replay_routes_LBTK is not None:
+      xs['replay_ids_BTK'] = replay_routes_LBTK[lo:hi]
+    return xs
 
   def init_cache(self, batch: int, max_len: int):
     cfg = self.cfg
@@ -176,3 +252,47 @@ class Transformer(nnx.Module):
         batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
         index_dim=cfg.msa_index_dim if t == 'msa' else None)
             for t in config_lib.layer_attention_types(cfg)]
+
+  def layer_params(self):
+    """Per layer, its Block's parameter state (slices of the stacks)."""
+    out = []
+    for seg, stack in zip(self.layer_segments, self.segments):
+      st = nnx.state(stack)
+      out.extend(_layer(st, i) for i in range(seg.num_layers))
+    return out
+
+
+def _scan_segment(stack, x, layer_xs, *, positions_BT, valid_BT,
+                  indexer_weight_BT, capacity, remat_policy):
+  """One segment as a scan over its layers: (x, (index losses [n], MoE aux
+  stacked [n, ...] or None))."""
+  graphdef, state = nnx.split(stack)
+
+  def body(x, xs):
+    layer_state, moe_kw = xs
+    block = nnx.merge(graphdef, layer_state)
+    x, _, index_loss, aux = _block_forward(
+        block, x, positions_BT, None, valid_BT, indexer_weight_BT, moe_kw,
+        capacity=capacity, cache_index=None)
+    return x, (jnp.asarray(index_loss, jnp.float32), aux)
+
+  if remat_policy != 'none':
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
+  return jax.lax.scan(body, x, (state, layer_xs))
+
+
+def _unrolled_segment(stack, x, layer_xs, caches, cache_index, num_layers, *,
+                      positions_BT, valid_BT, indexer_weight_BT, capacity):
+  """One segment layer by layer, each with its own KV cache: (x, (index
+  losses [n], MoE aux stacked or None), new caches)."""
+  graphdef, state = nnx.split(stack)
+  outs, new_caches = [], []
+  for i in range(num_layers):
+    block = nnx.merge(graphdef, _layer(state, i))
+    x, c, index_loss, aux = _block_forward(
+        block, x, positions_BT, caches[i], valid_BT, indexer_weight_BT,
+        _layer(layer_xs, i), capacity=capacity, cache_index=cache_index)
+    outs.append((jnp.asarray(index_loss, jnp.float32), aux))
+    new_caches.append(c)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+  return x, stacked, new_caches

@@ -60,6 +60,12 @@ class HardwareProfile:
   differently); None: the tier's (a torus link on TPU)."""
   copy_latency_s: float | None = None
   torus: bool = False
+  emulated_exchange: bool = False
+  """The exact dispatch's ragged all-to-all is emulated by an all-to-all
+  of fixed chunks (XLA:CPU has no ragged-all-to-all): every (source,
+  destination) pair moves the per-cell bound, whatever it holds."""
+  hbm_bytes: float = 80e9
+  """Device memory (H100/H800: 80 GB)."""
   """All devices on one 3D torus (TPU ICI): all-to-all pays the hop count."""
   notes: str = ''
 
@@ -122,6 +128,7 @@ TPU_V5P = HardwareProfile(
     name='tpu_v5p', peak_flops_per_s=459e12, matmul_efficiency=0.6,
     hbm_bw=2.765e12, devices_per_node=0, intra_bw=600e9, intra_latency_s=5e-6,
     inter_bw=600e9, inter_latency_s=5e-6, layer_overhead_s=50e-6, torus=True,
+    hbm_bytes=95e9,
     notes='TPU v5p slice: one 3D-torus ICI tier, 600 GB/s per chip over 6 '
           'links; all-to-all divided by the mean hop count; a point-to-point '
           'expert copy gets one link (100 GB/s).')

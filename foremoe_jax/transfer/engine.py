@@ -41,6 +41,10 @@ The benchmark therefore reports the *exposed* transfer time directly
 Everything here runs per device under `jax.shard_map` over the ('data',
 'expert') mesh; slot buffers and canonical experts are replicated over
 'data', so every data row moves the same weights over its own 'expert' ring.
+The MoE layers' buffers are stacked ([L, ...] leaves, as the model stores
+its layers) and a transition runs as one scan over the layers, so compile
+time does not grow with depth. The `*_local` functions are the per-device
+bodies, for callers already inside a shard_map over the mesh.
 
 Shape letters: L MoE layers, S slots (global), s slots per device, h
 canonical experts per device, D EP devices, R rounds, X... any expert
@@ -54,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from foremoe_jax.model.expert_parallel import EXPERT
+from foremoe_jax.model.expert_parallel import EXPERT, vary, varying_axes
 
 # Fields of a schedule Transition the device reads (the rest is host
 # bookkeeping for metrics).
@@ -119,11 +123,6 @@ def _rounds(shift_R, one_round, init):
   return jax.lax.fori_loop(0, shift_R.shape[0], step, init)
 
 
-def _where_rows(mask_s, a, b):
-  return jax.tree.map(lambda x, y: jnp.where(
-      mask_s.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), a, b)
-
-
 def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   """One layer's fills on this device: local copies, then the rounds.
 
@@ -132,7 +131,16 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   rounds are a fori_loop, so compile time does not grow with the budget.
   """
   local_s = jax.lax.dynamic_slice_in_dim(t['local_src_LS'], me * spd, spd)
-  new = _where_rows(local_s >= 0, _pick(slots, canon, local_s), slots)
+  # Slot by slot, and only the slots that take a local copy: a transition
+  # between micro-steps changes a few slots, and rewriting all of them
+  # would copy every slot's weights every micro-step.
+  new = slots
+  for j in range(spd):
+    new = jax.lax.cond(
+        local_s[j] >= 0,
+        lambda n, j=j: _write(n, jnp.int32(j), _pick(slots, canon,
+                                                     local_s[j])),
+        lambda n: n, new)
 
   def one_round(r, new):
     item = _pick(slots, canon, t['send_LRD'][r, me])
@@ -147,10 +155,15 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   evict_s = jax.lax.dynamic_slice_in_dim(t['evict_LS'], me * spd, spd)
   local_s = jax.lax.dynamic_slice_in_dim(t['ret_local_LS'], me * spd, spd)
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
-  # -1 (nothing to add here) becomes an out-of-range index that 'drop' skips.
-  target_s = jnp.where(local_s >= 0, local_s, num_home)
-  gcanon = jax.tree.map(lambda c, g: c.at[target_s].add(g, mode='drop'),
-                        gcanon, gslots)
+  # Slot by slot, only the evicted slots that are home here: most slots
+  # keep accumulating, and touching them would copy every slot's gradient
+  # every micro-step.
+  for j in range(spd):
+    gcanon = jax.lax.cond(
+        local_s[j] >= 0,
+        lambda c, j=j: jax.tree.map(
+            lambda cc, g: cc.at[local_s[j]].add(g[j]), c, gslots),
+        lambda c: c, gcanon)
 
   def one_round(r, gcanon):
     item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, me]], gslots)
@@ -160,114 +173,132 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
         lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
             v, mode='drop'), gcanon, got)
   gcanon = _rounds(t['ret_shift_LR'], one_round, gcanon)
-  gslots = _where_rows(evict_s, jax.tree.map(jnp.zeros_like, gslots), gslots)
+  for j in range(spd):
+    gslots = jax.lax.cond(
+        evict_s[j],
+        lambda g, j=j: jax.tree.map(lambda x: x.at[j].set(jnp.zeros_like(x[j])),
+                                    g),
+        lambda g: g, gslots)
   return gslots, gcanon
 
 
 def _specs(tree):
-  return jax.tree.map(lambda _: P(EXPERT), tree)
+  return jax.tree.map(lambda _: P(None, EXPERT), tree)
 
 
 def _replicated(tree):
   return jax.tree.map(lambda _: P(), tree)
 
 
-def _layer_args(transition, l):
-  return {k: v[l] for k, v in transition.items()}
+def empty_slots(canon, num_slots: int):
+  """Zero slot buffers [L, S, X...] and ids -1, like `canon`'s leaves
+  (global or per device: num_slots is the leading slot count wanted)."""
+  return tuple(jnp.zeros((w.shape[0], num_slots) + w.shape[2:], w.dtype)
+               for w in canon) + (
+                   jnp.full((canon[0].shape[0], num_slots), -1, jnp.int32),)
 
 
-def fill_slots(slots_L: Sequence[Any] | None, canon_L: Sequence[Any],
-               transition: dict, *, mesh):
+def fill_slots_local(slots, canon, t, *, num_devices: int):
+  """Per device (inside a shard_map over 'expert'): the slots after one
+  transition, one scan over the layers.
+
+  slots: (weight buffers [L, s, X...]..., ids [L, s]); canon: the home
+  experts [L, h, X...]; t: `device_transition(...)` (replicated).
+  """
+  me = jax.lax.axis_index(EXPERT)
+  spd = slots[0].shape[1]
+  num_home = canon[0].shape[1]
+  ids_h = me * num_home + jnp.arange(num_home, dtype=jnp.int32)
+  # Fresh (empty) buffers differ per device once written: say so up front.
+  axes = varying_axes(canon[0]) | {EXPERT}
+  slots = tuple(vary(x, axes | varying_axes(x)) for x in slots)
+
+  def layer(_, xs):
+    slots_l, canon_l, t_l = xs
+    return None, tuple(_layer_fill(slots_l, tuple(canon_l) + (ids_h,), t_l,
+                                   me, spd, num_devices))
+  return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t))[1]
+
+
+def fill_slots(slots, canon, transition: dict, *, mesh):
   """Slot buffers after one transition.
 
   Args:
-    slots_L: per MoE layer, a tuple (weight buffers..., ids): each weight
-      buffer [S, X...] and the int32 ids [S] of the experts they hold, all
-      sharded over 'expert' (the previous micro-step's), or None for empty
-      buffers (the step's first fill).
-    canon_L: per MoE layer, a tuple of the matching canonical experts
-      [E, X...] sharded over 'expert'.
+    slots: (weight buffers..., ids): each weight buffer [L, S, X...] and
+      the int32 ids [L, S] of the experts they hold, sharded over 'expert'
+      on S (the previous micro-step's), or None for empty buffers (the
+      step's first fill).
+    canon: the matching canonical experts, a tuple of [L, E, X...] sharded
+      over 'expert' on E.
     transition: `device_transition(...)` of a schedule Transition.
   Returns:
-    slots_L in the same layout. The ids travelled with the weights: compare
+    slots in the same layout. The ids travelled with the weights: compare
     them with the placement's slot_expert to check the transfer.
   """
   num_devices = mesh.shape[EXPERT]
   num_slots = transition['local_src_LS'].shape[1]
-  spd = num_slots // num_devices
-  canon_L = [tuple(c) for c in canon_L]
-  if slots_L is None:
+  canon = tuple(canon)
+  if slots is None:
     # Empty buffers: zeros that the schedule never reads (it only sends
     # canonical experts when there is no previous placement).
-    slots_L = [tuple(jnp.zeros((num_slots,) + w.shape[1:], w.dtype)
-                     for w in c) + (jnp.full((num_slots,), -1, jnp.int32),)
-               for c in canon_L]
-  slots_L = [tuple(s) for s in slots_L]
-
-  def body(slots_L, canon_L, t):
-    me = jax.lax.axis_index(EXPERT)
-    out = []
-    for l, (slots, canon) in enumerate(zip(slots_L, canon_L)):
-      num_home = canon[0].shape[0]
-      ids_h = me * num_home + jnp.arange(num_home, dtype=jnp.int32)
-      out.append(tuple(_layer_fill(slots, canon + (ids_h,),
-                                   _layer_args(t, l), me, spd, num_devices)))
-    return out
-
-  fn = jax.shard_map(body, mesh=mesh,
-                     in_specs=(_specs(slots_L), _specs(canon_L),
-                               _replicated(transition)),
-                     out_specs=_specs(slots_L))
-  return fn(slots_L, canon_L, transition)
+    slots = empty_slots(canon, num_slots)
+  slots = tuple(slots)
+  fn = jax.shard_map(
+      lambda sl, ca, t: fill_slots_local(sl, ca, t, num_devices=num_devices),
+      mesh=mesh, in_specs=(_specs(slots), _specs(canon),
+                           _replicated(transition)),
+      out_specs=_specs(slots))
+  return fn(slots, canon, transition)
 
 
-def return_grads(gslots_L: Sequence[Any], gcanon_L: Sequence[Any],
-                 transition: dict, *, mesh):
+def return_grads_local(gslots, gcanon, t, *, num_devices: int):
+  """Per device: `return_grads`, one scan over the layers."""
+  me = jax.lax.axis_index(EXPERT)
+  spd = gslots[0].shape[1]
+
+  def layer(_, xs):
+    gs, gc, t_l = xs
+    return None, _layer_returns(gs, gc, t_l, me, spd, num_devices)
+  return jax.lax.scan(layer, None, (tuple(gslots), tuple(gcanon), t))[1]
+
+
+def return_grads(gslots, gcanon, transition: dict, *, mesh):
   """Sends the gradients of the slots a transition evicts to their homes.
 
   Args:
-    gslots_L: per MoE layer, a tuple of accumulated slot gradients [S, X...].
-    gcanon_L: per MoE layer, the canonical gradients [E, X...] so far.
+    gslots: a tuple of accumulated slot gradients [L, S, X...].
+    gcanon: the canonical gradients [L, E, X...] so far.
     transition: `device_transition(...)`; a flush evicts every slot.
   Returns:
-    (gslots_L with evicted slots zeroed, gcanon_L with their gradients added).
+    (gslots with evicted slots zeroed, gcanon with their gradients added).
   """
   num_devices = mesh.shape[EXPERT]
-  num_slots = transition['evict_LS'].shape[1]
-  spd = num_slots // num_devices
-  gslots_L = [tuple(g) for g in gslots_L]
-  gcanon_L = [tuple(g) for g in gcanon_L]
-
-  def body(gslots_L, gcanon_L, t):
-    me = jax.lax.axis_index(EXPERT)
-    out_s, out_c = [], []
-    for l, (gs, gc) in enumerate(zip(gslots_L, gcanon_L)):
-      gs, gc = _layer_returns(gs, gc, _layer_args(t, l), me, spd, num_devices)
-      out_s.append(gs)
-      out_c.append(gc)
-    return out_s, out_c
-
-  fn = jax.shard_map(body, mesh=mesh,
-                     in_specs=(_specs(gslots_L), _specs(gcanon_L),
-                               _replicated(transition)),
-                     out_specs=(_specs(gslots_L), _specs(gcanon_L)))
-  return fn(gslots_L, gcanon_L, transition)
+  gslots, gcanon = tuple(gslots), tuple(gcanon)
+  fn = jax.shard_map(
+      lambda gs, gc, t: return_grads_local(gs, gc, t, num_devices=num_devices),
+      mesh=mesh, in_specs=(_specs(gslots), _specs(gcanon),
+                           _replicated(transition)),
+      out_specs=(_specs(gslots), _specs(gcanon)))
+  return fn(gslots, gcanon, transition)
 
 
-def id_errors(slots_L: Sequence[Any], slot_expert_LS, *, mesh):
+def id_errors_local(ids_Ls, slot_expert_LS, reduce: bool = True):
+  """Per device: slots whose travelled id differs from the plan's, summed
+  over the 'expert' axis (reduce False: this device's count)."""
+  me = jax.lax.axis_index(EXPERT)
+  spd = ids_Ls.shape[1]
+  want = jax.lax.dynamic_slice_in_dim(slot_expert_LS, me * spd, spd, axis=1)
+  bad = (ids_Ls != want).sum().astype(jnp.int32)
+  return jax.lax.psum(bad, EXPERT) if reduce else bad
+
+
+def id_errors(slots, slot_expert_LS, *, mesh):
   """Slots whose travelled expert id differs from the plan's: int32 [].
 
   Compared where the slots live (one psum of a scalar), so checking the
   transfer adds no gather of the ids.
   """
-  ids_L = [s[-1] for s in slots_L]
-
-  def body(ids_L, se_LS):
-    me = jax.lax.axis_index(EXPERT)
-    spd = ids_L[0].shape[0]
-    bad = sum((ids != jax.lax.dynamic_slice_in_dim(se_LS[l], me * spd, spd)
-               ).sum() for l, ids in enumerate(ids_L))
-    return jax.lax.psum(bad.astype(jnp.int32), EXPERT)
-
-  return jax.shard_map(body, mesh=mesh, in_specs=(_specs(ids_L), P()),
-                       out_specs=P())(ids_L, slot_expert_LS)
+  ids = slots[-1]
+  return jax.shard_map(id_errors_local, mesh=mesh,
+                       in_specs=(P(None, EXPERT), P()),
+                       out_specs=P())(ids, slot_expert_LS)

@@ -368,8 +368,9 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
   Greedy over micro-steps: an over-budget layer's changed slots go back to
   the reference (the home layout for the fill, else the fitted previous
   micro-step), the most useful first (`_fit_layers`). A layer whose flush
-  does not fit stays in the home layout all step. The input plan itself
-  is returned when everything fits.
+  does not fit keeps, from the last micro-step whose placement can flush,
+  that placement to the end of the step (home all step only when none
+  can). The input plan itself is returned when everything fits.
   """
   se = np.asarray(plan.placement.slot_expert, np.int64)
   num_micro, num_layers, _ = se.shape
@@ -397,8 +398,17 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
     if len(bad):
       out[m, bad] = _fit_layers(prev_LS[bad], out[m, bad], ref_LS[bad],
                                 num_rounds, num_experts, topo)
-  # The flush returns every replica: a layer that cannot stays home all step.
+  # The flush returns every replica. A layer whose flush does not fit holds
+  # an earlier micro-step's placement for the rest of the step (the latest
+  # one whose flush fits: the moves after it are undone, the balance before
+  # it kept); only a layer none of whose placements can flush stays home.
   stay_L = ~fits(out[-1], empty_LS, budget.step_rounds)
+  for l in np.flatnonzero(stay_L):
+    for m in range(num_micro - 2, -1, -1):
+      if fits(out[m, l][None], empty_LS[l][None], budget.step_rounds)[0]:
+        out[m + 1:, l] = out[m, l]
+        stay_L[l] = False
+        break
   out[:, stay_L] = home_LS[stay_L]
   changed_ML = (out != se).any(axis=-1)
   flows_MLS = plan.slot_loads_MLS.astype(np.float64)

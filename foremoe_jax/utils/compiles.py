@@ -24,6 +24,14 @@ class Compile:
   seconds: float
 
 
+def _plain_name(fun_name) -> str:
+  """'jit(update)' -> 'update': the jitted Python function's name."""
+  name = str(fun_name)
+  while name.startswith('jit(') and name.endswith(')'):
+    name = name[4:-1]
+  return name
+
+
 class CompileLog:
   """Collects the compiles that happen while it is open.
 
@@ -41,7 +49,7 @@ class CompileLog:
   def _listen(self, event: str, duration: float, **kw) -> None:
     if event == BACKEND_COMPILE_EVENT:
       with self._lock:
-        self.compiles.append(Compile(str(kw.get('fun_name', '?')),
+        self.compiles.append(Compile(_plain_name(kw.get('fun_name', '?')),
                                      float(duration)))
 
   def __enter__(self) -> 'CompileLog':

@@ -101,6 +101,25 @@ def global_arrays(tree, mesh, spec=None):
   return jax.tree.map(lambda x: global_array(x, sharding), tree)
 
 
+def settle(tree):
+  """`tree`, once computed, when several CPU devices share this process;
+  at once elsewhere.
+
+  XLA:CPU runs a multi-device program's devices on the host's shared
+  threads. A second such program dispatched while the first still runs
+  can take the threads that the first's collectives wait for; its devices
+  then wait at their own first collective for devices that never come, and
+  past XLA's 40 s rendezvous timeout the process aborts (seen here:
+  consecutive warm-start steps of d_model 256 aborted every run within 60
+  steps; settled after each step, never). Callers that dispatch programs
+  back to back settle the first.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == 'cpu' and jax.local_device_count() > 1:
+    jax.block_until_ready(tree)
+  return tree
+
+
 def to_host(tree):
   """numpy copies of a pytree of arrays, whichever processes hold them.
 

@@ -28,3 +28,84 @@ def all_gather_bytes(hlo_text: str, min_elements: int = 0) -> int:
   """Bytes gathered by all-gathers whose result has >= min_elements."""
   return sum(n * _BYTES.get(dtype, 4) for dtype, n in all_gathers(hlo_text)
              if n >= min_elements)
+
+
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%([^\s(]+) \(.*\{\s*$')
+_CALLED = re.compile(r'(?:calls|to_apply|body|condition)=%([^\s,)]+)'
+                     r'|branch_computations=\{([^}]*)\}')
+_ALL_REDUCE = re.compile(r'%([^\s=]+) = (.+?) all-reduce(?:-start)?\(')
+_SHAPE = re.compile(r'([a-z0-9]+)\[([0-9,]*)\]')
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """Computation name -> its instruction lines."""
+  out, name = {}, None
+  for line in hlo_text.split('\n'):
+    m = _COMPUTATION.match(line)
+    if m:
+      name = m.group(1)
+      out[name] = []
+    elif name is not None:
+      if line.strip() == '}':
+        name = None
+      else:
+        out[name].append(line)
+  return out
+
+
+def _called(line: str) -> list[str]:
+  names = []
+  for m in _CALLED.finditer(line):
+    if m.group(1):
+      names.append(m.group(1))
+    else:
+      names += [x.strip().lstrip('%') for x in m.group(2).split(',')]
+  return names
+
+
+def loop_computations(hlo_text: str) -> set[str]:
+  """Names of the computations that run inside a while loop's body
+  (transitively: everything a loop body calls)."""
+  comps = _computations(hlo_text)
+  todo = [b for lines in comps.values() for line in lines
+          if ' while(' in line
+          for b in re.findall(r'body=%([^\s,)]+)', line)]
+  seen = set()
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    for line in comps[c]:
+      todo += _called(line)
+  return seen
+
+
+def _group_size(line: str) -> int:
+  """Devices in each replica group of a collective (0: not stated)."""
+  m = re.search(r'replica_groups=\{\{([0-9,]*)\}', line)
+  if m:
+    return len(m.group(1).split(','))
+  m = re.search(r'replica_groups=\[([0-9]+),([0-9]+)\]', line)
+  return int(m.group(2)) if m else 0
+
+
+def all_reduces(hlo_text: str) -> list[dict]:
+  """Every all-reduce: its name, operand dtypes and total elements, the
+  devices per replica group, and whether it runs inside a loop (once per
+  iteration) or once."""
+  in_loop = loop_computations(hlo_text)
+  out = []
+  for comp, lines in _computations(hlo_text).items():
+    for line in lines:
+      m = _ALL_REDUCE.search(line)
+      if not m:
+        continue
+      shapes = _SHAPE.findall(m.group(2))
+      out.append(dict(
+          name=m.group(1), computation=comp, in_loop=comp in in_loop,
+          group_size=_group_size(line),
+          dtypes=[d for d, _ in shapes],
+          elements=sum(int(np.prod([int(x) for x in dims.split(',') if x]))
+                       if dims else 1 for _, dims in shapes)))
+  return out

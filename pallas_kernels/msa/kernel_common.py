@@ -14,6 +14,29 @@ import numpy as np
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+def _varying(x) -> frozenset:
+  aval = jax.typeof(x)
+  vma = getattr(aval, 'vma', None)
+  if vma is None:
+    mat = getattr(aval, 'manual_axis_type', None)
+    vma = () if mat is None else mat.varying
+  return frozenset(vma)
+
+
+def like_inputs(init, *refs):
+  """`init` (a pytree of fresh buffers) marked as varying over the mesh
+  axes the `refs` vary over, so that a loop's carry keeps one type when
+  these kernels run per device inside a shard_map (outside one: as is)."""
+  axes = frozenset().union(*(_varying(r) for r in jax.tree.leaves(refs)))
+  if not axes:
+    return init
+
+  def vary(x):
+    todo = tuple(sorted(axes - _varying(x)))
+    return jax.lax.pcast(x, todo, to='varying') if todo else x
+  return jax.tree.map(vary, init)
+
+
 def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 

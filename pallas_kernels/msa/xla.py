@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.msa.kernel_common import like_inputs
+
 # Finite stand-in for -inf in the main branch: keeps exp() and its gradient
 # NaN-free on fully masked padding lanes (the jax.nn attention convention).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -87,7 +89,9 @@ def block_scores_BGTN(qi_BTGI, ki_BSI, *, block_size: int, q_offset: int = 0,
         scores_TGN, logits.max(axis=-1), (c * q_chunk, 0, kc * nb_chunk))
 
   def one_sequence(qi_TGI, ki_IS):
-    scores = jnp.full((tp, g, sp // block_size), -jnp.inf, jnp.float32)
+    scores = like_inputs(
+        jnp.full((tp, g, sp // block_size), -jnp.inf, jnp.float32),
+        qi_TGI, ki_IS)
     for masked in (False, True):
       tile_list = jnp.asarray(tiles[below != masked])
       if tile_list.shape[0]:
@@ -234,8 +238,9 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, sel_TK, t0: int, q_offset: int,
     put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, i * mc, 0)
     return put(m_buf, m), put(l_buf, p.sum(axis=-1)), put(o_buf, o)
 
-  init = (jnp.zeros((n_tiles, q * r)), jnp.zeros((n_tiles, q * r)),
-          jnp.zeros((n_tiles, q * r, d)))
+  init = like_inputs((jnp.zeros((n_tiles, q * r)), jnp.zeros((n_tiles, q * r)),
+                      jnp.zeros((n_tiles, q * r, d))), q_TRD, k_NCD, v_NCD,
+                     table_MQ)
   m_MX, l_MX, o_MXD = jax.lax.fori_loop(0, n_tiles // mc, step, init)
   # Bring each pair's partial back to its (token, slot) and merge the K slots
   # by the log-sum-exp rule; -1 slots weigh nothing.

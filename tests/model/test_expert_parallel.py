@@ -20,7 +20,8 @@ from foremoe_jax.model.moe_reference import reference_moe_ffn
 
 # (dispatch, grouped GEMM): the CPU defaults of both strategies, and the
 # GPU/TPU grouped GEMM (ragged_dot) behind the exact dispatch.
-PATHS = [('exact', None), ('exact', 'ragged_dot'), ('padded', None)]
+PATHS = [('exact', None), ('exact', 'tiles'), ('exact', 'ragged_dot'),
+         ('padded', None)]
 
 E, M, F, N, K = 16, 8, 12, 128, 2
 
@@ -468,7 +469,7 @@ def test_emulated_ragged_all_to_all_is_the_collective():
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize('kind', grouped_swiglu.KINDS)
+@pytest.mark.parametrize('kind', ['tiles_static', 'tiles', 'ragged_dot'])
 def test_grouped_swiglu_worst_case_padding(kind):
   """Every slot one row past a tile boundary: exactly the floor(R / t) + s
   tiles the static layout holds; each row matches a per-row loop."""
@@ -513,9 +514,31 @@ def test_exact_compute_loops_over_the_tiles_that_arrived():
           walk(sub)
     walk(jaxpr.jaxpr)
     return names
-  assert 'while' in prims('tiles')
+  assert 'while' in prims('tiles') and 'while' in prims('tiles_lockstep')
   assert 'while' not in prims('tiles_static') and 'scan' in prims(
       'tiles_static')
+
+
+def test_lockstep_runs_the_busiest_devices_tile_count():
+  """On simulated devices every device runs as many tiles as the busiest
+  one ('tiles_lockstep'); 'tiles' runs its own; the static scan all."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = ep.make_mesh(2, 4)
+  tile = 8
+  count_Ns = np.array([[d * 5, 3, 0] for d in range(8)], np.int32)  # [dev, s]
+  own = ((count_Ns + tile - 1) // tile).sum(axis=1)
+
+  def run(kind):
+    return jax.jit(jax.shard_map(
+        lambda c: jnp.asarray(grouped_swiglu.tiles_to_run(
+            c[0], tile, kind, (ep.DATA, ep.EXPERT)))[None],
+        mesh=mesh, in_specs=P((ep.DATA, ep.EXPERT)),
+        out_specs=P((ep.DATA, ep.EXPERT))))(count_Ns)
+  np.testing.assert_array_equal(run('tiles'), own)
+  np.testing.assert_array_equal(run('tiles_lockstep'),
+                                np.full(8, own.max()))
+  assert grouped_swiglu.tiles_to_run(jnp.asarray(count_Ns[0]), tile,
+                                     'tiles_static') is None
 
 
 def test_rejects_token_count_not_divisible():

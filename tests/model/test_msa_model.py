@@ -37,8 +37,8 @@ def _logits(graphdef, params, tokens):
 
 def _set_dense(graphdef, params):
   model = nnx.merge(graphdef, params)
-  for block in model.blocks:
-    block.attn.layer_type = 'dense'
+  for stack in model.segments:  # Each segment's layers share one graph.
+    stack.attn.layer_type = 'dense'
   return nnx.split(model)
 
 
@@ -112,13 +112,14 @@ def test_sampling_and_training_with_msa(warmup):
   rewards = np.random.default_rng(0).random(32).astype(np.float32)
   batch = trainer.rl_batch_from_rollout(rollout, rewards,
                                         np.split(np.arange(32), 2))
-  # KV-cache decode through MSA layers gives the full-forward log-probs.
+  # KV-cache decode through MSA layers gives the full-forward log-probs
+  # (micro-batch 0: samples 0..15).
   logp, _ = jax.jit(lambda p: step_lib.token_logp(
-      graphdef, p, batch['tokens_BT'], batch['valid_BT'], None,
-      batch['routes_LBTK'], None))(params)
-  mask = batch['loss_mask_BT'] > 0
+      graphdef, p, batch['tokens_MbT'][0], batch['valid_MbT'][0], None,
+      batch['routes_MLbTK'][0], None))(params)
+  mask = batch['loss_mask_MbT'][0] > 0
   np.testing.assert_allclose(np.asarray(logp)[mask],
-                             batch['rollout_logp_BT'][mask], atol=1e-5)
+                             batch['rollout_logp_MbT'][0][mask], atol=1e-5)
   tx = step_lib.make_optimizer(1e-3, 1.0)
   state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
   from foremoe_jax import placement as placement_lib  # pylint: disable=g-import-not-at-top

@@ -49,44 +49,44 @@ def test_slots_hold_planned_experts_and_gradients_go_home(mesh, num_nodes, spd,
   budget = schedule.TransferBudget(step_rounds=4 * spd, microstep_rounds=4 * spd)
   st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
   assert st.remote_fills_M()[1:].sum() > 0  # The sequence really moves experts.
-  canon_L = [(rng.standard_normal((num_experts, 3, 2)).astype(np.float32),
-              rng.standard_normal((num_experts, 2)).astype(np.float32))
-             for _ in range(num_layers)]
-  canon_L = [tuple(jnp.asarray(w) for w in c) for c in canon_L]
+  # Two leaves of different shapes, stacked over the layers as the model
+  # stores them: [L, E, ...].
+  canon = (jnp.asarray(rng.standard_normal((num_layers, num_experts, 3, 2)),
+                       jnp.float32),
+           jnp.asarray(rng.standard_normal((num_layers, num_experts, 2)),
+                       jnp.float32))
   fill = jax.jit(lambda s, c, t: engine.fill_slots(s, c, t, mesh=mesh))
   fill0 = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))
   ret = jax.jit(lambda g, c, t: engine.return_grads(g, c, t, mesh=mesh))
   errors = jax.jit(lambda s, se: engine.id_errors(s, se, mesh=mesh))
 
   steps = engine.device_transition(st.steps)
-  slots_L = fill0(canon_L, engine.device_transition(st.fill))
-  gslots_L = [tuple(jnp.zeros((topo.num_slots,) + w.shape[1:]) for w in c)
-              for c in canon_L]
-  gcanon_L = [tuple(jnp.zeros_like(w) for w in c) for c in canon_L]
-  expect_L = [tuple(np.zeros(w.shape) for w in c) for c in canon_L]
+  slots = fill0(canon, engine.device_transition(st.fill))
+  gslots = tuple(jnp.zeros((num_layers, topo.num_slots) + w.shape[2:])
+                 for w in canon)
+  gcanon = tuple(jnp.zeros_like(w) for w in canon)
+  expect = tuple(np.zeros(w.shape) for w in canon)
   for m in range(num_micro):
+    np.testing.assert_array_equal(slots[-1], se_MLS[m])
     for l in range(num_layers):
-      np.testing.assert_array_equal(slots_L[l][-1], se_MLS[m, l])
-      for w_slot, w_canon in zip(slots_L[l][:-1], canon_L[l]):
-        np.testing.assert_array_equal(w_slot, np.asarray(w_canon)[se_MLS[m, l]])
-    assert int(errors(slots_L, jnp.asarray(se_MLS[m]))) == 0
+      for w_slot, w_canon in zip(slots[:-1], canon):
+        np.testing.assert_array_equal(w_slot[l],
+                                      np.asarray(w_canon)[l][se_MLS[m, l]])
+    assert int(errors(slots, jnp.asarray(se_MLS[m]))) == 0
     # This micro-step's slot gradients: random, accumulated per slot.
-    g_L = [tuple(rng.standard_normal(g.shape).astype(np.float32) for g in gs)
-           for gs in gslots_L]
+    g = tuple(rng.standard_normal(x.shape).astype(np.float32) for x in gslots)
     for l in range(num_layers):
-      for e_acc, g in zip(expect_L[l], g_L[l]):
-        np.add.at(e_acc, se_MLS[m, l], g)
-    gslots_L = jax.tree.map(lambda a, b: a + b, gslots_L, g_L)
+      for e_acc, g_leaf in zip(expect, g):
+        np.add.at(e_acc[l], se_MLS[m, l], g_leaf[l])
+    gslots = jax.tree.map(lambda a, b: a + b, gslots, g)
     t_m = {k: v[m] for k, v in steps.items()}
-    slots_L = fill(slots_L, canon_L, t_m)
-    gslots_L, gcanon_L = ret(gslots_L, gcanon_L, t_m)
-  gslots_L, gcanon_L = ret(gslots_L, gcanon_L,
-                           engine.device_transition(st.flush))
-  for l in range(num_layers):
-    for got, want in zip(gcanon_L[l], expect_L[l]):
-      np.testing.assert_allclose(got, want, atol=1e-5)
-    for g in gslots_L[l]:
-      assert float(jnp.abs(g).max()) == 0.0  # The flush empties every slot.
+    slots = fill(slots, canon, t_m)
+    gslots, gcanon = ret(gslots, gcanon, t_m)
+  gslots, gcanon = ret(gslots, gcanon, engine.device_transition(st.flush))
+  for got, want in zip(gcanon, expect):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  for g in gslots:
+    assert float(jnp.abs(g).max()) == 0.0  # The flush empties every slot.
 
 
 def test_id_check_catches_a_wrong_schedule(mesh):
@@ -95,9 +95,9 @@ def test_id_check_catches_a_wrong_schedule(mesh):
   se_MLS = random_placements(rng, 1, 1, 8, 16)
   st = schedule.build_step_transfer(se_MLS, 8, topo,
                                     schedule.TransferBudget(8, 8))
-  canon_L = [(jnp.arange(8.0)[:, None] * jnp.ones((1, 4)),)]
+  canon = ((jnp.arange(8.0)[:, None] * jnp.ones((1, 4)))[None],)
   t = engine.device_transition(st.fill)
-  fill = jax.jit(lambda t: engine.fill_slots(None, canon_L, t, mesh=mesh))
+  fill = jax.jit(lambda t: engine.fill_slots(None, canon, t, mesh=mesh))
   errors = jax.jit(lambda s: engine.id_errors(s, jnp.asarray(se_MLS[0]),
                                               mesh=mesh))
   assert int(errors(fill(t))) == 0

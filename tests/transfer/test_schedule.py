@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from foremoe_jax import placement as placement_lib
-from foremoe_jax.planner import baselines
+from foremoe_jax.planner import baselines, split
+from foremoe_jax.planner import plan as plan_lib
 from foremoe_jax.planner.topology import CostModel, Topology
 from foremoe_jax.transfer import schedule
 
@@ -245,3 +246,33 @@ def test_step_transfer_and_fit(nodes, per_node, s, num_experts):
         placement_lib.device_loads(loads[m], fitted.microstep(m)),
         fitted.loads_MLD[m])
   schedule.build_step_transfer(out, num_experts, topo, tight)
+
+
+def test_unflushable_tail_holds_the_last_flushable_placement():
+  """Micro-steps 0-2 each place a replica one device over (one return
+  round at the flush); micro-step 3 spreads them over three shifts, which
+  a one-round flush cannot return. Only micro-step 3 is undone: it keeps
+  micro-step 2's placement, and the balance of 0-2 stays (before, the whole
+  layer went home for the whole step)."""
+  d, s, e = 8, 2, 8
+  topo, cost = Topology(1, d, s), CostModel()
+  home = placement_lib.identity_placement(1, e, d, s).slot_expert[0]
+  near, spread = home.copy(), home.copy()
+  for dev in range(d):
+    near[dev * s + 1] = (dev + 1) % d
+    spread[dev * s + 1] = (dev + 1 + dev % 3) % d
+  se = np.stack([near, near, near, spread])[:, None]  # [M, L=1, S]
+  loads = np.full((4, 1, d, e), 8, np.int64)
+  plan = plan_lib.assemble_plan(
+      loads, se, np.stack([split.balanced_flows(se[m], loads[m].sum(1), topo)[0]
+                           for m in range(4)]), topo, cost,
+      current_LS=home[None])
+  budget = schedule.TransferBudget(step_rounds=1, microstep_rounds=4)
+  assert (schedule.rounds_needed(se[3], None, e, topo) > 1).all()
+  fitted, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost,
+                                                 budget)
+  out = fitted.placement.slot_expert
+  np.testing.assert_array_equal(out[:3], se[:3])
+  np.testing.assert_array_equal(out[3], se[2])
+  assert reverted == (se[3] != se[2]).sum()
+  schedule.build_step_transfer(out, e, topo, budget)
