@@ -58,7 +58,7 @@ def test_bad_planner_method_is_one_line_before_any_work(tmp_path):
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == [
       "config error: planner.method: must be one of static, eplb_step, "
-      "eplb_microstep, foremoe, got 'bogus'"]
+      "eplb_microstep, foresight_split, foremoe, got 'bogus'"]
   assert '# run:' not in out.stdout and not os.listdir(tmp_path)
 
 

@@ -54,13 +54,16 @@ def compose_microbatches(num_samples: int, num_microbatches: int, *,
                          valid: np.ndarray | None = None,
                          num_experts: int | None = None,
                          balance: bool = False,
-                         seed: int = 0) -> list[np.ndarray]:
+                         seed: int = 0,
+                         counts_BLE: np.ndarray | None = None
+                         ) -> list[np.ndarray]:
   """M int64 arrays of B / M sample indices each, ascending within each.
 
   balance=False keeps order: micro-batch m is samples [m B/M, (m+1) B/M).
   balance=True needs the routing record (`routes` [L, B, T, K], optional
-  `valid` [B, T]) and evens expert load across micro-batches (see the module
-  docstring). num_experts defaults to the largest valid expert id + 1.
+  `valid` [B, T]), or its per-sample counts `counts_BLE` (the sampler's),
+  and evens expert load across micro-batches (see the module docstring).
+  num_experts defaults to the largest valid expert id + 1.
   Deterministic for a given record and seed.
   """
   if num_microbatches < 1 or num_samples % num_microbatches:
@@ -71,8 +74,12 @@ def compose_microbatches(num_samples: int, num_microbatches: int, *,
               for m in range(num_microbatches)]
   if not balance:
     return in_order
+  if counts_BLE is not None:
+    counts_BLE = np.asarray(counts_BLE, np.int64)
+    return _best_of(counts_BLE, in_order, num_microbatches, per_mb, seed)
   if routes is None:
-    raise ValueError('balance=True needs the routing record `routes`.')
+    raise ValueError('balance=True needs the routing record `routes` or '
+                     'its per-sample counts `counts_BLE`.')
   routes = np.asarray(routes)
   if routes.ndim != 4 or routes.shape[1] != num_samples:
     raise ValueError(f'routes must be [L, B={num_samples}, T, K]; got '
@@ -81,6 +88,11 @@ def compose_microbatches(num_samples: int, num_microbatches: int, *,
     ids = routes if valid is None else routes[:, np.asarray(valid, bool)]
     num_experts = int(ids.max()) + 1 if ids.size else 1
   counts_BLE = sample_expert_counts(routes, valid, num_experts)
+  return _best_of(counts_BLE, in_order, num_microbatches, per_mb, seed)
+
+
+def _best_of(counts_BLE, in_order, num_microbatches, per_mb, seed):
+  """The greedy composition when it beats the in-order one, else in order."""
   balanced = _greedy_composition(counts_BLE, num_microbatches, per_mb, seed)
   if (max_expert_loads(counts_BLE, balanced).sum(1).max()
       < max_expert_loads(counts_BLE, in_order).sum(1).max()):

@@ -154,3 +154,29 @@ def sample_expert_counts(routes_LBTK: np.ndarray, valid_BT: np.ndarray | None,
   counts_LBE = _count_LDE(routes_LBTK, valid_BT, sample_BT, num_experts,
                           num_samples)
   return counts_LBE.transpose(1, 0, 2)
+
+
+def loads_from_sample_counts(counts_BLE: np.ndarray,
+                             microbatches: Sequence[np.ndarray], d_data: int,
+                             d_ep: int) -> np.ndarray:
+  """int64 loads_MGLDE from per-sample counts [B, L, E] (the sampler counts
+  them on device): the foresight without the routing record on the host.
+
+  Each device holds whole sequences of every micro-batch (the RL step's
+  layout), so a shard is b / (d_data * d_ep) consecutive samples of the
+  micro-batch and its load is the sum of their counts. Equal to
+  `microstep_group_loads` of the routes whenever that layout holds.
+  """
+  counts_BLE = np.asarray(counts_BLE, np.int64)
+  mb_Mb = np.stack([np.asarray(m, np.int64).reshape(-1)
+                    for m in microbatches])
+  num_micro, per_mb = mb_Mb.shape
+  num_shards = d_data * d_ep
+  if per_mb % num_shards:
+    raise ValueError(
+        f'micro-batches of {per_mb} samples do not split into whole '
+        f'sequences over d_data * d_ep = {num_shards} devices.')
+  _, num_layers, num_experts = counts_BLE.shape
+  x = counts_BLE[mb_Mb].reshape(num_micro, d_data, d_ep,
+                                per_mb // num_shards, num_layers, num_experts)
+  return x.sum(axis=3).transpose(0, 1, 3, 2, 4)

@@ -24,11 +24,16 @@ import time
 import numpy as np
 
 from foremoe_jax import placement as placement_lib
-from foremoe_jax.planner import baselines, foremoe
-from foremoe_jax.planner.plan import StepPlan, fallback_plan
+from foremoe_jax.planner import baselines, foremoe, split
+from foremoe_jax.planner.plan import StepPlan, assemble_plan, fallback_plan
 from foremoe_jax.planner.topology import CostModel, Topology
 
-METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
+# foresight_split: the simplest use of the foresight, what moving experts
+# between micro-steps must beat: the step-level placement from the step's
+# exact loads and a per-micro-step token split over its replicas, no moves
+# (ForeMoE with no rounds of moves).
+METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foresight_split',
+           'foremoe')
 
 
 class PlanTicket:
@@ -111,8 +116,41 @@ class StepPlanner:
           loads_MLDE, self.topo, self.cost, current,
           home_anchor=self.config.home_anchor,
           max_rounds=self.config.anchor_rounds)
+    config = self.config
+    if self.method == 'foresight_split':
+      config = dataclasses.replace(config, max_rounds=0)
     return foremoe.plan_step(loads_MLDE, self.topo, self.cost, current,
-                             self.config, deadline=deadline)
+                             config, deadline=deadline)
+
+  def step_level_plan(self, loads_MLDE) -> StepPlan:
+    """One placement for every micro-step, at once, from what the method
+    knows before the step (synchronous; the recompute's plan, so that
+    forward runs balanced while the micro-step plan is made): static the
+    home layout, EPLB-step its history, the foresight methods the step's
+    exact loads (the anchor and one token split, no moves).
+    """
+    loads_MLDE = np.asarray(loads_MLDE)
+    num_micro = loads_MLDE.shape[0]
+    step_1LDE = loads_MLDE.sum(axis=0, keepdims=True)
+    if self.method == 'static':
+      plan = baselines.plan_static(step_1LDE, self.topo, self.cost,
+                                   self.current)
+    elif self.method == 'eplb_step':
+      plan = baselines.plan_eplb_step(step_1LDE, self.topo, self.cost,
+                                      self.current, self.history_LE,
+                                      home_anchor=self.config.home_anchor,
+                                      max_rounds=self.config.anchor_rounds)
+    else:
+      plan = foremoe.plan_step(step_1LDE, self.topo, self.cost, self.current,
+                               dataclasses.replace(self.config, max_rounds=0))
+    one = plan.microstep(0)
+    tile = lambda x: np.repeat(np.asarray(x)[None], num_micro, axis=0)
+    return assemble_plan(
+        loads_MLDE, tile(one.slot_expert),
+        np.stack([split.balanced_flows(one.slot_expert, loads_MLDE[m].sum(1),
+                                       self.topo)[0]
+                  for m in range(num_micro)]),
+        self.topo, self.cost, np.asarray(self.current.slot_expert))
 
   def _work(self, loads_MLDE, current, history_LE, deadline, finalize):
     plan = self._run(loads_MLDE, current, history_LE, deadline)

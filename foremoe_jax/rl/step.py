@@ -1,14 +1,18 @@
 """The pure-functional RL step: GRPO with rollout routing replay (R3).
 
-Two pure jit-compiled functions of arrays: `recompute` (old and reference
-log-probs with the rollout's routes replayed, on the canonical expert
-layout, so it needs no plan and the host plans while it runs) and `update`
-(group advantages, then `num_update_epochs` optimizer updates on the same
-batch, each the M micro-steps as a `lax.scan` that accumulates gradients --
-micro-step m computes with placement m on slot buffers that the transfer
-engine fills while the previous micro-step computes -- followed by one optax
-update of the canonical parameters). The host (trainer.py) only prepares
-arrays and plans.
+Two pure jit-compiled functions of arrays: `recompute` (the reference
+and, with several update epochs, the old policy's log-probs, routes
+replayed, on a step-level placement the host makes at once, so the
+micro-step plan is made while it runs) and `update` (group advantages,
+then `num_update_epochs` optimizer updates on the same batch, each the M
+micro-steps as a `lax.scan` that accumulates gradients -- micro-step m
+computes with placement m on slot buffers that the transfer engine fills
+while the previous micro-step computes -- followed by one optax update of
+the canonical parameters). Both run per device, as one `jax.shard_map`
+over the mesh: each device holds whole sequences of every micro-batch,
+accumulates its own gradients, and the gradients are reduced once per
+step (docs/design.md §4.7). The host (trainer.py) only prepares arrays and
+plans.
 
 Mixed precision (WORKSPACE.md): the train state keeps a float32 master copy
 of every parameter and float32 optimizer moments; the model computes in
@@ -33,9 +37,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from foremoe_jax import placement as placement_lib
+from foremoe_jax.model import expert_parallel as ep_lib
+from foremoe_jax.model import moe as moe_lib
+from foremoe_jax.model import router as router_lib
 from foremoe_jax.rl import grpo
 from foremoe_jax.transfer import engine as transfer_engine
 from foremoe_jax.transfer import schedule
+
+DATA, EXPERT = ep_lib.DATA, ep_lib.EXPERT
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -67,6 +76,15 @@ class StepPlan:
   placement: placement_lib.Placement
   transfer: dict
   capacity: int
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=['capacity'])
+@dataclasses.dataclass(frozen=True)
+class CanonicalLayout:
+  """The recompute's plan when experts stay home: no placement, no moves,
+  capacity static (None: dropless)."""
+  capacity: int | None = None
 
 
 def make_step_plan(placement: placement_lib.Placement, num_experts: int,
@@ -122,47 +140,81 @@ def init_train_state(graphdef, params, tx, mesh, *, with_ref: bool
   return jax.tree.map(place, state)
 
 
+# Target log-probs are computed this many tokens at a time: each chunk's
+# float32 logits [chunk, V] live only inside the chunk (recomputed in the
+# backward), never the whole [tokens, V] (2.5 GB per 4,096 tokens at
+# Qwen3's 151,936-token vocabulary).
+LOGP_CHUNK_TOKENS = 2048
+
+
+def target_logp(unembed, x_NM, targets_N, chunk: int = LOGP_CHUNK_TOKENS):
+  """log softmax(unembed(x))[target] per row, float32 [N], in chunks."""
+  num = x_NM.shape[0]
+  if num <= chunk:
+    logits = unembed(x_NM)
+    return (jnp.take_along_axis(logits, targets_N[:, None], -1)[:, 0]
+            - jax.nn.logsumexp(logits, axis=-1))
+  pad = -num % chunk
+  x_KcM = jnp.pad(x_NM, ((0, pad), (0, 0))).reshape(-1, chunk, x_NM.shape[1])
+  t_Kc = jnp.pad(targets_N, (0, pad)).reshape(-1, chunk)
+
+  @jax.checkpoint
+  def one(xs):
+    x_cM, t_c = xs
+    logits = unembed(x_cM)
+    return (jnp.take_along_axis(logits, t_c[:, None], -1)[:, 0]
+            - jax.nn.logsumexp(logits, axis=-1))
+  return jax.lax.map(one, (x_KcM, t_Kc)).reshape(-1)[:num]
+
+
 def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
-               capacity, slot_weights_L=None, indexer_weight_bT=None):
+               capacity, slot_weights=None, indexer_weight_bT=None):
   """Log-probs of tokens[:, 1:] given tokens[:, :-1], with replayed routes.
 
   routes_LbTK covers the T-1 input positions (None: route freshly).
   placement None: every device computes its canonical experts (no
-  transfer); else slot_weights_L holds the weights the placement's slots
-  need (the transfer engine's buffers).
+  transfer); else slot_weights holds the weights the placement's slots
+  need (the transfer engine's buffers, three [L, S, ...] arrays).
   indexer_weight_bT: weights of the T-1 positions in the MSA indexer KL
   (see `Transformer.__call__`); None: the plain mean.
+  The vocabulary's logits are never all materialised (`target_logp`).
   Returns (logp_bT1, ModelAux).
   """
   model = nnx.merge(graphdef, params)
   inputs, targets = tokens_bT[:, :-1], tokens_bT[:, 1:]
-  logits, aux, _ = model(inputs, valid_BT=valid_bT[:, :-1], placement=placement,
-                         replay_routes_LBTK=routes_LbTK, capacity=capacity,
-                         slot_weights_L=slot_weights_L,
-                         indexer_weight_BT=indexer_weight_bT)
-  logp_all = jax.nn.log_softmax(logits, axis=-1)
-  return jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0], aux
+  hidden, aux, _ = model(inputs, valid_BT=valid_bT[:, :-1],
+                         placement=placement, replay_routes_LBTK=routes_LbTK,
+                         capacity=capacity, slot_weights=slot_weights,
+                         indexer_weight_BT=indexer_weight_bT,
+                         return_hidden=True)
+  b, t, m = hidden.shape
+  logp = target_logp(model.unembed, hidden.reshape(b * t, m),
+                     targets.reshape(b * t))
+  return logp.reshape(b, t), aux
 
 
 _EXPERT_LEAVES = ('w_gate', 'w_up', 'w_down')
 
 
 def _moe_layers(graphdef, params):
-  """(mesh, block indices of the MoE layers, slot dtype), read off the model.
+  """(mesh, the MoE segments, slot dtype), read off the model.
 
   The slot dtype is the model's param_dtype: the engine moves expert copies
   in it (bf16 halves the bytes), while the master stays float32.
   """
   model = nnx.merge(graphdef, params)
-  idxs = [i for i, b in enumerate(model.blocks) if b.is_moe]
-  return (model.blocks[idxs[0]].ffn.mesh, idxs,
-          jnp.dtype(model.cfg.param_dtype))
+  segs = [(k, seg) for k, seg in enumerate(model.layer_segments) if seg.moe]
+  return (model.mesh, segs, jnp.dtype(model.cfg.param_dtype))
 
 
-def canonical_experts(params, moe_blocks):
-  """Per MoE layer, its canonical (w_gate, w_up, w_down) [E, ...] arrays."""
-  return [tuple(params['blocks'][i]['ffn'][n][...] for n in _EXPERT_LEAVES)
-          for i in moe_blocks]
+def canonical_experts(params, moe_segments):
+  """The MoE layers' canonical (w_gate, w_up, w_down), each [L, E, ...]
+  (the stacks of the MoE segments, concatenated in layer order)."""
+  per_seg = [tuple(params['segments'][k]['ffn'][n][...] for n in _EXPERT_LEAVES)
+             for k, _ in moe_segments]
+  if len(per_seg) == 1:
+    return per_seg[0]
+  return tuple(jnp.concatenate(ws) for ws in zip(*per_seg))
 
 
 def _path_keys(path):
@@ -170,11 +222,14 @@ def _path_keys(path):
                for p in path)
 
 
-def replace_experts(tree, moe_blocks, experts_L):
-  """`tree` (params-shaped) with the MoE layers' expert leaves replaced."""
-  table = {('blocks', i, 'ffn', n): experts_L[k][j]
-           for k, i in enumerate(moe_blocks)
-           for j, n in enumerate(_EXPERT_LEAVES)}
+def replace_experts(tree, moe_segments, experts):
+  """`tree` (params-shaped) with the MoE layers' expert leaves replaced by
+  `experts` ((w_gate, w_up, w_down), each [L, E, ...])."""
+  table = {}
+  for k, seg in moe_segments:
+    lo, hi = seg.moe_start, seg.moe_start + seg.num_layers
+    for j, n in enumerate(_EXPERT_LEAVES):
+      table[('segments', k, 'ffn', n)] = experts[j][lo:hi]
 
   def swap(path, x):
     keys = _path_keys(path)
@@ -188,45 +243,142 @@ def all_finite(tree) -> jax.Array:
                             for x in jax.tree.leaves(tree)]))
 
 
-def _split_microbatches(x_B, microbatches_Mb):
-  return jnp.take(x_B, microbatches_Mb, axis=0)
+# ------------------------------------------------------- the batch layout
+
+# Keys of an RL batch (rl.trainer.rl_batch_from_rollout builds it): the
+# samples are already grouped by micro-step, [M, b, ...], and the b axis is
+# split over every device of the mesh (each device holds whole sequences
+# of every micro-batch), so nothing is gathered on device.
+#   tokens_MbT int32, valid_MbT bool (real tokens), loss_mask_MbT float32
+#   over the T-1 target positions (completion tokens incl. EOS),
+#   routes_MLbTK int (the routing record over the T-1 input positions),
+#   rollout_logp_MbT float32 (the sampler's log-probs of the targets; 0 off
+#   the completion), rewards_B float32 (original sample order, GRPO groups
+#   consecutive), microbatches_Mb int32 (sample ids of each micro-batch).
+_PER_SAMPLE_KEYS = ('tokens_MbT', 'valid_MbT', 'loss_mask_MbT',
+                    'rollout_logp_MbT')
 
 
-def _microbatched(batch):
-  mb = batch['microbatches_Mb']
-  split = lambda x: _split_microbatches(x, mb)
-  routes_MLbTK = jnp.moveaxis(
-      jnp.take(batch['routes_LBTK'].astype(jnp.int32), mb, axis=1), 1, 0)
-  return (split(batch['tokens_BT']), split(batch['valid_BT']), routes_MLbTK,
-          split(batch['loss_mask_BT']))
+def _batch_specs(batch: dict) -> dict:
+  """shard_map specs of a batch: per-sample arrays split over the devices
+  along b, the rest replicated."""
+  rows = (DATA, EXPERT)
+  out = {}
+  for k in batch:
+    if k in _PER_SAMPLE_KEYS:
+      out[k] = P(None, rows)
+    elif k == 'routes_MLbTK':
+      out[k] = P(None, None, rows)
+    else:
+      out[k] = P()
+  return out
 
 
-def recompute_logps(state: TrainState, batch: dict, capacity: int) -> dict:
-  """Old (and reference) log-probs per micro-batch, routes replayed.
+def _check_rows(batch: dict, mesh) -> None:
+  b = batch['tokens_MbT'].shape[1]
+  if b % mesh.size:
+    raise ValueError(
+        f'micro-batches of {b} sequences do not split over the {mesh.size} '
+        f'devices of the mesh: each device holds whole sequences (pick '
+        f'prompts_per_step * num_generations / num_microbatches divisible by '
+        f'num_data * num_expert).')
 
-  Runs on the canonical layout (each device computes its home experts, no
-  weight moves), so it depends on no plan: the host plans the update while
-  this runs. capacity: the static-EP bucket for these loads.
-  Returns {'old_logp_MbT', 'ref_logp_MbT' (absent without a reference),
-  'rollout_vs_recompute_logp_max_abs' (when the batch has rollout_logp_BT)}.
+
+# ------------------------------------------------------------ per device
+
+def _split_params(params):
+  """(canonical experts, everything else): two States."""
+  return nnx.split_state(params, moe_lib.ExpertWeight, ...)
+
+
+def _expert_state_specs(experts):
+  return jax.tree.map(lambda _: P(None, EXPERT), experts)
+
+
+def _replicated_specs(tree):
+  return jax.tree.map(lambda _: P(), tree)
+
+
+def _slots_per_device(placement, mesh) -> int:
+  return placement.slot_expert.shape[-1] // mesh.shape[EXPERT]
+
+
+def _fill_local(canon, fill_t, spd: int, num_devices: int):
+  """This device's slot buffers for the first placement, from home."""
+  return transfer_engine.fill_slots_local(
+      transfer_engine.empty_slots(canon, spd), canon, fill_t,
+      num_devices=num_devices)
+
+
+def _forward_local(graphdef, nonexp, experts, slot_dtype, moe_segments, batch,
+                   placement, transfer, capacity, num_devices: int):
+  """Log-probs [M, b, T-1] of this device's sequences, micro-step by
+  micro-step, forward only (per device, inside the shard_map)."""
+  params = nnx.merge_state(nonexp, experts)
+  manual_plan = placement is not None
+  if manual_plan:
+    canon = tuple(w.astype(slot_dtype)
+                  for w in canonical_experts(params, moe_segments))
+    spd = placement.slot_expert.shape[-1] // num_devices
+    slots = _fill_local(canon, transfer['fill'], spd, num_devices)
+
+  def body(_, xs):
+    toks, valid, routes, pl = xs
+    logp, _ = token_logp(graphdef, params, toks, valid, pl, routes, capacity,
+                         slot_weights=slots[:3] if manual_plan else None)
+    return None, logp
+  return jax.lax.scan(body, None, (batch['tokens_MbT'], batch['valid_MbT'],
+                                   batch['routes_MLbTK'], placement))[1]
+
+
+def recompute_logps(state: TrainState, batch: dict, plan=None, *,
+                    old: bool = True, ref: bool = True) -> dict:
+  """Old and/or reference log-probs per micro-batch, routes replayed.
+
+  plan: a StepPlan whose placement is fixed over the micro-steps (the
+  step-level plan the host makes at once from the exact loads, so this
+  forward is balanced and never waits for the micro-step plan); its fill
+  moves the weights in, nothing moves between micro-steps. A
+  CanonicalLayout (or its capacity, an int; None: dropless): the home
+  experts, no transfer.
+  old / ref: which forwards to run (`RLStep.recompute_passes` says which
+  the step needs; the reference needs state.ref_params).
+  Returns {'old_logp_MbT', 'ref_logp_MbT' (each when asked),
+  'rollout_vs_recompute_logp_max_abs' (with old, when the batch has
+  rollout_logp_MbT)}.
   """
-  toks_MbT, valid_MbT, routes_MLbTK, mask_MbT = _microbatched(batch)
-
-  def recompute(params):
-    def body(_, xs):
-      toks, valid, routes = xs
-      logp, _ = token_logp(state.graphdef, params, toks, valid, None, routes,
-                           capacity)
-      return None, logp
-    return jax.lax.scan(body, None, (toks_MbT, valid_MbT, routes_MLbTK))[1]
-
-  out = {'old_logp_MbT': jax.lax.stop_gradient(recompute(state.params))}
-  if state.ref_params is not None:
-    out['ref_logp_MbT'] = jax.lax.stop_gradient(recompute(state.ref_params))
-  if 'rollout_logp_BT' in batch:
-    rollout = _split_microbatches(batch['rollout_logp_BT'],
-                                  batch['microbatches_Mb'])
-    gap = jnp.where(mask_MbT > 0, out['old_logp_MbT'] - rollout, 0.0)
+  mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
+  _check_rows(batch, mesh)
+  if isinstance(plan, StepPlan):
+    placement, transfer, capacity = plan.placement, plan.transfer, plan.capacity
+  else:
+    if not isinstance(plan, CanonicalLayout):
+      plan = CanonicalLayout(plan)
+    placement, transfer, capacity = None, None, plan.capacity
+  fwd_batch = {k: batch[k] for k in ('tokens_MbT', 'valid_MbT',
+                                     'routes_MLbTK')}
+  todo = [('old_logp_MbT', state.params)] if old else []
+  if ref:
+    if state.ref_params is None:
+      raise ValueError('the reference forward needs state.ref_params')
+    todo.append(('ref_logp_MbT', state.ref_params))
+  out = {}
+  for name, params in todo:
+    experts, nonexp = _split_params(params)
+    fn = jax.shard_map(
+        lambda ne, ex, bt, pl, tr: _forward_local(
+            state.graphdef, ne, ex, slot_dtype, moe_segments, bt, pl, tr,
+            capacity, mesh.shape[EXPERT]),
+        mesh=mesh,
+        in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
+                  _batch_specs(fwd_batch), _replicated_specs(placement),
+                  _replicated_specs(transfer)),
+        out_specs=P(None, (DATA, EXPERT)))
+    out[name] = jax.lax.stop_gradient(fn(nonexp, experts, fwd_batch,
+                                         placement, transfer))
+  if old and 'rollout_logp_MbT' in batch:
+    gap = jnp.where(batch['loss_mask_MbT'] > 0,
+                    out['old_logp_MbT'] - batch['rollout_logp_MbT'], 0.0)
     out['rollout_vs_recompute_logp_max_abs'] = jnp.abs(gap).max()
   return out
 
@@ -237,112 +389,200 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                  balance_loss_coef: float = 0.0):
   """Advantages and the scan over micro-steps with moving slots; (grads, metrics).
 
-  batch: dict with
-    tokens_BT int32, valid_BT bool (real tokens), loss_mask_BT float32 over
-    the T-1 target positions (completion tokens incl. EOS), routes_LBTK int
-    (the routing record over the T-1 input positions), rewards_B float32,
-    microbatches_Mb int32 (sample indices per micro-step).
-  logps: `recompute_logps`' output.
+  batch: the RL batch (module comment above). logps: the recompute's
+  output, optionally with 'old_logp_MbT' and 'ref_logp_MbT'; without old
+  log-probs (one update epoch: the old policy is the current one), the
+  update's own log-probs, detached, are the old ones, so the ratio is 1.
 
-  The slot buffers are filled for micro-step 0 from the canonical experts,
-  then micro-step m computes with placement m while the moves into
-  placement m+1 are issued in the same scan iteration from the buffers it
-  reads (double buffer: nothing orders them after the compute, so XLA may
-  overlap the two). A slot's gradient accumulates while it keeps its
-  expert and goes home when the slot is refilled, or at the final flush;
-  only canonical experts get gradients, and one optimizer update follows.
+  The whole scan runs per device inside one shard_map over the mesh: each
+  device holds whole sequences of every micro-batch and accumulates its
+  own float32 gradients, and the non-expert gradients are summed over the
+  mesh once, after the last micro-step (one all-reduce per step, as a
+  data-parallel trainer that accumulates locally does, instead of one per
+  micro-step). The slot buffers are filled for micro-step 0 from the
+  canonical experts, then micro-step m computes with placement m while the
+  moves into placement m+1 are issued in the same scan iteration from the
+  buffers it reads (double buffer: nothing orders them after the compute).
+  A slot's gradient accumulates while it keeps its expert and goes home
+  when the slot is refilled, or at the final flush; the canonical expert
+  gradients are then summed over 'data' once. Only the non-expert
+  parameters and the slot buffers are differentiated: the canonical
+  experts get exactly the returned sums, and no zero-filled carry.
 
-  Gradients are a plain float32 sum over micro-steps (the scan carry, the
-  slot-gradient buffers and the returns are float32 whatever the compute
-  dtype). The policy loss and the MSA indexer KL are per-sequence token
-  means over the loss mask divided by the whole step's sequence count, so
-  their sum does not depend on the composition; the balance loss is a
-  per-micro-batch term and does (foresight/composition.py says when the
-  full-batch gradient is reproduced).
+  Gradients are float32 sums over micro-steps and devices whatever the
+  compute dtype. The policy loss and the MSA indexer KL are per-sequence
+  token means over the loss mask divided by the whole step's sequence
+  count, so their sum does not depend on the composition; the balance
+  loss is a per-micro-batch term and does (foresight/composition.py says
+  when the full-batch gradient is reproduced).
   """
+  mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
+  _check_rows(batch, mesh)
+  num_devices = mesh.shape[EXPERT]
   mb = batch['microbatches_Mb']
   num_total = mb.size
-  toks_MbT, valid_MbT, routes_MLbTK, mask_MbT = _microbatched(batch)
   adv_B = grpo.group_advantages(batch['rewards_B'], num_generations)
-  adv_Mb = _split_microbatches(adv_B, mb)
-  old_logp_MbT = logps['old_logp_MbT']
-  has_ref = 'ref_logp_MbT' in logps
-  ref_xs = logps['ref_logp_MbT'] if has_ref else old_logp_MbT  # Unused w/o ref.
-  mesh, moe_blocks, slot_dtype = _moe_layers(state.graphdef, state.params)
-  # Slot copies in the model's param dtype; gradients land in float32.
-  canon_L = [tuple(w.astype(slot_dtype) for w in c)
-             for c in canonical_experts(state.params, moe_blocks)]
-  acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
-  add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+  adv_Mb = jnp.take(adv_B, mb, axis=0)
+  experts, nonexp = _split_params(state.params)
+  rows = (DATA, EXPERT)
+  fwd_keys = ('tokens_MbT', 'valid_MbT', 'routes_MLbTK', 'loss_mask_MbT',
+              'rollout_logp_MbT')
+  local_batch = {k: batch[k] for k in fwd_keys if k in batch}
+  has_rollout = 'rollout_logp_MbT' in local_batch
+  extra = {'adv_Mb': adv_Mb}
+  extra.update({k: logps[k] for k in ('old_logp_MbT', 'ref_logp_MbT')
+                if k in logps})
+  extra_specs = {k: P(None, rows) for k in extra}
 
-  def micro_loss(params, slot_w_L, toks, valid, routes, placement, mask, adv,
-                 old, ref):
+  def micro_loss(nonexp_l, slot_w, experts_l, toks, valid, routes, placement,
+                 mask, adv, old, ref, rollout):
+    params = nnx.merge_state(nonexp_l, jax.lax.stop_gradient(experts_l))
     # The indexer KL over the loss's positions (completion tokens), each
     # sequence's token mean over num_total: aggregated like the policy loss.
     mask32 = mask.astype(jnp.float32)
     index_w = mask32 / (jnp.maximum(mask32.sum(axis=1, keepdims=True), 1.0)
                         * num_total)
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
-                           routes, plan.capacity, slot_weights_L=slot_w_L,
+                           routes, plan.capacity, slot_weights=slot_w,
                            indexer_weight_bT=index_w)
+    if old is None:  # One epoch: the old policy is this one.
+      old = jax.lax.stop_gradient(logp)
     loss, metrics = grpo.policy_loss(
         logp, old, ref, adv, mask, eps_low=eps_low, eps_high=eps_high,
         beta=beta if ref is not None else 0.0, num_sequences_total=num_total)
-    # MSA indexer KL (0 without MSA layers; already a share of the step) and
-    # the MoE balance loss, weighted by this micro-batch's share of
-    # sequences so that the sum over micro-steps is a step mean.
+    # MSA indexer KL (0 without MSA layers; this device's share of the
+    # step). The MoE balance loss is the micro-batch's, from the batch's
+    # sums (reduced here only when it is trained, else with the other
+    # statistics after the last micro-step), weighted by this
+    # micro-batch's share of sequences so that the sum over micro-steps is
+    # a step mean.
     index_loss = aux.indexer_loss
-    balance = aux.balance_loss * (toks.shape[0] / num_total)
+    if balance_loss_coef:
+      aux = aux.reduced(rows)
+    share = mb.shape[1] / num_total
     metrics['indexer_loss'] = jax.lax.stop_gradient(index_loss)
-    metrics['balance_loss'] = jax.lax.stop_gradient(balance)
-    metrics['dropped'] = aux.dropped_L.sum()
-    metrics['max_rows'] = aux.max_rows_L.max()
-    return (loss + indexer_loss_coef * index_loss
-            + balance_loss_coef * balance), metrics
+    metrics['moe_sums'] = jax.lax.stop_gradient(
+        (aux.counts_LE, aux.prob_sum_LE, aux.num_valid_L, aux.dropped_L,
+         aux.max_rows_L))
+    if rollout is not None:
+      gap = jnp.where(mask > 0, jax.lax.stop_gradient(logp) - rollout, 0.0)
+      metrics['rollout_gap'] = jnp.abs(gap).max()
+    # Each device returns its share of the step's loss and the shares are
+    # summed: the policy and indexer terms are already shares (sums over
+    # its own sequences), the balance loss is the same on every device, so
+    # each takes 1/devices of it (its gradient, through the sums over the
+    # mesh inside it, then reaches every device's tokens exactly once).
+    total = loss + indexer_loss_coef * index_loss
+    if balance_loss_coef:
+      total = total + (balance_loss_coef * aux.balance_loss * share
+                       / mesh.size)
+    return total, metrics
 
   grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
+  share_M = mb.shape[1] / num_total  # Each micro-batch's share of sequences.
 
-  def body(carry, xs):
-    grads, slots_L, gslots_L, gcanon_L = carry
-    toks, valid, routes, placement, mask, adv, old, ref, moves = xs
-    (g, g_slots_L), metrics = grad_fn(
-        state.params, [s[:3] for s in slots_L], toks, valid, routes,
-        placement, mask, adv, old, ref if has_ref else None)
-    # Which micro-step went non-finite, so the host can name it.
-    metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
-                              & all_finite((g, g_slots_L)))).astype(jnp.int32)
-    # The ids travelled with the weights: every slot must hold the expert
-    # the placement routes to it.
-    metrics['transfer_id_errors'] = transfer_engine.id_errors(
-        slots_L, placement.slot_expert, mesh=mesh)
-    next_L = transfer_engine.fill_slots(slots_L, canon_L, moves, mesh=mesh)
-    # A slot's gradient has its weights' dtype; it is summed in float32.
-    gslots_L = add(gslots_L, [tuple(x) for x in g_slots_L])
-    gslots_L, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,
-                                                      moves, mesh=mesh)
-    return (add(grads, g), next_L, gslots_L, gcanon_L), metrics
+  def local(nonexp_l, experts_l, bt, ex, placement, transfer):
+    # Per-device gradients: the non-expert parameters and the slot buffers
+    # differ per device from here on, so autodiff sums nothing over the
+    # mesh inside the loop.
+    nonexp_l = jax.tree.map(lambda x: ep_lib.vary(x, rows), nonexp_l)
+    params = nnx.merge_state(nonexp_l, experts_l)
+    canon = tuple(w.astype(slot_dtype)
+                  for w in canonical_experts(params, moe_segments))
+    spd = placement.slot_expert.shape[-1] // num_devices
+    slots = _fill_local(canon, transfer['fill'], spd, num_devices)
+    slots = tuple(ep_lib.vary(w, (DATA,)) for w in slots[:3]) + slots[3:]
+    acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
+    add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
-  slots_L = transfer_engine.fill_slots(None, canon_L, plan.transfer['fill'],
-                                       mesh=mesh)
-  carry = (acc(state.params), slots_L, [acc(s[:3]) for s in slots_L],
-           acc(canon_L))
-  (grads, _, gslots_L, gcanon_L), metrics_M = jax.lax.scan(
-      body, carry, (toks_MbT, valid_MbT, routes_MLbTK, plan.placement,
-                    mask_MbT, adv_Mb, old_logp_MbT, ref_xs,
-                    plan.transfer['steps']))
-  _, gcanon_L = transfer_engine.return_grads(gslots_L, gcanon_L,
-                                             plan.transfer['flush'], mesh=mesh)
-  # The canonical experts were not used directly (every MoE call read slot
-  # buffers), so their autodiff gradients are zero: the returns are theirs.
-  grads = replace_experts(grads, moe_blocks, gcanon_L)
-  per_step = ('dropped', 'max_rows', 'transfer_id_errors',
-              'nonfinite')  # Set below.
+    def body(carry, xs):
+      g_acc, slots, gslots, gcanon = carry
+      (toks, valid, routes, mask, pl, moves, adv, old, ref,
+       rollout) = xs
+      (g, g_slots), metrics = grad_fn(
+          nonexp_l, slots[:3], experts_l, toks, valid, routes, pl, mask, adv,
+          old, ref, rollout)
+      # Which micro-step went non-finite, so the host can name it.
+      metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
+                                & all_finite((g, g_slots)))).astype(jnp.int32)
+      # The ids travelled with the weights: every slot must hold the expert
+      # the placement routes to it.
+      # (This device's count; summed over the mesh after the last step.)
+      metrics['transfer_id_errors'] = transfer_engine.id_errors_local(
+          slots[3], pl.slot_expert, reduce=False)
+      next_slots = transfer_engine.fill_slots_local(slots, canon, moves,
+                                                    num_devices=num_devices)
+      # A slot's gradient has its weights' dtype; it is summed in float32.
+      gslots = add(gslots, tuple(g_slots))
+      gslots, gcanon = transfer_engine.return_grads_local(
+          gslots, gcanon, moves, num_devices=num_devices)
+      return (add(g_acc, g), next_slots, gslots, gcanon), metrics
+
+    # Slot gradients are per data row until the end: so are their sums.
+    gcanon0 = tuple(ep_lib.vary(g, (DATA,)) for g in acc(canon))
+    carry = (acc(nonexp_l), slots, acc(slots[:3]), gcanon0)
+    xs = (bt['tokens_MbT'], bt['valid_MbT'], bt['routes_MLbTK'],
+          bt['loss_mask_MbT'], placement, transfer['steps'], ex['adv_Mb'],
+          ex.get('old_logp_MbT'), ex.get('ref_logp_MbT'),
+          bt.get('rollout_logp_MbT'))
+    (g_acc, _, gslots, gcanon), metrics_M = jax.lax.scan(body, carry, xs)
+    _, gcanon = transfer_engine.return_grads_local(
+        gslots, gcanon, transfer['flush'], num_devices=num_devices)
+    # The one reduction of the step: non-expert gradients over the mesh,
+    # the experts' over 'data' (each data row moved its own copies).
+    g_acc = jax.lax.psum(g_acc, rows)
+    gcanon = jax.lax.psum(gcanon, DATA)
+    # Per-device sums of the losses, over the mesh; the rest is already
+    # the same on every device.
+    summed = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
+              'indexer_loss')
+    metrics_M = {k: (jax.lax.psum(v, rows) if k in summed else v)
+                 for k, v in metrics_M.items()}
+    metrics_M['transfer_id_errors'] = jax.lax.psum(
+        metrics_M['transfer_id_errors'], EXPERT)
+    # The MoE statistics of every layer and micro-step, reduced at once
+    # (unless the balance loss already reduced them in the loop).
+    counts, probs, valid, dropped, max_rows = metrics_M.pop('moe_sums')
+    if not balance_loss_coef:
+      counts, probs, valid, dropped = jax.lax.psum(
+          (counts, probs, valid, dropped), rows)
+      max_rows = jax.lax.pmax(max_rows, rows)
+    metrics_M['balance_loss'] = share_M * jnp.mean(
+        router_lib.balance_loss_from_sums(probs, valid, counts), axis=-1)
+    metrics_M['dropped'] = dropped.sum(axis=-1)
+    metrics_M['max_rows'] = max_rows.max(axis=-1)
+    for k in ('nonfinite', 'rollout_gap'):
+      if k in metrics_M:
+        metrics_M[k] = jax.lax.pmax(metrics_M[k], rows)
+    return g_acc, gcanon, metrics_M
+
+  metric_keys = ['loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
+                 'indexer_loss', 'balance_loss', 'dropped', 'max_rows',
+                 'nonfinite', 'transfer_id_errors']
+  if has_rollout:
+    metric_keys.append('rollout_gap')
+  fn = jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
+                _batch_specs(local_batch), extra_specs,
+                _replicated_specs(plan.placement),
+                _replicated_specs(plan.transfer)),
+      out_specs=(_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
+                 {k: P() for k in metric_keys}))
+  g_nonexp, gcanon, metrics_M = fn(nonexp, experts, local_batch, extra,
+                                   plan.placement, plan.transfer)
+  g_experts = replace_experts(experts, moe_segments, gcanon)
+  grads = nnx.merge_state(g_nonexp, g_experts)
+  per_step = ('dropped', 'max_rows', 'transfer_id_errors', 'nonfinite',
+              'rollout_gap')
   metrics = {k: v.sum() for k, v in metrics_M.items() if k not in per_step}
   metrics.update(dropped=metrics_M['dropped'].sum(),
                  max_rows_M=metrics_M['max_rows'],
                  transfer_id_errors=metrics_M['transfer_id_errors'].sum(),
                  nonfinite_M=metrics_M['nonfinite'],
                  adv_abs_mean=jnp.abs(adv_B).mean())
+  if has_rollout:
+    metrics['rollout_vs_update_logp_max_abs'] = metrics_M['rollout_gap'].max()
   if 'rollout_vs_recompute_logp_max_abs' in logps:
     metrics['rollout_vs_recompute_logp_max_abs'] = logps[
         'rollout_vs_recompute_logp_max_abs']
@@ -353,9 +593,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
 # the step's value is the mean over epochs, except the ones below.
 PER_EPOCH_METRICS = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
                      'grad_norm')
-# Same in every epoch (routes, plan and advantages do not change): epoch 0's.
+# Same in every epoch (routes, plan and advantages do not change), or only
+# meaningful at the policy that sampled: epoch 0's.
 _FIRST_EPOCH_METRICS = ('dropped', 'max_rows_M', 'adv_abs_mean',
-                        'rollout_vs_recompute_logp_max_abs')
+                        'rollout_vs_recompute_logp_max_abs',
+                        'rollout_vs_update_logp_max_abs')
 # Summed over epochs: for nonfinite_M, the epochs in which each micro-step
 # had a non-finite loss or gradient.
 _SUMMED_METRICS = ('transfer_id_errors', 'nonfinite_M')
@@ -375,28 +617,50 @@ def _epoch_summary(metrics_U: dict) -> dict:
   return out
 
 
+OLD_LOGP_SOURCES = ('recompute', 'rollout')
+
+
 class RLStep:
   """The two jitted halves of one RL step, and both in one call.
 
-  `recompute(state, batch, capacity)` depends on no plan, so the host plans
-  while it runs (JAX dispatch is asynchronous); `update(state, batch,
-  logps, plan)` then runs `num_update_epochs` (GRPO's mu) optimizer updates
-  on the same batch against the same old log-probs: each moves weights,
-  runs the M micro-steps and applies one optimizer update (the state is
-  donated). The plan is reused by every epoch: routes are replayed, so the
-  loads it was made for do not change. From the second epoch on the policy
-  differs from the old one, the ratio leaves 1 and the PPO clip acts.
-  state.step counts RL steps (one per call), not optimizer updates.
+  `recompute(state, batch, plan)` runs only the forwards the step needs
+  (`recompute_passes`): the reference policy's when beta > 0, and the old
+  policy's only with more than one update epoch and old log-probs
+  recomputed rather than taken from the rollout. At one epoch the old
+  policy is the one being updated, so the update uses its own log-probs,
+  detached (the ratio is 1), as TRL does at num_iterations = 1. Its plan
+  is the step-level placement, known before the micro-step plan.
+  `update(state, batch, logps, plan)` then runs `num_update_epochs`
+  (GRPO's mu) optimizer updates on the same batch against the same old
+  log-probs: each moves weights, runs the M micro-steps and applies one
+  optimizer update (the state is donated). The plan is reused by every
+  epoch: routes are replayed, so the loads it was made for do not change.
+  From the second epoch on the policy differs from the old one, the ratio
+  leaves 1 and the PPO clip acts. state.step counts RL steps (one per
+  call), not optimizer updates.
+
+  old_logp_source (used when num_update_epochs > 1): 'recompute' runs the
+  old policy's forward; 'rollout' takes the sampler's log-probs, which are
+  the same model with the same routes replayed (they differ from a
+  recompute by float rounding only: `rollout_vs_update_logp_max_abs`
+  measures it every step).
   """
 
   def __init__(self, tx: optax.GradientTransformation, *,
-               num_update_epochs: int = 1, **loss_kw):
+               num_update_epochs: int = 1, old_logp_source: str = 'recompute',
+               **loss_kw):
     if num_update_epochs < 1:
       raise ValueError(f'num_update_epochs must be >= 1, got '
                        f'{num_update_epochs}.')
+    if old_logp_source not in OLD_LOGP_SOURCES:
+      raise ValueError(f'old_logp_source must be one of {OLD_LOGP_SOURCES}, '
+                       f'got {old_logp_source!r}.')
     self.tx = tx
     self.num_update_epochs = int(num_update_epochs)
-    self.recompute = jax.jit(recompute_logps, static_argnums=2)
+    self.old_logp_source = old_logp_source
+    self.beta = float(loss_kw.get('beta', 0.0))
+    self._recompute = jax.jit(recompute_logps,
+                              static_argnames=('old', 'ref'))
 
     def one_update(state: TrainState, batch, logps, plan):
       grads, metrics = update_grads(state, batch, logps, plan, **loss_kw)
@@ -420,11 +684,34 @@ class RLStep:
 
     self.update = jax.jit(update, donate_argnums=0)
 
+  def recompute_passes(self, has_ref: bool = True) -> dict:
+    """{'old': bool, 'ref': bool}: the forwards `recompute` runs."""
+    return dict(old=(self.num_update_epochs > 1
+                     and self.old_logp_source == 'recompute'),
+                ref=self.beta > 0 and has_ref)
+
+  def recompute_forward_passes(self, has_ref: bool = True) -> int:
+    return sum(self.recompute_passes(has_ref).values())
+
+  def recompute(self, state: TrainState, batch: dict, plan=None) -> dict:
+    """The log-probs the update needs besides its own (asynchronous; an
+    empty dict when it needs none: no device work at all)."""
+    passes = self.recompute_passes(state.ref_params is not None)
+    if not isinstance(plan, StepPlan):
+      plan = (plan if isinstance(plan, CanonicalLayout)
+              else CanonicalLayout(plan))
+    out = {}
+    if passes['old'] or passes['ref']:
+      out = dict(self._recompute(state, batch, plan, **passes))
+    if self.num_update_epochs > 1 and self.old_logp_source == 'rollout':
+      out['old_logp_MbT'] = batch['rollout_logp_MbT']
+    return out
+
   def __call__(self, state: TrainState, batch: dict, plan: StepPlan,
-               recompute_capacity: int | None = None):
-    """recompute then update; recompute_capacity None: plan.capacity."""
-    cap = plan.capacity if recompute_capacity is None else recompute_capacity
-    logps = self.recompute(state, batch, cap)
+               recompute_plan=None):
+    """recompute (plan: `recompute_plan`; None, the canonical layout) then
+    update."""
+    logps = self.recompute(state, batch, recompute_plan)
     return self.update(state, batch, logps, plan)
 
 
@@ -432,9 +719,11 @@ def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
                  eps_low: float, eps_high: float, beta: float,
                  indexer_loss_coef: float = 1.0,
                  balance_loss_coef: float = 0.0,
-                 num_update_epochs: int = 1) -> RLStep:
+                 num_update_epochs: int = 1,
+                 old_logp_source: str = 'recompute') -> RLStep:
   """Builds the jit-compiled pure RL step (see `RLStep`)."""
   return RLStep(tx, num_update_epochs=num_update_epochs,
+                old_logp_source=old_logp_source,
                 num_generations=num_generations, eps_low=eps_low,
                 eps_high=eps_high, beta=beta,
                 indexer_loss_coef=indexer_loss_coef,

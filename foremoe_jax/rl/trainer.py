@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from foremoe_jax import config as config_lib
 from foremoe_jax import hf
@@ -50,28 +51,62 @@ from foremoe_jax.utils import tensorboard
 
 
 def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
-  """Aligns the rollout with the RL step's T-1 input/target positions.
+  """The RL batch (rl/step.py's layout) of a rollout: its samples grouped
+  by micro-step, [M, b, ...], aligned with the step's T-1 input/target
+  positions.
 
   rewards_B None leaves 'rewards_B' out: the recompute does not read it, so
   the verifier can run while the device recomputes (`rl_iteration`).
   """
   plen = rollout.prompt_len
   num, total = rollout.tokens_BT.shape
+  mb_Mb = np.stack([np.asarray(m) for m in microbatches]).astype(np.int32)
   # Target position t predicts token t + 1: a completion token when t+1 >= P.
   target_pos = np.arange(1, total)
   loss_mask = rollout.valid_BT[:, 1:] & (target_pos >= plen)[None]
   rollout_logp = np.zeros((num, total - 1), np.float32)
   rollout_logp[:, plen - 1:] = rollout.logp_BC
+  on_device = getattr(rollout, 'routes_device_LBTK', None)
+  if on_device is not None:
+    # The record never leaves the devices: gathered there into micro-batch
+    # order (`device_batch` lays it out).
+    routes_MLbTK = _routes_by_microbatch(on_device, jnp.asarray(mb_Mb))
+  else:
+    routes_MLbTK = np.moveaxis(
+        np.asarray(rollout.routes_LBTK)[:, :, :-1][:, mb_Mb], 1, 0)
   batch = dict(
-      tokens_BT=rollout.tokens_BT.astype(np.int32),
-      valid_BT=rollout.valid_BT,
-      loss_mask_BT=loss_mask.astype(np.float32),
-      routes_LBTK=rollout.routes_LBTK[:, :, :-1],
-      microbatches_Mb=np.stack(microbatches).astype(np.int32),
-      rollout_logp_BT=rollout_logp)
+      tokens_MbT=rollout.tokens_BT.astype(np.int32)[mb_Mb],
+      valid_MbT=rollout.valid_BT[mb_Mb],
+      loss_mask_MbT=loss_mask.astype(np.float32)[mb_Mb],
+      routes_MLbTK=routes_MLbTK,
+      rollout_logp_MbT=rollout_logp[mb_Mb],
+      microbatches_Mb=mb_Mb)
   if rewards_B is not None:
     batch['rewards_B'] = np.asarray(rewards_B, np.float32)
   return batch
+
+
+@jax.jit
+def _routes_by_microbatch(routes_LBTK, mb_Mb):
+  """[M, L, b, T-1, K] from the sampler's [L, Bp, T, K] record."""
+  return jnp.moveaxis(jnp.take(routes_LBTK[:, :, :-1], mb_Mb, axis=1), 1, 0)
+
+
+def device_batch(batch: dict, mesh) -> dict:
+  """The RL batch as global arrays: per-sample arrays split over every
+  device along b (each device holds whole sequences), the rest
+  replicated. Every process passes the same host batch."""
+  rows = (expert_parallel.DATA, expert_parallel.EXPERT)
+  specs = {k: (P(None, None, rows) if k == 'routes_MLbTK'
+               else P(None, rows) if k.endswith('_MbT') else P())
+           for k in batch}
+  def put(k, v):
+    sharding = NamedSharding(mesh, specs[k])
+    if isinstance(v, jax.Array):  # Already on device: reshard there.
+      return jax.device_put(v, sharding)
+    return distributed.global_array(v, sharding)
+  # The record's gather and reshard run on device before the recompute.
+  return distributed.settle({k: put(k, v) for k, v in batch.items()})
 
 
 def planner_setup(config):
@@ -156,7 +191,8 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
       tx, num_generations=num_gen, eps_low=rl.eps_low, eps_high=rl.eps_high,
       beta=rl.beta, indexer_loss_coef=mcfg.msa_indexer_loss_coef,
       balance_loss_coef=mcfg.aux_loss_coef,
-      num_update_epochs=rl.get('num_update_epochs', 1))
+      num_update_epochs=rl.get('num_update_epochs', 1),
+      old_logp_source=config_lib.old_logp_source(config))
   topo, cost = planner_setup(config)
   d_ep, d_data = config.parallel.num_expert, config.parallel.num_data
   num_moe = config_lib.num_moe_layers(mcfg)
@@ -220,21 +256,33 @@ def samples_for_log(ctx: RLContext, prompts, ro, rewards) -> list[dict]:
 def compose(ctx: RLContext, ro, step: int):
   """Samples -> micro-batches (index arrays)."""
   rl = ctx.config.rl
+  if not rl.balance_microbatches:
+    return composition.compose_microbatches(ro.tokens_BT.shape[0],
+                                            rl.num_microbatches)
   return composition.compose_microbatches(
       ro.tokens_BT.shape[0], rl.num_microbatches,
-      routes=ro.routes_LBTK[:, :, :-1], valid=ro.valid_BT[:, :-1],
-      num_experts=ctx.num_experts, balance=rl.balance_microbatches,
-      seed=ctx.config.seed + step)
+      counts_BLE=_sample_counts(ctx, ro), num_experts=ctx.num_experts,
+      balance=True, seed=ctx.config.seed + step)
+
+
+def _sample_counts(ctx: RLContext, ro) -> np.ndarray:
+  """Per-sample loads [B, L, E]: the sampler's, counted on device; from the
+  host record for a rollout that has none (tests, traces)."""
+  counts = getattr(ro, 'counts_BLE', None)
+  if counts is not None:
+    return counts
+  return loads_lib.sample_expert_counts(ro.routes_LBTK[:, :, :-1],
+                                        ro.valid_BT[:, :-1], ctx.num_experts)
 
 
 def foresight(ctx: RLContext, ro, microbatches) -> np.ndarray:
-  """Exact loads [M, G, L, D, E] of the coming update, from the routes, per
-  data group G (each group's dispatch has its own cells)."""
+  """Exact loads [M, G, L, D, E] of the coming update, per data group G
+  (each group's dispatch has its own cells), from the per-sample counts:
+  each device holds whole sequences of every micro-batch."""
   p = ctx.config.parallel
-  return loads_lib.microstep_group_loads(ro.routes_LBTK[:, :, :-1],
-                                         ro.valid_BT[:, :-1], microbatches,
-                                         ctx.num_experts, p.num_data,
-                                         p.num_expert)
+  return loads_lib.loads_from_sample_counts(_sample_counts(ctx, ro),
+                                            microbatches, p.num_data,
+                                            p.num_expert)
 
 
 def planner_loads(loads_MGLDE) -> np.ndarray:
@@ -309,9 +357,55 @@ class _ReadyClock:
     return self.t_ready
 
 
+@dataclasses.dataclass
+class RecomputePlan:
+  """The recompute's plan: what the device reads, and how it was made."""
+
+  device: Any  # step.StepPlan, step.CanonicalLayout, or None (no recompute).
+  capacity: int  # Its bucket (0: no recompute).
+  plan_s: float  # Host seconds, spent before the recompute is dispatched.
+  # The host plan and its moves (None for the home layout).
+  plan: planner_lib.StepPlan | None = None
+  transfer: schedule.StepTransfer | None = None
+
+
+def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
+  """The recompute's plan, made at once on the host.
+
+  The method's step-level placement (`StepPlanner.step_level_plan`: home
+  for static, EPLB's history for EPLB-step, the step's exact loads for the
+  foresight methods) for every micro-step, fitted to the fill budget; no
+  moves between micro-steps. Static EP gets the canonical layout itself,
+  with no transfer at all. No plan when the step needs no recompute.
+  """
+  if not ctx.rl_step.recompute_forward_passes(ctx.config.rl.beta > 0):
+    return RecomputePlan(None, 0, 0.0)
+  t0 = time.perf_counter()
+  loads_MGLDE = np.asarray(loads_MGLDE)
+  if ctx.planner.method == 'static':
+    cap = static_capacity(ctx, loads_MGLDE)
+    return RecomputePlan(step_lib.CanonicalLayout(cap), cap,
+                         time.perf_counter() - t0)
+  loads_MLDE = planner_loads(loads_MGLDE)
+  plan = ctx.planner.step_level_plan(loads_MLDE)
+  plan, _ = schedule.fit_plan_to_budget(plan, loads_MLDE, ctx.topo, ctx.cost,
+                                        ctx.budget)
+  cap = _capacity(ctx, loads_MGLDE, plan.microstep)
+  transfer = schedule.build_step_transfer(plan.placement.slot_expert,
+                                          ctx.num_experts, ctx.topo,
+                                          ctx.budget)
+  device = step_lib.StepPlan(jax.tree.map(jnp.asarray, plan.placement),
+                             transfer_engine.device_step_transfer(transfer),
+                             cap)
+  return RecomputePlan(device, cap, time.perf_counter() - t0, plan, transfer)
+
+
 def recompute(ctx: RLContext, state, batch, loads_MGLDE):
-  """Dispatches old/reference log-probs (plan-independent); async."""
-  return ctx.rl_step.recompute(state, batch, static_capacity(ctx, loads_MGLDE))
+  """Dispatches the forwards the update needs besides its own (reference,
+  and old at several update epochs) on the recompute plan; async. Returns
+  (logps, RecomputePlan)."""
+  rplan = recompute_plan(ctx, loads_MGLDE)
+  return ctx.rl_step.recompute(state, batch, rplan.device), rplan
 
 
 def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
@@ -378,7 +472,7 @@ def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:
 
 # The RL step's jitted programs (rl/step.py); their compiles are logged by
 # name, with the capacity bucket that caused them.
-_STEP_PROGRAMS = ('update', 'recompute')
+_STEP_PROGRAMS = ('update', 'recompute_logps')
 
 
 def rl_iteration(ctx: RLContext, state, step: int, rng, key):
@@ -390,11 +484,12 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   loads_MGLDE = foresight(ctx, ro, microbatches)
   loads_MLDE = planner_loads(loads_MGLDE)
   ticket = plan_async(ctx, loads_MGLDE)
-  # Replicated global arrays: every process holds the same host batch.
-  batch = distributed.global_arrays(
-      rl_batch_from_rollout(ro, None, microbatches), ctx.mesh)
+  # Every process holds the same host batch and uploads its own devices'
+  # share: each device gets whole sequences of every micro-batch.
+  batch = device_batch(rl_batch_from_rollout(ro, None, microbatches),
+                       ctx.mesh)
   t_rec = time.perf_counter()
-  logps = recompute(ctx, state, batch, loads_MGLDE)
+  logps, rplan = recompute(ctx, state, batch, loads_MGLDE)
   clock = _ReadyClock(logps)
   # The verifier runs on the host while the device recomputes and the
   # planner thread plans: only the update needs the rewards. A slow
@@ -405,7 +500,7 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   t_scored = time.perf_counter()
   score_s = t_scored - t_score
   batch['rewards_B'] = distributed.global_array(
-      np.asarray(rewards, np.float32), batch['tokens_BT'].sharding)
+      np.asarray(rewards, np.float32), NamedSharding(ctx.mesh, P()))
   planned = ticket.result()
   t_plan = time.perf_counter()
   t_rec_done = clock.wait()
@@ -428,13 +523,21 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       **load_metrics(ctx, loads_MLDE, planned.plan),
       capacity=planned.capacity,
       capacity_static=static_capacity(ctx, loads_MGLDE),
+      # The recompute's forwards and its bucket (0 when it runs none).
+      recompute_forward_passes=ctx.rl_step.recompute_forward_passes(
+          state.ref_params is not None),
+      capacity_recompute=rplan.capacity,
       dropped=int(m['dropped']), planner=ctx.config.planner.method,
       plan_fallbacks=ctx.planner.num_fallbacks,
       moves_per_device_per_microstep=float(planned.plan.moves_MLD.mean()),
       **transfer_metrics(ctx, planned),
       transfer_id_errors=int(m['transfer_id_errors']),
-      replay_logp_gap=float(logps['rollout_vs_recompute_logp_max_abs']),
+      # Largest |sampler log-prob - training log-prob| at the policy that
+      # sampled, on completion tokens (routes replayed: rounding only).
+      replay_logp_gap=float(m.get('rollout_vs_recompute_logp_max_abs',
+                                  m['rollout_vs_update_logp_max_abs'])),
       sample_s=sample_s, score_s=score_s, plan_s=planned.plan_s,
+      recompute_plan_s=rplan.plan_s,
       recompute_s=ctx.recompute_s,
       # The update waits for the recompute, the rewards and the plan; each
       # wait counts only beyond what came before it, so a slow verifier is
@@ -449,10 +552,27 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       compile_s=sum(c.seconds for c in new_compiles),
       compiled=[f'{c.fun_name} {c.seconds:.1f}s' for c in new_compiles
                 if c.fun_name in _STEP_PROGRAMS or c.seconds >= 1.0])
+  check_rollout_logps(ctx, record['replay_logp_gap'], step + 1)
   every = ctx.config.get('sample_log_every', 0)
   if every and (step + 1) % every == 0:
     record['samples'] = samples_for_log(ctx, prompts, ro, rewards)
   return state, record
+
+
+def check_rollout_logps(ctx: RLContext, gap: float, step: int) -> None:
+  """With several update epochs and the sampler's log-probs standing in for
+  the old policy's: once a step's gap to the training forward exceeds
+  `rl.old_logp_max_gap` (default 1e-3; float32 rounding stays below 2e-5),
+  every later step recomputes them instead, and the log says so."""
+  rl_step = ctx.rl_step
+  limit = ctx.config.rl.get('old_logp_max_gap', 1e-3)
+  if (rl_step.num_update_epochs > 1 and rl_step.old_logp_source == 'rollout'
+      and gap > limit):
+    rl_step.old_logp_source = 'recompute'
+    if distributed.is_primary():
+      print(f'step {step}: the sampler\'s log-probs differ from the training '
+            f'forward\'s by {gap:.2e} > rl.old_logp_max_gap = {limit:g}; the '
+            f'old log-probs are recomputed from now on', flush=True)
 
 
 # ------------------------------------------------------- the job's pieces
@@ -502,7 +622,8 @@ def stop_requested(guard) -> bool:
   return bool(signum)
 
 
-def host_state(rng, key, planner=None, task=None, prompts_drawn=0) -> dict:
+def host_state(rng, key, planner=None, task=None, prompts_drawn=0,
+               rl_step=None) -> dict:
   """Everything besides the arrays that the next steps depend on (JSON).
 
   With it in the checkpoint, a resumed run draws the same prompts (numpy
@@ -517,6 +638,8 @@ def host_state(rng, key, planner=None, task=None, prompts_drawn=0) -> dict:
                        task=task.data_state() if task is not None else {}))
   if planner is not None:
     out['planner'] = planner.state_dict()
+  if rl_step is not None:
+    out['old_logp_source'] = rl_step.old_logp_source
   return out
 
 
@@ -556,8 +679,8 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
       tokens, mask = task.supervised_batch(rng, config.warmstart.batch_size)
       # A left-padded prompt's PADs are hidden, as the sampler hides them.
       valid = sampler_lib.prompt_valid(tokens, task.pad_id)
-      state, m = sft_step(state, *distributed.global_arrays(
-          (tokens, mask, valid), mesh))
+      state, m = distributed.settle(sft_step(state, *distributed.global_arrays(
+          (tokens, mask, valid), mesh)))
       if (i + 1) % 50 == 0 or i + 1 == config.warmstart.steps:
         m = distributed.to_host(m)
         writer.write(i + 1, dict(phase='warmstart', sft_loss=m['loss'],
@@ -612,8 +735,8 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
     compiled = record.pop('compiled', [])
     if compiled and distributed.is_primary():
       print(f"  compiled {', '.join(compiled)} at step {step + 1} (capacity "
-            f"{record['capacity']}, recompute {record['capacity_static']})",
-            flush=True)
+            f"{record['capacity']}, recompute "
+            f"{record['capacity_recompute']})", flush=True)
     writer.write(step + 1, record)
     print(_log_line(step + 1, record, total, time.perf_counter() - t0,
                     step + 1 - start), flush=True)
@@ -631,7 +754,8 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
       ckpt.save(step + 1, state.params, phase='rl', opt_state=state.opt_state,
                 ref_params=state.ref_params,
                 host=host_state(rng, key, ctx.planner, ctx.task,
-                                (step + 1) * config.rl.prompts_per_step))
+                                (step + 1) * config.rl.prompts_per_step,
+                                ctx.rl_step))
     if stop:
       return state, step + 1
   return state, total
@@ -808,6 +932,8 @@ def train(config, workdir: str, guard=None) -> dict:
                                   step=jnp.asarray(restored['step']))
       if 'planner' in restored['host']:
         ctx.planner.load_state_dict(restored['host']['planner'])
+      ctx.rl_step.old_logp_source = restored['host'].get(
+          'old_logp_source', ctx.rl_step.old_logp_source)
       start = restored['step']
     # Steps a crash ran past the checkpoint are run again: log them once.
     dropped = metrics_lib.truncate_after(workdir, start)

@@ -51,6 +51,7 @@ the B rows are padded to a multiple of the device count with invalid rows
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -60,13 +61,21 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from foremoe_jax import config as config_lib
+from foremoe_jax.foresight import device_counts
 from foremoe_jax.model import expert_parallel
 from foremoe_jax.tasks.tokenizer import EOS_ID, PAD_ID
 from foremoe_jax.utils import distributed
 
 
-class Rollout(NamedTuple):
-  """One batch of samples, on the host (numpy). See the module docstring."""
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """One batch of samples. See the module docstring.
+
+  Everything is on the host (numpy) except the routing record, which stays
+  on device for the RL step to replay (`routes_device_LBTK`); the host gets
+  its per-sample counts (`counts_BLE`, what the planner needs), and
+  `routes_LBTK` copies the record to the host only when asked.
+  """
 
   tokens_BT: np.ndarray  # int32: prompt + completion, PAD after EOS.
   completion_BC: np.ndarray  # int32: tokens_BT[:, P:].
@@ -74,9 +83,22 @@ class Rollout(NamedTuple):
   lengths_B: np.ndarray  # int32: completion tokens, EOS included.
   done_B: np.ndarray  # bool: the completion holds an EOS.
   valid_BT: np.ndarray  # bool: prompt + completion up to and including EOS.
-  routes_LBTK: np.ndarray | None  # int8/int16/int32 routing record, [0, T).
   prompt_len: int  # P.
   decode_steps: int  # Model calls after prefill (< C when all stop early).
+  # int8/int16/int32 routing record [L, Bp, T, K] on device, rows padded to
+  # the mesh (sample b is row b); None when not recorded.
+  routes_device_LBTK: jax.Array | None = None
+  # int64 [B, L, E]: each sample's valid assignments per layer and expert
+  # over the positions the RL step feeds (0..T-2), counted on device.
+  counts_BLE: np.ndarray | None = None
+
+  @functools.cached_property
+  def routes_LBTK(self) -> np.ndarray | None:
+    """The routing record on the host, [L, B, T, K] (a copy, made once)."""
+    if self.routes_device_LBTK is None:
+      return None
+    routes = distributed.to_host(self.routes_device_LBTK)
+    return routes[:, :self.tokens_BT.shape[0]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +234,7 @@ class Sampler:
                             donate_argnames=('cache',))
     self._decode = jax.jit(self._decode_fn, static_argnames=('capacity',),
                            donate_argnames=('carry',))
+    self._count = device_counts.make_counter(mesh, model_cfg.num_experts)
 
   # Device side: pure functions of (state, batch, plan).
 
@@ -298,8 +321,8 @@ class Sampler:
       A Rollout with B = N * num_generations rows, prompt i's samples at rows
       [i * G, (i + 1) * G) (GRPO groups are consecutive).
     """
-    carry = self.prefill(state, prompts_NP, key, placement=placement,
-                         capacity=capacity)
+    carry = distributed.settle(self.prefill(
+        state, prompts_NP, key, placement=placement, capacity=capacity))
     carry = self.decode(state, carry, key, placement=placement,
                         capacity=capacity)
     return self.rollout(carry)
@@ -342,13 +365,14 @@ class Sampler:
                                                 self.dispatch))
 
   def rollout(self, carry: DecodeState) -> Rollout:
-    """The host-side Rollout of a finished decode, batch padding dropped."""
+    """The Rollout of a finished decode, batch padding dropped: tokens and
+    log-probs on the host, the routing record left on device and counted
+    there (`Rollout.counts_BLE`)."""
     p = self.params
     # Gathered from every process's rows (a collective when the mesh spans
     # processes): each process's host code sees the whole rollout.
-    tokens_BX, logp_BX, routes, steps, row_valid_B = distributed.to_host(
-        (carry.tokens_BX, carry.logp_BX, carry.routes_LBTK, carry.step,
-         carry.row_valid_B))
+    tokens_BX, logp_BX, steps, row_valid_B = distributed.to_host(
+        (carry.tokens_BX, carry.logp_BX, carry.step, carry.row_valid_B))
     num_samples = int(row_valid_B.sum())  # Padding rows come last.
     plen = tokens_BX.shape[1] - 1 - p.max_new_tokens
     tokens_BT = tokens_BX[:num_samples, :-1]
@@ -360,9 +384,15 @@ class Sampler:
     valid_BC = np.arange(p.max_new_tokens) < lengths_B[:, None]
     valid_BT = np.concatenate(
         [prompt_valid(tokens_BT[:, :plen], p.pad_id), valid_BC], axis=1)
+    counts_BLE = None
+    if carry.routes_LBTK is not None:
+      # The positions the RL step feeds: every one but the last.
+      fed_BT = np.zeros((tokens_BX.shape[0], tokens_BT.shape[1]), bool)
+      fed_BT[:num_samples, :-1] = valid_BT[:, :-1]
+      counts_BLE = device_counts.sample_counts(
+          self._count, carry.routes_LBTK, fed_BT, self.mesh)[:num_samples]
     return Rollout(
         tokens_BT=tokens_BT, completion_BC=completion_BC,
         logp_BC=logp_BX[:num_samples, :-1], lengths_B=lengths_B, done_B=done_B,
-        valid_BT=valid_BT,
-        routes_LBTK=None if routes is None else routes[:, :num_samples],
-        prompt_len=plen, decode_steps=int(steps))
+        valid_BT=valid_BT, prompt_len=plen, decode_steps=int(steps),
+        routes_device_LBTK=carry.routes_LBTK, counts_BLE=counts_BLE)

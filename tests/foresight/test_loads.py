@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from foremoe_jax.foresight import loads
 from foremoe_jax.foresight.loads import (microstep_group_loads,
                                          microstep_loads, sample_expert_counts,
                                          source_devices, step_loads)
@@ -129,3 +130,22 @@ def test_errors():
     microstep_loads(routes, valid, [[0, 8]], 5, 1, 2)
   with pytest.raises(ValueError, match='does not match'):
     microstep_loads(routes, valid[:, :-1], [range(8)], 5, 1, 2)
+
+
+@pytest.mark.parametrize('d_data,d_ep', [(1, 4), (2, 2), (2, 4)])
+def test_loads_from_sample_counts_equal_the_routes_count(d_data, d_ep):
+  """With whole sequences on every device (the RL step's layout), summing
+  per-sample counts gives exactly the loads counted token by token from the
+  routing record, padding included."""
+  rng = np.random.default_rng(d_data * 10 + d_ep)
+  num_layers, num_samples, num_tokens, top_k, num_experts = 3, 32, 9, 2, 6
+  routes = rng.integers(0, num_experts, (num_layers, num_samples, num_tokens,
+                                         top_k))
+  valid = rng.random((num_samples, num_tokens)) > 0.3
+  mbs = np.split(rng.permutation(num_samples), 2)
+  counts = sample_expert_counts(routes, valid, num_experts)
+  np.testing.assert_array_equal(
+      loads.loads_from_sample_counts(counts, mbs, d_data, d_ep),
+      microstep_group_loads(routes, valid, mbs, num_experts, d_data, d_ep))
+  with pytest.raises(ValueError, match='whole'):
+    loads.loads_from_sample_counts(counts, np.split(np.arange(32), 8), 2, 4)

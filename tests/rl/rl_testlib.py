@@ -52,8 +52,9 @@ def graphdef_of(cfg, mesh):
 
 
 def synthetic_batch(num_microbatches: int, seed: int = 0) -> dict:
-  """A rollout-shaped batch: prompts of PROMPT_LEN tokens, completions of
-  random length (the rest padding), random top-2 routes, random rewards."""
+  """A rollout-shaped RL batch (rl/step.py's [M, b, ...] layout): prompts
+  of PROMPT_LEN tokens, completions of random length (the rest padding),
+  random top-2 routes, random rewards, random micro-batches."""
   rng = np.random.default_rng(seed)
   b, t = NUM_SAMPLES, SEQ_LEN
   tokens = rng.integers(1, 16, (b, t)).astype(np.int32)
@@ -63,13 +64,30 @@ def synthetic_batch(num_microbatches: int, seed: int = 0) -> dict:
   loss_mask = valid[:, 1:] & (target_pos >= PROMPT_LEN)[None]
   routes = np.argsort(rng.random((1, b, t - 1, NUM_EXPERTS)), -1)[..., :2]
   order = rng.permutation(b)
+  mb = np.sort(order.reshape(num_microbatches, -1), axis=1).astype(np.int32)
   return jax.tree.map(jnp.asarray, dict(
-      tokens_BT=tokens, valid_BT=valid,
-      loss_mask_BT=loss_mask.astype(np.float32),
-      routes_LBTK=routes.astype(np.int32),
+      tokens_MbT=tokens[mb], valid_MbT=valid[mb],
+      loss_mask_MbT=loss_mask.astype(np.float32)[mb],
+      routes_MLbTK=np.moveaxis(routes.astype(np.int32)[:, mb], 1, 0),
       rewards_B=rng.random(b).astype(np.float32),
-      microbatches_Mb=np.sort(order.reshape(num_microbatches, -1), axis=1
-                              ).astype(np.int32)))
+      microbatches_Mb=mb))
+
+
+def per_sample(batch: dict, key: str) -> np.ndarray:
+  """A batch array back in sample order: [B, ...] ([L, B, ...] for
+  routes)."""
+  mb = np.asarray(batch['microbatches_Mb']).ravel()
+  x = np.asarray(batch[key])
+  if key == 'routes_MLbTK':
+    x = np.moveaxis(x, 1, 0)  # [L, M, b, ...]
+    flat = x.reshape((x.shape[0], -1) + x.shape[3:])
+    out = np.empty_like(flat)
+    out[:, mb] = flat
+    return out
+  flat = x.reshape((-1,) + x.shape[2:])
+  out = np.empty_like(flat)
+  out[mb] = flat
+  return out
 
 
 def moving_plan(num_microbatches: int, seed: int = 0) -> step_lib.StepPlan:
@@ -94,11 +112,12 @@ def moving_plan(num_microbatches: int, seed: int = 0) -> step_lib.StepPlan:
 
 
 def grads_fn(**loss_kw):
-  """jit(state, batch, plan) -> (grads, metrics): recompute + update_grads."""
+  """jit(state, batch, plan) -> (grads, metrics): recompute (old
+  log-probs, canonical layout) + update_grads."""
   kw = dict(LOSS_KW, **loss_kw)
 
   def fn(state, batch, plan):
-    logps = step_lib.recompute_logps(state, batch, plan.capacity)
+    logps = step_lib.recompute_logps(state, batch, None, old=True, ref=False)
     return step_lib.update_grads(state, batch, logps, plan, **kw)
   return jax.jit(fn)
 

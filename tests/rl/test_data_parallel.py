@@ -19,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep
-from foremoe_jax.model import sharding, transformer
+from foremoe_jax.model import moe, sharding, transformer
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
 from foremoe_jax.tasks import get_task
+from foremoe_jax.utils import hlo
 
 NUM_EXPERTS, TOP_K, SPD = 8, 2, 3
 PROMPTS, NUM_GEN, NUM_MB = 16, 4, 2  # 64 samples, 32 per micro-step.
@@ -143,7 +144,7 @@ def _trainer_step(cfg, mesh, task, ro, mbs, batch, logps=None):
   state = _state(cfg, mesh, ctx)
   params0 = jax.device_get(state.params)
   if logps is None:
-    logps = trainer.recompute(ctx, state, batch, loads_MGLDE)
+    logps = trainer.recompute(ctx, state, batch, loads_MGLDE)[0]
   shardings = jax.tree.map(lambda x: x.sharding, state)
   new_state, m = trainer.update(ctx, state, batch, logps, planned)
   return dict(ctx=ctx, loads=loads_MGLDE, planned=planned, metrics=m,
@@ -163,9 +164,9 @@ def dp_run():
   rewards = np.random.default_rng(1).random(PROMPTS * NUM_GEN)
   mbs = np.split(np.random.default_rng(2).permutation(PROMPTS * NUM_GEN),
                  NUM_MB)
-  batch = jax.tree.map(jnp.asarray,
-                       trainer.rl_batch_from_rollout(ro, rewards, mbs))
-  out = {'ro': ro, 'mbs': mbs}
+  host_batch = trainer.rl_batch_from_rollout(ro, rewards, mbs)
+  batch = trainer.device_batch(host_batch, ep.make_mesh(2, 4))
+  out = {'ro': ro, 'mbs': mbs, 'dp_batch': batch}
 
   mesh = ep.make_mesh(2, 4)
   out['dp'] = _trainer_step(_config(2, 4), mesh, task, ro, mbs, batch)
@@ -188,7 +189,8 @@ def dp_run():
   identity = placement_lib.stack_placements([ctx.identity] * NUM_MB)
   plan = step_lib.make_step_plan(identity, NUM_EXPERTS, ctx.topo, ctx.budget,
                                  capacity=ctx.buckets[-1])  # Dropless.
-  new_state, m = ctx.rl_step(state, batch, plan)
+  new_state, m = ctx.rl_step(state, trainer.device_batch(host_batch, mesh),
+                             plan)
   out['ref'] = dict(metrics=jax.device_get(m),
                     params=jax.device_get(new_state.params))
   return out
@@ -235,7 +237,7 @@ def test_fsdp_step_equals_reference_and_keeps_its_sharding(dp_run):
   _assert_same_step(fsdp, dp_run['ref'], dp_run['ref_params0'])
   assert fsdp['planned'].capacity == dp_run['dp']['planned'].capacity
   specs = [s.spec for s in jax.tree.leaves(fsdp['shardings'].params)]
-  assert P('expert') in specs
+  assert P(None, 'expert') in specs  # Stacked layers, then E.
   assert sum('data' in tuple(s) for s in specs) >= len(specs) // 2
   # Adam's moments are laid out like the parameters.
   opt_specs = {s.spec for s in jax.tree.leaves(fsdp['shardings'].opt_state)}
@@ -293,3 +295,40 @@ def test_fsdp_data_spec():
   assert sharding.data_spec((1, 8), 4) == P(None, 'data')
   assert sharding.data_spec((), 2) == P()
   assert sharding.data_spec((6, 4), 1) == P()  # No data axis: replicated.
+
+
+@pytest.mark.parametrize('fsdp', [False, True])
+def test_gradients_are_reduced_once_per_step(dp_run, fsdp):
+  """The compiled update (4 micro-steps on the (2, 4) mesh) sums the
+  non-expert gradients over the mesh in exactly one all-reduce, after the
+  micro-step loop, never inside it; no floating-point value is reduced
+  inside the loop at all (the per-layer statistics are reduced once, at
+  the end, too)."""
+  cfg = _config(2, 4, fsdp=fsdp)
+  mesh = ep.make_mesh(2, 4)
+  ctx = _context(cfg, mesh, get_task('addition'))
+  ctx.planner.close()
+  state = _state(cfg, mesh, ctx)
+  planned = dp_run['dp']['planned']
+  plan = step_lib.StepPlan(
+      jax.tree.map(jnp.asarray, planned.plan.placement),
+      trainer.transfer_engine.device_step_transfer(planned.transfer),
+      planned.capacity)
+  batch = dp_run['dp_batch']
+  text = ctx.rl_step.update.lower(state, batch, {}, plan).compile().as_text()
+  reduces = hlo.all_reduces(text)
+  assert not [r for r in reduces if r['in_loop'] and
+              any(d.startswith(('f', 'bf')) for d in r['dtypes'])]
+  experts, rest = nnx.split_state(state.params, moe.ExpertWeight, ...)
+  num_rest = sum(x.size for x in jax.tree.leaves(rest))
+  # Over all 8 devices: the non-expert gradients (with the loss sums).
+  big = [r for r in reduces if r['elements'] >= num_rest
+         and r['group_size'] == 8]
+  assert len(big) == 1 and not big[0]['in_loop'], big
+  # Over the 2 data rows: the canonical experts' gradients, also once.
+  num_experts = sum(x.size for x in jax.tree.leaves(experts)) // 4
+  rows = [r for r in reduces if r['group_size'] == 2
+          and r['elements'] >= num_experts]
+  assert len(rows) == 1 and not rows[0]['in_loop'], rows
+  # The loop is really there: the micro-steps' moves run inside it.
+  assert hlo.loop_computations(text)

@@ -77,9 +77,11 @@ def random_plan(rng, num_mb, num_layers, spd=2):
 
 
 def _grads_fn(**kw):
-  """jit(state, batch, plan) -> (grads, metrics): recompute + update grads."""
+  """jit(state, batch, plan) -> (grads, metrics): recompute (old and, with
+  a reference policy, ref log-probs on the canonical layout) + update."""
   def fn(s, b, plan):
-    logps = step_lib.recompute_logps(s, b, plan.capacity)
+    logps = step_lib.recompute_logps(s, b, None, old=True,
+                                     ref=s.ref_params is not None)
     return step_lib.update_grads(s, b, logps, plan, **kw)
   return jax.jit(fn)
 
@@ -90,22 +92,24 @@ def _grads(state, batch, plan, **kw):
 
 def test_replayed_recompute_equals_rollout_logp(setup):
   cfg, mesh, graphdef, params, rollout, _ = setup
+  # One micro-batch of every sample: [0] is the whole batch.
   batch = trainer.rl_batch_from_rollout(rollout, np.zeros(32), [np.arange(32)])
-  logp, aux = jax.jit(lambda p, b: step_lib.token_logp(
-      graphdef, p, b['tokens_BT'], b['valid_BT'], None, b['routes_LBTK'],
-      None))(params, batch)
-  mask = batch['loss_mask_BT'] > 0
+  full = {k: v[0] for k, v in batch.items() if k.endswith('_MbT')}
+  logp, aux = jax.jit(lambda p, b, r: step_lib.token_logp(
+      graphdef, p, b['tokens_MbT'], b['valid_MbT'], None, r, None))(
+          params, full, batch['routes_MLbTK'][0])
+  mask = full['loss_mask_MbT'] > 0
   assert mask.sum() > 32
   np.testing.assert_allclose(np.asarray(logp)[mask],
-                             batch['rollout_logp_BT'][mask], atol=1e-5)
+                             full['rollout_logp_MbT'][mask], atol=1e-5)
   # The forward with replayed routes uses exactly the recorded routes.
-  valid_in = batch['valid_BT'][:, :-1]
+  valid_in = full['valid_MbT'][:, :-1]
   np.testing.assert_array_equal(
       np.asarray(aux.routes_LBTK)[:, valid_in],
-      batch['routes_LBTK'][:, valid_in])
+      batch['routes_MLbTK'][0][:, valid_in])
 
 
-@pytest.mark.parametrize('num_mb,shuffle', [(4, False), (8, True)])
+@pytest.mark.parametrize('num_mb,shuffle', [(4, False), (2, True)])
 def test_accumulated_grads_equal_full_batch(setup, num_mb, shuffle):
   cfg, mesh, graphdef, params, rollout, rewards = setup
   tx = step_lib.make_optimizer(1e-3, 1.0)
@@ -142,13 +146,13 @@ def test_step_updates_params_and_compiles_once(setup):
   rng = np.random.default_rng(0)
   # jit caches are shared by every wrapper of the same function, so other
   # tests in this worker may have filled them: count what these calls add.
-  cached = (rl_step.update._cache_size(), rl_step.recompute._cache_size())
+  cached = (rl_step.update._cache_size(), rl_step._recompute._cache_size())
   for _ in range(3):  # New placements and moves every step: same executable.
     plan = _step_plan(random_plan(rng, 4, cfg.model.num_layers))
     state, m = rl_step(state, batch, plan)
     assert int(m['transfer_id_errors']) == 0
   assert rl_step.update._cache_size() - cached[0] <= 1
-  assert rl_step.recompute._cache_size() - cached[1] <= 1
+  assert rl_step._recompute._cache_size() - cached[1] <= 1
   assert int(state.step) == 3
   assert float(m['grad_norm']) > 0
   moved = [not np.allclose(a, b) for a, b in
@@ -209,8 +213,9 @@ def test_moving_experts_changes_no_number(setup):
 
 
 def test_compiled_step_gathers_no_expert_weights(setup):
-  """Neither the recompute nor the update (fills, micro-steps, returns,
-  optimizer) all-gathers anything: slots move by ppermute only."""
+  """Neither the recompute (here on a plan with moved experts) nor the
+  update (fills, micro-steps, returns, optimizer) all-gathers a float:
+  slots move by ppermute only."""
   cfg, mesh, graphdef, params, rollout, rewards = setup
   tx = step_lib.make_optimizer(1e-3, 1.0)
   state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=True)
@@ -220,16 +225,21 @@ def test_compiled_step_gathers_no_expert_weights(setup):
       rollout, rewards, np.split(np.arange(32), 4)))
   plan = _step_plan(random_plan(np.random.default_rng(1), 4,
                                 cfg.model.num_layers))
-  logps = rl_step.recompute(state, batch, 64)
-  texts = [rl_step.recompute.lower(state, batch, 64).compile().as_text(),
+  logps = rl_step.recompute(state, batch, plan)
+  texts = [rl_step._recompute.lower(state, batch, plan, old=True, ref=True
+                                    ).compile().as_text(),
            rl_step.update.lower(state, batch, logps, plan).compile().as_text()]
   assert 'collective-permute' in texts[1]  # The moves are there ...
-  assert hlo.all_gathers(texts[0]) == [] and hlo.all_gathers(texts[1]) == []
+  # The only gathers are the exact dispatch's int32 slot counts, [D, S]
+  # per MoE layer: no weight, gradient or activation is ever gathered.
+  for text in texts:
+    gathers = hlo.all_gathers(text)
+    assert gathers and all(g == ('s32', 8 * 16) for g in gathers), gathers
   # ... and the check itself finds the gather of the reference path.
-  moe = nnx.merge(graphdef, params).blocks[0].ffn
+  w_gate = nnx.merge(graphdef, params).segments[0].ffn.w_gate[...][0]
   ref = jax.jit(lambda w, se: ep.gather_slot_weights(w, se, mesh=mesh))
-  text = ref.lower(moe.w_gate[...], jnp.zeros(16, jnp.int32)).compile().as_text()
-  assert hlo.all_gather_bytes(text, min_elements=moe.w_gate[...].size) > 0
+  text = ref.lower(w_gate, jnp.zeros(16, jnp.int32)).compile().as_text()
+  assert hlo.all_gather_bytes(text, min_elements=w_gate.size) > 0
 
 
 def test_balance_loss_coef_reaches_router_only_through_its_term(setup):
@@ -247,10 +257,105 @@ def test_balance_loss_coef_reaches_router_only_through_its_term(setup):
   g0, m0 = grads(0.0)
   g1, m1 = grads(1.0)
   assert float(m1['balance_loss']) >= 1.0 - 1e-5  # Switch loss: >= 1, = 1 at balance.
-  router = lambda g: g['blocks'][0]['ffn']['router']['kernel'][...]
+  router = lambda g: g['segments'][0]['ffn']['router']['kernel'][...][0]
   assert float(jnp.abs(router(g1) - router(g0)).max()) > 1e-6
   # The last layer's experts feed no router, and replayed routes fix the
   # dispatch: the balance term cannot reach them.
   last = cfg.model.num_layers - 1
-  expert = lambda g: g['blocks'][last]['ffn']['w_up'][...]
+  expert = lambda g: g['segments'][0]['ffn']['w_up'][...][last]
   np.testing.assert_allclose(expert(g1), expert(g0), atol=1e-7)
+
+
+@pytest.mark.parametrize('mu,source,beta,passes', [
+    (1, 'recompute', 0.0, 0), (1, 'rollout', 0.05, 1), (2, 'recompute', 0.0, 1),
+    (2, 'recompute', 0.05, 2), (2, 'rollout', 0.05, 1)])
+def test_recompute_runs_only_the_forwards_the_step_needs(mu, source, beta,
+                                                         passes):
+  rl_step = step_lib.make_rl_step(
+      step_lib.make_optimizer(1e-3, 1.0), num_generations=4, eps_low=0.2,
+      eps_high=0.28, beta=beta, num_update_epochs=mu, old_logp_source=source)
+  assert rl_step.recompute_forward_passes() == passes
+
+
+@pytest.mark.parametrize('mu', [1, 2])
+def test_lean_step_equals_the_step_with_a_recompute(setup, mu):
+  """At one update epoch the update's own detached log-probs stand in for
+  the old ones (no forward: the recompute returns nothing); at two, the
+  sampler's log-probs do. Both give the parameters the step with a
+  recomputed old policy gives."""
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  tx = step_lib.make_optimizer(1e-3, 1.0)
+  kw = dict(num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.0,
+            num_update_epochs=mu)
+  batch = trainer.device_batch(trainer.rl_batch_from_rollout(
+      rollout, rewards, np.split(np.arange(32), 4)), mesh)
+  plan = _step_plan(random_plan(np.random.default_rng(4), 4,
+                                cfg.model.num_layers))
+  lean = step_lib.make_rl_step(tx, old_logp_source='rollout', **kw)
+  full = step_lib.make_rl_step(tx, old_logp_source='recompute', **kw)
+  assert lean.recompute_forward_passes() == 0
+  out = {}
+  for name, rl_step in (('lean', lean), ('full', full)):
+    state = step_lib.init_train_state(
+        graphdef, jax.tree.map(jnp.copy, params), tx, mesh, with_ref=False)
+    logps = rl_step.recompute(state, batch)
+    if name == 'lean':
+      assert 'old_logp_MbT' not in logps or mu > 1
+    else:  # The old policy's forward, at mu = 1 asked for explicitly.
+      logps = step_lib.recompute_logps(state, batch, None, old=True,
+                                       ref=False)
+    new_state, m = rl_step.update(state, batch, logps, plan)
+    out[name] = (jax.device_get(new_state.params), m)
+  (p_lean, m_lean), (p_full, m_full) = out['lean'], out['full']
+  # The sampler's log-probs are the recompute's up to rounding.
+  assert float(m_lean['rollout_vs_update_logp_max_abs']) < 1e-4
+  np.testing.assert_allclose(m_lean['ratio_mean_U'], m_full['ratio_mean_U'],
+                             rtol=1e-4)
+  # Adam moves every parameter by about the learning rate an epoch, whatever
+  # its gradient's size, so the old log-probs' rounding (< 1e-4) can tilt a
+  # tiny gradient's step: bound the difference by a fraction of one step.
+  lr = 1e-3
+  for a, b in zip(jax.tree.leaves(p_lean), jax.tree.leaves(p_full)):
+    assert float(np.abs(a - b).max()) <= 2e-2 * lr
+
+
+def test_recompute_on_a_step_level_plan_equals_the_canonical_layout(setup):
+  """The recompute on a placement with replicas (filled once, no moves)
+  gives the canonical layout's log-probs, old and reference."""
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  tx = step_lib.make_optimizer(1e-3, 1.0)
+  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=True)
+  batch = trainer.device_batch(trainer.rl_batch_from_rollout(
+      rollout, rewards, np.split(np.arange(32), 4)), mesh)
+  one = random_plan(np.random.default_rng(6), 1, cfg.model.num_layers)
+  held = placement_lib.Placement(np.repeat(one.slot_expert, 4, axis=0),
+                                 np.repeat(one.slot_share, 4, axis=0))
+  plan = _step_plan(held)
+  fn = jax.jit(step_lib.recompute_logps, static_argnames=('old', 'ref'))
+  a = fn(state, batch, plan, old=True, ref=True)
+  b = fn(state, batch, None, old=True, ref=True)
+  for k in ('old_logp_MbT', 'ref_logp_MbT'):
+    np.testing.assert_allclose(a[k], b[k], atol=2e-6)
+  assert float(a['rollout_vs_recompute_logp_max_abs']) < 1e-4
+
+
+def test_target_logp_in_chunks_equals_full_logits():
+  """Chunked target log-probs (never the whole [N, V] logits) equal
+  log_softmax of the full logits at the targets, value and gradient,
+  including a last chunk that is padded."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(37, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+  t = jnp.asarray(rng.integers(0, 50, 37), jnp.int32)
+
+  def full(x, w):
+    return jnp.take_along_axis(jax.nn.log_softmax(x @ w), t[:, None], -1)[:, 0]
+
+  def chunked(x, w):
+    return step_lib.target_logp(lambda h: h @ w, x, t, chunk=8)
+
+  np.testing.assert_allclose(chunked(x, w), full(x, w), rtol=1e-6, atol=1e-6)
+  g_c = jax.grad(lambda x, w: chunked(x, w).sum(), (0, 1))(x, w)
+  g_f = jax.grad(lambda x, w: full(x, w).sum(), (0, 1))(x, w)
+  for a, b in zip(g_c, g_f):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -43,13 +43,14 @@ def test_tiny_rl_step_on_gpu():
     batch = trainer.rl_batch_from_rollout(rollout, rewards,
                                           np.split(np.arange(32), 4))
 
+    whole = trainer.rl_batch_from_rollout(rollout, rewards, [np.arange(32)])
     logp, _ = jax.jit(lambda p, b: step_lib.token_logp(
-        graphdef, p, b['tokens_BT'], b['valid_BT'], None, b['routes_LBTK'],
-        None))(params, batch)
-    mask = batch['loss_mask_BT'] > 0
+        graphdef, p, b['tokens_MbT'][0], b['valid_MbT'][0], None,
+        b['routes_MLbTK'][0], None))(params, whole)
+    mask = whole['loss_mask_MbT'][0] > 0
     assert mask.sum() > 32
     np.testing.assert_allclose(np.asarray(logp)[mask],
-                               batch['rollout_logp_BT'][mask], atol=1e-4)
+                               whole['rollout_logp_MbT'][0][mask], atol=1e-4)
 
     tx = step_lib.make_optimizer(1e-2, 1.0)
     state = step_lib.init_train_state(

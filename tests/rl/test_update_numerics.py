@@ -5,6 +5,7 @@ with the PPO clip checked against a numpy GRPO loss.
 One module so the float32 update compiles once for both (compiles dominate).
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,8 @@ def setup():
     return optax.apply_updates(params, updates), opt_state
 
   fns = dict(
-      recompute=jax.jit(step_lib.recompute_logps, static_argnums=2),
+      recompute=jax.jit(functools.partial(step_lib.recompute_logps, old=True,
+                                          ref=False)),
       grads=jax.jit(lambda s, b, l, p: step_lib.update_grads(s, b, l, p, **kw)),
       apply=jax.jit(apply))
   return dict(mesh=mesh, gd_b=gd_b, params_b=params_b, gd_f=gd_f,
@@ -82,10 +84,9 @@ def test_bf16_keeps_f32_master_moments_and_gradient_sums(setup):
   # Micro-step m alone: zero the loss mask of every other micro-batch (their
   # gradient is then exactly 0, the same program computes step m).
   per_step = []
-  for mb in np.asarray(batch['microbatches_Mb']):
-    keep = np.zeros(lib.NUM_SAMPLES, np.float32)
-    keep[mb] = 1.0
-    only = dict(batch, loss_mask_BT=batch['loss_mask_BT'] * keep[:, None])
+  for i in range(M):
+    keep = (np.arange(M) == i).astype(np.float32)[:, None, None]
+    only = dict(batch, loss_mask_MbT=batch['loss_mask_MbT'] * keep)
     per_step.append(_leaves64(setup['grads'](state, only, logps, plan)[0]))
   bf16_carry_err, scale = 0.0, lib.tree_max_abs(g_acc)
   for got, parts in zip(_leaves64(g_acc), zip(*per_step)):
@@ -136,7 +137,7 @@ def test_bf16_rl_run_learns_like_f32(setup):
   master = step_lib.master_params(setup['params_b'])
   evaluator = _state(setup, setup['gd_f'], master, tx)
   adv = _advantages(batch['rewards_B'])
-  mask = np.asarray(batch['loss_mask_BT'], np.float64)
+  mask = np.asarray(lib.per_sample(batch, 'loss_mask_MbT'), np.float64)
 
   def score(params):
     logps = setup['recompute'](dataclasses.replace(evaluator, params=params),
@@ -221,14 +222,17 @@ def test_second_epoch_ratio_leaves_one_and_clip_acts(setup):
   # The numpy GRPO loss on epoch 2's log-probs (canonical layout, replayed
   # routes) and its clipped and unclipped gradients pulled back to the
   # parameters through the model's VJP.
+  full = {k: jnp.asarray(lib.per_sample(batch, k))
+          for k in ('tokens_MbT', 'valid_MbT', 'routes_MLbTK')}
+
   @jax.jit
   def pullback(params, cotangent_BT):
     logp, vjp = jax.vjp(lambda p: step_lib.token_logp(
-        gd, p, batch['tokens_BT'], batch['valid_BT'], None,
-        batch['routes_LBTK'], None)[0], params)
+        gd, p, full['tokens_MbT'], full['valid_MbT'], None,
+        full['routes_MLbTK'], None)[0], params)
     return logp, vjp(cotangent_BT)[0]
 
-  mask = np.asarray(batch['loss_mask_BT'], np.float64)
+  mask = np.asarray(lib.per_sample(batch, 'loss_mask_MbT'), np.float64)
   old = _per_sample(logps0['old_logp_MbT'], batch['microbatches_Mb'])
   logp1 = np.asarray(pullback(state1.params, jnp.zeros(mask.shape))[0],
                      np.float64)

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from foremoe_jax import placement as placement_lib
+from foremoe_jax.foresight import loads as loads_lib
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model import sharding, transformer
 from foremoe_jax.rollout import recompute
@@ -104,6 +105,14 @@ def test_logp_and_routes_equal_full_forward(setup):
   np.testing.assert_array_equal(r.routes_LBTK[valid_LBTK],
                                 routes_LBTK[valid_LBTK])
   assert r.valid_BT[:, -1].any(), 'no sample ran to T - 1; pick another seed'
+  # The device counted the record of the positions the RL step feeds
+  # (all but the last), as a host count of the same record does.
+  np.testing.assert_array_equal(
+      r.counts_BLE, loads_lib.sample_expert_counts(
+          r.routes_LBTK[:, :, :-1], r.valid_BT[:, :-1],
+          setup.cfg.num_experts))
+  assert r.counts_BLE.sum() == r.valid_BT[:, :-1].sum() * setup.cfg.top_k * (
+      r.routes_LBTK.shape[0])
   # Samples vary within a group (a fresh-model sanity check of sampling).
   assert len({tuple(c) for c in r.completion_BC[:4]}) > 1
 
