@@ -12,10 +12,12 @@ Stages, each logged (unless --json):
      every row) and PNG plots in --out_dir;
      `python -m experiments.render_results` turns them into README tables.
 The last line printed is one JSON object: `validation` (with
-`max_rel_error_update`), `speedup_64gpu_foremoe_vs_static`,
-`speedup_64gpu_foremoe_vs_eplb_step` (Qwen3-30B-A3B, 64 H100s, exact-count
-dispatch; the `_padded` keys are the padded EP layer as built) beside the
-paper's 1.45x, and the assumptions that drive them.
+`max_rel_error_update` and `max_rel_error_recompute`),
+`speedup_64gpu_foremoe_vs_static`, `speedup_64gpu_foremoe_vs_eplb_step`,
+`speedup_64gpu_foremoe_vs_foresight_split` and
+`peak_bytes_per_device_64gpu` (Qwen3-30B-A3B, 64 H100s, the default
+dispatch named in `dispatch_64gpu`; the `_padded` keys are the padded-cell
+layer) beside the paper's 1.45x, and the assumptions that drive them.
 """
 import dataclasses
 import json
@@ -99,7 +101,7 @@ def main(argv):
                             work_kwargs=work_kwargs, trace=trace, log=log)
     pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
   for r in rows:
-    if r['mode'] == 'ragged' and r['profile'] == profiles[0].name:
+    if r['mode'] == 'exact' and r['profile'] == profiles[0].name:
       log(f"{r['model']:>17} {r['devices']:>4} {r['method']:>14}: step "
           f"{r['step_s']:8.3f}s update {r['update_s']:8.3f}s "
           f"x{r.get('speedup_step_vs_static', float('nan')):.3f} vs static "
@@ -107,8 +109,11 @@ def main(argv):
   summary = {
       'validation': None if validation is None else {
           'max_rel_error_update': validation['max_rel_error_update'],
+          'max_rel_error_recompute': validation['max_rel_error_recompute'],
           'per_method': {m: v['rel_error_update']
                          for m, v in validation['methods'].items()},
+          'per_method_recompute': {m: v['rel_error_recompute']
+                                   for m, v in validation['methods'].items()},
           'predicted_speedup_update_vs_static':
               validation['predicted_speedup_update_vs_static'],
           'measured_speedup_update_vs_static':
@@ -119,6 +124,11 @@ def main(argv):
           'profile': hardware.describe(profiles[0]),
           'workload': cluster.workload_description(work_kwargs),
           'rollout': 'excluded (the same for every method)',
+          'recompute': 'the forwards the step needs (workload '
+                       'recompute_forward_passes), on each method\'s '
+                       'step-level placement',
+          'memory': 'foremoe_jax/sim/memory.py (checked against XLA by '
+                    'experiments.memory_report)',
           'trace': 'synthetic, hottest expert per layer calibrated to public '
                    'routing statistics (foremoe_jax/sim/workload.HOT_SHARE)',
           'planner_time': 'measured on this host, one thread',

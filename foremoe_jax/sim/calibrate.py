@@ -10,9 +10,11 @@ kernels and fits the profile's constants:
   model's expert size (`engine_round_times`);
 * memory: an elementwise pass over a large array on every device;
 * compute: the model's forward and backward on one micro-batch (canonical
-  layout, uniform random routing, no planner, no moves) at five capacity
-  buckets, fitted as `fixed + rows * slope`. The slope, less the modelled
-  all-to-all per row, gives the expert GEMM rate F; the fixed part, less
+  layout, exact dispatch, routes replayed, no planner, no moves) at five
+  routing skews that raise the busiest device's rows, fitted as `fixed +
+  rows * slope` (the simulated devices run the busiest device's tiles in
+  lockstep, so the busiest device's rows set the time). The slope gives
+  the expert GEMM rate F; the fixed part, less the emulated exchange and
   the non-expert FLOPs at F, gives the per-layer overhead. At these tiny
   shapes per-op overheads dominate, so the profile is fitted on the
   benchmark's model shapes; it knows nothing of the methods, their plans,
@@ -31,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.planner.topology import Topology
@@ -96,17 +99,17 @@ def engine_round_times(mesh, model: ModelShape, slots_per_device: int,
   for k in range(1, n + 1):
     busy_LS[0, (k + 1) * slots_per_device - 1] = 0  # Device k's last slot.
   rng = np.random.default_rng(0)
-  shard = jax.sharding.NamedSharding(mesh, P(EXPERT))
+  shard = jax.sharding.NamedSharding(mesh, P(None, EXPERT))
   canon = tuple(jax.device_put(jnp.asarray(rng.standard_normal(sh),
                                            jnp.float32), shard)
-                for sh in ((e, d, f), (e, d, f), (e, f, d)))
+                for sh in ((1, e, d, f), (1, e, d, f), (1, e, f, d)))
 
   def trans(prev, nxt):
     return engine.device_transition(schedule.transition(prev, nxt, e, topo, n))
-  slots0 = engine.fill_slots(None, [canon], trans(None, home_LS), mesh=mesh)
-  fill = jax.jit(lambda s, t: engine.fill_slots(s, [canon], t, mesh=mesh))
-  grads = [tuple(x for x in slots0[0][:3])]
-  ret = jax.jit(lambda g, t: engine.return_grads(g, [canon], t, mesh=mesh))
+  slots0 = engine.fill_slots(None, canon, trans(None, home_LS), mesh=mesh)
+  fill = jax.jit(lambda s, t: engine.fill_slots(s, canon, t, mesh=mesh))
+  grads = tuple(slots0[:3])
+  ret = jax.jit(lambda g, t: engine.return_grads(g, canon, t, mesh=mesh))
   t = _median_times({
       'fill_0': (fill, (slots0, trans(home_LS, home_LS))),
       'fill_n': (fill, (slots0, trans(home_LS, busy_LS))),
@@ -127,13 +130,45 @@ def memory_bandwidth(mesh, elems_per_device: int = 1 << 22) -> float:
   return 2 * 4 * elems_per_device / _median_times({0: (fn, (x,))})[0]
 
 
+def skewed_routes(rng, num_layers: int, num_tokens: int, num_experts: int,
+                  top_k: int, hot_experts, skew: float) -> np.ndarray:
+  """int32 routes [L, N, K]: each token picks `top_k` distinct experts;
+  with probability `skew` the first ones are the `hot_experts` (those
+  homed on one device), else uniformly at random. Raises the busiest
+  device's rows from the uniform share to about skew * all rows."""
+  keys = rng.random((num_layers, num_tokens, num_experts))
+  hot = np.zeros(num_experts, bool)
+  hot[np.asarray(hot_experts)] = True
+  chosen = rng.random((num_layers, num_tokens, 1)) < skew
+  keys = np.where(chosen & hot, keys + 2.0, keys)
+  return np.argsort(-keys, axis=-1)[..., :top_k].astype(np.int32)
+
+
+def busiest_device_rows(routes_LNK, num_experts: int, num_devices: int,
+                        num_data: int = 1) -> int:
+  """Rows the busiest device receives over layers (home layout; tokens
+  split over the devices in order, as the model lays them out)."""
+  num_layers, num_tokens, _ = routes_LNK.shape
+  homes = num_experts // num_devices
+  per_group = num_tokens // num_data
+  most = 0
+  for g in range(num_data):
+    ids = routes_LNK[:, g * per_group:(g + 1) * per_group]
+    for l in range(num_layers):
+      most = max(most, int(np.bincount(ids[l].reshape(-1) // homes,
+                                       minlength=num_devices).max()))
+  return most
+
+
 def model_microstep_times(model_cfg, mesh, tokens_per_seq: int,
-                          seqs_per_device: int, capacities,
-                          seed: int = 0) -> dict:
+                          seqs_per_device: int, skews, seed: int = 0,
+                          dispatch: str = 'exact') -> dict:
   """Seconds of the whole model's forward + backward on one micro-batch
-  (canonical layout, uniform random routing) per capacity."""
+  (canonical layout, routes replayed) at several routing skews, keyed by
+  the busiest device's rows; each runs at the capacity bucket of its own
+  demand, as the trainer would pick it."""
   model = transformer.Transformer(model_cfg, mesh, rngs=nnx.Rngs(seed),
-                                  dispatch='padded')
+                                  dispatch=dispatch)
   graphdef, params = sharding.split_model(model, mesh)
   num_dev = mesh.shape[EXPERT]
   b = seqs_per_device * num_dev
@@ -143,21 +178,29 @@ def model_microstep_times(model_cfg, mesh, tokens_per_seq: int,
   valid = jnp.ones(toks.shape, bool)
   e, k = model_cfg.num_experts, model_cfg.top_k
   num_moe = model_cfg.num_layers - model_cfg.first_dense_layers
-  routes = jnp.asarray(np.argsort(rng.random((num_moe, b, tokens_per_seq, e)),
-                                  axis=-1)[..., :k], jnp.int32)
+  spd = e // num_dev
+  buckets = config_lib.capacity_buckets(seqs_per_device * tokens_per_seq, k,
+                                        num_dev, spd, dispatch=dispatch)
+  programs = {}
+  for skew in skews:
+    routes_LNK = skewed_routes(rng, num_moe, b * tokens_per_seq, e, k,
+                               np.arange(spd), skew)
+    rows = busiest_device_rows(routes_LNK, e, num_dev)
+    cap = config_lib.pick_bucket(rows, buckets)
+    routes = jnp.asarray(routes_LNK.reshape(num_moe, b, tokens_per_seq, k))
 
-  def program(cap):
-    def loss(params):
+    def loss(params, routes=routes, cap=cap):
       logp, _ = step_lib.token_logp(graphdef, params, toks, valid, None,
                                     routes, cap)
       return -logp.mean()
-    return jax.jit(jax.grad(loss)), (params,)
-  return _median_times({int(c): program(int(c)) for c in capacities})
+    programs[rows] = (jax.jit(jax.grad(loss)), (params,))
+  return _median_times(programs)
 
 
 def cpu_profile(model_cfg, *, tokens_per_seq: int, seqs_per_device: int,
-                slots_per_device: int, capacities=(32, 48, 64, 96, 128),
-                log=print) -> tuple[HardwareProfile, dict]:
+                slots_per_device: int,
+                skews=(0.0, 0.15, 0.3, 0.45, 0.6), log=print
+                ) -> tuple[HardwareProfile, dict]:
   """Measures this machine on the given model's shapes; returns the
   profile and the raw measurements."""
   model = ModelShape.from_config(model_cfg)
@@ -181,30 +224,33 @@ def cpu_profile(model_cfg, *, tokens_per_seq: int, seqs_per_device: int,
   raw['hbm_bw'] = hbm = memory_bandwidth(mesh)
   log(f'calibrate: memory {hbm / 1e9:.2f} GB/s per device')
   raw['model_microstep_s'] = micro = model_microstep_times(
-      model_cfg, mesh, tokens_per_seq, seqs_per_device, capacities)
+      model_cfg, mesh, tokens_per_seq, seqs_per_device, skews)
   probe = HardwareProfile('probe', 1.0, 1.0, hbm, 0, bw_a2a, lat_a2a, bw_a2a,
                           lat_a2a)
-  rows, rest = [], []
-  for cap, t in micro.items():
-    tile = expert_parallel.default_tile(num_dev * cap, slots_per_device)
-    rows.append(costs.padded_rows(num_dev, cap, slots_per_device, tile))
-    rest.append(t - model.num_moe_layers * 4 * costs.all_to_all_time(
-        costs.padded_cells(num_dev, cap) * model.d_model * 4, probe))
+  # The emulated exchange moves the per-cell bound on every pair: a fixed
+  # cost per layer, the same at every skew.
+  chunk = costs.padded_cells(num_dev, tokens * min(model.top_k,
+                                                   model.num_experts // num_dev))
+  a2a_s = model.num_moe_layers * 4 * costs.all_to_all_time(
+      chunk * model.d_model * 4, probe)
+  rows = list(micro)
+  rest = [t - a2a_s for t in micro.values()]
   fixed, slope = _fit_line(rows, rest)
   flops = model.num_moe_layers * model.expert_flops_per_row() / slope
   nonexpert_s = tokens * model.nonexpert_flops_per_token(tokens_per_seq) / flops
   layer_overhead = max(fixed - nonexpert_s, 0.0) / (2 * model.num_layers)
   log(f'calibrate: micro-step {min(micro.values()) * 1e3:.1f}-'
-      f'{max(micro.values()) * 1e3:.1f} ms over capacities {list(micro)}; '
-      f'expert GEMM {flops / 1e9:.2f} GFLOP/s per device, '
+      f'{max(micro.values()) * 1e3:.1f} ms over busiest-device rows '
+      f'{rows}; expert GEMM {flops / 1e9:.2f} GFLOP/s per device, '
       f'{layer_overhead * 1e3:.3f} ms per layer and pass')
   profile = HardwareProfile(
       name='cpu_measured', peak_flops_per_s=flops, matmul_efficiency=1.0,
       hbm_bw=hbm, devices_per_node=0, intra_bw=bw_a2a,
       intra_latency_s=lat_a2a, inter_bw=bw_a2a, inter_latency_s=lat_a2a,
       layer_overhead_s=layer_overhead, transfer_overlap=0.0,
-      copy_bw=copy_bw, copy_latency_s=0.0,
+      copy_bw=copy_bw, copy_latency_s=0.0, emulated_exchange=True,
       notes=f'measured on {num_dev} local {jax.devices()[0].platform} '
-            f'devices by foremoe_jax.sim.calibrate')
+            f'devices by foremoe_jax.sim.calibrate (exact dispatch, '
+            f'emulated exchange, lockstep tile loop)')
   return profile, {k: ({str(a): b for a, b in v.items()}
                        if isinstance(v, dict) else v) for k, v in raw.items()}

@@ -97,7 +97,7 @@ def _add_speedups(rows):
                       {})[r['method']] = r
   for group in by_key.values():
     for r in group.values():
-      for base in ('static', 'eplb_step'):
+      for base in ('static', 'eplb_step', 'foresight_split'):
         if base in group:
           r[f'speedup_update_vs_{base}'] = group[base]['update_s'] / r['update_s']
           r[f'speedup_step_vs_{base}'] = group[base]['step_s'] / r['step_s']
@@ -111,22 +111,24 @@ def find(rows, **match) -> dict:
 
 
 def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
-  """ForeMoE at 64 H100-class GPUs on Qwen3-30B-A3B, both dispatch modes."""
-  out = {}
+  """ForeMoE at 64 H100-class GPUs on Qwen3-30B-A3B: the default dispatch
+  (named in `dispatch_64gpu`) unsuffixed, the padded one `_padded`."""
+  out = {'dispatch_64gpu': simulate.DEFAULT_MODE}
   for mode in simulate.MODES:
     try:
       r = find(rows, model=model, devices=devices, profile=profile, mode=mode,
                method='foremoe')
     except KeyError:
       continue
-    suffix = '' if mode == 'ragged' else '_padded'
-    out[f'speedup_64gpu_foremoe_vs_static{suffix}'] = r['speedup_step_vs_static']
-    out[f'speedup_64gpu_foremoe_vs_eplb_step{suffix}'] = r[
-        'speedup_step_vs_eplb_step']
-    out[f'update_speedup_64gpu_foremoe_vs_static{suffix}'] = r[
-        'speedup_update_vs_static']
-    out[f'update_speedup_64gpu_foremoe_vs_eplb_step{suffix}'] = r[
-        'speedup_update_vs_eplb_step']
+    suffix = '' if mode == simulate.DEFAULT_MODE else f'_{mode}'
+    for base in ('static', 'eplb_step', 'foresight_split'):
+      if f'speedup_step_vs_{base}' in r:
+        out[f'speedup_64gpu_foremoe_vs_{base}{suffix}'] = r[
+            f'speedup_step_vs_{base}']
+        out[f'update_speedup_64gpu_foremoe_vs_{base}{suffix}'] = r[
+            f'speedup_update_vs_{base}']
+    out[f'peak_bytes_per_device_64gpu{suffix}'] = r['peak_bytes_per_device']
+    out[f'step_s_64gpu_foremoe{suffix}'] = r['step_s']
   return out
 
 

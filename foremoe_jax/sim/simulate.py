@@ -1,15 +1,23 @@
 """Predicted RL-step times of each balancing method on a simulated cluster.
 
 The host side is not simulated: each method's plan for the step is made by
-the repository's own planner, fitted to the transfer budget and scheduled
-into move rounds by the repository's own transfer schedule, and its wall
-time is measured on this machine (`plan_methods`). Only the device side is
-modelled (`time_step`, with `costs`): per micro-step the straggler's expert
+the repository's own planner (`planner.StepPlanner`, as the trainer makes
+it), fitted to the transfer budget and scheduled into move rounds by the
+repository's own transfer schedule, and its wall time is measured on this
+machine (`plan_methods`); so is the step-level placement the recompute runs
+on (`StepPlanner.step_level_plan`). Only the device side is modelled
+(`time_step`, with `costs`): per micro-step the straggler's expert
 compute, the token all-to-alls, the non-expert compute, and the expert
-moves split into hidden and exposed; per step the recompute (forward only,
-canonical layout, which the planner overlaps), the wait for the plan, the
-fill and flush of the slot buffers, the gradient all-reduce and the
-optimizer update. The rollout is the same for every method and is left out.
+moves split into hidden and exposed; per step the recompute (the forwards
+the step needs, on the method's step-level placement, filled first),
+the wait for the plan, the fill and flush of the slot buffers, the
+gradient all-reduce (once per step) and the optimizer update; and the
+per-device memory (`memory.update_memory`). The rollout is the same for
+every method and is left out.
+
+Dispatch modes model what the EP layer implements (`parallel.dispatch`):
+'exact' (the default: a device computes the rows it receives) and
+'padded' (every cell padded to the step's bucket).
 
 Shape letters: M micro-steps, L MoE layers, D EP devices, E experts.
 """
@@ -22,21 +30,21 @@ import numpy as np
 
 from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
-from foremoe_jax.model import expert_parallel
-from foremoe_jax.planner import baselines, foremoe
+from foremoe_jax.model.grouped_swiglu import default_tile
+from foremoe_jax.planner import foremoe, guard
 from foremoe_jax.planner.plan import StepPlan
 from foremoe_jax.planner.topology import CostModel, Topology
-from foremoe_jax.sim import costs
+from foremoe_jax.sim import costs, memory
 from foremoe_jax.sim.hardware import HardwareProfile
 from foremoe_jax.sim.workload import ModelShape, Workload
 from foremoe_jax.transfer import schedule
 
-METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
+METHODS = guard.METHODS
 # ForeMoE as it planned before the simulator (weight copies priced alone,
 # shift rounds ignored): ask for it by name to see the fixes' effect.
 ABLATIONS = ('foremoe_before_fixes',)
-MODES = ('padded', 'ragged')
-CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # parallel_defaults().
+MODES = config_lib.DISPATCHES  # ('exact', 'padded'); exact is the default.
+DEFAULT_MODE = 'exact'
 
 
 @dataclasses.dataclass
@@ -45,10 +53,17 @@ class MethodPlan:
 
   plan: StepPlan
   transfer: schedule.StepTransfer
-  capacity: int  # Padded layer's bucket for the update.
-  static_capacity: int  # Bucket of the canonical layout (the recompute).
+  capacity: dict  # Update bucket per dispatch mode.
+  static_capacity: dict  # Home layout's bucket per dispatch mode.
   reverted: int
   plan_s: float  # Planner + fit + move schedule, measured on this host.
+  # The recompute's step-level placement (None: the home layout, no
+  # transfer), its fill, its bucket per mode, and the host seconds to make
+  # them (spent before the recompute is dispatched).
+  recompute_plan: StepPlan | None = None
+  recompute_transfer: schedule.StepTransfer | None = None
+  recompute_capacity: dict | None = None
+  recompute_plan_s: float = 0.0
 
 
 def topology(model: ModelShape, work: Workload, hw: HardwareProfile) -> Topology:
@@ -73,74 +88,86 @@ def default_budget(topo: Topology) -> schedule.TransferBudget:
                                  microstep_rounds=2)
 
 
-def _bucket(loads_MLDE, placements, buckets) -> int:
-  cells = max(int(placement_lib.cell_counts(loads_MLDE[m], p).max())
-              for m, p in enumerate(placements))
-  return config_lib.pick_bucket(cells, buckets)
+def _buckets(loads_MLDE, placement_of, buckets) -> dict:
+  """Smallest bucket per dispatch mode for these (one data group's) loads."""
+  out = {}
+  for mode in MODES:
+    demand = max(placement_lib.capacity_demand(loads_MLDE[m][None],
+                                               placement_of(m), mode)
+                 for m in range(loads_MLDE.shape[0]))
+    out[mode] = config_lib.pick_bucket(demand, buckets[mode])
+  return out
 
 
 def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
                  budget: schedule.TransferBudget, top_k: int,
                  tokens_per_device: int, methods=METHODS,
-                 capacity_factors=CAPACITY_FACTORS,
                  config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig()
                  ) -> dict[str, MethodPlan]:
-  """Each method's plan as the trainer makes it (`rl.trainer._finalize`):
-  plan from the home layout, fit to the budget, schedule, pick the bucket.
+  """Each method's plans as the trainer makes them (`rl.trainer`): the
+  update's plan from the home layout, fit to the budget, scheduled, its
+  buckets; the recompute's step-level placement, fit and filled.
   history_LE: EPLB-step's decayed past loads (None: none yet)."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro, num_layers, _, num_experts = loads_MLDE.shape
   home = placement_lib.identity_placement(num_layers, num_experts,
                                           topo.num_devices, topo.slots_per_device)
-  cfg = dataclasses.replace(config, home_anchor=True,
-                            anchor_rounds=budget.step_rounds,
-                            moves_per_layer=budget.microstep_rounds)
-  rounds = budget.step_rounds
-  buckets = config_lib.capacity_buckets(tokens_per_device, top_k,
-                                        topo.num_devices, topo.slots_per_device,
-                                        dispatch='padded',
-                                        factors=capacity_factors)
-  static_cap = _bucket(loads_MLDE, [home] * num_micro, buckets)
+  buckets = {mode: config_lib.capacity_buckets(
+      tokens_per_device, top_k, topo.num_devices, topo.slots_per_device,
+      dispatch=mode) for mode in MODES}
+  static_cap = _buckets(loads_MLDE, lambda m: home, buckets)
   out = {}
   for method in methods:
-    t0 = time.perf_counter()
-    if method == 'static':
-      plan = baselines.plan_static(loads_MLDE, topo, cost, home)
-    elif method == 'eplb_step':
-      plan = baselines.plan_eplb_step(loads_MLDE, topo, cost, home, history_LE,
-                                      home_anchor=True, max_rounds=rounds)
-    elif method == 'eplb_microstep':
-      plan = baselines.plan_eplb_microstep(loads_MLDE, topo, cost, home,
-                                           home_anchor=True, max_rounds=rounds)
-    elif method == 'foremoe':
-      plan = foremoe.plan_step(loads_MLDE, topo, cost, home, cfg)
-    elif method == 'foremoe_before_fixes':
-      plan = foremoe.plan_step(loads_MLDE, topo, cost, home, dataclasses.replace(
-          cfg, price_gradient_returns=False, anchor_rounds=None,
-          moves_per_layer=None))
-    else:
+    if method not in METHODS + ABLATIONS:
       raise ValueError(f'unknown method {method!r}; pick from '
                        f'{METHODS + ABLATIONS}.')
-    plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, topo, cost,
-                                                 budget)
-    transfer = schedule.build_step_transfer(plan.placement.slot_expert,
-                                            num_experts, topo, budget)
-    cap = _bucket(loads_MLDE, [plan.microstep(m) for m in range(num_micro)],
-                  buckets)
-    out[method] = MethodPlan(plan, transfer, cap, static_cap, reverted,
-                             time.perf_counter() - t0)
+    planner = guard.StepPlanner(
+        'foremoe' if method in ABLATIONS else method, topo, cost, home,
+        config=config, carry_over=False, anchor_rounds=budget.step_rounds,
+        moves_per_layer=budget.microstep_rounds)
+    planner.history_LE = history_LE
+    try:
+      t0 = time.perf_counter()
+      if method == 'foremoe_before_fixes':
+        plan = foremoe.plan_step(loads_MLDE, topo, cost, home, dataclasses.replace(
+            planner.config, price_gradient_returns=False, anchor_rounds=None,
+            moves_per_layer=None))
+      else:
+        plan = planner.submit(loads_MLDE).result()
+      plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, topo,
+                                                   cost, budget)
+      transfer = schedule.build_step_transfer(plan.placement.slot_expert,
+                                              num_experts, topo, budget)
+      cap = _buckets(loads_MLDE, plan.microstep, buckets)
+      plan_s = time.perf_counter() - t0
+      mp = MethodPlan(plan, transfer, cap, static_cap, reverted, plan_s,
+                      recompute_capacity=static_cap)
+      if method != 'static':
+        t0 = time.perf_counter()
+        rplan = planner.step_level_plan(loads_MLDE)
+        rplan, _ = schedule.fit_plan_to_budget(rplan, loads_MLDE, topo, cost,
+                                               budget)
+        mp.recompute_transfer = schedule.build_step_transfer(
+            rplan.placement.slot_expert, num_experts, topo, budget)
+        mp.recompute_capacity = _buckets(loads_MLDE, rplan.microstep, buckets)
+        mp.recompute_plan = rplan
+        mp.recompute_plan_s = time.perf_counter() - t0
+    finally:
+      planner.close()
+    out[method] = mp
   return out
 
 
 def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
-                 hw: HardwareProfile, spd: int, mode: str, passes: int):
+                 hw: HardwareProfile, spd: int, mode: str, passes: int,
+                 tokens_per_device: int):
   """Per micro-step expert compute and all-to-all seconds: ([M], [M])."""
   num_micro, num_layers, num_dev, _ = np.shape(loads_MLDE)
   act_bytes = model.d_model * model.bytes_per_param
   num_a2a = 2 if passes == 1 else 4  # Forward: dispatch, combine.
   moe_M, a2a_M = np.zeros(num_micro), np.zeros(num_micro)
   if mode == 'padded':
-    rows = costs.padded_rows(num_dev, capacity, spd, expert_parallel.default_tile(
+    rows = costs.padded_rows(num_dev, capacity, spd, default_tile(
         num_dev * capacity, spd))
     layer_moe = float(costs.expert_time(rows, spd, model, hw, passes))
     layer_a2a = costs.all_to_all_time(
@@ -148,16 +175,25 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
     moe_M[:] = num_layers * layer_moe
     a2a_M[:] = num_layers * num_a2a * layer_a2a
     return moe_M, a2a_M
-  if mode != 'ragged':
+  if mode != 'exact':
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}.')
+  if hw.emulated_exchange:
+    # Every pair moves the per-cell bound (a token sends a device at most
+    # min(top_k, s) rows): tokens * min(top_k, s) rows per cell.
+    chunk = costs.padded_cells(num_dev,
+                               tokens_per_device * min(model.top_k, spd))
+    layer_a2a = costs.all_to_all_time(chunk * act_bytes, hw)
   for m in range(num_micro):
     p = placement_of(m)
     cells_LSD = placement_lib.cell_counts(loads_MLDE[m], p)
     loads_LD = cells_LSD.sum(axis=1)
     moe_M[m] = float(costs.expert_time(loads_LD.max(axis=1), spd, model, hw,
                                        passes).sum())
-    a2a_M[m] = num_a2a * sum(costs.all_to_all_time(c * act_bytes, hw)
-                             for c in cells_LSD)
+    if hw.emulated_exchange:
+      a2a_M[m] = num_a2a * num_layers * layer_a2a
+    else:
+      a2a_M[m] = num_a2a * sum(costs.all_to_all_time(c * act_bytes, hw)
+                               for c in cells_LSD)
   return moe_M, a2a_M
 
 
@@ -169,9 +205,20 @@ def _transition_s(t, model, hw, num_dev, lead=()) -> np.ndarray:
                    for l in range(num_layers)])
 
 
+def _fill_s(transfer, model, hw, num_dev, num_layers, spd) -> float:
+  """Exposed seconds of a step's first fill (rounds + local copies)."""
+  fill = transfer.fill
+  local_D = np.zeros(num_dev)
+  for l in range(num_layers):
+    local_D += (fill.local_src_LS[l].reshape(num_dev, spd) >= 0).sum(axis=1)
+  return float(_transition_s(fill, model, hw, num_dev).sum()
+               + costs.local_copy_time(local_D, model, hw))
+
+
 def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
-              hw: HardwareProfile, mode: str = 'padded') -> dict:
-  """Predicted seconds of one RL step (update phase and whole step)."""
+              hw: HardwareProfile, mode: str = DEFAULT_MODE) -> dict:
+  """Predicted seconds of one RL step (update phase and whole step) and
+  the update's per-device memory."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro, num_layers, num_dev, num_experts = loads_MLDE.shape
   spd = work.slots_per_device(model)
@@ -181,8 +228,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       tokens * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
       / hw.nonexpert_flops_per_s
       + model.num_layers * hw.layer_overhead_s * (1 + (passes > 1)))
-  moe_M, a2a_M = _moe_and_a2a(loads_MLDE, plan.microstep, mp.capacity, model,
-                              hw, spd, mode, passes=3)
+  moe_M, a2a_M = _moe_and_a2a(loads_MLDE, plan.microstep, mp.capacity[mode],
+                              model, hw, spd, mode, passes=3,
+                              tokens_per_device=tokens)
   compute_M = moe_M + nonexpert(3)
   move_M = np.zeros(num_micro)  # Moves into micro-step m + 1.
   for m in range(num_micro - 1):
@@ -190,36 +238,52 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
                               (m,)).sum()
   hidden_M = np.minimum(move_M, hw.transfer_overlap * compute_M)
   exposed_M = move_M - hidden_M
-  fill = mp.transfer.fill
-  local_D = np.zeros(num_dev)
-  for l in range(num_layers):
-    local_D += (fill.local_src_LS[l].reshape(num_dev, spd) >= 0).sum(axis=1)
-  fill_s = (_transition_s(fill, model, hw, num_dev).sum()
-            + costs.local_copy_time(local_D, model, hw))
+  fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
   flush_s = _transition_s(mp.transfer.flush, model, hw, num_dev).sum()
   groups = work.num_devices // num_dev
   expert_params = (model.num_moe_layers * model.params_per_expert
                    * num_experts / num_dev)
   optimizer_s = costs.optimizer_time(expert_params + model.nonexpert_params(),
                                      hw)
-  # f32 gradients: non-expert ones over every device, expert ones over the
-  # EP groups beside each other.
+  # f32 gradients, reduced once per step (rl/step.py): non-expert ones over
+  # every device, expert ones over the EP groups beside each other.
   sync_s = (costs.allreduce_time(4.0 * model.nonexpert_params(),
                                  work.num_devices, hw)
             + (costs.allreduce_time(4.0 * expert_params, groups, hw)
                if groups > 1 else 0.0))
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum() + flush_s
                    + optimizer_s + sync_s)
-  home = placement_lib.identity_placement(num_layers, num_experts, num_dev, spd)
-  rmoe_M, ra2a_M = _moe_and_a2a(loads_MLDE, lambda m: home, mp.static_capacity,
-                                model, hw, spd, mode, passes=1)
-  recompute_s = float((rmoe_M + ra2a_M + nonexpert(1)).sum()) * (
-      1 + work.reference_forward)
-  plan_wait_s = max(0.0, mp.plan_s - recompute_s)
+  # The recompute: the forwards the step needs, each on the method's
+  # step-level placement (its weights filled first), or on the home layout.
+  passes = work.recompute_forward_passes
+  recompute_s, recompute_fill_s = 0.0, 0.0
+  if passes:
+    if mp.recompute_plan is None:
+      home = placement_lib.identity_placement(num_layers, num_experts, num_dev,
+                                              spd)
+      placement_of = lambda m: home
+    else:
+      placement_of = mp.recompute_plan.microstep
+      recompute_fill_s = _fill_s(mp.recompute_transfer, model, hw, num_dev,
+                                 num_layers, spd)
+    rmoe_M, ra2a_M = _moe_and_a2a(loads_MLDE, placement_of,
+                                  mp.recompute_capacity[mode], model, hw, spd,
+                                  mode, passes=1, tokens_per_device=tokens)
+    recompute_s = passes * float(recompute_fill_s + (rmoe_M + ra2a_M).sum()
+                                 + num_micro * nonexpert(1))
+  # The micro-step plan is made while the step-level plan is made and the
+  # recompute runs; the update waits for whichever ends last.
+  plan_wait_s = max(0.0, mp.plan_s - mp.recompute_plan_s - recompute_s)
+  mem = memory.update_memory(
+      model, work, ep=num_dev, slots_per_device=spd,
+      capacity_rows=(mp.capacity[mode] if mode == 'exact'
+                     else num_dev * mp.capacity[mode]),
+      remat_policy=work.remat_policy)
   return dict(
       update_s=update_s, recompute_s=recompute_s, plan_s=mp.plan_s,
-      plan_wait_s=plan_wait_s,
-      step_s=recompute_s + plan_wait_s + update_s,
+      recompute_plan_s=mp.recompute_plan_s, plan_wait_s=plan_wait_s,
+      step_s=mp.recompute_plan_s + recompute_s + plan_wait_s + update_s,
+      recompute_forward_passes=passes, recompute_fill_s=recompute_fill_s,
       moe_compute_s=float(moe_M.sum()), all_to_all_s=float(a2a_M.sum()),
       nonexpert_s=float(num_micro * nonexpert(3)),
       transfer_s=float(move_M.sum() + fill_s + flush_s),
@@ -227,6 +291,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       transfer_exposed_s=float(exposed_M.sum() + fill_s + flush_s),
       fill_s=float(fill_s), flush_s=float(flush_s),
       optimizer_s=optimizer_s, grad_sync_s=sync_s,
-      capacity=mp.capacity, reverted_moves=mp.reverted,
+      capacity=mp.capacity[mode], reverted_moves=mp.reverted,
       microstep_max_over_mean=float(placement_lib.max_over_mean(
-          plan.loads_MLD).mean()))
+          plan.loads_MLD).mean()),
+      peak_bytes_per_device=mem.total, memory=mem.as_dict())

@@ -5,16 +5,19 @@ moves or timing:
 
 * `kernels`: `calibrate.cpu_profile`, from microbenchmarks (all-to-all,
   the engine's own rounds, memory, the model's forward + backward at five
-  capacities);
+  routing skews);
 * `update`: the same, with its compute constants (GEMM rate, per-layer
   overhead) refitted on the RL update program itself, run with the static
-  layout (no planner, no moves) at the buckets *below* the static
-  bucket, so that the static method's own time is extrapolated, not fitted.
+  layout (no planner, no moves) on the benchmark's batch with its routes
+  replaced by synthetic ones of several skews. What it is fitted on is
+  held out from what it is judged on: the judged runs are the methods'
+  updates on the sampled routes, which no fit sees.
 
-`bench_rl_step` then times every method's real update, and
-`simulate.time_step` predicts each one from the benchmark's own plans,
-move schedules and buckets; the report is the relative error per method
-and profile. The `update` profile is the one the validation target reads.
+`bench_rl_step` then times every method's real update and recompute, and
+`simulate.time_step` predicts each from the benchmark's own plans, move
+schedules and buckets; the report is the relative error per method and
+profile, for the update and for the recompute. The `update` profile is the
+one the validation target reads.
 """
 from __future__ import annotations
 
@@ -22,19 +25,37 @@ import dataclasses
 
 import numpy as np
 
-from foremoe_jax import config as config_lib
+from foremoe_jax import placement as placement_lib
 from foremoe_jax.benchmarks import rl_step
 from foremoe_jax.sim import calibrate, simulate
 from foremoe_jax.sim.hardware import HardwareProfile, describe
 from foremoe_jax.sim.workload import ModelShape, Workload
 from foremoe_jax.tasks import task_from_config
 
+CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 
-def refit_compute(profile: HardwareProfile, update_s: dict, mp_static,
-                  loads_MLDE, model: ModelShape, work: Workload
-                  ) -> HardwareProfile:
+
+def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
+  """The static layout as a MethodPlan (no planner, no moves)."""
+  num_micro, num_layers, num_dev, num_experts = np.shape(loads_MLDE)
+  home = placement_lib.identity_placement(num_layers, num_experts, num_dev,
+                                          topo.slots_per_device)
+  from foremoe_jax.planner import baselines  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
+  plan = baselines.plan_static(loads_MLDE, topo, cost, home)
+  transfer = schedule.build_step_transfer(
+      plan.placement.slot_expert, num_experts, topo,
+      simulate.default_budget(topo))
+  caps = {mode: capacity for mode in simulate.MODES}
+  return simulate.MethodPlan(plan, transfer, caps, caps, 0, 0.0,
+                             recompute_capacity=caps)
+
+
+def refit_compute(profile: HardwareProfile, runs, topo, cost,
+                  model: ModelShape, work: Workload) -> HardwareProfile:
   """The profile with F and the per-layer overhead fitted to update times
-  of the static layout at several capacities ({capacity: seconds}).
+  of the static layout on synthetic routes ([{loads_MLDE, capacity,
+  update_s}]).
 
   The predicted update is linear in 1/F and in the overhead: what the
   profile predicts with infinite F and no overhead (all-to-alls, copies,
@@ -45,13 +66,13 @@ def refit_compute(profile: HardwareProfile, update_s: dict, mp_static,
                              matmul_efficiency=1.0, layer_overhead_s=0.0)
   count = dataclasses.replace(fast, peak_flops_per_s=1.0, hbm_bw=1e30)
   xs, ys = [], []
-  for cap, secs in update_s.items():
-    mp = dataclasses.replace(mp_static, capacity=int(cap))
-    base = simulate.time_step(mp, loads_MLDE, model, work, fast, 'padded')
-    flops = simulate.time_step(mp, loads_MLDE, model, work, count, 'padded')
+  for r in runs:
+    mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
+    base = simulate.time_step(mp, r['loads_MLDE'], model, work, fast)
+    flops = simulate.time_step(mp, r['loads_MLDE'], model, work, count)
     xs.append(flops['moe_compute_s'] + flops['nonexpert_s'])  # At 1 FLOP/s.
-    ys.append(secs - (base['update_s'] - base['moe_compute_s']
-                      - base['nonexpert_s']))
+    ys.append(r['update_s'] - (base['update_s'] - base['moe_compute_s']
+                               - base['nonexpert_s']))
   slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
   overhead = max(float(fixed), 0.0) / (
       2 * model.num_layers * work.num_microsteps)
@@ -61,7 +82,7 @@ def refit_compute(profile: HardwareProfile, update_s: dict, mp_static,
 
 
 def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
-             log=print) -> dict:
+             log=print, skews=CALIBRATION_SKEWS) -> dict:
   config = rl_step.bench_config(bench)
   seqs_per_device = bench.prompts * bench.generations // bench.microbatches // 8
   task = task_from_config(config)
@@ -70,29 +91,36 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
       config.model, tokens_per_seq=tokens_per_seq,
       seqs_per_device=seqs_per_device,
       slots_per_device=config.parallel.slots_per_device, log=log)
-  buckets = config_lib.capacity_buckets(
-      seqs_per_device * tokens_per_seq, config.model.top_k, 8,
-      config.parallel.slots_per_device, dispatch='padded',
-      factors=simulate.CAPACITY_FACTORS)
   extras = {}
   measured = rl_step.run(bench, log=log, extras=extras,
-                         calibration_capacities=buckets)
+                         calibration_skews=skews)
   model = ModelShape.from_config(config.model)
   work = Workload(num_devices=8, num_microsteps=bench.microbatches,
                   seqs_per_microbatch=seqs_per_device,
                   tokens_per_seq=tokens_per_seq,
                   redundant_slots_per_device=bench.redundant_slots_per_device,
-                  reference_forward=True)
-  plans = {m: simulate.MethodPlan(p.plan, p.transfer, p.capacity,
-                                  extras['static_capacity'], p.reverted,
-                                  p.plan_s)
-           for m, p in extras['planned'].items()}
-  static_cap = extras['static_capacity']
-  fit_on = {c: t for c, t in extras['static_update_s'].items()
-            if c < static_cap}
-  update_fit = refit_compute(kernels, fit_on, plans['static'],
-                             extras['loads_MLDE'], model, work)
-  log(f'calibrate: update fit on buckets {sorted(fit_on)}: GEMM '
+                  recompute_forward_passes=measured['recompute_forward_passes'],
+                  remat_policy=config.model.remat_policy)
+  topo = simulate.topology(model, work, kernels)
+  cost = simulate.cost_model(model, kernels)
+  loads = extras['loads_MLDE']
+  plans = {}
+  for method, p in extras['planned'].items():
+    cap = {mode: p.capacity for mode in simulate.MODES}
+    rcap = {mode: extras['recompute_capacity'][method]
+            for mode in simulate.MODES}
+    rplan = extras['recompute_plans'].get(method)
+    plans[method] = simulate.MethodPlan(
+        p.plan, p.transfer, cap, {m: extras['static_capacity']
+                                  for m in simulate.MODES}, p.reverted,
+        p.plan_s, recompute_plan=None if rplan is None else rplan[0],
+        recompute_transfer=None if rplan is None else rplan[1],
+        recompute_capacity=rcap,
+        recompute_plan_s=measured['methods'][method]['recompute_plan_s'])
+  runs = extras['calibration_runs']
+  update_fit = refit_compute(kernels, runs, topo, cost, model, work)
+  log(f'calibrate: update fit on {len(runs)} static-layout runs of synthetic '
+      f'routes (skews {[r["skew"] for r in runs]}): GEMM '
       f'{update_fit.flops_per_s / 1e9:.2f} GFLOP/s, '
       f'{update_fit.layer_overhead_s * 1e3:.2f} ms per layer and pass')
   methods = {}
@@ -101,14 +129,16 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
     row = dict(measured_update_s=meas['update_s'],
                measured_recompute_s=meas['recompute_s'],
                measured_exposed_transfer_s=meas['exposed_transfer_s'],
-               capacity=mp.capacity)
+               capacity=mp.capacity['exact'])
     for name, prof in (('update', update_fit), ('kernels', kernels)):
-      pred = simulate.time_step(mp, extras['loads_MLDE'], model, work, prof,
-                                'padded')
+      pred = simulate.time_step(mp, loads, model, work, prof)
       sfx = '' if name == 'update' else '_kernels_profile'
       row[f'predicted_update_s{sfx}'] = pred['update_s']
       row[f'rel_error_update{sfx}'] = pred['update_s'] / meas['update_s'] - 1
       row[f'predicted_recompute_s{sfx}'] = pred['recompute_s']
+      row[f'rel_error_recompute{sfx}'] = (
+          pred['recompute_s'] / meas['recompute_s'] - 1
+          if meas['recompute_s'] > 0 else 0.0)
       row[f'predicted_exposed_transfer_s{sfx}'] = pred['transfer_exposed_s']
     methods[method] = row
   pred_su = (methods['static']['predicted_update_s']
@@ -116,12 +146,15 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   return dict(
       bench=dataclasses.asdict(bench), profile=describe(update_fit),
       kernels_profile=describe(kernels), calibration=dict(
-          raw, static_update_s={str(c): t for c, t in
-                                extras['static_update_s'].items()},
-          fitted_on_capacities=sorted(fit_on)),
+          raw, fitted_on=[dict(skew=r['skew'], capacity=r['capacity'],
+                               update_s=r['update_s']) for r in runs]),
+      held_out='the methods\' updates and recomputes on the sampled routes '
+               '(the fit saw only the static layout on synthetic routes)',
       methods=methods,
       max_rel_error_update=max(abs(m['rel_error_update'])
                                for m in methods.values()),
+      max_rel_error_recompute=max(abs(m['rel_error_recompute'])
+                                  for m in methods.values()),
       max_rel_error_update_kernels_profile=max(
           abs(m['rel_error_update_kernels_profile']) for m in methods.values()),
       predicted_speedup_update_vs_static=pred_su,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import ml_dtypes
 import numpy as np
 
 from foremoe_jax.foresight import traces
@@ -67,7 +68,8 @@ class ModelShape:
         head_dim=m.head_dim, vocab_size=m.vocab_size,
         shared_d_ff=m.shared_d_ff * m.num_shared_experts,
         dense_d_ff=m.dense_d_ff if m.first_dense_layers else 0,
-        bytes_per_param=int(np.dtype(m.param_dtype).itemsize))
+        bytes_per_param=int(np.dtype(ml_dtypes.bfloat16 if m.param_dtype ==
+                                     'bfloat16' else m.param_dtype).itemsize))
 
   @property
   def params_per_expert(self) -> int:
@@ -125,8 +127,13 @@ class Workload:
   seqs_per_microbatch: int = 2  # Per device and micro-step.
   tokens_per_seq: int = 4096
   redundant_slots_per_device: int = 2
-  reference_forward: bool = True  # GRPO's KL anchor: the recompute runs
-  #                                 the reference model too.
+  # Forwards the recompute runs (rl/step.py `RLStep.recompute_passes`): the
+  # default config's, one update epoch with a KL term: the reference
+  # policy's only.
+  recompute_forward_passes: int = 1
+  # The update's activation policy (model.remat_policy); the real configs
+  # run 'full'.
+  remat_policy: str = 'full'
 
   def ep_size(self, model: ModelShape) -> int:
     """EP group: every device while experts go round, at most E devices."""

@@ -43,7 +43,9 @@ def _method_plan(loads_MLDE, slot_expert_MLS, flows_MLS, topo, capacity=8):
   budget = schedule.TransferBudget(step_rounds=4, microstep_rounds=2)
   transfer = schedule.build_step_transfer(plan.placement.slot_expert, 4, topo,
                                           budget)
-  return simulate.MethodPlan(plan, transfer, capacity, capacity, 0, 0.0)
+  caps = {mode: capacity for mode in simulate.MODES}
+  return simulate.MethodPlan(plan, transfer, caps, caps, 0, 0.0,
+                             recompute_capacity=caps)
 
 
 def test_expert_flops_and_roofline():
@@ -87,7 +89,7 @@ def test_balanced_load_static_equals_balanced_plan():
   # Home slots carry each expert's 2 x 4 tokens; redundant slots none.
   flows = np.broadcast_to(np.where(np.arange(6) % 3 < 2, 8.0, 0.0), (2, 1, 6))
   mp = _method_plan(loads, se, flows, topo)
-  r = simulate.time_step(mp, loads, MODEL, _work(), HW, 'ragged')
+  r = simulate.time_step(mp, loads, MODEL, _work(), HW, 'exact')
   assert r['moe_compute_s'] == pytest.approx(2 * 16 * ROW_S)
   # Only local copies of the home experts into their slots (3 per device).
   assert r['transfer_s'] == pytest.approx(3 * 2 * MODEL.bytes_per_expert / 1e15)
@@ -113,8 +115,8 @@ def test_single_hot_expert_by_hand():
   flows[..., 0] = flows[..., 5] = 30.0
   spread = _method_plan(loads, np.broadcast_to(spread_se, (2, 1, 6)), flows,
                         topo)
-  rs = simulate.time_step(static, loads, MODEL, _work(), HW, 'ragged')
-  rf = simulate.time_step(spread, loads, MODEL, _work(), HW, 'ragged')
+  rs = simulate.time_step(static, loads, MODEL, _work(), HW, 'exact')
+  rf = simulate.time_step(spread, loads, MODEL, _work(), HW, 'exact')
   assert rs['moe_compute_s'] == pytest.approx(2 * 60 * ROW_S)
   assert rf['moe_compute_s'] == pytest.approx(2 * 30 * ROW_S)
   # The fill copies expert 0 to device 1 over one intra-node round; the
@@ -147,11 +149,11 @@ def test_moves_hidden_or_exposed():
   mp = _method_plan(loads, se, flows, topo)
   move = MODEL.bytes_per_expert / 1e9 + 1e-6
   slow = dataclasses.replace(HW, peak_flops_per_s=1e3)  # Compute >> move.
-  hidden = simulate.time_step(mp, loads, MODEL, _work(), slow, 'ragged')
+  hidden = simulate.time_step(mp, loads, MODEL, _work(), slow, 'exact')
   assert hidden['transfer_hidden_s'] == pytest.approx(move)
   exposed = simulate.time_step(
       mp, loads, MODEL, _work(), dataclasses.replace(slow, transfer_overlap=0.0),
-      'ragged')
+      'exact')
   assert exposed['transfer_hidden_s'] == 0.0
   assert exposed['update_s'] - hidden['update_s'] == pytest.approx(move)
 
@@ -199,7 +201,7 @@ def test_grid_smoke_balanced_beats_static():
   from foremoe_jax.sim import cluster  # pylint: disable=import-outside-toplevel
   rows = cluster.run_grid(
       models=('mixtral_8x7b',), device_counts=(8,), profiles=(hardware.H100,),
-      modes=('ragged',), work_kwargs=dict(num_microsteps=2,
+      modes=('exact',), work_kwargs=dict(num_microsteps=2,
                                           seqs_per_microbatch=1,
                                           tokens_per_seq=256),
       log=lambda *a: None)
@@ -224,7 +226,7 @@ def test_recorded_trace_is_used_and_checked():
   rec = traces.trace_from_step_loads(list(loads))
   rows = cluster.run_grid(
       models=('mixtral_8x7b',), device_counts=(8,), profiles=(hardware.H100,),
-      methods=('static',), modes=('ragged',), trace=rec,
+      methods=('static',), modes=('exact',), trace=rec,
       work_kwargs=dict(num_microsteps=2, seqs_per_microbatch=1,
                        tokens_per_seq=100), log=lambda *a: None)
   # Device 3 computes all 8 x 100 assignments of each layer and micro-step.
@@ -234,3 +236,90 @@ def test_recorded_trace_is_used_and_checked():
   with pytest.raises(ValueError, match='does not fit mixtral_8x7b'):
     cluster.check_trace(traces.trace_from_step_loads(list(loads[:, :1])),
                         mixtral, 8, 2)
+
+
+def _hot_expert_plans(topo):
+  """Static and one-replica plans of the single-hot-expert case."""
+  loads = np.zeros((2, 1, 2, 4), np.int64)
+  loads[..., 0] = 30
+  home = placement_lib.identity_placement(1, 4, 2, 3).slot_expert
+  flows_static = np.zeros((2, 1, 6))
+  flows_static[..., 0] = 60.0
+  static = _method_plan(loads, np.broadcast_to(home, (2, 1, 6)), flows_static,
+                        topo)
+  spread_se = home.copy()
+  spread_se[0, 5] = 0
+  flows = np.zeros((2, 1, 6))
+  flows[..., 0] = flows[..., 5] = 30.0
+  spread = _method_plan(loads, np.broadcast_to(spread_se, (2, 1, 6)), flows,
+                        topo)
+  return loads, static, spread
+
+
+def test_recompute_runs_the_passes_on_its_placement_by_hand():
+  """One forward pass per recompute pass, each on the recompute's
+  placement (filled first): the home layout computes the hot expert's 60
+  rows a micro-step, the step-level replica 30 (plus its fill); no pass,
+  no recompute, and the plan is then waited for in full."""
+  topo = Topology(1, 2, 3)
+  loads, static, spread = _hot_expert_plans(topo)
+  fwd_row_s = 6 * 8 * 16 / 1e12  # A row's forward FLOPs at 1 TFLOP/s.
+  spread.recompute_plan, spread.recompute_transfer = spread.plan, spread.transfer
+  spread.plan_s, spread.recompute_plan_s = 1.0, 0.25
+  one = simulate.time_step(spread, loads, MODEL, _work(), HW)
+  two = simulate.time_step(spread, loads, MODEL,
+                           _work(recompute_forward_passes=2), HW)
+  none = simulate.time_step(spread, loads, MODEL,
+                            _work(recompute_forward_passes=0), HW)
+  home = simulate.time_step(static, loads, MODEL, _work(), HW)
+  assert two['recompute_s'] == pytest.approx(2 * one['recompute_s'])
+  assert none['recompute_s'] == 0.0 and none['plan_wait_s'] == pytest.approx(
+      1.0 - 0.25)
+  # Per micro-step the busiest device computes 60 rows (home) or 30; the
+  # forward's two exchanges carry 30 rows from device 1 (home) or 15 from
+  # device 0 (the replica's half), 8 f32 wide, plus a latency each.
+  fill = one['recompute_fill_s']
+  assert fill > 0 and home['recompute_fill_s'] == 0.0
+  a2a = lambda rows: 2 * (rows * 32 / 1e9 + 1e-6)
+  assert (home['recompute_s'] - (one['recompute_s'] - fill)) == pytest.approx(
+      2 * ((60 - 30) * fwd_row_s + a2a(30) - a2a(15)), rel=1e-6)
+  assert one['step_s'] == pytest.approx(
+      0.25 + one['recompute_s'] + one['plan_wait_s'] + one['update_s'])
+
+
+def test_emulated_exchange_moves_the_per_cell_bound():
+  """On CPU every pair moves tokens * min(top_k, s) rows whatever the
+  placement: the same all-to-all time for a hot expert and for none."""
+  topo = Topology(1, 2, 3)
+  loads, static, spread = _hot_expert_plans(topo)
+  emu = dataclasses.replace(HW, emulated_exchange=True,
+                            devices_per_node=0)
+  a = simulate.time_step(static, loads, MODEL, _work(), emu)['all_to_all_s']
+  b = simulate.time_step(spread, loads, MODEL, _work(), emu)['all_to_all_s']
+  # 8 tokens x 1 row each per cell, 8 f32 wide, to 1 peer; 4 exchanges a
+  # micro-step, 2 micro-steps.
+  assert a == b == pytest.approx(2 * 4 * (8 * 8 * 4 / 1e9 + 1e-6))
+
+
+def test_memory_model_by_hand():
+  """Every component of the toy update's per-device memory."""
+  from foremoe_jax.sim import memory  # pylint: disable=import-outside-toplevel
+  work = _work()
+  mem = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
+                             capacity_rows=16)
+  ppe = 3 * 8 * 16
+  assert mem.expert_state == 1 * 2 * ppe * 12  # 2 experts here, 12 B each.
+  assert mem.expert_grads == 2 * ppe * 4
+  assert mem.slot_weights == 2 * 3 * ppe * 4 and mem.slot_grads == 3 * ppe * 4
+  assert mem.nonexpert_state == MODEL.nonexpert_params() * 12
+  assert mem.saved_activations == 8 * 8 * 4  # One layer, 8 tokens x 8 f32.
+  # The larger of the attention scores (3 x 1 seq x 1 head x 8 x 8 f32)
+  # and the expert buffers, plus the layer's inputs and outputs.
+  moe = 2 * 16 * 8 * 4 + 3 * 16 * 16 * 4 + 4 * 8 * 1 * 8 * 4
+  assert mem.layer_transient == max(3 * 64 * 4, moe) + 4 * 8 * 8 * 4
+  assert mem.logp_transient == 2 * 8 * 16 * 4
+  assert mem.total == pytest.approx(sum(
+      v for k, v in mem.as_dict().items() if k != 'total'))
+  sharded = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
+                                 capacity_rows=16, fsdp_shards=2)
+  assert sharded.nonexpert_state == mem.nonexpert_state / 2

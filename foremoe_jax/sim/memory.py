@@ -1,0 +1,123 @@
+"""Per-device memory of the RL update, counted from the shapes.
+
+What one device holds while the update (`rl/step.py`) runs, component by
+component, in bytes, for a model shape and a workload: the training state
+(float32 master weights, AdamW's two float32 moments, the float32
+gradient sums the step accumulates), the slot buffers of the transfer
+engine (two copies in the moved dtype while a transition fills the next
+placement from the current one, and their float32 gradients), the
+activations the backward keeps, and the largest transient of one layer
+(its attention scores, its expert dispatch buffers) and of the chunked
+log-probs. `experiments/memory_report.py` checks this count against XLA's
+own buffer assignment of the compiled step at reduced depth.
+
+Assumptions, each a property of the code as built:
+* the step is the per-device shard_map of rl/step.py: non-expert
+  parameters replicated (or over 'data' with FSDP, gathered once per
+  step), canonical experts sharded over 'expert';
+* layers are scanned (§4.6 of docs/design.md); with `remat_policy='full'`
+  the backward keeps one residual stream [tokens, M] per layer and
+  recomputes each layer, so one layer's activations are live at a time;
+* dense attention is the jnp einsum (no flash kernel): a layer's scores
+  [b, H, T, T] exist in float32, with their softmax and its gradient;
+* the exact dispatch's receive buffer holds `capacity_rows` rows, the
+  grouped GEMM's tiled copy of them as many again, and its hidden
+  activations [rows, F] three times (gate, up, product);
+* target log-probs run `logp_chunk` tokens at a time (float32 logits and
+  their gradient).
+
+Shape letters: L layers, E experts, D EP devices, s slots per device, T
+tokens, M model dim, F expert hidden dim, V vocab.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from foremoe_jax.sim.workload import ModelShape, Workload
+
+F32 = 4
+# float32 master + AdamW's two float32 moments.
+_STATE_BYTES_PER_PARAM = 3 * F32
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+  """Bytes per device, by what holds them."""
+
+  nonexpert_state: float  # master + moments (FSDP-sharded when on)
+  nonexpert_grads: float  # float32 gradient sums of the step
+  nonexpert_gathered: float  # FSDP: the whole parameters, gathered per step
+  expert_state: float  # canonical experts: master + moments
+  expert_grads: float  # float32 canonical gradient sums
+  slot_weights: float  # two copies of the slot buffers (moved dtype)
+  slot_grads: float  # float32 slot gradient sums
+  saved_activations: float  # what the backward keeps, all layers
+  layer_transient: float  # the largest layer's live intermediates
+  logp_transient: float  # one chunk of float32 logits and their gradient
+  batch: float  # the step's tokens, masks, routes, log-probs
+
+  @property
+  def total(self) -> float:
+    return float(sum(dataclasses.asdict(self).values()))
+
+  def as_dict(self) -> dict:
+    return dict(dataclasses.asdict(self), total=self.total)
+
+
+def update_memory(model: ModelShape, work: Workload, *, ep: int,
+                  slots_per_device: int, capacity_rows: int,
+                  remat_policy: str = 'full', fsdp_shards: int = 1,
+                  logp_chunk: int = 2048,
+                  compute_bytes: int | None = None) -> MemoryBreakdown:
+  """Per-device bytes of the update (module docstring).
+
+  ep: EP devices (experts per device E / ep). capacity_rows: the exact
+  dispatch's receive bucket R (or D * C for padded cells). fsdp_shards:
+  the 'data' axis size when FSDP shards the non-expert state (1: off).
+  compute_bytes: the compute dtype's size (default: the model's param
+  dtype, bf16 in the real configs).
+  """
+  cb = model.bytes_per_param if compute_bytes is None else compute_bytes
+  tokens = work.tokens_per_device
+  seqs, seq_len = work.seqs_per_microbatch, work.tokens_per_seq
+  nonexp = model.nonexpert_params()
+  nonexpert_state = nonexp * _STATE_BYTES_PER_PARAM / fsdp_shards
+  nonexpert_grads = nonexp * F32
+  gathered = nonexp * F32 if fsdp_shards > 1 else 0.0
+  experts_here = model.num_moe_layers * (model.num_experts // ep)
+  expert_params = experts_here * model.params_per_expert
+  slot_params = model.num_moe_layers * slots_per_device * model.params_per_expert
+  # Backward keeps: per layer its input residual ('full' remat) or, without
+  # remat, the block's activations too (attention q, k, v, output, the FFN
+  # input and the expert rows' g, u and product).
+  per_layer_saved = tokens * model.d_model * cb
+  if remat_policy == 'none':
+    attn = tokens * model.head_dim * (2 * model.num_heads
+                                      + 2 * model.num_kv_heads) * cb
+    scores = seqs * model.num_heads * seq_len * seq_len * F32
+    ffn = capacity_rows * (model.d_model + 3 * model.moe_d_ff) * cb
+    per_layer_saved += attn + scores + ffn
+  saved = model.num_layers * per_layer_saved
+  # One layer live at a time: its attention (scores, probabilities and
+  # their gradient) or its expert compute, whichever is larger, plus the
+  # layer's own inputs and outputs.
+  attention_transient = 3 * seqs * model.num_heads * seq_len * seq_len * F32
+  moe_transient = (2 * capacity_rows * model.d_model * cb
+                   + 3 * capacity_rows * model.moe_d_ff * cb
+                   + 4 * tokens * model.top_k * model.d_model * cb)
+  layer_transient = (max(attention_transient, moe_transient)
+                     + 4 * tokens * model.d_model * cb)
+  chunk = min(logp_chunk, tokens)
+  logp_transient = 2 * chunk * model.vocab_size * F32
+  m = work.num_microsteps
+  batch = m * tokens * (4 + 1 + 4 + 4) + (
+      m * model.num_moe_layers * tokens * model.top_k * 2)
+  return MemoryBreakdown(
+      nonexpert_state=nonexpert_state, nonexpert_grads=nonexpert_grads,
+      nonexpert_gathered=gathered,
+      expert_state=expert_params * _STATE_BYTES_PER_PARAM,
+      expert_grads=expert_params * F32,
+      slot_weights=2 * slot_params * model.bytes_per_param,
+      slot_grads=slot_params * F32,
+      saved_activations=saved, layer_transient=layer_transient,
+      logp_transient=logp_transient, batch=batch)
