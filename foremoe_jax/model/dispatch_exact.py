@@ -14,7 +14,9 @@ do it at scale:
    group sizes).
 3. One ragged all-to-all moves exactly those rows (`exchange`): on GPU/TPU
    `jax.lax.ragged_all_to_all`; on CPU, where XLA has no such op, an
-   emulation with the same arguments (`emulated_ragged_all_to_all`).
+   emulation with the same arguments (`emulated_ragged_all_to_all`; a
+   stand-in with the real op's buffers, `footprint_exchange`, lets the
+   memory report read XLA's buffer assignment of the step on CPU).
 4. The receiver runs only the rows that arrived through the grouped SwiGLU
    (`grouped_swiglu`: a tile loop over the non-empty tiles on CPU, as
    many as the busiest device has so that simulated devices sharing the
@@ -43,7 +45,7 @@ from foremoe_jax.model import grouped_swiglu
 from foremoe_jax.model.slot_assignment import assign_slots
 
 DATA, EXPERT = 'data', 'expert'
-EXCHANGES = ('ragged', 'emulated')
+EXCHANGES = ('ragged', 'emulated', 'footprint')
 
 
 def default_exchange(backend: str | None = None) -> str:
@@ -97,7 +99,29 @@ def _exchange(kind: str, chunk: int):
                                         out_off, recv, axis_name=EXPERT,
                                         chunk=chunk, recv_offsets=recv_off)
     return emulated
+  if kind == 'footprint':
+    def footprint(operand, output, in_off, send, out_off, recv, recv_off):
+      del in_off, send, out_off, recv, recv_off
+      return footprint_exchange(operand, output, axis_name=EXPERT)
+    return footprint
   raise ValueError(f'exchange must be one of {EXCHANGES}, got {kind!r}.')
+
+
+def footprint_exchange(operand, output, *, axis_name: str):
+  """Wrong values, the real collective's buffers: for memory analysis only.
+
+  XLA:CPU can compile neither `ragged_all_to_all` nor an emulation whose
+  buffers look like it (the emulation pads every pair to a static bound,
+  D x C rows). To read XLA's buffer assignment of the step as a GPU or TPU
+  would run it, the memory report compiles it with this stand-in: one
+  all_to_all of the operand's rows (its A x M send buffer, which the ragged
+  collective also holds) written into the R x M output.
+  """
+  num_ep = jax.lax.axis_size(axis_name)
+  rows = operand.shape[0] // num_ep * num_ep
+  moved = jax.lax.all_to_all(operand[:rows], axis_name, 0, 0, tiled=True)
+  take = min(rows, output.shape[0])
+  return output.at[:take].set(moved[:take].astype(output.dtype))
 
 
 def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from foremoe_jax.model import dispatch_exact, dispatch_padded, grouped_swiglu
+from foremoe_jax.model.vma import vary, varying_axes  # pylint: disable=unused-import
 
 DATA, EXPERT = 'data', 'expert'
 DISPATCHES = ('exact', 'padded')
@@ -57,23 +58,6 @@ def is_manual() -> bool:
   """Whether the caller runs per device, inside a shard_map over the mesh
   (the RL step's update and recompute), rather than on global arrays."""
   return EXPERT in jax.sharding.get_abstract_mesh().manual_axes
-
-
-def varying_axes(x) -> frozenset:
-  """Mesh axes over which `x` differs between devices (inside a shard_map)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, 'vma', None)
-  if vma is None:
-    vma = aval.manual_axis_type.varying
-  return frozenset(vma)
-
-
-def vary(x, axes):
-  """`x` marked as differing over `axes` (a no-op for axes it already
-  differs over). A value that differs per device gets per-device
-  gradients: autodiff then sums nothing over those axes."""
-  todo = tuple(a for a in axes if a not in varying_axes(x))
-  return jax.lax.pcast(x, todo, to='varying') if todo else x
 
 
 def _ep_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,

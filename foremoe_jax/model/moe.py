@@ -59,6 +59,9 @@ class MoE(nnx.Module):
       raise ValueError(f'dispatch must be one of {expert_parallel.DISPATCHES}'
                        f', got {dispatch!r}.')
     self.dispatch = dispatch
+    # The exact dispatch's exchange (dispatch_exact.EXCHANGES); None: the
+    # backend's. Only the memory report sets it ('footprint').
+    self.exchange = None
 
   def __call__(self, x_BTM, *, slot_expert_S=None, slot_share_DS=None,
                capacity: int | None = None, replay_ids_BTK=None,
@@ -102,6 +105,8 @@ class MoE(nnx.Module):
     if slot_weights is not None:
       args = args[:4] + tuple(slot_weights) + args[7:]
     kw = dict(capacity=capacity, dispatch=self.dispatch)
+    if self.dispatch == 'exact' and getattr(self, 'exchange', None):
+      kw['exchange'] = self.exchange
     if manual:
       if not (canonical_slots or slot_weights is not None):
         raise ValueError('per device, a placement needs its slot weights '

@@ -425,17 +425,20 @@ def test_slot_assignment_is_the_split_rule():
         np.sort(np.where(found_A, slot_A, num_slots)))
 
 
-def test_emulated_ragged_all_to_all_is_the_collective():
-  """Random ragged sends between 8 devices, each received chunk placed at
-  the sender's output offset: equal to a numpy model of
-  jax.lax.ragged_all_to_all's documented semantics."""
+@pytest.mark.parametrize('chunk', [5, 12])
+def test_emulated_ragged_all_to_all_is_the_collective(chunk):
+  """Random ragged sends between 8 devices, each received run placed at
+  the sender's output offset (a chunk as large as the largest run, or
+  larger): equal to a numpy model of
+  jax.lax.ragged_all_to_all's documented semantics, and so is its gradient
+  (each received row's cotangent back on the row it came from; the
+  output's own rows keep theirs where nothing overwrote them)."""
   rng = np.random.default_rng(4)
-  d, rows, out_rows, chunk = 8, 64, 64, 12
-  send_DD = rng.integers(0, chunk + 1, (d, d))  # [sender, receiver]
-  send_DD = np.minimum(send_DD, 5)
+  d, rows, out_rows = 8, 64, 64
+  send_DD = rng.integers(0, 6, (d, d))  # [sender, receiver]
   operand = rng.normal(size=(d, rows, 3)).astype(np.float32)
   in_off = np.zeros((d, d), np.int32)
-  for s_ in range(d):  # Chunks placed with gaps, in a shuffled order.
+  for s_ in range(d):  # Runs placed with gaps, in a shuffled order.
     order = rng.permutation(d)
     pos = 0
     for r in order:
@@ -446,13 +449,15 @@ def test_emulated_ragged_all_to_all_is_the_collective():
   for r in range(d):
     recv_off[r] = np.cumsum(np.r_[0, send_DD[:-1, r] + 2])
   out_off = recv_off.T.copy()  # [sender, receiver]: where its rows land.
-  fill = np.full((d, out_rows, 3), -7.0, np.float32)
-  want = fill.copy()
+  fill = rng.normal(size=(d, out_rows, 3)).astype(np.float32)
+  ct = rng.normal(size=(d, out_rows, 3)).astype(np.float32)
+  want, want_dop, want_dfill = fill.copy(), np.zeros_like(operand), ct.copy()
   for s_ in range(d):
     for r in range(d):
-      n = send_DD[s_, r]
-      want[r, out_off[s_, r]:out_off[s_, r] + n] = operand[
-          s_, in_off[s_, r]:in_off[s_, r] + n]
+      n, src, dst = send_DD[s_, r], in_off[s_, r], out_off[s_, r]
+      want[r, dst:dst + n] = operand[s_, src:src + n]
+      want_dop[s_, src:src + n] = ct[r, dst:dst + n]
+      want_dfill[r, dst:dst + n] = 0
   mesh = ep.make_mesh(1, d)
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   per = P(ep.EXPERT)
@@ -462,11 +467,15 @@ def test_emulated_ragged_all_to_all_is_the_collective():
         op[0], out[0], i_off[0], snd[0], o_off[0], rcv[0], axis_name=ep.EXPERT,
         chunk=chunk, recv_offsets=r_off[0])[None]
 
-  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(per,) * 7,
-                              out_specs=per))(
-      operand, fill, in_off, send_DD.astype(np.int32), out_off,
-      send_DD.T.copy().astype(np.int32), recv_off)
+  ints = (in_off, send_DD.astype(np.int32), out_off,
+          send_DD.T.copy().astype(np.int32), recv_off)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(per,) * 7, out_specs=per)
+  got = jax.jit(f)(operand, fill, *ints)
   np.testing.assert_array_equal(np.asarray(got), want)
+  loss = lambda op, out: (f(op, out, *ints) * ct).sum()
+  d_op, d_fill = jax.jit(jax.grad(loss, argnums=(0, 1)))(operand, fill)
+  np.testing.assert_allclose(np.asarray(d_op), want_dop, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(d_fill), want_dfill, rtol=1e-6)
 
 
 @pytest.mark.parametrize('kind', ['tiles_static', 'tiles', 'ragged_dot'])
