@@ -4,9 +4,10 @@
 
 Prints the setup, a line per repetition (unless --json), then one JSON line:
 {"methods": {"static": {...}, "eplb_step": ..., "eplb_microstep": ...,
-"foremoe": ...}, "speedup_update_vs_static", "speedup_update_vs_eplb_step",
-"max_rel_param_diff", ...}. The logic lives in
-foremoe_jax/benchmarks/rl_step.py.
+"foresight_split": ..., "foremoe": ...}, "speedup_step_vs_static",
+"speedup_step_vs_eplb_step", "speedup_step_vs_foresight_split",
+"recompute_forward_passes", "step_compiles", "max_rel_param_diff", ...}.
+The logic lives in foremoe_jax/benchmarks/rl_step.py.
 """
 import dataclasses
 import os
@@ -20,8 +21,8 @@ from foremoe_jax.benchmarks import rl_step
 from foremoe_jax.utils.run_info import print_run_info
 
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved repetitions.')
-_WARM = flags.DEFINE_integer('warmstart_steps', 150,
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'Interleaved repetitions.')
+_WARM = flags.DEFINE_integer('warmstart_steps', 100,
                              'SFT steps before sampling (skews routing).')
 
 

@@ -93,7 +93,9 @@ def provenance(record: dict) -> str:
 # ------------------------------------------------------------ per benchmark
 
 _METHOD_NAMES = {'static': 'static EP', 'eplb_step': 'EPLB, step-level',
-                 'eplb_microstep': 'EPLB per micro-step', 'foremoe': 'ForeMoE'}
+                 'eplb_microstep': 'EPLB per micro-step',
+                 'foresight_split': 'foresight split (no moves)',
+                 'foremoe': 'ForeMoE'}
 
 
 def render_rl_step(res: dict) -> str:
@@ -101,45 +103,66 @@ def render_rl_step(res: dict) -> str:
   for m, name in _METHOD_NAMES.items():
     r = res['methods'][m]
     rows.append([
-        name, _f(r['update_s']), _f(r['step_s']),
+        name, _f(r['step_s']), _f(r['update_s']), _f(r['recompute_s']),
         f"{_f(r['microstep_max_over_mean_mean'], 4)} "
         f"({_f(r['microstep_max_over_mean_p95'], 4)})",
-        _f(r['capacity']),
+        f"{_f(r['capacity'])} ({_f(r['recompute_capacity'])})",
         _bytes(r['weight_bytes_moved_per_device_per_microstep']),
         _f(r['exposed_transfer_s'], 2),
         f"{_f(r['plan_s'], 2)} ({_f(r['plan_wait_s'], 2)})",
         _f(r['reverted_moves'])])
-  table = _table(['method', 'update s', 'step s',
-                  'micro-step max/mean (p95)', 'capacity',
+  table = _table(['method', 'step s', 'update s', 'recompute s',
+                  'micro-step max/mean (p95)', 'bucket (recompute)',
                   'weights moved / device / micro-step', 'exposed transfer s',
                   'plan s (wait)', 'slot changes undone'], rows)
   fm = res['methods']['foremoe']
+  compiles = res['step_compiles']
   return '\n'.join([
       table, '',
-      f"- ForeMoE update vs static EP: **{_f(res['speedup_update_vs_static'])}x**;"
-      f" vs step-level EPLB: **{_f(res['speedup_update_vs_eplb_step'])}x**;"
-      f" whole step vs static: {_f(res['speedup_step_vs_static'])}x.",
+      f"- Whole step, ForeMoE vs static EP:"
+      f" **{_f(res['speedup_step_vs_static'])}x**; vs step-level EPLB:"
+      f" **{_f(res['speedup_step_vs_eplb_step'])}x**; vs foresight split"
+      f" (same foresight, no moves): {_f(res['speedup_step_vs_foresight_split'])}x."
+      f" Update alone: {_f(res['speedup_update_vs_static'])}x,"
+      f" {_f(res['speedup_update_vs_eplb_step'])}x and"
+      f" {_f(res['speedup_update_vs_foresight_split'])}x.",
+      f"- Dispatch: {res['dispatch']}-count, buckets"
+      f" {res['capacity_buckets']}. Recompute forward passes:"
+      f" {_f(res['recompute_forward_passes'])}. Compiles over the whole run"
+      f" (every method and bucket): update {_f(compiles['update'])},"
+      f" recompute {_f(compiles['recompute'])}.",
       f"- Parameters after the ForeMoE step vs the static step: max relative"
       f" difference {_f(res['max_rel_param_diff'], 2)}. Expert all-gather in"
       f" the compiled update: {_f(fm['hlo_expert_all_gather_bytes'])} bytes;"
       f" slots holding the wrong expert: {_f(fm['transfer_id_errors'])};"
-      f" dropped tokens: {_f(fm['dropped'])}.",
+      f" dropped tokens: {_f(fm['dropped'])}; plan wait"
+      f" {_f(100 * res['plan_wait_frac_of_step'], 2)}% of the step.",
   ])
 
 
 def render_moe_layer(res: dict) -> str:
-  rows = [
-      ['static', _f(res['static_max_over_mean'], 4),
-       _f(res['static_cell_capacity']), _f(res['static_s']), '-', '-'],
-      ['balanced (ForeMoE placement)', _f(res['balanced_max_over_mean'], 4),
-       _f(res['balanced_cell_capacity']), _f(res['balanced_s']),
-       f"{_f(res['speedup'])} (target {_f(res['target_speedup'])})",
-       _f(res['speedup_with_moves'])],
-  ]
-  table = _table(['placement', 'max/mean', 'cell capacity', 'forward s',
-                  'speedup vs static', 'speedup with a full slot fill'], rows)
+  rows = []
+  for d, sfx in (('exact', ''), ('padded', '_padded')):
+    rows.append([f'static ({d})', _f(res['static_max_over_mean'], 4),
+                 f"{_f(res[f'static_demand{sfx}'])} / "
+                 f"{_f(res[f'static_capacity{sfx}'])}",
+                 _f(res[f'static_s{sfx}']), '-', '-'])
+    rows.append([f'balanced, ForeMoE placement ({d})',
+                 _f(res['balanced_max_over_mean'], 4),
+                 f"{_f(res[f'balanced_demand{sfx}'])} / "
+                 f"{_f(res[f'balanced_capacity{sfx}'])}",
+                 _f(res[f'balanced_s{sfx}']),
+                 f"{_f(res[f'speedup{sfx}'])}"
+                 + (f" (target {_f(res['target_speedup'])})" if not sfx
+                    else ''),
+                 _f(res[f'speedup_with_moves{sfx}'])])
+  table = _table(['placement (dispatch)', 'max/mean',
+                  'rows to hold / bucket', 'forward s', 'speedup vs static',
+                  'speedup with a full slot fill'], rows)
   return '\n'.join([
       table, '',
+      "- Rows to hold: a device's received rows (exact) or the largest"
+      " (source, destination) cell (padded).",
       f"- Slot fill by the engine: {_f(res['transfer_rounds'])} ppermute"
       f" rounds, {_bytes(res['move_bytes_per_device'])} per device in"
       f" {_f(res['transfer_s'])} s, vs an all-gather of"
@@ -147,14 +170,14 @@ def render_moe_layer(res: dict) -> str:
       f" {_f(res['allgather_transfer_s'])} s.",
       f"- Max error vs the loop-over-experts reference"
       f" {_f(res['max_abs_err_vs_reference'], 2)}; {res['compiles']} compiles"
-      f" (one per capacity bucket).",
+      f" (one per dispatch and bucket).",
   ])
 
 
 def render_planner(res: dict) -> str:
   rows = []
   for c in res['configs']:
-    mm = {m: c['methods'][m]['mean_max_over_mean'] for m in _METHOD_NAMES}
+    mm = {m: r['mean_max_over_mean'] for m, r in c['methods'].items()}
     fm, micro = c['methods']['foremoe'], c['methods']['eplb_microstep']
     trace = c['trace'] + (f" (x{c['load_scale']})"
                           if c.get('load_scale', 1) != 1 else '')
@@ -247,15 +270,22 @@ def render_simulate_cluster_validation(res: dict) -> str:
     rows.append([name, _f(v['capacity']), _f(v['measured_update_s']),
                  _f(v['predicted_update_s']),
                  f"{100 * v['rel_error_update']:+.1f}%",
+                 _f(v['measured_recompute_s']),
+                 _f(v['predicted_recompute_s']),
+                 f"{100 * v['rel_error_recompute']:+.1f}%",
                  f"{100 * v['rel_error_update_kernels_profile']:+.1f}%"])
   table = _table(['method', 'bucket', 'measured update s', 'predicted s',
-                  'error', 'microbenchmark-only profile'], rows)
+                  'error', 'measured recompute s', 'predicted s', 'error',
+                  'update error, microbenchmark-only profile'], rows)
   missed = [name for m, name in _METHOD_NAMES.items()
-            if abs(val['methods'][m]['rel_error_update']) > 0.15]
+            if max(abs(val['methods'][m]['rel_error_update']),
+                   abs(val['methods'][m]['rel_error_recompute'])) > 0.15]
+  worst = max(val['max_rel_error_update'], val['max_rel_error_recompute'])
   return '\n'.join([
       table, '',
-      f"- Target: within 15% on every method. Largest error"
-      f" {100 * val['max_rel_error_update']:.1f}%: "
+      f"- Fitted on: {val['held_out']}.",
+      f"- Target: within 15% on every method, update and recompute. Largest"
+      f" error {100 * worst:.1f}%: "
       + (f"**missed** by {', '.join(missed)}." if missed else 'met.'),
       f"- ForeMoE vs static update speedup: predicted"
       f" {_f(val['predicted_speedup_update_vs_static'])}x, measured"
@@ -275,23 +305,26 @@ def render_simulate_cluster(res: dict) -> str:
   big = 64 if 64 in devices else devices[-1]
   t1 = []
   for model in models:
-    r = {m: one(model=model, devices=big, mode='ragged', method=m)
+    r = {m: one(model=model, devices=big, mode='exact', method=m)
          for m in _METHOD_NAMES}
     fm = r['foremoe']
     if fm is None:
       continue
     step = lambda m: _f(r[m]['step_s']) if r[m] else 'skipped'
     t1.append([model, step('static'), step('eplb_step'),
-               step('eplb_microstep'), step('foremoe'),
+               step('eplb_microstep'), step('foresight_split'),
+               step('foremoe'),
                f"{_f(fm['speedup_step_vs_static'])}x",
                f"{_f(fm['speedup_step_vs_eplb_step'])}x",
+               f"{_f(fm['speedup_step_vs_foresight_split'])}x",
                f"{_f(fm['plan_s'])} ({_f(fm['recompute_s'])})",
-               _f(fm['transfer_exposed_s'])])
+               _f(fm['transfer_exposed_s']),
+               _bytes(fm['peak_bytes_per_device'])])
   t2 = []
   for model in models:
     cells = []
     for d in devices:
-      rg = one(model=model, devices=d, mode='ragged', method='foremoe')
+      rg = one(model=model, devices=d, mode='exact', method='foremoe')
       pd = one(model=model, devices=d, mode='padded', method='foremoe')
       cells.append('-' if rg is None else
                    f"{rg['speedup_step_vs_eplb_step']:.2f}"
@@ -300,9 +333,9 @@ def render_simulate_cluster(res: dict) -> str:
     t2.append([model] + cells)
   t3 = []
   for model in models:
-    before = one(model=model, devices=big, mode='ragged',
+    before = one(model=model, devices=big, mode='exact',
                  method='foremoe_before_fixes')
-    now = one(model=model, devices=big, mode='ragged', method='foremoe')
+    now = one(model=model, devices=big, mode='exact', method='foremoe')
     if before and now:
       t3.append([model, _f(before['step_s']), _f(before['reverted_moves']),
                  _f(now['step_s']), _f(now['reverted_moves'])])
@@ -310,8 +343,10 @@ def render_simulate_cluster(res: dict) -> str:
       f"**Predicted on {big} {hw}s, exact-count dispatch**"
       " (whole step = recompute + plan wait + update; rollout excluded):", '',
       _table(['model', 'static step s', 'EPLB-step s', 'EPLB-microstep s',
-              'ForeMoE s', 'ForeMoE vs static', 'vs EPLB-step',
-              'ForeMoE plan s (recompute s)', 'exposed moves s'], t1), '',
+              'foresight split s', 'ForeMoE s', 'ForeMoE vs static',
+              'vs EPLB-step', 'vs foresight split',
+              'ForeMoE plan s (recompute s)', 'exposed moves s',
+              'peak memory / device'], t1), '',
       f"**ForeMoE step speedup vs EPLB-step by device count** ({hw},"
       " exact-count dispatch; padded layer in brackets):", '',
       _table(['model'] + [str(d) for d in devices], t2)]
@@ -320,15 +355,19 @@ def render_simulate_cluster(res: dict) -> str:
             f" {hw}s; slot changes undone to fit the move budget):", '',
             _table(['model', 'before: step s', 'before: undone',
                     'now: step s', 'now: undone'], t3)]
-  out += ['', f"- Headline (Qwen3-30B-A3B, 64 {hw}s, exact-count"
-          f" dispatch): ForeMoE step"
+  out += ['', f"- Headline (Qwen3-30B-A3B, 64 {hw}s,"
+          f" {summ['dispatch_64gpu']}-count dispatch): ForeMoE step"
           f" **{_f(summ['speedup_64gpu_foremoe_vs_static'])}x** vs static EP,"
           f" **{_f(summ['speedup_64gpu_foremoe_vs_eplb_step'])}x** vs"
-          f" step-level EPLB; update alone"
+          f" step-level EPLB,"
+          f" {_f(summ['speedup_64gpu_foremoe_vs_foresight_split'])}x vs the"
+          f" foresight split without moves; update alone"
           f" {_f(summ['update_speedup_64gpu_foremoe_vs_static'])}x and"
-          f" {_f(summ['update_speedup_64gpu_foremoe_vs_eplb_step'])}x. With the"
-          f" padded layer: {_f(summ['speedup_64gpu_foremoe_vs_static_padded'])}x"
-          f" and {_f(summ['speedup_64gpu_foremoe_vs_eplb_step_padded'])}x. The"
+          f" {_f(summ['update_speedup_64gpu_foremoe_vs_eplb_step'])}x; peak"
+          f" memory {_bytes(summ['peak_bytes_per_device_64gpu'])} per device."
+          f" With the padded layer:"
+          f" {_f(summ['speedup_64gpu_foremoe_vs_static_padded'])}x and"
+          f" {_f(summ['speedup_64gpu_foremoe_vs_eplb_step_padded'])}x. The"
           f" paper reports up to {_f(summ['paper_speedup_64gpu'])}x on 64 GPUs."]
   return '\n'.join(out)
 
@@ -373,6 +412,37 @@ def render_rewards(res: dict) -> str:
       f" beyond the recompute."])
 
 
+def render_memory_report(res: dict) -> str:
+  rep = res['report']
+  rows = []
+  for depth, c in res['check'].items():
+    rows.append([depth, _bytes(c['model']['total']), _bytes(c['xla']['peak']),
+                 f"{100 * c['rel_error_model_vs_xla']:+.1f}%",
+                 _f(res['compile_s_by_layers'][depth])])
+  full = res['model_full_depth']
+  top = sorted(((v, k) for k, v in full.items() if k != 'total'),
+               reverse=True)[:4]
+  peak = res['peak_bytes_per_device']
+  return '\n'.join([
+      _table(['layers', 'memory model', 'XLA (compiled step)',
+              'model vs XLA', 'compile s'], rows), '',
+      f"- {rep['config']}, EP {rep['ep']},"
+      f" {_f(rep['seqs_per_device'] * rep['tokens_per_seq'])} tokens per"
+      f" device per micro-step, remat {rep['remat_policy']}.",
+      f"- At {res['num_layers']} layers: model {_bytes(full['total'])}"
+      f" (largest: " + ', '.join(f'{k} {_bytes(v)}' for v, k in top) + ');'
+      f" XLA's peak extrapolated along its per-layer slope"
+      f" ({_bytes(res['xla_bytes_per_layer'])} a layer, model"
+      f" {_bytes(res['model_bytes_per_layer'])})"
+      f" {_bytes(res['xla_extrapolated_full_depth'])}.",
+      f"- Peak per device (the larger): **{_bytes(peak)}**; fits an 80 GB"
+      f" H100 with 10% headroom: {_f(res['fits_80gb_with_10pct_headroom'])}.",
+      f"- Compile time from {min(res['compile_s_by_layers'], key=int)} to"
+      f" {max(res['compile_s_by_layers'], key=int)} layers:"
+      f" x{_f(res['compile_growth'])} (the layers are scanned).",
+  ])
+
+
 RENDERERS = {
     'bench_rl_step': render_rl_step,
     'bench_moe_layer': render_moe_layer,
@@ -383,6 +453,7 @@ RENDERERS = {
     'simulate_cluster.validation': render_simulate_cluster_validation,
     'soak': render_soak,
     'bench_rewards': render_rewards,
+    'memory_report': render_memory_report,
 }
 
 

@@ -2,10 +2,12 @@
 
 Skewed (Zipf-like) micro-batch-sized routing is dispatched through
 `expert_parallel_ffn` with the identity (static EP) placement and with the
-ForeMoE planner's placement for these loads; each uses its smallest dropless
-capacity bucket, so the padded compute per device, and hence time, follows
-the worst (source, destination device) cell, i.e. device balance.
-Repetitions are interleaved so the ratio is fair on a shared machine.
+ForeMoE planner's placement for these loads, under both dispatches, each
+at its smallest dropless bucket: 'exact' (the default: a device computes
+the rows it receives, the simulated devices in lockstep, so time follows
+the busiest device) and 'padded' (every cell padded to the bucket, so time
+follows the worst (source, destination) cell). Repetitions are interleaved
+so the ratios are fair on a shared machine.
 
 The balanced layer is also reported with its moves: the transfer engine's
 fill of the slots from the canonical experts (home layout -> the plan:
@@ -43,7 +45,6 @@ class MoELayerBench:
   hidden_dim: int = 1024
   redundant_slots_per_device: int = 2
   zipf_alpha: float = 1.0  # Expert popularity ~ 1 / rank^alpha, shuffled.
-  capacity_factors: tuple = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
   repeats: int = 7
   seed: int = 0
 
@@ -88,9 +89,9 @@ def run(cfg: MoELayerBench, mesh) -> dict:
                            current=identity,
                            config=planner.ForeMoEConfig(home_anchor=True))
   placements = {'static': identity, 'balanced': plan.microstep(0)}
-  buckets = config_lib.capacity_buckets(cfg.tokens // num_dev, cfg.top_k,
-                                        num_dev, spd, dispatch='padded',
-                                        factors=cfg.capacity_factors)
+  buckets = {d: config_lib.capacity_buckets(cfg.tokens // num_dev, cfg.top_k,
+                                            num_dev, spd, dispatch=d)
+             for d in ep.DISPATCHES}
   traces = []
 
   # Reference transfer: every device all-gathers every expert, then indexes.
@@ -102,15 +103,15 @@ def run(cfg: MoELayerBench, mesh) -> dict:
     rounds = int(max(1, schedule.rounds_needed(None, se_LS, cfg.experts,
                                                topo).max()))
     fills[name] = schedule.transition(None, se_LS, cfg.experts, topo, rounds)
-  fill_fn = jax.jit(lambda t: engine.fill_slots(None, [tuple(w)], t,
-                                                mesh=mesh)[0][:3])
+  fill_fn = jax.jit(lambda t: tuple(s[0] for s in engine.fill_slots(
+      None, tuple(a[None] for a in w), t, mesh=mesh)[:3]))
 
-  def fwd(tokens, slot_w, se, share, capacity):
-    traces.append(capacity)
+  def fwd(tokens, slot_w, se, share, capacity, dispatch):
+    traces.append((capacity, dispatch))
     return ep.expert_parallel_ffn(*tokens, *slot_w, se, share, mesh=mesh,
                                   capacity=capacity, num_experts=cfg.experts,
-                                  dispatch='padded')
-  f = jax.jit(fwd, static_argnums=4)
+                                  dispatch=dispatch)
+  f = jax.jit(fwd, static_argnums=(4, 5))
   ref = reference_moe_ffn(x, jnp.asarray(ids), gates, valid, *w)
   # Tokens already sharded as the model's layers hand them over, so the
   # timing is the layer's, not a reshard of its inputs.
@@ -118,8 +119,6 @@ def run(cfg: MoELayerBench, mesh) -> dict:
       mesh, P((ep.DATA, ep.EXPERT))))
   out = {}
   for name, p in placements.items():
-    cells = placement_lib.cell_counts(counts, p)
-    cap = config_lib.pick_bucket(int(cells.max()), buckets)
     se = jnp.asarray(p.slot_expert[0])
     t_dev = engine.device_transition(fills[name])
     slot_w = jax.block_until_ready(fill_fn(t_dev))
@@ -134,12 +133,8 @@ def run(cfg: MoELayerBench, mesh) -> dict:
       t0 = time.perf_counter()
       jax.block_until_ready(gather(se))
       gather_times.append(time.perf_counter() - t0)
-    transfer_s = float(np.median(fill_times))
     bytes_per_expert = sum(a[0].size * a.dtype.itemsize for a in w)
-    args = (tokens, slot_w, se, jnp.asarray(p.slot_share[0]), cap)
-    y, stats = f(*args)
-    assert int(stats.dropped) == 0, (name, int(stats.dropped))
-    out[name] = dict(args=args, capacity=cap, transfer_s=transfer_s,
+    out[name] = dict(transfer_s=float(np.median(fill_times)),
                      allgather_s=float(np.median(gather_times)),
                      rounds=int(fills[name].rounds_used_L.max()),
                      move_bytes_per_device=float(
@@ -148,36 +143,50 @@ def run(cfg: MoELayerBench, mesh) -> dict:
                      allgather_bytes_per_device=float(
                          (cfg.experts - cfg.experts // num_dev)
                          * bytes_per_expert),
-                     max_cell=int(cells.max()),
-                     tile=ep.default_tile(num_dev * cap, spd),
-                     err=float(jnp.abs(y - ref).max()),
                      max_over_mean=float(placement_lib.max_over_mean(
-                         placement_lib.device_loads(counts, p))[0]), times=[])
+                         placement_lib.device_loads(counts, p))[0]))
+    for d in ep.DISPATCHES:
+      demand = placement_lib.capacity_demand(counts[None], p, d)
+      cap = config_lib.pick_bucket(demand, buckets[d])
+      args = (tokens, slot_w, se, jnp.asarray(p.slot_share[0]), cap, d)
+      y, stats = f(*args)
+      assert int(stats.dropped) == 0, (name, d, int(stats.dropped))
+      out[name][d] = dict(args=args, capacity=cap, demand=demand,
+                          err=float(jnp.abs(y - ref).max()), times=[])
   for _ in range(cfg.repeats):  # Interleaved repetitions.
     for name in placements:
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*out[name]['args']))
-      out[name]['times'].append(time.perf_counter() - t0)
+      for d in ep.DISPATCHES:
+        r = out[name][d]
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*r['args']))
+        r['times'].append(time.perf_counter() - t0)
   s, b = out['static'], out['balanced']
-  static_s, balanced_s = np.median(s['times']), np.median(b['times'])
-  return dict(
-      devices=num_dev, tokens=cfg.tokens, experts=cfg.experts, top_k=cfg.top_k,
-      slots_per_device=spd, buckets=list(buckets),
+  med = lambda r, d: float(np.median(r[d]['times']))
+  res = dict(
+      devices=num_dev, tokens=cfg.tokens, experts=cfg.experts,
+      top_k=cfg.top_k, slots_per_device=spd,
+      buckets={d: list(v) for d, v in buckets.items()},
       static_max_over_mean=s['max_over_mean'],
       balanced_max_over_mean=b['max_over_mean'],
-      static_cell_capacity=s['capacity'], balanced_cell_capacity=b['capacity'],
-      static_tile=s['tile'], balanced_tile=b['tile'],
-      static_max_cell=s['max_cell'], balanced_max_cell=b['max_cell'],
-      static_s=float(static_s), balanced_s=float(balanced_s),
-      speedup=float(static_s / balanced_s),
       target_speedup=0.8 * s['max_over_mean'] / b['max_over_mean'],
       # The balanced layer's moves: the engine's fill (rounds of ppermute)
-      # against the all-gather it replaces, and the layer with them.
+      # against the all-gather it replaces.
       transfer_s=b['transfer_s'], transfer_rounds=b['rounds'],
       move_bytes_per_device=b['move_bytes_per_device'],
       allgather_transfer_s=b['allgather_s'],
       allgather_bytes_per_device=b['allgather_bytes_per_device'],
-      balanced_with_moves_s=float(balanced_s + b['transfer_s']),
-      speedup_with_moves=float(static_s / (balanced_s + b['transfer_s'])),
-      max_abs_err_vs_reference=max(s['err'], b['err']),
+      max_abs_err_vs_reference=max(r[d]['err'] for r in (s, b)
+                                   for d in ep.DISPATCHES),
       compiles=f._cache_size(), traces=len(traces))
+  for d in ep.DISPATCHES:
+    sfx = '' if d == 'exact' else f'_{d}'
+    res.update({
+        f'static_capacity{sfx}': s[d]['capacity'],
+        f'balanced_capacity{sfx}': b[d]['capacity'],
+        f'static_demand{sfx}': s[d]['demand'],
+        f'balanced_demand{sfx}': b[d]['demand'],
+        f'static_s{sfx}': med(s, d), f'balanced_s{sfx}': med(b, d),
+        f'speedup{sfx}': med(s, d) / med(b, d),
+        f'speedup_with_moves{sfx}': med(s, d) / (med(b, d) + b['transfer_s'])})
+  res['exact_vs_padded_balanced'] = med(b, 'padded') / med(b, 'exact')
+  return res

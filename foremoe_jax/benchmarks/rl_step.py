@@ -3,20 +3,35 @@
 One RL step of an MoE-dominated model on 8 simulated CPU devices, with the
 routing foresight from the project's own sampler (after a short supervised
 warm start, so routing is skewed as in a trained model), micro-batches of a
-few sequences, and each planner method driving the same compiled step:
+few sequences, the default exact-count dispatch with the fine capacity
+ladder, and each planner method driving the same compiled step as the
+trainer does:
 
-  plan (host thread, async)  ||  recompute (device, canonical layout)
+  plan (host thread, async)  ||  step-level plan (host, at once)
+                                 -> recompute (device, the forwards the step
+                                    needs, on that placement)
   -> update: fill slots, M micro-steps with moves between them, gradient
      returns, one optimizer update.
 
-Per method, interleaved over repetitions: update_s, recompute_s, step_s
-(recompute + waiting for the plan + update), plan_s and plan_wait_s, the
-micro-step max/mean device load (mean and p95), weight bytes moved per
-device per micro-step, exposed_transfer_s (the update minus the same update
-with the placements already installed: no fill, no moves), and the bytes of
-any all-gather of expert weights in the compiled update (must be 0).
-`max_rel_param_diff` compares ForeMoE's updated parameters with static
-EP's after one step (moving experts must change no number).
+Methods: static EP, EPLB from step-level history, EPLB fed each
+micro-step's loads, foresight_split (the step-level plan from the step's
+exact loads plus a per-micro-step token split, no moves: the simplest use
+of the foresight) and ForeMoE. Per method, interleaved over repetitions:
+update_s, recompute_s, step_s (everything from planning to the updated
+state: step-level planning, recompute, waiting for the plan, update),
+plan_s and plan_wait_s, the micro-step max/mean device load (mean and
+p95), weight bytes moved per device per micro-step, exposed_transfer_s
+(the update minus the same update with the placements already installed:
+no fill, no moves), the capacity buckets, and the bytes of any all-gather
+of expert weights in the compiled update (must be 0). Every XLA compile of
+the step is counted. `max_rel_param_diff` compares ForeMoE's updated
+parameters with static EP's after one step (moving experts must change no
+number).
+
+On simulated devices that share the host's cores, the exact dispatch's
+tile loop runs the busiest device's tile count everywhere
+(`grouped_swiglu` 'tiles_lockstep'), so wall-clock follows the straggler
+as on a real mesh.
 """
 from __future__ import annotations
 
@@ -33,30 +48,40 @@ from flax import nnx
 from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
+from foremoe_jax.foresight import loads as loads_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
 from foremoe_jax.tasks import task_from_config
 from foremoe_jax.transfer import engine
+from foremoe_jax.utils import compiles as compiles_lib
 from foremoe_jax.utils import hlo
 
-METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
+METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foresight_split',
+           'foremoe')
 
 
 @dataclasses.dataclass(frozen=True)
 class RLStepBench:
-  d_model: int = 128
-  moe_d_ff: int = 512  # Expert compute dominates attention and dispatch.
+  # Expert compute dominates attention and dispatch. Per micro-step each
+  # device holds 8 sequences of 64 tokens: on simulated CPU devices the
+  # step's fixed costs (collectives on 2 shared cores, copies of the slot
+  # weights) are large per token, and fewer tokens a device would leave
+  # the experts a minor share of the step, unlike a real micro-step of
+  # 8-16k tokens a GPU.
+  d_model: int = 256
+  moe_d_ff: int = 2048
   num_experts: int = 16
   top_k: int = 2
   num_layers: int = 2
   redundant_slots_per_device: int = 1
-  num_digits: int = 15  # Sort task: 17 prompt + 16 completion tokens.
-  prompts: int = 16
+  num_digits: int = 31  # Sort task: 33 prompt + 32 completion tokens.
+  prompts: int = 32
   generations: int = 8
-  microbatches: int = 8  # 16 sequences (512 tokens) per micro-step.
-  warmstart_steps: int = 150
-  repeats: int = 5
+  microbatches: int = 4  # 64 sequences (4,160 tokens) per micro-step.
+  warmstart_steps: int = 100
+  warmstart_batch: int = 32
+  repeats: int = 3
   seed: int = 0
 
 
@@ -71,12 +96,14 @@ def bench_config(cfg: RLStepBench) -> ml_collections.ConfigDict:
   m.d_model, m.moe_d_ff = cfg.d_model, cfg.moe_d_ff
   m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, cfg.d_model // 4
   m.num_experts, m.top_k, m.num_layers = cfg.num_experts, cfg.top_k, cfg.num_layers
-  m.vocab_size, m.max_seq_len = 32, 64
+  m.vocab_size = 32
+  m.max_seq_len = 64 * -(-(2 * cfg.num_digits + 4) // 64)
   c.parallel.slots_per_device = (cfg.num_experts // 8
                                  + cfg.redundant_slots_per_device)
   c.rl.prompts_per_step, c.rl.num_generations = cfg.prompts, cfg.generations
   c.rl.num_microbatches = cfg.microbatches
-  c.warmstart.steps, c.warmstart.batch_size = cfg.warmstart_steps, 64
+  c.warmstart.steps = cfg.warmstart_steps
+  c.warmstart.batch_size = cfg.warmstart_batch
   c.transfer.step_rounds = 8
   c.transfer.microstep_rounds = 2
   c.planner.deadline_ms = 2000.0
@@ -99,13 +126,17 @@ def _installed(transfer):
 
 
 def run(cfg: RLStepBench, log=print, extras: dict | None = None,
-        calibration_capacities=()) -> dict:
-  """extras: when a dict, receives the step's loads ('loads_MLDE'), the
-  canonical layout's bucket ('static_capacity') and each method's host
-  output ('planned': {method: PlannedStep}), for the cluster simulator's
-  validation. calibration_capacities: also time the update with the static
-  layout (no planner, no moves) at each of these capacities, into
-  extras['static_update_s'] ({capacity: median seconds})."""
+        calibration_skews=()) -> dict:
+  """extras: when a dict, receives the step's loads ('loads_MLDE', and per
+  data group 'loads_MGLDE'), the canonical layout's bucket
+  ('static_capacity'), each method's host output ('planned': {method:
+  PlannedStep}) and the config, for the cluster simulator's validation.
+  calibration_skews: also time the update with the static layout (no
+  planner, no moves) on this batch with its routes replaced by synthetic
+  ones of these skews (`calibrate.skewed_routes`), into
+  extras['calibration_runs'] (the loads, bucket and median seconds of
+  each): data the simulator may fit on, disjoint from what it is judged
+  on (the methods' runs on the sampled routes)."""
   config = bench_config(cfg)
   config_lib.validate_config(config)
   task = task_from_config(config)
@@ -124,7 +155,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   ctx = trainer.make_rl_context(config, graphdef, mesh, task)
   ctx.planner.close()
   state0 = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
-                                     with_ref=True)
+                                     with_ref=config.rl.beta > 0)
   # Two rollouts: EPLB-step plans the second from the first's loads.
   batches = []
   for i in range(2):
@@ -132,9 +163,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     rewards = trainer.score(ctx, prompts, ro)
     mbs = trainer.compose(ctx, ro, i)
     loads = trainer.foresight(ctx, ro, mbs)
-    batches.append((jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
-        ro, rewards, mbs)), loads))
-  batch, loads_MGLDE = batches[1]
+    batches.append((trainer.device_batch(trainer.rl_batch_from_rollout(
+        ro, rewards, mbs), mesh), loads, mbs))
+  batch, loads_MGLDE, _ = batches[1]
   loads_MLDE = trainer.planner_loads(loads_MGLDE)
   planners = {}
   for method in METHODS:
@@ -146,85 +177,90 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     p.history_LE = planner_lib.update_history(
         None, trainer.planner_loads(batches[0][1]), 0.5)
     planners[method] = p
+  # Every repetition plans the same step from the same history (a plan
+  # updates its planner's history; EPLB-step would drift rep to rep).
+  history0 = {m: p.history_LE for m, p in planners.items()}
   num_micro = loads_MLDE.shape[0]
   expert_elems = cfg.d_model * cfg.moe_d_ff
   res = {m: dict(update_s=[], installed_s=[], recompute_s=[], step_s=[],
-                 plan_s=[], plan_wait_s=[]) for m in METHODS}
+                 plan_s=[], plan_wait_s=[], recompute_plan_s=[])
+         for m in METHODS}
   rl = ctx.rl_step
   hlo_bytes, params_after = {}, {}
-  for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
-    for method in METHODS:
-      ctx.planner = planners[method]
-      state = jax.tree.map(jnp.copy, state0)
-      jax.block_until_ready(state)
-      t0 = time.perf_counter()
-      ticket = trainer.plan_async(ctx, loads_MGLDE)
-      logps = trainer.recompute(ctx, state, batch, loads_MGLDE)
-      clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
-      planned = ticket.result()
-      t_plan = time.perf_counter()
-      t_rec = clock.wait()
-      ctx.recompute_s = t_rec - t0
-      plan = step_lib.StepPlan(
-          jax.tree.map(jnp.asarray, planned.plan.placement),
-          engine.device_step_transfer(planned.transfer), planned.capacity)
-      new_state, m = rl.update(state, batch, logps, plan)
-      jax.block_until_ready(new_state)
-      t_done = time.perf_counter()
-      if rep == 0:
-        # Any gather holding at least one expert matrix counts.
-        hlo_bytes[method] = hlo.all_gather_bytes(
-            rl.update.lower(state0, batch, logps, plan).compile().as_text(),
-            min_elements=expert_elems)
-        params_after[method] = jax.device_get(new_state.params)
-        r = res[method]
-        r['plan'] = planned
-        r['id_errors'] = int(m['transfer_id_errors'])
-        r['dropped'] = int(m['dropped'])
-      # The same update with the placements already in place.
-      state = jax.tree.map(jnp.copy, state0)
-      installed = dataclasses.replace(plan,
-                                      transfer=_installed(plan.transfer))
-      jax.block_until_ready(state)
-      t_i = time.perf_counter()
-      jax.block_until_ready(rl.update(state, batch, logps, installed))
-      t_i_done = time.perf_counter()
-      if rep == 0:
-        continue
-      r = res[method]
-      r['update_s'].append(t_done - max(t_plan, t_rec))
-      r['installed_s'].append(t_i_done - t_i)
-      r['recompute_s'].append(t_rec - t0)
-      r['step_s'].append(t_done - t0)
-      r['plan_s'].append(planned.plan_s)
-      r['plan_wait_s'].append(max(0.0, t_plan - t_rec))
-    if rep:
-      log(f'repetition {rep}/{cfg.repeats}: ' + ', '.join(
-          f"{m} {res[m]['update_s'][-1]:.3f}s" for m in METHODS))
-  for p in planners.values():
-    p.close()
-  if extras is not None and calibration_capacities:
-    planned = res['static']['plan']
-    static_plan = step_lib.StepPlan(
-        jax.tree.map(jnp.asarray, planned.plan.placement),
-        engine.device_step_transfer(planned.transfer), planned.capacity)
-    programs = {int(c): dataclasses.replace(static_plan, capacity=int(c))
-                for c in calibration_capacities}
-    times = {c: [] for c in programs}
+  compile_log = compiles_lib.CompileLog().__enter__()
+  try:
     for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
-      for c, plan in programs.items():
+      for method in METHODS:
+        ctx.planner = planners[method]
+        ctx.planner.history_LE = history0[method]
         state = jax.tree.map(jnp.copy, state0)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        jax.block_until_ready(rl.update(state, batch, logps, plan))
-        if rep:
-          times[c].append(time.perf_counter() - t0)
-    extras['static_update_s'] = {c: float(np.median(t))
-                                 for c, t in times.items()}
+        ticket = trainer.plan_async(ctx, loads_MGLDE)
+        logps, rplan = trainer.recompute(ctx, state, batch, loads_MGLDE)
+        clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
+        planned = ticket.result()
+        t_plan = time.perf_counter()
+        t_rec = clock.wait()
+        ctx.recompute_s = t_rec - t0
+        plan = step_lib.StepPlan(
+            jax.tree.map(jnp.asarray, planned.plan.placement),
+            engine.device_step_transfer(planned.transfer), planned.capacity)
+        new_state, m = rl.update(state, batch, logps, plan)
+        jax.block_until_ready(new_state)
+        t_done = time.perf_counter()
+        r = res[method]
+        if rep == 0:
+          # Any gather holding at least one expert matrix counts.
+          hlo_bytes[method] = hlo.all_gather_bytes(
+              rl.update.lower(state0, batch, logps, plan).compile().as_text(),
+              min_elements=expert_elems)
+          params_after[method] = jax.device_get(new_state.params)
+          r['plan'] = planned
+          r['recompute_capacity'] = rplan.capacity
+          r['recompute_plan'] = (None if rplan.plan is None
+                                 else (rplan.plan, rplan.transfer))
+          r['id_errors'] = int(m['transfer_id_errors'])
+          r['dropped'] = int(m['dropped'])
+        # The same update with the placements already in place.
+        state = jax.tree.map(jnp.copy, state0)
+        installed = dataclasses.replace(plan,
+                                        transfer=_installed(plan.transfer))
+        jax.block_until_ready(state)
+        t_i = time.perf_counter()
+        jax.block_until_ready(rl.update(state, batch, logps, installed))
+        t_i_done = time.perf_counter()
+        if rep == 0:
+          continue
+        r['update_s'].append(t_done - max(t_plan, t_rec))
+        r['installed_s'].append(t_i_done - t_i)
+        r['recompute_s'].append(t_rec - t0)
+        r['step_s'].append(t_done - t0)
+        r['plan_s'].append(planned.plan_s)
+        r['recompute_plan_s'].append(rplan.plan_s)
+        r['plan_wait_s'].append(max(0.0, t_plan - t_rec))
+      if rep:
+        log(f'repetition {rep}/{cfg.repeats}: ' + ', '.join(
+            f"{m} {res[m]['step_s'][-1]:.3f}s" for m in METHODS))
+  finally:
+    compile_log.__exit__(None, None, None)
+  step_compiles = {name: compile_log.count(fun)
+                   for name, fun in (('update', 'update'),
+                                     ('recompute', 'recompute_logps'))}
+  for p in planners.values():
+    p.close()
+  if extras is not None and calibration_skews:
+    extras['calibration_runs'] = _calibration_runs(
+        ctx, rl, state0, batch, batches[1][2], config, cfg, calibration_skews)
   if extras is not None:
     extras['loads_MLDE'] = loads_MLDE
+    extras['loads_MGLDE'] = np.asarray(loads_MGLDE)
     extras['static_capacity'] = trainer.static_capacity(ctx, loads_MGLDE)
     extras['planned'] = {m: res[m]['plan'] for m in METHODS}
+    extras['recompute_capacity'] = {m: res[m]['recompute_capacity']
+                                    for m in METHODS}
+    extras['recompute_plans'] = {m: res[m]['recompute_plan']
+                                 for m in METHODS}
     extras['config'] = config
 
   out = {}
@@ -240,10 +276,11 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         update_s=med('update_s'), recompute_s=med('recompute_s'),
         step_s=med('step_s'), plan_s=med('plan_s'),
         plan_wait_s=med('plan_wait_s'),
+        recompute_plan_s=med('recompute_plan_s'),
         exposed_transfer_s=med('update_s') - med('installed_s'),
         microstep_max_over_mean_mean=float(mom.mean()),
         microstep_max_over_mean_p95=float(np.percentile(mom, 95)),
-        capacity=planned.capacity,
+        capacity=planned.capacity, recompute_capacity=r['recompute_capacity'],
         weight_bytes_moved_per_device_per_microstep=moved[
             'weight_bytes_moved_per_device_per_microstep'],
         reverted_moves=planned.reverted,
@@ -254,23 +291,85 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
                   jax.tree.leaves(params_after['static'])):
     diff = max(diff, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)))
   static_mom = out['static']['microstep_max_over_mean_mean']
+  ratio = lambda k, base: out[base][k] / out['foremoe'][k]
   return dict(
       devices=8, experts=cfg.num_experts, layers=cfg.num_layers,
+      dispatch=config.parallel.dispatch, capacity_buckets=list(ctx.buckets),
       microsteps=num_micro, sequences_per_microstep=(
           cfg.prompts * cfg.generations // cfg.microbatches),
-      tokens_per_microstep=int(batch['tokens_BT'].shape[1] - 1) * (
+      tokens_per_microstep=int(batch['tokens_MbT'].shape[2] - 1) * (
           cfg.prompts * cfg.generations // cfg.microbatches),
       static_microstep_max_over_mean=static_mom,
+      recompute_forward_passes=rl.recompute_forward_passes(
+          state0.ref_params is not None),
+      # XLA compiles of the step's two programs over the whole run (every
+      # method, every bucket, the installed-placement variant included).
+      step_compiles=step_compiles,
       methods=out,
-      speedup_update_vs_static=out['static']['update_s']
-      / out['foremoe']['update_s'],
-      speedup_update_vs_eplb_step=out['eplb_step']['update_s']
-      / out['foremoe']['update_s'],
-      speedup_step_vs_static=out['static']['step_s']
-      / out['foremoe']['step_s'],
+      speedup_step_vs_static=ratio('step_s', 'static'),
+      speedup_step_vs_eplb_step=ratio('step_s', 'eplb_step'),
+      speedup_step_vs_foresight_split=ratio('step_s', 'foresight_split'),
+      speedup_update_vs_static=ratio('update_s', 'static'),
+      speedup_update_vs_eplb_step=ratio('update_s', 'eplb_step'),
+      speedup_update_vs_foresight_split=ratio('update_s', 'foresight_split'),
       max_rel_param_diff=diff,
       plan_wait_frac_of_step=out['foremoe']['plan_wait_s']
       / out['foremoe']['step_s'])
+
+
+def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
+  """Static-layout updates on synthetic routes of each skew: [{loads_MLDE,
+  capacity, update_s}], medians over interleaved repetitions."""
+  from foremoe_jax.sim import calibrate  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(cfg.seed + 1)
+  m = config.model
+  routes = np.asarray(jax.device_get(batch['routes_MLbTK']))
+  num_micro, num_layers, per_mb, tlen, top_k = routes.shape
+  valid = np.asarray(jax.device_get(batch['valid_MbT']))[:, :, :-1]
+  homes = np.arange(m.num_experts // ctx.topo.num_devices)
+  runs = []
+  for skew in skews:
+    synth = calibrate.skewed_routes(rng, num_layers, num_micro * per_mb * tlen,
+                                    m.num_experts, top_k, homes, skew)
+    synth_MLbTK = np.moveaxis(synth.reshape(num_layers, num_micro, per_mb,
+                                            tlen, top_k), 0, 1)
+    # Per-sample counts in batch order, then the loads of each micro-step.
+    counts_BLE = np.zeros((num_micro * per_mb, num_layers, m.num_experts),
+                          np.int64)
+    for i in range(num_micro):
+      for j in range(per_mb):
+        ok = valid[i, j]
+        for l in range(num_layers):
+          counts_BLE[i * per_mb + j, l] = np.bincount(
+              synth_MLbTK[i, l, j][ok].reshape(-1), minlength=m.num_experts)
+    order = [np.arange(i * per_mb, (i + 1) * per_mb) for i in range(num_micro)]
+    loads_MGLDE = loads_lib.loads_from_sample_counts(
+        counts_BLE, order, config.parallel.num_data, config.parallel.num_expert)
+    cap = trainer.static_capacity(ctx, loads_MGLDE)
+    ident = placement_lib.stack_placements([ctx.identity] * num_micro)
+    plan = step_lib.make_step_plan(ident, ctx.num_experts, ctx.topo,
+                                   ctx.budget, cap)
+    synth_batch = dict(batch, routes_MLbTK=jax.device_put(
+        jnp.asarray(synth_MLbTK, batch['routes_MLbTK'].dtype),
+        batch['routes_MLbTK'].sharding))
+    runs.append(dict(loads_MLDE=trainer.planner_loads(loads_MGLDE),
+                     capacity=cap, skew=float(skew), batch=synth_batch,
+                     plan=plan, times=[]))
+  # The same update program as the methods': the reference log-probs of
+  # the step (their values do not change the time).
+  logps = rl.recompute(state0, batch)
+  for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
+    for r in runs:
+      state = jax.tree.map(jnp.copy, state0)
+      jax.block_until_ready(state)
+      t0 = time.perf_counter()
+      jax.block_until_ready(rl.update(state, r['batch'], logps, r['plan']))
+      if rep:
+        r['times'].append(time.perf_counter() - t0)
+  del mbs
+  return [dict(loads_MLDE=r['loads_MLDE'], capacity=r['capacity'],
+               skew=r['skew'], update_s=float(np.median(r['times'])))
+          for r in runs]
 
 
 class _NoCheckpoint:

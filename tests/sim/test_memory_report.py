@@ -1,0 +1,50 @@
+"""The memory report: XLA's buffer assignment of the real step vs the model."""
+import jax
+import numpy as np
+import pytest
+
+from foremoe_jax.benchmarks import memory_report
+
+
+@pytest.fixture(scope='module')
+def report():
+  return memory_report.MemoryReport(
+      config='tiny', ep=8, seqs_per_device=2, tokens_per_seq=24,
+      microsteps=2, redundant_slots_per_device=1, check_layers=2,
+      compile_layers=(2, 3))
+
+
+@pytest.fixture(scope='module')
+def result(report):
+  return memory_report.run(report, log=lambda *a: None)
+
+
+def test_compiled_arguments_hold_the_f32_state_sharded(report, result):
+  """XLA's argument bytes per device hold the float32 parameters and both
+  Adam moments at one device's share (experts split over EP, the rest
+  replicated), counted here from the abstract model's own shardings, and
+  little more (the batch and the plan are small)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from foremoe_jax.model import expert_parallel, shapes, sharding  # pylint: disable=import-outside-toplevel
+  cfg = memory_report.model_config(report, 2)
+  mesh = expert_parallel.make_mesh(1, report.ep)
+  _, state = nnx.split(shapes.abstract_model(cfg.model, mesh))
+  shards = jax.tree.leaves(sharding.state_shardings(state, mesh))
+  leaves = [v for _, v in nnx.to_flat_state(state)]
+  state_bytes = sum(int(np.prod(s.shard_shape(v.shape))) * 4
+                    for v, s in zip(leaves, shards))
+  xla = result['check']['2']['xla']
+  assert 3 * state_bytes <= xla['argument'] <= 3 * state_bytes * 1.1
+  assert xla['peak'] >= xla['argument']
+
+
+def test_report_takes_the_larger_of_model_and_extrapolated_xla(result):
+  res = result
+  xla = {int(d): c['xla']['peak'] for d, c in res['check'].items()}
+  slope = xla[3] - xla[2]
+  assert res['xla_bytes_per_layer'] == pytest.approx(slope, rel=1e-6)
+  # tiny has 2 layers: the extrapolation is XLA's own peak at 2.
+  assert res['xla_extrapolated_full_depth'] == pytest.approx(xla[2], rel=1e-6)
+  assert res['peak_bytes_per_device'] == max(
+      res['model_full_depth']['total'], res['xla_extrapolated_full_depth'])
+  assert res['model_bytes_per_layer'] > 0 and slope > 0
