@@ -105,7 +105,7 @@ class MoE(nnx.Module):
     if slot_weights is not None:
       args = args[:4] + tuple(slot_weights) + args[7:]
     kw = dict(capacity=capacity, dispatch=self.dispatch)
-    if self.dispatch == 'exact' and getattr(self, 'exchange', None):
+    if self.dispatch == 'exact' and self.exchange:
       kw['exchange'] = self.exchange
     if manual:
       if not (canonical_slots or slot_weights is not None):

@@ -253,14 +253,6 @@ class Transformer(nnx.Module):
         index_dim=cfg.msa_index_dim if t == 'msa' else None)
             for t in config_lib.layer_attention_types(cfg)]
 
-  def layer_params(self):
-    """Per layer, its Block's parameter state (slices of the stacks)."""
-    out = []
-    for seg, stack in zip(self.layer_segments, self.segments):
-      st = nnx.state(stack)
-      out.extend(_layer(st, i) for i in range(seg.num_layers))
-    return out
-
 
 def _scan_segment(stack, x, layer_xs, *, positions_BT, valid_BT,
                   indexer_weight_BT, capacity, remat_policy):
