@@ -33,4 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallel = config_lib.parallel_defaults()
   c.parallel.num_expert = 8
   c.parallel.slots_per_device = 2  # 1 home + 1 redundant per device.
+  # ZeRO over every device: the non-expert state (attention, embeddings)
+  # would otherwise be replicated on each (docs/design.md §4.7).
+  c.parallel.fsdp = True
+  c.parallel.fsdp_axes = 'data+expert'
   return c

@@ -4,7 +4,9 @@
 
 Counts Qwen3-30B-A3B's update on an EP group of 64 (8,192 tokens a device
 per micro-step, bf16 compute, float32 master weights and Adam moments)
-with the memory model (foremoe_jax/sim/memory.py), checks the model
+with the non-expert state split over the 64 devices (ZeRO, parallel.
+fsdp_axes='data+expert'; --fsdp_axes=none replicates it), with the
+memory model (foremoe_jax/sim/memory.py), checks the model
 against XLA's buffer assignment of the real compiled step at reduced
 depths (2, 4, 8 layers) on 64 simulated CPU devices, extrapolates XLA's
 peak to full depth along its per-layer slope, and times the compiles.
@@ -26,6 +28,10 @@ _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
 _CONFIG = flags.DEFINE_string('config_name', 'qwen3_30b_a3b',
                               'A module of configs/.')
 _EP = flags.DEFINE_integer('ep', 64, 'EP group (simulated devices).')
+_FSDP = flags.DEFINE_enum(
+    'fsdp_axes', 'data+expert', ['data+expert', 'none'],
+    'Non-expert state split over every device (parallel.fsdp_axes='
+    "'data+expert'), or replicated ('none').")
 _LAYERS = flags.DEFINE_list('compile_layers', ['2', '4', '8'],
                             'Depths whose compile times are reported.')
 
@@ -35,6 +41,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   report = memory_report.MemoryReport(
       config=_CONFIG.value, ep=_EP.value,
+      fsdp_axes='' if _FSDP.value == 'none' else _FSDP.value,
       compile_layers=tuple(int(x) for x in _LAYERS.value))
   run = print_run_info({'bench': 'memory_report',
                         **dataclasses.asdict(report)})

@@ -84,9 +84,12 @@ def parallel_defaults() -> ml_collections.ConfigDict:
   p.num_data = 1  # 'data' mesh axis.
   p.num_expert = 1  # 'expert' mesh axis (EP size, D).
   # Shard the non-expert parameters (and so their optimizer moments) over
-  # 'data' (ZeRO-3 style; XLA gathers each where it is used). Experts stay
-  # sharded over 'expert' only. No effect with num_data = 1.
+  # `fsdp_axes` (ZeRO-3 style; XLA gathers each where it is used): 'data'
+  # (no effect with num_data = 1) or 'data+expert', every device, which is
+  # what fits a large model's non-expert state at EP = 64 (docs/design.md
+  # §4.7). Experts stay sharded over 'expert' only.
   p.fsdp = False
+  p.fsdp_axes = 'data'
   p.slots_per_device = 0  # 0: E / D, no redundant slots.
   # Expert dispatch (docs/design.md §4.3): 'exact' sends each device
   # exactly the rows routed to it and computes only those (a ragged
@@ -215,6 +218,8 @@ def validate_config(config) -> None:
     _require(p.num_expert >= 1, 'parallel.num_expert', 'must be >= 1')
     _require(isinstance(p.get('fsdp', False), bool), 'parallel.fsdp',
              'must be a bool')
+    _require(p.get('fsdp_axes', 'data') in ('data', 'data+expert'),
+             'parallel.fsdp_axes', "must be 'data' or 'data+expert'")
     _require(m.num_experts % p.num_expert == 0, 'parallel.num_expert',
              f'num_experts ({m.num_experts}) must be divisible by the EP size '
              f'num_expert ({p.num_expert}): canonical experts are sharded '

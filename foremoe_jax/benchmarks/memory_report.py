@@ -53,6 +53,9 @@ class MemoryReport:
   compile_layers: tuple = (2, 4, 8)  # Depths compiled (times, XLA's slope).
   capacity_factor: float = 1.25  # Receive bucket over the uniform rows.
   remat_policy: str = 'full'
+  # Non-expert master weights and Adam moments split over every device
+  # (parallel.fsdp_axes='data+expert'); '' keeps them replicated.
+  fsdp_axes: str = 'data+expert'
 
 
 def model_config(report: MemoryReport, num_layers: int | None = None):
@@ -84,12 +87,14 @@ def modelled(report: MemoryReport, num_layers: int | None = None) -> dict:
                   seqs_per_microbatch=report.seqs_per_device,
                   tokens_per_seq=report.tokens_per_seq,
                   redundant_slots_per_device=report.redundant_slots_per_device,
-                  remat_policy=report.remat_policy)
+                  remat_policy=report.remat_policy,
+                  fsdp_all=bool(report.fsdp_axes))
   spd = work.slots_per_device(shape)
   return memory.update_memory(
       shape, work, ep=report.ep, slots_per_device=spd,
       capacity_rows=_capacity_rows(report, m),
-      remat_policy=report.remat_policy).as_dict()
+      remat_policy=report.remat_policy,
+      fsdp_shards=report.ep if work.fsdp_all else 1).as_dict()
 
 
 def _modules(model):
@@ -114,7 +119,9 @@ def compiled_update(report: MemoryReport, num_layers: int):
       module.exchange = 'footprint'
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
-  shard = jax.tree.leaves(sharding.state_shardings(state, mesh))
+  shard = jax.tree.leaves(sharding.state_shardings(
+      state, mesh, fsdp=bool(report.fsdp_axes),
+      fsdp_axes=report.fsdp_axes or 'data'))
   # The float32 master the train state holds, laid out as the trainer's.
   params = nnx.from_flat_state([
       (path, v.replace(jax.ShapeDtypeStruct(v.shape, jnp.float32,
@@ -122,12 +129,12 @@ def compiled_update(report: MemoryReport, num_layers: int):
       for (path, v), s in zip(flat, shard)])
   tx = step_lib.make_optimizer(1e-6, 1.0)
   opt = jax.eval_shape(tx.init, params)
-  # Adam's moments are laid out like their parameters: the experts'
-  # sharded over 'expert', the rest replicated.
-  expert_shapes = {tuple(v.shape): s for (_, v), s in zip(flat, shard)
-                   if isinstance(v, moe.ExpertWeight)}
+  # Adam's moments are laid out like their parameters (a leaf's sharding
+  # follows from its shape and kind, so its shape finds it): the experts'
+  # over 'expert', the rest replicated or split as the parameters are.
+  by_shape = {tuple(v.shape): s for (_, v), s in zip(flat, shard)}
   repl = NamedSharding(mesh, P())
-  opt = jax.tree.map(lambda x: _abstract(x, expert_shapes.get(
+  opt = jax.tree.map(lambda x: _abstract(x, by_shape.get(
       tuple(x.shape), repl)), opt)
   train_state = step_lib.TrainState(
       graphdef, params, opt, None, _abstract(jnp.zeros((), jnp.int32), repl))

@@ -318,8 +318,10 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
 
 
 def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
-  """Static-layout updates on synthetic routes of each skew: [{loads_MLDE,
-  capacity, update_s}], medians over interleaved repetitions."""
+  """Static-layout updates and recomputes (the home layout at the same
+  bucket, as the static method runs them) on synthetic routes of each
+  skew: [{loads_MLDE, capacity, update_s, recompute_s}], medians over
+  interleaved repetitions."""
   from foremoe_jax.sim import calibrate  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(cfg.seed + 1)
   m = config.model
@@ -354,7 +356,7 @@ def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
         batch['routes_MLbTK'].sharding))
     runs.append(dict(loads_MLDE=trainer.planner_loads(loads_MGLDE),
                      capacity=cap, skew=float(skew), batch=synth_batch,
-                     plan=plan, times=[]))
+                     plan=plan, times=[], recompute_times=[]))
   # The same update program as the methods': the reference log-probs of
   # the step (their values do not change the time).
   logps = rl.recompute(state0, batch)
@@ -363,12 +365,18 @@ def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
       state = jax.tree.map(jnp.copy, state0)
       jax.block_until_ready(state)
       t0 = time.perf_counter()
+      jax.block_until_ready(rl.recompute(state, r['batch'],
+                                         step_lib.CanonicalLayout(
+                                             r['capacity'])))
+      t1 = time.perf_counter()
       jax.block_until_ready(rl.update(state, r['batch'], logps, r['plan']))
       if rep:
-        r['times'].append(time.perf_counter() - t0)
+        r['recompute_times'].append(t1 - t0)
+        r['times'].append(time.perf_counter() - t1)
   del mbs
   return [dict(loads_MLDE=r['loads_MLDE'], capacity=r['capacity'],
-               skew=r['skew'], update_s=float(np.median(r['times'])))
+               skew=r['skew'], update_s=float(np.median(r['times'])),
+               recompute_s=float(np.median(r['recompute_times'])))
           for r in runs]
 
 

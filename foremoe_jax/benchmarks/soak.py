@@ -142,9 +142,8 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
   model = transformer.Transformer(config.model, mesh,
                                   dispatch=config.parallel.dispatch,
                                   rngs=nnx.Rngs(config.seed))
-  graphdef, params = sharding.split_model(model, mesh,
-                                          fsdp=config.parallel.get('fsdp',
-                                                                   False))
+  graphdef, params = sharding.split_model(
+      model, mesh, **sharding.fsdp_options(config.parallel))
   del model
   ctx = trainer.make_rl_context(config, graphdef, mesh, task)
   state = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,

@@ -873,8 +873,8 @@ def train(config, workdir: str, guard=None) -> dict:
   model = transformer.Transformer(config.model, mesh,
                                   dispatch=config.parallel.dispatch,
                                   rngs=nnx.Rngs(config.seed))
-  graphdef, params = sharding.split_model(model, mesh,
-                                         fsdp=config.parallel.get('fsdp', False))
+  graphdef, params = sharding.split_model(
+      model, mesh, **sharding.fsdp_options(config.parallel))
   # Training holds the float32 master copy (checkpoints included), whatever
   # model.param_dtype is; the model casts to model.dtype where it computes.
   params = step_lib.master_params(params)

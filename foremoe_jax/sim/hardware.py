@@ -47,6 +47,10 @@ class HardwareProfile:
   inter_latency_s: float
   layer_overhead_s: float = 0.0
   """Fixed seconds per layer and pass (kernel launches, small ops)."""
+  forward_layer_overhead_s: float | None = None
+  """Fixed seconds per layer of a forward-only pass (the recompute); None
+  means `layer_overhead_s`. Measured apart on CPU, where the update's
+  fixed cost per layer also carries its gradient bookkeeping."""
   nonexpert_efficiency: float | None = None
   """Share of peak for the non-expert part (attention, norms, head); None
   means the same as `matmul_efficiency`."""

@@ -224,10 +224,13 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   spd = work.slots_per_device(model)
   plan = mp.plan
   tokens = work.tokens_per_device
+  fwd_overhead = (hw.layer_overhead_s if hw.forward_layer_overhead_s is None
+                  else hw.forward_layer_overhead_s)
   nonexpert = lambda passes: (
       tokens * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
       / hw.nonexpert_flops_per_s
-      + model.num_layers * hw.layer_overhead_s * (1 + (passes > 1)))
+      + model.num_layers * (2 * hw.layer_overhead_s if passes > 1
+                            else fwd_overhead))
   moe_M, a2a_M = _moe_and_a2a(loads_MLDE, plan.microstep, mp.capacity[mode],
                               model, hw, spd, mode, passes=3,
                               tokens_per_device=tokens)
@@ -243,12 +246,15 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   groups = work.num_devices // num_dev
   expert_params = (model.num_moe_layers * model.params_per_expert
                    * num_experts / num_dev)
-  optimizer_s = costs.optimizer_time(expert_params + model.nonexpert_params(),
-                                     hw)
+  nonexp = model.nonexpert_params()
+  shards = work.num_devices if work.fsdp_all else 1
+  optimizer_s = costs.optimizer_time(expert_params + nonexp / shards, hw)
   # f32 gradients, reduced once per step (rl/step.py): non-expert ones over
-  # every device, expert ones over the EP groups beside each other.
-  sync_s = (costs.allreduce_time(4.0 * model.nonexpert_params(),
-                                 work.num_devices, hw)
+  # every device, expert ones over the EP groups beside each other. Split
+  # non-expert weights are gathered (f32) once per step first: half the
+  # bytes of an all-reduce.
+  sync_s = (costs.allreduce_time(4.0 * nonexp, work.num_devices, hw)
+            * (1.5 if shards > 1 else 1.0)
             + (costs.allreduce_time(4.0 * expert_params, groups, hw)
                if groups > 1 else 0.0))
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum() + flush_s
@@ -278,7 +284,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       model, work, ep=num_dev, slots_per_device=spd,
       capacity_rows=(mp.capacity[mode] if mode == 'exact'
                      else num_dev * mp.capacity[mode]),
-      remat_policy=work.remat_policy)
+      remat_policy=work.remat_policy, fsdp_shards=shards)
   return dict(
       update_s=update_s, recompute_s=recompute_s, plan_s=mp.plan_s,
       recompute_plan_s=mp.recompute_plan_s, plan_wait_s=plan_wait_s,

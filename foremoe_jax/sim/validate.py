@@ -7,11 +7,12 @@ moves or timing:
   the engine's own rounds, memory, the model's forward + backward at five
   routing skews);
 * `update`: the same, with its compute constants (GEMM rate, per-layer
-  overhead) refitted on the RL update program itself, run with the static
-  layout (no planner, no moves) on the benchmark's batch with its routes
-  replaced by synthetic ones of several skews. What it is fitted on is
-  held out from what it is judged on: the judged runs are the methods'
-  updates on the sampled routes, which no fit sees.
+  overhead, and the per-layer overhead of a forward-only pass) refitted on
+  the RL step's own programs, the update and the recompute, run with the
+  static layout (no planner, no moves) on the benchmark's batch with its
+  routes replaced by synthetic ones of several skews. What it is fitted on
+  is held out from what it is judged on: the judged runs are the methods'
+  updates and recomputes on the sampled routes, which no fit sees.
 
 `bench_rl_step` then times every method's real update and recompute, and
 `simulate.time_step` predicts each from the benchmark's own plans, move
@@ -53,9 +54,9 @@ def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
 
 def refit_compute(profile: HardwareProfile, runs, topo, cost,
                   model: ModelShape, work: Workload) -> HardwareProfile:
-  """The profile with F and the per-layer overhead fitted to update times
-  of the static layout on synthetic routes ([{loads_MLDE, capacity,
-  update_s}]).
+  """The profile with F and the per-layer overheads fitted to update (and
+  recompute) times of the static layout on synthetic routes ([{loads_MLDE,
+  capacity, update_s, recompute_s}]).
 
   The predicted update is linear in 1/F and in the overhead: what the
   profile predicts with infinite F and no overhead (all-to-alls, copies,
@@ -76,9 +77,23 @@ def refit_compute(profile: HardwareProfile, runs, topo, cost,
   slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
   overhead = max(float(fixed), 0.0) / (
       2 * model.num_layers * work.num_microsteps)
-  return dataclasses.replace(
+  fit = dataclasses.replace(
       profile, name='cpu_update_fit', peak_flops_per_s=1.0 / max(slope, 1e-30),
       matmul_efficiency=1.0, layer_overhead_s=overhead)
+  # The recompute's fixed cost per layer, on the same runs' recomputes:
+  # what is left of each after everything else the profile predicts (the
+  # same F), per layer, micro-step and forward pass; their mean.
+  passes = work.recompute_forward_passes
+  timed = [r for r in runs if r.get('recompute_s')]
+  if not passes or not timed:
+    return fit
+  no_fwd = dataclasses.replace(fit, forward_layer_overhead_s=0.0)
+  left = [r['recompute_s'] - simulate.time_step(
+      _static_plan(r['loads_MLDE'], r['capacity'], topo, cost),
+      r['loads_MLDE'], model, work, no_fwd)['recompute_s'] for r in timed]
+  fwd = max(float(np.mean(left)), 0.0) / (
+      passes * model.num_layers * work.num_microsteps)
+  return dataclasses.replace(fit, forward_layer_overhead_s=fwd)
 
 
 def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
@@ -100,7 +115,9 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
                   tokens_per_seq=tokens_per_seq,
                   redundant_slots_per_device=bench.redundant_slots_per_device,
                   recompute_forward_passes=measured['recompute_forward_passes'],
-                  remat_policy=config.model.remat_policy)
+                  remat_policy=config.model.remat_policy,
+                  fsdp_all=(config.parallel.fsdp and config.parallel.get(
+                      'fsdp_axes', 'data') == 'data+expert'))
   topo = simulate.topology(model, work, kernels)
   cost = simulate.cost_model(model, kernels)
   loads = extras['loads_MLDE']
@@ -122,7 +139,9 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   log(f'calibrate: update fit on {len(runs)} static-layout runs of synthetic '
       f'routes (skews {[r["skew"] for r in runs]}): GEMM '
       f'{update_fit.flops_per_s / 1e9:.2f} GFLOP/s, '
-      f'{update_fit.layer_overhead_s * 1e3:.2f} ms per layer and pass')
+      f'{update_fit.layer_overhead_s * 1e3:.2f} ms per layer and pass, '
+      f'{(update_fit.forward_layer_overhead_s or 0.0) * 1e3:.2f} ms per '
+      f'layer of a forward-only pass')
   methods = {}
   for method, mp in plans.items():
     meas = measured['methods'][method]
@@ -147,7 +166,9 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
       bench=dataclasses.asdict(bench), profile=describe(update_fit),
       kernels_profile=describe(kernels), calibration=dict(
           raw, fitted_on=[dict(skew=r['skew'], capacity=r['capacity'],
-                               update_s=r['update_s']) for r in runs]),
+                               update_s=r['update_s'],
+                               recompute_s=r.get('recompute_s'))
+                          for r in runs]),
       held_out='the methods\' updates and recomputes on the sampled routes '
                '(the fit saw only the static layout on synthetic routes)',
       methods=methods,

@@ -134,6 +134,10 @@ class Workload:
   # The update's activation policy (model.remat_policy); the real configs
   # run 'full'.
   remat_policy: str = 'full'
+  # Non-expert master weights and Adam moments split over every device
+  # (parallel.fsdp = True, fsdp_axes = 'data+expert'): gathered once per
+  # step, updated per shard. False: replicated (parallel.fsdp = False).
+  fsdp_all: bool = True
 
   def ep_size(self, model: ModelShape) -> int:
     """EP group: every device while experts go round, at most E devices."""

@@ -29,13 +29,14 @@ NUM_EXPERTS, TOP_K, SPD = 8, 2, 3
 PROMPTS, NUM_GEN, NUM_MB = 16, 4, 2  # 64 samples, 32 per micro-step.
 
 
-def _config(num_data, num_expert, fsdp=False):
+def _config(num_data, num_expert, fsdp=False, fsdp_axes='data'):
   cfg = importlib.import_module('configs.tiny').get_config()
   m = cfg.model
   m.num_layers, m.num_experts, m.top_k = 1, NUM_EXPERTS, TOP_K
   cfg.parallel.num_data, cfg.parallel.num_expert = num_data, num_expert
   cfg.parallel.slots_per_device = SPD
   cfg.parallel.fsdp = fsdp
+  cfg.parallel.fsdp_axes = fsdp_axes
   cfg.rl.prompts_per_step, cfg.rl.num_generations = PROMPTS, NUM_GEN
   cfg.rl.num_microbatches = NUM_MB
   cfg.planner.deadline_ms = 60_000.0  # Never the fallback: test the plan.
@@ -119,8 +120,8 @@ def _smallest_dropless(demand, buckets):
 
 def _state(cfg, mesh, ctx):
   model = transformer.Transformer(cfg.model, mesh, rngs=nnx.Rngs(0))
-  graphdef, params = sharding.split_model(model, mesh,
-                                         fsdp=cfg.parallel.fsdp)
+  graphdef, params = sharding.split_model(
+      model, mesh, **sharding.fsdp_options(cfg.parallel))
   return step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
                                    with_ref=cfg.rl.beta > 0)
 
@@ -174,6 +175,10 @@ def dp_run():
   # same forward, on data-sharded weights, and must match the reference.
   out['fsdp'] = _trainer_step(_config(2, 4, fsdp=True), mesh, task, ro, mbs,
                               batch, logps=out['dp']['logps'])
+  # ZeRO over every device: the same, split 8 ways over ('data', 'expert').
+  out['fsdp_all'] = _trainer_step(
+      _config(2, 4, fsdp=True, fsdp_axes='data+expert'), mesh, task, ro, mbs,
+      batch, logps=out['dp']['logps'])
 
   cfg = _config(1, 8)
   mesh = ep.make_mesh(1, 8)
@@ -182,7 +187,7 @@ def dp_run():
   state = _state(cfg, mesh, ctx)
   out['ref_params0'] = jax.device_get(state.params)
   # The same seed builds the same weights on every mesh and layout.
-  for run in ('dp', 'fsdp'):
+  for run in ('dp', 'fsdp', 'fsdp_all'):
     for a, b in zip(jax.tree.leaves(out[run]['params0']),
                     jax.tree.leaves(out['ref_params0'])):
       np.testing.assert_array_equal(a, b)
@@ -245,6 +250,22 @@ def test_fsdp_step_equals_reference_and_keeps_its_sharding(dp_run):
   assert fsdp['new_shardings'] == fsdp['shardings']
 
 
+def test_fsdp_over_every_device_equals_reference(dp_run):
+  """parallel.fsdp_axes='data+expert': the non-expert state split 8 ways,
+  over both mesh axes (the 'expert' axis of a data group holds different
+  shards, not copies); same numbers, same layout returned."""
+  zero = dp_run['fsdp_all']
+  _assert_same_step(zero, dp_run['ref'], dp_run['ref_params0'])
+  specs = [s.spec for s in jax.tree.leaves(zero['shardings'].params)]
+  both = P(('data', 'expert'))
+  split = [s for s in specs if any(a == both[0] for a in tuple(s))]
+  assert len(split) >= len(specs) // 2, specs
+  assert all('data' not in tuple(s) for s in specs)  # Never 'data' alone.
+  opt_specs = {s.spec for s in jax.tree.leaves(zero['shardings'].opt_state)}
+  assert set(specs) <= opt_specs
+  assert zero['new_shardings'] == zero['shardings']
+
+
 def test_dp_bucket_is_smallest_dropless_for_per_group_rows(dp_run):
   """The exact dispatch's bucket bounds the rows a device receives within
   its data group, counted here token by token from the routes."""
@@ -295,16 +316,22 @@ def test_fsdp_data_spec():
   assert sharding.data_spec((1, 8), 4) == P(None, 'data')
   assert sharding.data_spec((), 2) == P()
   assert sharding.data_spec((6, 4), 1) == P()  # No data axis: replicated.
+  both = ('data', 'expert')
+  assert sharding.data_spec((2, 16, 4), 8, skip=1, axes=both) == P(None, both)
+  assert sharding.fsdp_mesh_axes('data+expert') == both
+  with pytest.raises(ValueError, match='fsdp_axes'):
+    sharding.fsdp_mesh_axes('expert')
 
 
-@pytest.mark.parametrize('fsdp', [False, True])
-def test_gradients_are_reduced_once_per_step(dp_run, fsdp):
+@pytest.mark.parametrize('fsdp,fsdp_axes', [(False, 'data'), (True, 'data'),
+                                            (True, 'data+expert')])
+def test_gradients_are_reduced_once_per_step(dp_run, fsdp, fsdp_axes):
   """The compiled update (4 micro-steps on the (2, 4) mesh) sums the
   non-expert gradients over the mesh in exactly one all-reduce, after the
   micro-step loop, never inside it; no floating-point value is reduced
   inside the loop at all (the per-layer statistics are reduced once, at
   the end, too)."""
-  cfg = _config(2, 4, fsdp=fsdp)
+  cfg = _config(2, 4, fsdp=fsdp, fsdp_axes=fsdp_axes)
   mesh = ep.make_mesh(2, 4)
   ctx = _context(cfg, mesh, get_task('addition'))
   ctx.planner.close()

@@ -323,3 +323,35 @@ def test_memory_model_by_hand():
   sharded = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                                  capacity_rows=16, fsdp_shards=2)
   assert sharded.nonexpert_state == mem.nonexpert_state / 2
+
+
+def test_validation_refit_recovers_the_constants_it_was_timed_with():
+  """`validate.refit_compute` on static-layout runs timed by a known
+  profile (synthetic routes of rising skew) gives back that profile's GEMM
+  rate, its per-layer overhead and, from the recomputes, the different
+  overhead of a forward-only pass; the exchange and copy constants are the
+  ones it was handed."""
+  from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
+  topo, cost = Topology(1, 2, 3), CostModel()
+  work = _work(num_micro=2, recompute_forward_passes=1, fsdp_all=False)
+  truth = dataclasses.replace(HW, peak_flops_per_s=3e9, layer_overhead_s=2e-3,
+                              forward_layer_overhead_s=5e-4)
+  given = dataclasses.replace(HW, peak_flops_per_s=1e12, layer_overhead_s=0.0)
+  rng = np.random.default_rng(0)
+  runs = []
+  for hot in (10, 40, 70, 100):
+    loads = rng.integers(0, 10, (2, 1, 2, 4)).astype(np.int64)
+    loads[:, :, :, 0] += hot
+    cap = int(loads.sum(axis=2).max()) * 2
+    mp = validate._static_plan(loads, cap, topo, cost)  # pylint: disable=protected-access
+    t = simulate.time_step(mp, loads, MODEL, work, truth)
+    runs.append(dict(loads_MLDE=loads, capacity=cap, update_s=t['update_s'],
+                     recompute_s=t['recompute_s']))
+  fit = validate.refit_compute(given, runs, topo, cost, MODEL, work)
+  assert fit.flops_per_s == pytest.approx(3e9, rel=1e-6)
+  assert fit.layer_overhead_s == pytest.approx(2e-3, rel=1e-6)
+  assert fit.forward_layer_overhead_s == pytest.approx(5e-4, rel=1e-6)
+  # Without timed recomputes the forward pass keeps the update's overhead.
+  bare = [dict(r, recompute_s=None) for r in runs]
+  assert validate.refit_compute(given, bare, topo, cost, MODEL,
+                                work).forward_layer_overhead_s is None
