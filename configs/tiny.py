@@ -86,6 +86,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.grad_clip = 1.0
   c.rl.weight_decay = 0.0
   c.rl.balance_microbatches = False
+  # Lay each micro-batch's sequences out over the devices so that their
+  # token counts are even (foresight/composition.balance_device_tokens):
+  # a device sends its own tokens' expert rows, so the one holding the
+  # most bounds each all-to-all. Only the order within a micro-batch moves.
+  c.rl.balance_device_tokens = True
 
   c.planner = ml_collections.ConfigDict()
   # static | eplb_step | eplb_microstep | foresight_split | foremoe

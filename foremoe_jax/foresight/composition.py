@@ -118,3 +118,58 @@ def _greedy_composition(counts_BLE, num_microbatches, per_mb, seed):
     load_MLE[m] += counts_BLE[b]
     cost_M[m] = new_cost_M[m]
   return [np.sort(np.asarray(mb, np.int64)) for mb in members]
+
+
+def device_token_loads(tokens_B, microbatches, num_devices: int) -> np.ndarray:
+  """int64 [M, D]: tokens each device holds per micro-step, device d holding
+  the d-th of D equal consecutive chunks of a micro-batch (the RL step's
+  layout)."""
+  tokens_B = np.asarray(tokens_B, np.int64)
+  return np.stack([tokens_B[np.asarray(mb, np.int64)].reshape(
+      num_devices, -1).sum(1) for mb in microbatches])
+
+
+def balance_device_tokens(microbatches, tokens_B,
+                          num_devices: int) -> list[np.ndarray]:
+  """The same micro-batches, each reordered so that its D consecutive
+  chunks (one per device) hold nearly equal token counts.
+
+  A device sends its own tokens' expert rows, so the device holding the
+  most valid tokens bounds every all-to-all of the micro-step however the
+  experts are placed; RL completions vary in length, and sequences laid
+  out in order leave some devices holding several times the mean. Within
+  each micro-batch, sequences go largest first to the device with room
+  whose count is lowest (LPT with B / D sequences per device; ties: lower
+  device); the order is kept where it is already no worse. Only the order
+  changes: which micro-step holds a sample (the composition) does not, and
+  the loss is a sum over sequences, so the step's gradient does not
+  either. verl's `balance_batch` evens tokens over data-parallel ranks the
+  same way.
+
+  tokens_B: [B] tokens of each sample that route (valid positions).
+  Returns M int64 arrays, device-major (chunk d is device d's samples,
+  ascending within it).
+  """
+  tokens_B = np.asarray(tokens_B, np.int64)
+  out = []
+  for mb in microbatches:
+    mb = np.asarray(mb, np.int64).reshape(-1)
+    if len(mb) % num_devices:
+      raise ValueError(f'a micro-batch of {len(mb)} samples does not split '
+                       f'into whole sequences over {num_devices} devices.')
+    per = len(mb) // num_devices
+    t = tokens_B[mb]
+    order = np.lexsort((mb, -t))  # Largest first; ties by sample index.
+    load_D = np.zeros(num_devices, np.int64)
+    bins = [[] for _ in range(num_devices)]
+    for i in order:
+      room = np.array([len(b) < per for b in bins])
+      d = int(np.flatnonzero(room)[np.argmin(load_D[room])])
+      bins[d].append(mb[i])
+      load_D[d] += t[i]
+    if load_D.max() < t.reshape(num_devices, per).sum(1).max():
+      out.append(np.concatenate([np.sort(np.asarray(b, np.int64))
+                                 for b in bins]))
+    else:
+      out.append(mb)
+  return out

@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from foremoe_jax.foresight import composition
+
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticTraceConfig:
@@ -76,6 +78,10 @@ class SyntheticTraceConfig:
   choice."""
   hot_share_range: tuple[float, float] = (0.04, 0.06)
   """Step-level share of each layer's hottest expert, spread over layers."""
+  balance_device_tokens: bool = False
+  """Lay each micro-step's sequences out over the devices with
+  `composition.balance_device_tokens` (as the trainer does with
+  rl.balance_device_tokens) instead of in draw order."""
   seed: int = 0
 
   def __post_init__(self):
@@ -221,6 +227,14 @@ def synthetic_trace(cfg: SyntheticTraceConfig) -> Trace:
     p_QE = _sequence_distributions(cfg.seq_concentration * p_LKE[l, domain_Q],
                                    cfg.top_k, rng)
     loads_QLE[:, l] = rng.multinomial(tokens_Q * cfg.top_k, p_QE)
+  if cfg.balance_device_tokens:
+    # Sequences of one micro-step are drawn independently, so reordering
+    # them among its devices is the trainer's layout step, nothing more.
+    per_mb = D * B
+    order = np.concatenate(composition.balance_device_tokens(
+        [np.arange(i * per_mb, (i + 1) * per_mb) for i in range(R * M)],
+        tokens_Q, D))
+    loads_QLE = loads_QLE[order]
   loads_RMDBLE = loads_QLE.reshape(R, M, D, B, L, E)
   loads_RMLDE = loads_RMDBLE.sum(axis=3).transpose(0, 1, 3, 2, 4)
   meta = _jsonable({'source': 'synthetic', **dataclasses.asdict(cfg)})

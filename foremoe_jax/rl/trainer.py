@@ -254,15 +254,36 @@ def samples_for_log(ctx: RLContext, prompts, ro, rewards) -> list[dict]:
 
 
 def compose(ctx: RLContext, ro, step: int):
-  """Samples -> micro-batches (index arrays)."""
+  """Samples -> micro-batches (index arrays; chunk d of each is device d's
+  sequences): which micro-step holds a sample (`rl.balance_microbatches`),
+  then its device within it (`rl.balance_device_tokens`)."""
   rl = ctx.config.rl
   if not rl.balance_microbatches:
-    return composition.compose_microbatches(ro.tokens_BT.shape[0],
-                                            rl.num_microbatches)
-  return composition.compose_microbatches(
-      ro.tokens_BT.shape[0], rl.num_microbatches,
-      counts_BLE=_sample_counts(ctx, ro), num_experts=ctx.num_experts,
-      balance=True, seed=ctx.config.seed + step)
+    mbs = composition.compose_microbatches(ro.tokens_BT.shape[0],
+                                           rl.num_microbatches)
+  else:
+    mbs = composition.compose_microbatches(
+        ro.tokens_BT.shape[0], rl.num_microbatches,
+        counts_BLE=_sample_counts(ctx, ro), num_experts=ctx.num_experts,
+        balance=True, seed=ctx.config.seed + step)
+  if rl.get('balance_device_tokens', False):
+    p = ctx.config.parallel
+    mbs = composition.balance_device_tokens(mbs, _routed_tokens(ro),
+                                            p.num_data * p.num_expert)
+  return mbs
+
+
+def _routed_tokens(ro) -> np.ndarray:
+  """[B] positions of each sample that route: its valid input positions
+  (the last token is never an input)."""
+  return np.asarray(ro.valid_BT)[:, :-1].sum(axis=1)
+
+
+def _device_tokens_imbalance(ctx: RLContext, ro, microbatches) -> float:
+  p = ctx.config.parallel
+  loads_MD = composition.device_token_loads(
+      _routed_tokens(ro), microbatches, p.num_data * p.num_expert)
+  return float(np.mean(loads_MD.max(1) / np.maximum(loads_MD.mean(1), 1)))
 
 
 def _sample_counts(ctx: RLContext, ro) -> np.ndarray:
@@ -518,6 +539,10 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       indexer_loss=float(m['indexer_loss']),
       grad_norm=float(m['grad_norm']),
       completion_len=float(ro.lengths_B.mean()),
+      # Tokens on the busiest device over the mean, per micro-step (what
+      # rl.balance_device_tokens evens out): its mean over micro-steps.
+      device_tokens_max_over_mean=_device_tokens_imbalance(ctx, ro,
+                                                           microbatches),
       # Share of samples that ended with EOS (the rest hit completion_len).
       finished_frac=float(ro.done_B.mean()),
       **load_metrics(ctx, loads_MLDE, planned.plan),

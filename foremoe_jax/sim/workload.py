@@ -138,6 +138,9 @@ class Workload:
   # (parallel.fsdp = True, fsdp_axes = 'data+expert'): gathered once per
   # step, updated per shard. False: replicated (parallel.fsdp = False).
   fsdp_all: bool = True
+  # Each micro-step's sequences laid out over the devices to even their
+  # token counts (rl.balance_device_tokens), or in draw order.
+  balance_device_tokens: bool = True
 
   def ep_size(self, model: ModelShape) -> int:
     """EP group: every device while experts go round, at most E devices."""
@@ -172,4 +175,4 @@ def synthetic_loads(model: ModelShape, work: Workload, num_steps: int = 2,
       tokens_per_seq=work.tokens_per_seq,
       hot_share_range=tuple(hot_share or HOT_SHARE.get(model.name,
                                                         (0.04, 0.06))),
-      seed=seed))
+      balance_device_tokens=work.balance_device_tokens, seed=seed))

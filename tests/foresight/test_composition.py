@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from foremoe_jax.foresight.composition import (compose_microbatches,
+from foremoe_jax.foresight.composition import (balance_device_tokens,
+                                               compose_microbatches,
+                                               device_token_loads,
                                                max_expert_loads)
 from foremoe_jax.foresight.loads import microstep_loads
 from foremoe_jax.rl.grpo import policy_loss
@@ -153,3 +155,42 @@ def test_grpo_gradient_is_invariant_to_composition():
   for mbs in (in_order, balanced):
     summed = sum(grad_fn(w_FV, jnp.asarray(mb)) for mb in mbs)
     chex.assert_trees_all_close(summed, full, atol=1e-6, rtol=1e-5)
+
+
+def test_device_tokens_hand_case():
+  """Tokens [10, 9, 1, 2] on 2 devices: in order 19 vs 3; largest first to
+  the emptier device with room: 10 -> d0, 9 -> d1, 2 -> d1, 1 -> d0 (11, 11).
+  An already even micro-batch keeps its order."""
+  tokens = np.array([10, 9, 1, 2, 10, 1, 9, 2])
+  mbs = [np.arange(4), np.arange(4, 8)]
+  out = balance_device_tokens(mbs, tokens, 2)
+  np.testing.assert_array_equal(out[0], [0, 2, 1, 3])
+  np.testing.assert_array_equal(out[1], [4, 5, 6, 7])
+  np.testing.assert_array_equal(device_token_loads(tokens, out, 2),
+                                [[11, 11], [11, 11]])
+  with pytest.raises(ValueError, match='whole sequences'):
+    balance_device_tokens([np.arange(3)], tokens, 2)
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_device_tokens_only_reorder_and_never_worsen(seed):
+  """Each micro-batch keeps its samples (only their order changes), every
+  device gets B / D of them, and the busiest device holds no more tokens
+  than in order and at most the LPT bound: the mean plus the largest
+  sequence. Long-tailed lengths, as RL completions are."""
+  rng = np.random.default_rng(seed)
+  num_samples, num_mb, num_dev = 96, 3, 8
+  tokens = np.maximum(1, rng.lognormal(5, 0.8, num_samples)).astype(np.int64)
+  mbs = compose_microbatches(num_samples, num_mb)
+  out = balance_device_tokens(mbs, tokens, num_dev)
+  before = device_token_loads(tokens, mbs, num_dev)
+  after = device_token_loads(tokens, out, num_dev)
+  for a, b in zip(mbs, out):
+    np.testing.assert_array_equal(np.sort(a), np.sort(b))
+    for chunk in np.split(b, num_dev):
+      assert (np.diff(chunk) > 0).all()
+  assert (after.max(1) <= before.max(1)).all()
+  np.testing.assert_array_equal(after.sum(1), before.sum(1))
+  for m, mb in enumerate(mbs):
+    assert after[m].max() <= after[m].mean() + tokens[mb].max()
+  assert after.max() < before.max()  # Long tails: in order is uneven.

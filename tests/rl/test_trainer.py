@@ -125,3 +125,32 @@ def test_samples_for_log_decodes_the_first_sample_of_each_prompt():
   ctx.task = NoReferences(num_digits=4)
   assert [s['reference'] for s in trainer.samples_for_log(
       ctx, prompts, ro, rewards)] == [None] * 4
+
+
+def test_compose_evens_device_tokens_only_when_asked():
+  """rl.balance_device_tokens reorders each micro-batch so its devices hold
+  even token counts (counted here from the valid mask); off, the order is
+  the composition's own."""
+  import types  # pylint: disable=import-outside-toplevel
+  cfg = importlib.import_module('configs.tiny').get_config()
+  cfg.rl.num_microbatches = 2
+  num_dev = cfg.parallel.num_data * cfg.parallel.num_expert
+  rng = np.random.default_rng(0)
+  b, t = 4 * num_dev, 40
+  lengths = np.where(np.arange(b) < num_dev, t, rng.integers(5, 10, b))
+  ro = types.SimpleNamespace(valid_BT=np.arange(t)[None] < lengths[:, None],
+                             tokens_BT=np.zeros((b, t), np.int32))
+  ctx = types.SimpleNamespace(config=cfg)
+  per_dev = lambda mbs: np.stack([
+      (ro.valid_BT[:, :-1].sum(1))[mb].reshape(num_dev, -1).sum(1)
+      for mb in mbs])
+  cfg.rl.balance_device_tokens = False
+  plain = trainer.compose(ctx, ro, 0)
+  cfg.rl.balance_device_tokens = True
+  even = trainer.compose(ctx, ro, 0)
+  for a, c in zip(plain, even):
+    np.testing.assert_array_equal(np.sort(a), np.sort(c))
+  # In order, the long samples sit on the first devices of micro-batch 0.
+  assert per_dev(plain)[0].max() >= 2 * t - 2
+  assert per_dev(even).max() < per_dev(plain).max()
+  assert per_dev(even)[0].max() <= t - 1 + 9
