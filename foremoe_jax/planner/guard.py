@@ -7,10 +7,17 @@ its kernels): `submit` starts it and returns at once, so the trainer
 dispatches the recompute phase to the device and collects the plan with
 `result()` when the update needs it; ForeMoE also checks
 the deadline between micro-steps and gives up early. When the planner
-fails, misses the deadline, or is still busy with an abandoned step, the
-previous placement is reused for every micro-step (``plan.fallback_plan``:
-no expert moves) and the event is counted: planning never blocks or breaks
-training (issue 5, item 5).
+fails or misses the deadline, the step falls back, and the event is
+counted: planning never blocks or breaks training. The fallback is the
+method's step-level plan (`step_level_plan`: one placement for the whole
+step, made in milliseconds; for the foresight methods the step's exact
+loads with a per-micro-step token split, which is the `foresight_split`
+method itself), or one the caller already made and handed over
+(`PlanTicket.fallback`: the trainer's recompute plan); only static EP, or a
+step-level plan that fails too, reuses the previous placement for every
+micro-step (``plan.fallback_plan``: no expert moves). A plan abandoned
+past its deadline never holds up the next step: that step gets a fresh
+worker.
 
 State (the current placement, EPLB's load history, the counters) lives on
 the instance, never in the module.
@@ -50,6 +57,9 @@ class PlanTicket:
     self._deadline, self._finalize = deadline, finalize
     self.t_submit = t_submit
     self._result = None
+    # A StepPlan for these loads to fall back on (e.g. the recompute's
+    # step-level plan, already made); None: `StepPlanner` makes one.
+    self.fallback = None
 
   def result(self):
     if self._result is None:
@@ -99,9 +109,14 @@ class StepPlanner:
     self.num_failures = 0
     self.last_error: BaseException | None = None
     self.last_latency_s = 0.0
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix='foremoe-planner')
+    self.num_step_level_fallbacks = 0  # Fallbacks to the step-level plan.
+    self._pool = self._new_pool()
     self._busy: concurrent.futures.Future | None = None
+
+  @staticmethod
+  def _new_pool():
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix='foremoe-planner')
 
   def _run(self, loads_MLDE, current, history_LE, deadline):
     if self.method == 'static':
@@ -175,14 +190,31 @@ class StepPlanner:
     t0 = time.perf_counter()
     deadline_s = self.deadline_s if deadline_s is None else deadline_s
     deadline = None if deadline_s is None else t0 + deadline_s
-    future = None
     if self._busy is not None and not self._busy.done():
-      # An abandoned step is still running: do not queue behind it.
-      self.num_timeouts += 1
-    else:
-      future = self._pool.submit(self._work, loads_MLDE, self.current,
-                                 self.history_LE, deadline, finalize)
+      # An abandoned step is still running: leave it its worker (it stops
+      # at its own deadline or finishes) and plan this one on a new one.
+      self._pool.shutdown(wait=False, cancel_futures=True)
+      self._pool = self._new_pool()
+    self._busy = None
+    future = self._pool.submit(self._work, loads_MLDE, self.current,
+                               self.history_LE, deadline, finalize)
     return PlanTicket(self, loads_MLDE, future, deadline, finalize, t0)
+
+  def _fallback(self, ticket: PlanTicket) -> StepPlan:
+    """The step-level plan (the ticket's, else made now), or the previous
+    placement for static EP and when that fails too."""
+    loads_MLDE = ticket._loads  # pylint: disable=protected-access
+    plan = ticket.fallback
+    if plan is None and self.method != 'static':
+      try:
+        plan = self.step_level_plan(loads_MLDE)
+      except Exception as err:  # pylint: disable=broad-except
+        self.last_error = err
+        plan = None
+    if plan is None:
+      return fallback_plan(loads_MLDE, self.current, self.topo, self.cost)
+    self.num_step_level_fallbacks += 1
+    return plan._replace(fell_back=True)
 
   def _collect(self, ticket: PlanTicket):
     loads_MLDE, future = ticket._loads, ticket._future  # pylint: disable=protected-access
@@ -202,7 +234,7 @@ class StepPlanner:
         self.last_error = err
     if out is None:
       self.num_fallbacks += 1
-      plan = fallback_plan(loads_MLDE, self.current, self.topo, self.cost)
+      plan = self._fallback(ticket)
       finalize = ticket._finalize  # pylint: disable=protected-access
       out = plan if finalize is None else finalize(plan, loads_MLDE)
     plan = out if isinstance(out, StepPlan) else out.plan
@@ -220,6 +252,7 @@ class StepPlanner:
 
   def stats(self) -> dict:
     return {'plans': self.num_plans, 'fallbacks': self.num_fallbacks,
+            'step_level_fallbacks': self.num_step_level_fallbacks,
             'timeouts': self.num_timeouts, 'failures': self.num_failures,
             'last_latency_s': self.last_latency_s}
 

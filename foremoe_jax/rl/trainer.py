@@ -511,6 +511,9 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
                        ctx.mesh)
   t_rec = time.perf_counter()
   logps, rplan = recompute(ctx, state, batch, loads_MGLDE)
+  # Should the plan miss its deadline, the update runs on this step-level
+  # plan (made for the recompute already) instead of the home layout.
+  ticket.fallback = rplan.plan
   clock = _ReadyClock(logps)
   # The verifier runs on the host while the device recomputes and the
   # planner thread plans: only the update needs the rewards. A slow

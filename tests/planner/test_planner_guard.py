@@ -24,18 +24,86 @@ def test_plans_and_tracks_current():
 
 
 @pytest.mark.parametrize('method', guard.METHODS)
-def test_missed_deadline_reuses_previous_placement(method):
+def test_missed_deadline_falls_back_to_the_step_level_plan(method):
+  """A plan that misses its deadline is replaced by the method's step-level
+  plan for these loads (static EP: the previous placement, no moves)."""
   trace, topo = lib.one_node()
   first = lib.identity_for(trace, topo)
   planner = guard.StepPlanner(method, topo, lib.COST, first, deadline_s=0.0)
+  want = planner.step_level_plan(trace.step(1))
   plan = planner.plan(trace.step(1))
   if plan.fell_back:  # A trivial planner may still beat a zero deadline.
     assert planner.num_fallbacks == 1 and planner.num_timeouts == 1
-    np.testing.assert_array_equal(
-        plan.placement.slot_expert,
-        np.broadcast_to(first.slot_expert, plan.placement.slot_expert.shape))
-    assert plan.moves_MLD.sum() == 0
+    if method == 'static':
+      np.testing.assert_array_equal(
+          plan.placement.slot_expert,
+          np.broadcast_to(first.slot_expert, plan.placement.slot_expert.shape))
+      assert plan.moves_MLD.sum() == 0
+    else:
+      assert planner.num_step_level_fallbacks == 1
+      np.testing.assert_array_equal(plan.placement.slot_expert,
+                                    want.placement.slot_expert)
+      np.testing.assert_array_equal(plan.loads_MLD, want.loads_MLD)
   lib.check_plan(plan, trace.step(1), topo)
+  planner.close()
+
+
+@pytest.mark.parametrize('method', ('eplb_step', 'foresight_split', 'foremoe'))
+def test_failure_falls_back_to_step_level_plan_or_the_one_handed_over(method):
+  """A failed plan costs the step its micro-step moves, not its balance: the
+  fallback is the step-level plan (better balanced than the home layout on
+  a skewed trace), or the plan the caller put on the ticket."""
+  trace, topo = lib.one_node()
+  first = lib.identity_for(trace, topo)
+  planner = guard.StepPlanner(method, topo, lib.COST, first, deadline_s=30.0,
+                              carry_over=False)
+  loads = trace.step(1)
+  planner.history_LE = loads.sum(axis=(0, 2)).astype(float)  # EPLB's.
+  want = planner.step_level_plan(loads)
+
+  def broken(*args):
+    raise RuntimeError('planner bug')
+  planner._run = broken  # pylint: disable=protected-access
+  plan = planner.plan(loads)
+  assert plan.fell_back and planner.num_step_level_fallbacks == 1
+  np.testing.assert_array_equal(plan.placement.slot_share,
+                                want.placement.slot_share)
+  home = fallback_plan(loads, first, topo, lib.COST)
+  assert plan.loads_MLD.max(axis=2).sum() < home.loads_MLD.max(axis=2).sum()
+  # Handed over: used as is.
+  ticket = planner.submit(loads)
+  ticket.fallback = home._replace(fell_back=False)
+  got = ticket.result()
+  assert got.fell_back
+  np.testing.assert_array_equal(got.loads_MLD, home.loads_MLD)
+  assert planner.num_step_level_fallbacks == 2
+  planner.close()
+
+
+def test_an_abandoned_plan_does_not_hold_up_the_next_step():
+  """Step 1's planner hangs past its deadline; step 2 still gets its own
+  plan, on a fresh worker, without waiting for step 1's."""
+  import threading  # pylint: disable=g-import-not-at-top
+  trace, topo = lib.one_node()
+  planner = guard.StepPlanner('foremoe', topo, lib.COST,
+                              lib.identity_for(trace, topo), deadline_s=30.0,
+                              carry_over=False)
+  real_run = planner._run  # pylint: disable=protected-access
+  release = threading.Event()
+
+  def hang_once(*args):
+    if not release.is_set():
+      release.wait(10.0)
+    return real_run(*args)
+  planner._run = hang_once  # pylint: disable=protected-access
+  first = planner.submit(trace.step(0), deadline_s=0.05).result()
+  assert first.fell_back and planner.num_timeouts == 1
+  planner._run = real_run  # pylint: disable=protected-access
+  second = planner.submit(trace.step(1), deadline_s=30.0).result()
+  assert not second.fell_back
+  assert planner.num_timeouts == 1 and planner.num_fallbacks == 1
+  lib.check_plan(second, trace.step(1), topo)
+  release.set()
   planner.close()
 
 
