@@ -283,7 +283,10 @@ def render_simulate_cluster_validation(res: dict) -> str:
   worst = max(val['max_rel_error_update'], val['max_rel_error_recompute'])
   return '\n'.join([
       table, '',
-      f"- Fitted on: {val['held_out']}.",
+      "- Fitted on: the static layout's update and recompute on synthetic"
+      " routes of skews "
+      + ', '.join(f"{r['skew']:g}" for r in val['calibration']['fitted_on'])
+      + f"; judged on (held out): {val['held_out']}.",
       f"- Target: within 15% on every method, update and recompute. Largest"
       f" error {100 * worst:.1f}%: "
       + (f"**missed** by {', '.join(missed)}." if missed else 'met.'),

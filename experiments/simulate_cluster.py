@@ -49,6 +49,10 @@ _GRID = flags.DEFINE_bool('grid', True, 'Run the scale-out grid (off: the '
                           'validation alone).')
 _REPEATS = flags.DEFINE_integer('validation_repeats', 3,
                                 'bench_rl_step repetitions for validation.')
+_CACHE = flags.DEFINE_string(
+    'validation_cache', '', 'A file for the validation\'s measurements: '
+    'written after measuring, read instead of measuring when it exists (for '
+    'the same bench), to redo the fit without the runs.')
 _MICRO = flags.DEFINE_integer('microsteps', 8, 'Micro-steps per RL step.')
 _SEQS = flags.DEFINE_integer('seqs_per_microbatch', 2,
                              'Sequences per device and micro-step.')
@@ -86,7 +90,7 @@ def main(argv):
     from foremoe_jax.benchmarks import rl_step  # pylint: disable=g-import-not-at-top
     from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
     validation = validate.validate(rl_step.RLStepBench(repeats=_REPEATS.value),
-                                   log=log)
+                                   log=log, cache=_CACHE.value or None)
     log('validation: ' + ', '.join(
         f"{m} predicted {v['predicted_update_s']:.3f}s measured "
         f"{v['measured_update_s']:.3f}s ({100 * v['rel_error_update']:+.1f}%)"

@@ -51,6 +51,10 @@ class HardwareProfile:
   """Fixed seconds per layer of a forward-only pass (the recompute); None
   means `layer_overhead_s`. Measured apart on CPU, where the update's
   fixed cost per layer also carries its gradient bookkeeping."""
+  forward_flops_per_s: float | None = None
+  """Achieved FLOP/s of a forward-only pass, experts and the rest; None
+  means the update's rates. Measured apart on CPU, where a backward runs
+  at another rate than its forward (the tile loop's transposes)."""
   nonexpert_efficiency: float | None = None
   """Share of peak for the non-expert part (attention, norms, head); None
   means the same as `matmul_efficiency`."""
@@ -81,6 +85,19 @@ class HardwareProfile:
       raise ValueError(f'{self.name}: matmul_efficiency must be in (0, 1].')
     if not 0 <= self.transfer_overlap <= 1:
       raise ValueError(f'{self.name}: transfer_overlap must be in [0, 1].')
+
+  def forward_profile(self) -> 'HardwareProfile':
+    """This profile as a forward-only pass sees it (the recompute's): its
+    forward rate and per-layer overhead where they are set apart."""
+    out = self
+    if self.forward_flops_per_s is not None:
+      out = dataclasses.replace(out, peak_flops_per_s=self.forward_flops_per_s,
+                                matmul_efficiency=1.0,
+                                nonexpert_efficiency=None)
+    if self.forward_layer_overhead_s is not None:
+      out = dataclasses.replace(out,
+                                layer_overhead_s=self.forward_layer_overhead_s)
+    return out
 
   @property
   def flops_per_s(self) -> float:

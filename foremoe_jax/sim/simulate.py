@@ -224,13 +224,10 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   spd = work.slots_per_device(model)
   plan = mp.plan
   tokens = work.tokens_per_device
-  fwd_overhead = (hw.layer_overhead_s if hw.forward_layer_overhead_s is None
-                  else hw.forward_layer_overhead_s)
-  nonexpert = lambda passes: (
+  nonexpert = lambda passes, prof=hw: (
       tokens * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
-      / hw.nonexpert_flops_per_s
-      + model.num_layers * (2 * hw.layer_overhead_s if passes > 1
-                            else fwd_overhead))
+      / prof.nonexpert_flops_per_s
+      + model.num_layers * prof.layer_overhead_s * (1 + (passes > 1)))
   moe_M, a2a_M = _moe_and_a2a(loads_MLDE, plan.microstep, mp.capacity[mode],
                               model, hw, spd, mode, passes=3,
                               tokens_per_device=tokens)
@@ -262,7 +259,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   # The recompute: the forwards the step needs, each on the method's
   # step-level placement (its weights filled first), or on the home layout.
   passes = work.recompute_forward_passes
+  fwd = hw.forward_profile()
   recompute_s, recompute_fill_s = 0.0, 0.0
+  rec_parts = dict(moe=0.0, a2a=0.0, nonexpert=0.0)
   if passes:
     if mp.recompute_plan is None:
       home = placement_lib.identity_placement(num_layers, num_experts, num_dev,
@@ -273,10 +272,13 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       recompute_fill_s = _fill_s(mp.recompute_transfer, model, hw, num_dev,
                                  num_layers, spd)
     rmoe_M, ra2a_M = _moe_and_a2a(loads_MLDE, placement_of,
-                                  mp.recompute_capacity[mode], model, hw, spd,
-                                  mode, passes=1, tokens_per_device=tokens)
-    recompute_s = passes * float(recompute_fill_s + (rmoe_M + ra2a_M).sum()
-                                 + num_micro * nonexpert(1))
+                                  mp.recompute_capacity[mode], model, fwd,
+                                  spd, mode, passes=1,
+                                  tokens_per_device=tokens)
+    rec_parts = dict(moe=passes * float(rmoe_M.sum()),
+                     a2a=passes * float(ra2a_M.sum()),
+                     nonexpert=passes * num_micro * nonexpert(1, fwd))
+    recompute_s = passes * recompute_fill_s + sum(rec_parts.values())
   # The micro-step plan is made while the step-level plan is made and the
   # recompute runs; the update waits for whichever ends last.
   plan_wait_s = max(0.0, mp.plan_s - mp.recompute_plan_s - recompute_s)
@@ -290,6 +292,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       recompute_plan_s=mp.recompute_plan_s, plan_wait_s=plan_wait_s,
       step_s=mp.recompute_plan_s + recompute_s + plan_wait_s + update_s,
       recompute_forward_passes=passes, recompute_fill_s=recompute_fill_s,
+      recompute_moe_s=rec_parts['moe'], recompute_a2a_s=rec_parts['a2a'],
+      recompute_nonexpert_s=rec_parts['nonexpert'],
       moe_compute_s=float(moe_M.sum()), all_to_all_s=float(a2a_M.sum()),
       nonexpert_s=float(num_micro * nonexpert(3)),
       transfer_s=float(move_M.sum() + fill_s + flush_s),

@@ -6,8 +6,8 @@ moves or timing:
 * `kernels`: `calibrate.cpu_profile`, from microbenchmarks (all-to-all,
   the engine's own rounds, memory, the model's forward + backward at five
   routing skews);
-* `update`: the same, with its compute constants (GEMM rate, per-layer
-  overhead, and the per-layer overhead of a forward-only pass) refitted on
+* `update`: the same, with its compute constants (GEMM rate and per-layer
+  overhead, of the update and of a forward-only pass) refitted on
   the RL step's own programs, the update and the recompute, run with the
   static layout (no planner, no moves) on the benchmark's batch with its
   routes replaced by synthetic ones of several skews. What it is fitted on
@@ -23,6 +23,8 @@ one the validation target reads.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 
 import numpy as np
 
@@ -80,28 +82,32 @@ def refit_compute(profile: HardwareProfile, runs, topo, cost,
   fit = dataclasses.replace(
       profile, name='cpu_update_fit', peak_flops_per_s=1.0 / max(slope, 1e-30),
       matmul_efficiency=1.0, layer_overhead_s=overhead)
-  # The recompute's fixed cost per layer, on the same runs' recomputes:
-  # what is left of each after everything else the profile predicts (the
-  # same F), per layer, micro-step and forward pass; their mean.
+  # The forward-only pass (the recompute) the same way, on the same runs'
+  # recomputes: its own GEMM rate and per-layer overhead.
   passes = work.recompute_forward_passes
   timed = [r for r in runs if r.get('recompute_s')]
-  if not passes or not timed:
+  if not passes or len(timed) < 2:
     return fit
-  no_fwd = dataclasses.replace(fit, forward_layer_overhead_s=0.0)
-  left = [r['recompute_s'] - simulate.time_step(
-      _static_plan(r['loads_MLDE'], r['capacity'], topo, cost),
-      r['loads_MLDE'], model, work, no_fwd)['recompute_s'] for r in timed]
-  fwd = max(float(np.mean(left)), 0.0) / (
-      passes * model.num_layers * work.num_microsteps)
-  return dataclasses.replace(fit, forward_layer_overhead_s=fwd)
+  fast_f = dataclasses.replace(fit, forward_flops_per_s=1e30,
+                               forward_layer_overhead_s=0.0)
+  count_f = dataclasses.replace(fast_f, forward_flops_per_s=1.0, hbm_bw=1e30)
+  xs, ys = [], []
+  for r in timed:
+    mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
+    base = simulate.time_step(mp, r['loads_MLDE'], model, work, fast_f)
+    flops = simulate.time_step(mp, r['loads_MLDE'], model, work, count_f)
+    xs.append(flops['recompute_moe_s'] + flops['recompute_nonexpert_s'])
+    ys.append(r['recompute_s'] - (base['recompute_s'] - base['recompute_moe_s']
+                                  - base['recompute_nonexpert_s']))
+  slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+  return dataclasses.replace(
+      fit, forward_flops_per_s=1.0 / max(slope, 1e-30),
+      forward_layer_overhead_s=max(float(fixed), 0.0) / (
+          passes * model.num_layers * work.num_microsteps))
 
 
-def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
-             log=print, skews=CALIBRATION_SKEWS) -> dict:
-  config = rl_step.bench_config(bench)
-  seqs_per_device = bench.prompts * bench.generations // bench.microbatches // 8
-  task = task_from_config(config)
-  tokens_per_seq = task.sequence_len - 1  # Positions the model reads.
+def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
+  """Everything the validation measures on this machine (the slow part)."""
   kernels, raw = calibrate.cpu_profile(
       config.model, tokens_per_seq=tokens_per_seq,
       seqs_per_device=seqs_per_device,
@@ -109,6 +115,42 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   extras = {}
   measured = rl_step.run(bench, log=log, extras=extras,
                          calibration_skews=skews)
+  extras.pop('config', None)  # Rebuilt from the bench.
+  return dict(kernels=kernels, raw=raw, extras=extras, measured=measured)
+
+
+def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
+             log=print, skews=CALIBRATION_SKEWS,
+             cache: str | None = None) -> dict:
+  """cache: a file of the measurements (written after measuring, read
+  instead of measuring when it exists, for the same bench and skews), so
+  the fit and the predictions can be redone without the half hour of runs.
+  """
+  config = rl_step.bench_config(bench)
+  seqs_per_device = bench.prompts * bench.generations // bench.microbatches // 8
+  task = task_from_config(config)
+  tokens_per_seq = task.sequence_len - 1  # Positions the model reads.
+  key = dict(bench=dataclasses.asdict(bench), skews=list(skews))
+  data = None
+  if cache and os.path.exists(cache):
+    with open(cache, 'rb') as f:
+      saved = pickle.load(f)
+    if saved['key'] == key:
+      data = saved['data']
+      log(f'validation: measurements read from {cache}')
+    else:
+      log(f'validation: {cache} is for another bench; measuring again')
+  if data is None:
+    data = _measure(bench, config, tokens_per_seq, seqs_per_device, skews,
+                    log)
+    if cache:
+      try:  # A cache that cannot be written must not cost the run.
+        with open(cache, 'wb') as f:
+          pickle.dump(dict(key=key, data=data), f)
+      except Exception as err:  # pylint: disable=broad-except
+        log(f'validation: could not write {cache}: {err!r}')
+  kernels, raw = data['kernels'], data['raw']
+  extras, measured = data['extras'], data['measured']
   model = ModelShape.from_config(config.model)
   work = Workload(num_devices=8, num_microsteps=bench.microbatches,
                   seqs_per_microbatch=seqs_per_device,
@@ -140,8 +182,9 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
       f'routes (skews {[r["skew"] for r in runs]}): GEMM '
       f'{update_fit.flops_per_s / 1e9:.2f} GFLOP/s, '
       f'{update_fit.layer_overhead_s * 1e3:.2f} ms per layer and pass, '
-      f'{(update_fit.forward_layer_overhead_s or 0.0) * 1e3:.2f} ms per '
-      f'layer of a forward-only pass')
+      f'forward-only {(update_fit.forward_flops_per_s or 0.0) / 1e9:.2f} '
+      f'GFLOP/s, {(update_fit.forward_layer_overhead_s or 0.0) * 1e3:.2f} ms '
+      f'per layer')
   methods = {}
   for method, mp in plans.items():
     meas = measured['methods'][method]

@@ -329,12 +329,13 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
   """`validate.refit_compute` on static-layout runs timed by a known
   profile (synthetic routes of rising skew) gives back that profile's GEMM
   rate, its per-layer overhead and, from the recomputes, the different
-  overhead of a forward-only pass; the exchange and copy constants are the
-  ones it was handed."""
+  rate and overhead of a forward-only pass; the exchange and copy constants
+  are the ones it was handed."""
   from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
   topo, cost = Topology(1, 2, 3), CostModel()
   work = _work(num_micro=2, recompute_forward_passes=1, fsdp_all=False)
   truth = dataclasses.replace(HW, peak_flops_per_s=3e9, layer_overhead_s=2e-3,
+                              forward_flops_per_s=1.5e9,
                               forward_layer_overhead_s=5e-4)
   given = dataclasses.replace(HW, peak_flops_per_s=1e12, layer_overhead_s=0.0)
   rng = np.random.default_rng(0)
@@ -350,8 +351,12 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
   fit = validate.refit_compute(given, runs, topo, cost, MODEL, work)
   assert fit.flops_per_s == pytest.approx(3e9, rel=1e-6)
   assert fit.layer_overhead_s == pytest.approx(2e-3, rel=1e-6)
+  assert fit.forward_flops_per_s == pytest.approx(1.5e9, rel=1e-6)
   assert fit.forward_layer_overhead_s == pytest.approx(5e-4, rel=1e-6)
-  # Without timed recomputes the forward pass keeps the update's overhead.
-  bare = [dict(r, recompute_s=None) for r in runs]
-  assert validate.refit_compute(given, bare, topo, cost, MODEL,
-                                work).forward_layer_overhead_s is None
+  # Without timed recomputes the forward pass keeps the update's constants.
+  bare = validate.refit_compute(given, [dict(r, recompute_s=None)
+                                        for r in runs],
+                                topo, cost, MODEL, work)
+  assert bare.forward_flops_per_s is None
+  assert bare.forward_layer_overhead_s is None
+  assert bare.forward_profile() == bare
