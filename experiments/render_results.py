@@ -372,6 +372,16 @@ def render_simulate_cluster(res: dict) -> str:
           f" {_f(summ['speedup_64gpu_foremoe_vs_static_padded'])}x and"
           f" {_f(summ['speedup_64gpu_foremoe_vs_eplb_step_padded'])}x. The"
           f" paper reports up to {_f(summ['paper_speedup_64gpu'])}x on 64 GPUs."]
+  if 'sender_max_over_mean_64gpu' in summ:
+    out += [f"- What bounds it: the all-to-alls are"
+            f" {100 * summ['all_to_all_share_of_update_64gpu_foremoe']:.0f}%"
+            f" of ForeMoE's update, and the device that sends the most"
+            f" holds {_f(summ['sender_max_over_mean_64gpu'])}x the mean"
+            f" rows (a device sends its own tokens' rows: no placement"
+            f" lowers that floor), while ForeMoE's receivers are at"
+            f" {_f(summ['microstep_max_over_mean_64gpu_foremoe'])}x and"
+            f" EPLB-step's at"
+            f" {_f(summ.get('microstep_max_over_mean_64gpu_eplb_step', 0))}x."]
   return '\n'.join(out)
 
 

@@ -129,6 +129,18 @@ def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
             f'speedup_update_vs_{base}']
     out[f'peak_bytes_per_device_64gpu{suffix}'] = r['peak_bytes_per_device']
     out[f'step_s_64gpu_foremoe{suffix}'] = r['step_s']
+    out[f'all_to_all_share_of_update_64gpu_foremoe{suffix}'] = (
+        r['all_to_all_s'] / r['update_s'])
+    out[f'sender_max_over_mean_64gpu{suffix}'] = r['sender_max_over_mean']
+    out[f'microstep_max_over_mean_64gpu_foremoe{suffix}'] = r[
+        'microstep_max_over_mean']
+    try:
+      eplb = find(rows, model=model, devices=devices, profile=profile,
+                  mode=mode, method='eplb_step')
+      out[f'microstep_max_over_mean_64gpu_eplb_step{suffix}'] = eplb[
+          'microstep_max_over_mean']
+    except KeyError:
+      pass
   return out
 
 

@@ -304,4 +304,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       capacity=mp.capacity[mode], reverted_moves=mp.reverted,
       microstep_max_over_mean=float(placement_lib.max_over_mean(
           plan.loads_MLD).mean()),
+      # Rows the busiest source device sends over the mean (a device sends
+      # its own tokens' rows, whatever the placement): the all-to-alls'
+      # floor, mean over micro-steps and layers.
+      sender_max_over_mean=float(placement_lib.max_over_mean(
+          loads_MLDE.sum(axis=3)).mean()),
       peak_bytes_per_device=mem.total, memory=mem.as_dict())

@@ -360,3 +360,15 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
   assert bare.forward_flops_per_s is None
   assert bare.forward_layer_overhead_s is None
   assert bare.forward_profile() == bare
+
+
+def test_sender_floor_is_the_busiest_source_by_hand():
+  """Source 0 sends 30 rows and source 1 sends 10 (mean 20): the busiest
+  sender holds 1.5x the mean, whatever the placement does with them."""
+  topo = Topology(1, 2, 3)
+  loads, static, spread = _hot_expert_plans(topo)
+  loads = loads.copy()
+  loads[:, :, 1, 0] = 10
+  for mp in (static, spread):
+    r = simulate.time_step(mp, loads, MODEL, _work(), HW)
+    assert r['sender_max_over_mean'] == pytest.approx(1.5)
