@@ -68,20 +68,13 @@ def refit_compute(profile: HardwareProfile, runs, topo, cost,
   fast = dataclasses.replace(profile, peak_flops_per_s=1e30,
                              matmul_efficiency=1.0, layer_overhead_s=0.0)
   count = dataclasses.replace(fast, peak_flops_per_s=1.0, hbm_bw=1e30)
-  xs, ys = [], []
-  for r in runs:
-    mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
-    base = simulate.time_step(mp, r['loads_MLDE'], model, work, fast)
-    flops = simulate.time_step(mp, r['loads_MLDE'], model, work, count)
-    xs.append(flops['moe_compute_s'] + flops['nonexpert_s'])  # At 1 FLOP/s.
-    ys.append(r['update_s'] - (base['update_s'] - base['moe_compute_s']
-                               - base['nonexpert_s']))
-  slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
-  overhead = max(float(fixed), 0.0) / (
-      2 * model.num_layers * work.num_microsteps)
+  inv_f, fixed = _fit_phase(runs, fast, count, 'update_s',
+                            ('moe_compute_s', 'nonexpert_s'), topo, cost,
+                            model, work)
   fit = dataclasses.replace(
-      profile, name='cpu_update_fit', peak_flops_per_s=1.0 / max(slope, 1e-30),
-      matmul_efficiency=1.0, layer_overhead_s=overhead)
+      profile, name='cpu_update_fit', peak_flops_per_s=1.0 / inv_f,
+      matmul_efficiency=1.0, layer_overhead_s=fixed / (
+          2 * model.num_layers * work.num_microsteps))
   # The forward-only pass (the recompute) the same way, on the same runs'
   # recomputes: its own GEMM rate and per-layer overhead.
   passes = work.recompute_forward_passes
@@ -91,19 +84,28 @@ def refit_compute(profile: HardwareProfile, runs, topo, cost,
   fast_f = dataclasses.replace(fit, forward_flops_per_s=1e30,
                                forward_layer_overhead_s=0.0)
   count_f = dataclasses.replace(fast_f, forward_flops_per_s=1.0, hbm_bw=1e30)
-  xs, ys = [], []
-  for r in timed:
-    mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
-    base = simulate.time_step(mp, r['loads_MLDE'], model, work, fast_f)
-    flops = simulate.time_step(mp, r['loads_MLDE'], model, work, count_f)
-    xs.append(flops['recompute_moe_s'] + flops['recompute_nonexpert_s'])
-    ys.append(r['recompute_s'] - (base['recompute_s'] - base['recompute_moe_s']
-                                  - base['recompute_nonexpert_s']))
-  slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+  inv_f, fixed = _fit_phase(timed, fast_f, count_f, 'recompute_s',
+                            ('recompute_moe_s', 'recompute_nonexpert_s'),
+                            topo, cost, model, work)
   return dataclasses.replace(
-      fit, forward_flops_per_s=1.0 / max(slope, 1e-30),
-      forward_layer_overhead_s=max(float(fixed), 0.0) / (
+      fit, forward_flops_per_s=1.0 / inv_f, forward_layer_overhead_s=fixed / (
           passes * model.num_layers * work.num_microsteps))
+
+
+def _fit_phase(runs, fast, count, total, parts, topo, cost, model, work):
+  """(1 / F, fixed seconds) of one phase (`total`, e.g. 'update_s') by least
+  squares: each run's measured seconds less what `fast` (infinite F, no
+  overhead) predicts outside the compute `parts`, against the FLOPs of
+  those parts (their seconds under `count`, at 1 FLOP/s)."""
+  xs, ys = [], []
+  for r in runs:
+    mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
+    base = simulate.time_step(mp, r['loads_MLDE'], model, work, fast)
+    flops = simulate.time_step(mp, r['loads_MLDE'], model, work, count)
+    xs.append(sum(flops[k] for k in parts))
+    ys.append(r[total] - (base[total] - sum(base[k] for k in parts)))
+  slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+  return max(float(slope), 1e-30), max(float(fixed), 0.0)
 
 
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
