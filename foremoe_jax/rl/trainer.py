@@ -37,7 +37,7 @@ from foremoe_jax import config as config_lib
 from foremoe_jax import hf
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
-from foremoe_jax.foresight import composition, loads as loads_lib
+from foremoe_jax.foresight import composition, expert_load, loads as loads_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import checkpoint, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
@@ -505,6 +505,7 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   loads_MGLDE = foresight(ctx, ro, microbatches)
   loads_MLDE = planner_loads(loads_MGLDE)
   ticket = plan_async(ctx, loads_MGLDE)
+  tokens_LE = expert_load.expert_tokens(loads_MGLDE)
   # Every process holds the same host batch and uploads its own devices'
   # share: each device gets whole sequences of every micro-batch.
   batch = device_batch(rl_batch_from_rollout(ro, None, microbatches),
@@ -549,6 +550,10 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       # Share of samples that ended with EOS (the rest hit completion_len).
       finished_frac=float(ro.done_B.mean()),
       **load_metrics(ctx, loads_MLDE, planned.plan),
+      # Tokens per (MoE layer, expert), from the foresight: the compact form
+      # here, the whole matrix to expert_load.jsonl (rl_loop pops it).
+      **expert_load.summary(tokens_LE),
+      expert_tokens_LE=tokens_LE,
       capacity=planned.capacity,
       capacity_static=static_capacity(ctx, loads_MGLDE),
       # The recompute's forwards and its bucket (0 when it runs none).
@@ -760,6 +765,10 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
     samples = record.pop('samples', None)
+    tokens_LE = record.pop(expert_load.TOKENS_KEY, None)
+    if load_writer is not None and tokens_LE is not None:
+      load_writer.write(step + 1, {'phase': 'rl',
+                                   expert_load.TOKENS_KEY: tokens_LE})
     compiled = record.pop('compiled', [])
     if compiled and distributed.is_primary():
       print(f"  compiled {', '.join(compiled)} at step {step + 1} (capacity "
@@ -969,19 +978,24 @@ def train(config, workdir: str, guard=None) -> dict:
       print(f'metrics.jsonl: dropped {dropped} records past step {start}, '
             f'where this run resumes', flush=True)
     metrics_lib.truncate_after(os.path.join(workdir, SAMPLES_FILE), start)
+    metrics_lib.truncate_after(
+        os.path.join(workdir, expert_load.EXPERT_LOAD_FILE), start)
     writer = metrics_lib.MetricsWriter(workdir, mirror=tb)
     samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE,
                                                mirror=tb)
+    load_writer = metrics_lib.MetricsWriter(
+        workdir, expert_load.EXPERT_LOAD_FILE, mirror=tb)
     try:
       with compiles_lib.CompileLog() as ctx.compile_log:
         state, done = rl_loop(ctx, state, start, rng, key, writer, ckpt, guard,
-                              samples_writer)
+                              samples_writer, load_writer)
       summary_compiles = dict(compiles=ctx.compile_log.count(),
                               compile_s=ctx.compile_log.seconds())
     finally:
       ctx.planner.close()
       writer.close()
       samples_writer.close()
+      load_writer.close()
     if done < config.rl.steps:
       return _stopped(workdir, done, 'rl', guard)
     summary['greedy_reward_after_rl'] = evaluate(state.params)
@@ -998,4 +1012,8 @@ def train(config, workdir: str, guard=None) -> dict:
     summary['plots'] = metrics_lib.plot_metrics(
         workdir, reward_range=task.reward_range,
         greedy=[g for g in greedy if g[1] is not None])
+    if distributed.is_primary():
+      load_png = expert_load.plot(workdir)
+      if load_png:
+        summary['plots'] = list(summary['plots']) + [load_png]
     return summary

@@ -4,8 +4,10 @@
 record as a scalar under `<phase>/<name>` (a list of numbers, such as the
 per-micro-step max/mean, as `<phase>/<name>/<i>`), and a `device_load_MD`
 record as one histogram of the per-device load per micro-step plus its
-max/mean, and a `samples` record (decoded prompts and completions) as a
-markdown table under the Text tab. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
+max/mean, an `expert_tokens_LE` record (tokens per MoE layer and expert,
+foresight/expert_load.py) as one histogram per layer plus an image of the
+layer x expert heatmap (the Images tab), and a `samples` record (decoded
+prompts and completions) as a markdown table under the Text tab. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
 Host-side; tensorboardX is imported when the writer is made, and without it
 the writer says so once and writes nothing (metrics.jsonl stays complete).
 In a multi-process run only process 0 writes.
@@ -23,6 +25,7 @@ import sys
 
 import numpy as np
 
+from foremoe_jax.foresight import expert_load
 from foremoe_jax.utils import distributed
 
 TB_DIR = 'tensorboard'
@@ -64,6 +67,9 @@ class TensorBoardWriter:
       if name == 'device_load_MD':
         self._device_loads(step, phase, np.asarray(value, np.float64))
         continue
+      if name == expert_load.TOKENS_KEY:
+        self._expert_tokens(step, phase, np.asarray(value, np.float64))
+        continue
       x = _numbers(value)
       if x is not None:
         self._w.add_scalar(f'{phase}/{name}', x, step)
@@ -88,6 +94,14 @@ class TensorBoardWriter:
       if mean > 0:
         self._w.add_scalar(f'{phase}/device_load_max_over_mean/microstep_{m}',
                            float(load_D.max() / mean), step)
+
+  def _expert_tokens(self, step, phase, tokens_LE):
+    for layer, tokens_E in enumerate(tokens_LE):
+      self._w.add_histogram(f'{phase}/expert_tokens/moe_layer_{layer}',
+                            tokens_E, step)
+    self._w.add_image(f'{phase}/expert_load_heatmap',
+                      expert_load.heatmap_rgb(tokens_LE), step,
+                      dataformats='HWC')
 
   def flush(self) -> None:
     if self._w is not None:

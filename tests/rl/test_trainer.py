@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from foremoe_jax.foresight import expert_load
 from foremoe_jax.rl import trainer
 from foremoe_jax.utils import tensorboard
 
@@ -68,6 +69,23 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   assert [s for s, _ in tags['warmstart/sft_loss']] == [50, 100]
   assert len(tags['rl/device_load_max_over_mean/microstep_0']) == 40
   assert len(rl[0]['device_load_MD']) == cfg.rl.num_microbatches
+  # Per-expert load from the foresight: the compact form in metrics.jsonl,
+  # the whole [L, E] matrix in expert_load.jsonl (each MoE layer's row sums
+  # to its routed tokens x top_k, every layer the same), the heatmap in
+  # TensorBoard, expert_load.png at the end.
+  steps_S, tokens_SLE = expert_load.read(workdir)
+  assert steps_S.tolist() == list(range(1, 41))
+  num_moe = len(rl[0]['expert_hot_share'])
+  assert tokens_SLE.shape[1:] == (num_moe, cfg.model.num_experts)
+  per_layer_SL = tokens_SLE.sum(axis=2)
+  assert (per_layer_SL == per_layer_SL[:, :1]).all()
+  assert (per_layer_SL[:, 0] % cfg.model.top_k == 0).all()
+  for r, tokens_LE in zip(rl, tokens_SLE):
+    assert r['expert_hot_share'] == expert_load.summary(
+        tokens_LE)['expert_hot_share']
+    assert 'expert_tokens_LE' not in r
+  assert b'rl/expert_load_heatmap' in events
+  assert os.path.exists(os.path.join(workdir, 'expert_load.png'))
 
   # A rerun in the same workdir (as after a crash) resumes from the latest
   # checkpoint: no second warm start, RL continues at step 41.
@@ -76,6 +94,7 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   steps = [json.loads(l)['step'] for l in open(os.path.join(workdir,
                                                               'metrics.jsonl'))]
   assert steps == list(range(1, 42))
+  assert expert_load.read(workdir)[0].tolist() == list(range(1, 42))
   warm = open(os.path.join(workdir, 'warmstart.jsonl')).read().splitlines()
   assert len(warm) == 2  # 100 steps logged every 50: written once only.
 
