@@ -744,13 +744,14 @@ def greedy_eval(config, task, graphdef, mesh):
 
 
 def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
-            guard=None, samples_writer=None):
+            guard=None, samples_writer=None, load_writer=None):
   """RL steps start..rl.steps-1; checkpoints every `checkpoint_every`.
 
   Returns (state, last step done). When `guard` asks to stop, the step in
   flight finishes, is checkpointed, and the loop returns early. Steps in
   `profile_steps` (1-based, as logged) each write a jax.profiler trace under
   workdir/profile (TensorBoard's profile plugin or Perfetto reads it).
+  `load_writer` gets every step's tokens per (MoE layer, expert).
   """
   config = ctx.config
   total = config.rl.steps
