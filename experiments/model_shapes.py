@@ -4,11 +4,11 @@
 """
 import json
 
-from absl import app
 from ml_collections import config_flags
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.model import shapes
+from foremoe_jax.utils import cli
 from foremoe_jax.utils.run_info import print_run_info
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
@@ -23,4 +23,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -19,7 +19,6 @@ it joins the others first (`utils.distributed.initialize_from_env`); locally:
 """
 import json
 import os
-import shlex
 import signal
 import sys
 
@@ -29,6 +28,7 @@ from absl import flags, logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from foremoe_jax import config as config_lib
+from foremoe_jax import hf
 from foremoe_jax.rl import trainer
 from foremoe_jax.utils import cli, distributed, host_memory
 from foremoe_jax.utils.preemption import PreemptionGuard
@@ -39,20 +39,35 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory.',
                                required=True)
 
 
+def _resume_command() -> str:
+  """This run's command, runnable as printed (cli.rerun_command)."""
+  return cli.rerun_command('experiments.rl_train', sys.argv[1:])
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO.
-  config_lib.validate_config(_CONFIG.value)  # Before any work (cli.run).
+  config = _CONFIG.value
+  if config.get('init_from_hf'):
+    # The checkpoint fixes the architecture (as the trainer applies it), so
+    # the checks and the printed config are those of the model that runs.
+    config.model = hf.model_config_from_hf(config.init_from_hf, config.model)
+  config_lib.validate_config(config)  # Before any work (cli.run).
   # One of several processes (experiments.launch, a cluster): join them
   # before any jax work; a no-op when run alone.
   distributed.initialize_from_env()
+  cli.check_mesh(config)  # One line naming what to change, not a traceback.
+  # The processes print the same lines: process 0 prints them.
+  distributed.quiet_unless_primary()
   # RSS stays flat over a long run (utils/host_memory.py, experiments.soak).
   pinned = host_memory.pin_mmap_threshold()
-  print_run_info({'config': _CONFIG.value.to_dict(),
+  p = config.parallel
+  print_run_info({'config': config.to_dict(),
+                  'mesh': f'{p.num_data} data x {p.num_expert} expert',
                   'mmap_threshold_pinned': pinned})
   with PreemptionGuard() as guard:
     try:
-      summary = trainer.train(_CONFIG.value, _WORKDIR.value, guard=guard)
+      summary = trainer.train(config, _WORKDIR.value, guard=guard)
     except trainer.NonFiniteError as e:
       print(f'error: {e}', file=sys.stderr, flush=True)
       sys.exit(1)
@@ -61,12 +76,12 @@ def main(argv):
              if summary['phase'] == 'warmstart' else
              f"step {summary['step']} saved in {summary['checkpoint_dir']}")
     name = signal.Signals(summary['signal']).name
-    print(f"stopped by {name}: {where}; resume with: "
-          f"python -m experiments.rl_train {shlex.join(sys.argv[1:])}",
+    print(f'stopped by {name}: {where}; resume with: {_resume_command()}',
           flush=True)
     sys.exit(summary['exit_code'])
   print(json.dumps(summary, default=str))
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  cli.run(main, interrupt_hint='the step in flight is not saved; resume '
+          f'from the last checkpoint with: {_resume_command()}')

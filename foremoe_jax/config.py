@@ -212,6 +212,12 @@ def validate_config(config) -> None:
              'model.msa_index_dim', 'must be a positive even number (RoPE)')
     _require(m.max_seq_len % m.msa_block_size == 0, 'model.max_seq_len',
              f'must be a multiple of msa_block_size ({m.msa_block_size})')
+    # More selected blocks than exist would silently attend to every block.
+    num_blocks = m.max_seq_len // m.msa_block_size
+    _require(m.msa_top_k <= num_blocks, 'model.msa_top_k',
+             f'must be <= the number of key blocks, max_seq_len / '
+             f'msa_block_size = {m.max_seq_len} / {m.msa_block_size} = '
+             f'{num_blocks}, got {m.msa_top_k}')
   if 'parallel' in config:
     p = config.parallel
     _require(p.num_data >= 1, 'parallel.num_data', 'must be >= 1')

@@ -1,6 +1,7 @@
 """Entry points run as users run them: absl flags and --config.* overrides."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -98,8 +99,11 @@ def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
   assert stopped_at < 50
   final = rest.strip().splitlines()[-1]
   assert final.startswith(f'stopped by SIGTERM: step {stopped_at} saved in '), final
-  assert 'resume with: python -m experiments.rl_train --config=configs/tiny.py' \
-      in final
+  # The hint runs as printed from the same folder: the interpreter that ran
+  # the job (no activated venv needed), then the same flags.
+  hint = shlex.split(final.split('resume with: ', 1)[1])
+  assert os.path.samefile(os.path.join(ROOT, hint[0]), sys.executable), hint
+  assert hint[1:] == ['-m', 'experiments.rl_train', *cmd[3:]], hint
   assert 'Traceback' not in err
   assert os.path.isdir(tmp_path / 'checkpoints' / str(stopped_at))
   traces = [f for _, _, fs in os.walk(tmp_path / 'profile') for f in fs]

@@ -182,11 +182,20 @@ def _run_both(tmp_path, num_processes, devices_per_process, mesh_flags,
               'experiments.rl_train', *flags, f'--workdir={multi}'],
              devices=devices_per_process)
   lines = out.splitlines()
-  # Every process ran the step (each prints its line) on the whole mesh.
-  for i in range(num_processes):
-    assert sum(l.startswith(f'[p{i}] step    1') for l in lines) == 1, out
+  # Process 0 prints the run (its setup, the step's line and the summary,
+  # once each); the others print nothing on stdout, and gloo's connection
+  # lines are dropped (experiments.launch).
+  assert sum(l.startswith('[p0] step    1') for l in lines) == 1, out
+  assert sum(l.startswith('[p0] {"greedy_reward_') for l in lines) == 1, out
+  assert not [l for l in lines if not l.startswith(('[p0] ', '[launch] '))
+              and ('step ' in l or '# run:' in l or '"plots"' in l)], out
+  assert '[Gloo]' not in out, out
   total = num_processes * devices_per_process
   assert f'"devices": {total}' in out
+  assert f'"processes": {num_processes}' in out
+  mesh = dict(f.split('.')[-1].split('=') for f in mesh_flags)
+  assert (f'"mesh": "{mesh["num_data"]} data x {mesh["num_expert"]} expert"'
+          in out), out
   if reference_joins_runtime:
     _run([sys.executable, '-m', 'experiments.launch', '--num_processes=1',
           f'--devices_per_process={total}', '--', 'experiments.rl_train',

@@ -14,7 +14,7 @@ import json
 import os
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from foremoe_jax.hf.families import HFCheckpointError
@@ -24,25 +24,45 @@ SINGLE = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
 
 
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise HFCheckpointError(f'{path}: not valid JSON ({e}); the file may be '
+                            f'truncated: download it again') from None
+
+
+def open_safetensors(path: str):
+  """safe_open(path) with a truncated or corrupt file as one
+  HFCheckpointError naming it (safetensors checks the header against the
+  file's size when it opens the file, so no later read fails this way)."""
+  try:
+    return safe_open(path, framework='np')
+  except SafetensorError as e:
+    raise HFCheckpointError(
+        f'{path}: not a complete safetensors file '
+        f'({str(e).splitlines()[0]}; {os.path.getsize(path)} bytes): an '
+        f'interrupted download or copy; fetch the file again') from None
+
+
 def read_config(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, CONFIG)
   if not os.path.isfile(path):
     raise HFCheckpointError(f'{path}: no config.json in the checkpoint directory')
-  with open(path) as f:
-    return json.load(f)
+  return _read_json(path)
 
 
 def _key_files(hf_dir: str) -> dict[str, str]:
   """HF key -> the safetensors file that holds it."""
   index = os.path.join(hf_dir, INDEX)
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f)['weight_map']
+    weight_map = _read_json(index)['weight_map']
     return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
   single = os.path.join(hf_dir, SINGLE)
   if not os.path.isfile(single):
     raise HFCheckpointError(f'{hf_dir}: neither {SINGLE} nor {INDEX} found')
-  with safe_open(single, framework='np') as f:
+  with open_safetensors(single) as f:
     return {k: single for k in f.keys()}
 
 
@@ -58,7 +78,7 @@ def tensor_shapes(hf_dir: str) -> dict[str, tuple[int, ...]]:
   for path, keys in by_file.items():
     if not os.path.isfile(path):
       raise HFCheckpointError(f'{path}: shard named by {INDEX} is missing')
-    with safe_open(path, framework='np') as f:
+    with open_safetensors(path) as f:
       have = set(f.keys())
       for k in keys:
         if k in have:
@@ -78,7 +98,7 @@ class LazyTensors(collections.abc.Mapping):
   def __getitem__(self, key: str) -> np.ndarray:
     path = self._files[key]
     if path not in self._open:
-      self._open[path] = safe_open(path, framework='np')
+      self._open[path] = open_safetensors(path)
     return self._open[path].get_tensor(key)
 
   def __iter__(self):

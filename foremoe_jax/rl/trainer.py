@@ -918,6 +918,10 @@ def train(config, workdir: str, guard=None) -> dict:
   params = step_lib.master_params(params)
   if config.get('init_from_hf'):
     params = hf.place_like(hf.load_into(config, config.init_from_hf), params)
+    if distributed.is_primary():  # The one line that says the weights came.
+      sizes = [x.size for x in jax.tree.leaves(params)]
+      print(f'init_from_hf: loaded {sum(sizes):,} parameters '
+            f'({len(sizes)} arrays) from {config.init_from_hf}', flush=True)
   if distributed.is_primary():  # One writer of the shared workdir.
     _record_config(workdir, config)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))

@@ -83,6 +83,43 @@ def is_primary() -> bool:
   return jax is None or jax.process_index() == 0
 
 
+def prints_output(environ=None) -> bool:
+  """Whether this process prints progress and errors: process 0 of a job,
+  or a process alone.
+
+  Unlike `is_primary` it never starts a jax backend, so an entry point's
+  error path may call it before `initialize_from_env`: it reads the process
+  id the launcher (or the user) set, else jax's process index once the
+  distributed runtime is up, else answers True.
+  """
+  env = os.environ if environ is None else environ
+  if env.get(PROCESS_ID_ENV):
+    return env[PROCESS_ID_ENV].strip() == '0'
+  jax = sys.modules.get('jax')
+  if jax is None:
+    return True
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  if getattr(jax_distributed.global_state, 'client', None) is None:
+    return True
+  return jax.process_index() == 0
+
+
+def quiet_unless_primary() -> bool:
+  """Sends this process's Python stdout to /dev/null unless it is process
+  0; returns whether it did.
+
+  Every process runs the same host code with the same seed, so their
+  progress lines (and summaries) are the same; only process 0's are
+  printed, as only it writes logs and plots. stderr stays: a warning or
+  a traceback of any process still shows. Call after `initialize_from_env`.
+  """
+  if is_primary():
+    return False
+  sys.stdout.flush()
+  sys.stdout = open(os.devnull, 'w')  # pylint: disable=consider-using-with
+  return True
+
+
 def global_array(x, sharding):
   """A global jax.Array with `sharding` from the full host value `x`, which
   every process holds identically; each process fills only its devices'

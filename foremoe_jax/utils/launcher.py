@@ -60,9 +60,16 @@ def process_env(base: dict, process_id: int, num_processes: int,
   return env
 
 
+# gloo's C++ side prints one line per communicator it connects (24 for
+# the tiny job on 2 processes) to stdout, with no switch to turn it off.
+_GLOO_CONNECTED = re.compile(r'^\[Gloo\] Rank \d+ is connected to \d+ peer ranks')
+
+
 def _stream(proc: subprocess.Popen, prefix: str, out, lock) -> None:
   for line in iter(proc.stdout.readline, b''):
     text = line.decode('utf-8', errors='replace').rstrip('\n')
+    if _GLOO_CONNECTED.match(text):
+      continue
     with lock:
       out.write(f'{prefix}{text}\n')
       out.flush()

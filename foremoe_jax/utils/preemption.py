@@ -12,6 +12,8 @@ import signal
 import sys
 import threading
 
+from foremoe_jax.utils import distributed
+
 
 class PreemptionGuard:
   """Context manager; `requested` turns true at the first SIGINT/SIGTERM."""
@@ -36,6 +38,9 @@ class PreemptionGuard:
       self._restore()
       raise KeyboardInterrupt(f'second {signal.Signals(signum).name}')
     self.signum = signum
+    # Every process of a launch gets the signal; one line says it for all.
+    if not distributed.is_primary():
+      return
     print(f'\n{signal.Signals(signum).name}: finishing the current step, '
           'then saving a checkpoint (signal again to abort now)',
           file=sys.stderr, flush=True)

@@ -27,7 +27,11 @@ def run_info(extra: dict | None = None) -> dict:
       import flax
       info.update(jax=jax.__version__, flax=flax.__version__,
                   backend=jax.default_backend(), devices=jax.device_count(),
-                  device_kind=jax.devices()[0].device_kind)
+                  device_kind=jax.devices()[0].device_kind,
+                  # Several processes (experiments.launch, a cluster) hold
+                  # `devices` together, `local_devices` each.
+                  processes=jax.process_count(),
+                  local_devices=jax.local_device_count())
     except ImportError:
       pass
   if extra:

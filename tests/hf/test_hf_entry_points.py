@@ -66,7 +66,7 @@ def test_bad_hf_dir_is_one_line(tmp_path):
       'checkpoint directory']
 
 
-def test_trainer_starts_from_the_imported_params(tmp_path):
+def test_trainer_starts_from_the_imported_params(tmp_path, capsys):
   c = ref.tiny_config('qwen3_moe')
   t = ref.random_tensors(c, seed=3)
   src = str(tmp_path / 'src')
@@ -79,6 +79,9 @@ def test_trainer_starts_from_the_imported_params(tmp_path):
   cfg.parallel.num_expert = 4  # 4 experts in the checkpoint.
   work = str(tmp_path / 'run')
   trainer.train(cfg, work)
+  # One line says the weights came: every tensor of the checkpoint.
+  n = sum(x.size for x in t.values())
+  assert f'init_from_hf: loaded {n:,} parameters (' in capsys.readouterr().out
   assert cfg.model.hf_model_type == 'qwen3_moe' and cfg.model.head_dim == 16
   assert cfg.model.dtype == 'float32'  # Not in the checkpoint: kept.
 
