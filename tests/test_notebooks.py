@@ -1,12 +1,11 @@
 """Every notebook runs top to bottom in a real kernel (nbclient), as a user
-runs it, and its plots come out inline."""
+runs it, and its plots come out inline; and it is committed with the
+outputs of such a run, so a reader sees them without running it."""
 import glob
+import json
 import os
 
 import pytest
-
-nbclient = pytest.importorskip('nbclient')
-nbformat = pytest.importorskip('nbformat')
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, 'notebooks', '*.ipynb')))
@@ -14,6 +13,8 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, 'notebooks', '*.ipynb')))
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_in_a_kernel_with_inline_plots(path, monkeypatch):
+  nbclient = pytest.importorskip('nbclient')
+  nbformat = pytest.importorskip('nbformat')
   # The kernel inherits this environment: the repository on its path and
   # 8 simulated devices before jax is imported.
   monkeypatch.setenv('PYTHONPATH', ROOT)
@@ -35,3 +36,22 @@ def test_notebook_runs_in_a_kernel_with_inline_plots(path, monkeypatch):
     # The RL section ran its steps and shows the run's plots.
     assert 'step 2: reward ' in text, text[-2000:]
     assert len(images) >= 3, len(images)
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
+def test_notebook_is_committed_with_its_outputs(path):
+  """What GitHub renders: every code cell ran once, in order, in one kernel
+  (`jupyter execute --inplace`, notebooks/README.md), with no error and with
+  its plots; and the file stays small enough to open."""
+  with open(path, encoding='utf-8') as f:
+    nb = json.load(f)
+  code = [c for c in nb['cells'] if c['cell_type'] == 'code']
+  assert [c['execution_count'] for c in code] == \
+      list(range(1, len(code) + 1)), 're-run it: jupyter execute --inplace'
+  outputs = [o for c in code for o in c['outputs']]
+  assert not [o for o in outputs if o['output_type'] == 'error']
+  images = [o for o in outputs if 'image/png' in o.get('data', {})]
+  if os.path.basename(path) == 'quickstart.ipynb':
+    assert len(images) >= 5, len(images)  # The heatmap and the run's plots.
+  assert images
+  assert os.path.getsize(path) < 1_000_000

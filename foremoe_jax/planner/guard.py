@@ -17,7 +17,9 @@ method itself), or one the caller already made and handed over
 step-level plan that fails too, reuses the previous placement for every
 micro-step (``plan.fallback_plan``: no expert moves). A plan abandoned
 past its deadline never holds up the next step: that step gets a fresh
-worker.
+worker. Each fallback says why on its ticket (`PlanTicket.fallback_reason`,
+e.g. "deadline 120 ms missed -> step-level plan"), which the trainer puts
+on the step's log line and in its metrics record.
 
 State (the current placement, EPLB's load history, the counters) lives on
 the instance, never in the module.
@@ -43,12 +45,21 @@ METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foresight_split',
            'foremoe')
 
 
+def _one_line(err: BaseException, limit: int = 80) -> str:
+  """'Type: message' on one line, cut to `limit` characters (a log line's
+  note, not the traceback: `StepPlanner.last_error` keeps the exception)."""
+  text = ' '.join(f'{type(err).__name__}: {err}'.split())
+  return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
 class PlanTicket:
   """A plan being made in the worker thread; `result()` waits for it.
 
   `result()` returns no later than the ticket's deadline (plus the
   hand-over); past it, or when planning failed, the fallback (the previous
   placement for every micro-step) is returned instead and counted.
+  `fallback_reason` is then why, and what was used instead (None until
+  `result()` returns, and when the plan was made in time).
   """
 
   def __init__(self, planner: 'StepPlanner', loads_MLDE, future, deadline,
@@ -56,7 +67,10 @@ class PlanTicket:
     self._planner, self._loads, self._future = planner, loads_MLDE, future
     self._deadline, self._finalize = deadline, finalize
     self.t_submit = t_submit
+    # Seconds the planner had (None: no deadline), for the fallback reason.
+    self.deadline_s = None if deadline is None else deadline - t_submit
     self._result = None
+    self.fallback_reason: str | None = None
     # A StepPlan for these loads to fall back on (e.g. the recompute's
     # step-level plan, already made); None: `StepPlanner` makes one.
     self.fallback = None
@@ -200,9 +214,9 @@ class StepPlanner:
                                self.history_LE, deadline, finalize)
     return PlanTicket(self, loads_MLDE, future, deadline, finalize, t0)
 
-  def _fallback(self, ticket: PlanTicket) -> StepPlan:
+  def _fallback(self, ticket: PlanTicket) -> tuple[StepPlan, str]:
     """The step-level plan (the ticket's, else made now), or the previous
-    placement for static EP and when that fails too."""
+    placement for static EP and when that fails too; with its name."""
     loads_MLDE = ticket._loads  # pylint: disable=protected-access
     plan = ticket.fallback
     if plan is None and self.method != 'static':
@@ -212,13 +226,14 @@ class StepPlanner:
         self.last_error = err
         plan = None
     if plan is None:
-      return fallback_plan(loads_MLDE, self.current, self.topo, self.cost)
+      return (fallback_plan(loads_MLDE, self.current, self.topo, self.cost),
+              'previous placement')
     self.num_step_level_fallbacks += 1
-    return plan._replace(fell_back=True)
+    return plan._replace(fell_back=True), 'step-level plan'
 
   def _collect(self, ticket: PlanTicket):
     loads_MLDE, future = ticket._loads, ticket._future  # pylint: disable=protected-access
-    out = None
+    out, why = None, 'no plan'
     if future is not None:
       timeout = (None if ticket._deadline is None  # pylint: disable=protected-access
                  else max(0.0, ticket._deadline - time.perf_counter()))  # pylint: disable=protected-access
@@ -228,13 +243,17 @@ class StepPlanner:
         self.num_timeouts += 1
         self.last_error = err
         self._busy = future
+        why = ('deadline missed' if ticket.deadline_s is None else
+               f'deadline {ticket.deadline_s * 1e3:.0f} ms missed')
       except Exception as err:  # pylint: disable=broad-except
         # Any planner bug must cost balance, never the training run.
         self.num_failures += 1
         self.last_error = err
+        why = f'planner failed ({_one_line(err)})'
     if out is None:
       self.num_fallbacks += 1
-      plan = self._fallback(ticket)
+      plan, used = self._fallback(ticket)
+      ticket.fallback_reason = f'{why} -> {used}'
       finalize = ticket._finalize  # pylint: disable=protected-access
       out = plan if finalize is None else finalize(plan, loads_MLDE)
     plan = out if isinstance(out, StepPlan) else out.plan

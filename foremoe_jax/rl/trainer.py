@@ -537,6 +537,7 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   record = dict(
       phase='rl', reward_mean=float(rewards.mean()),
       reward_std=float(rewards.std()), kl=float(m['kl']),
+      reward_count=int(rewards.size),  # n of reward.png's interval of the mean
       loss=float(m['loss']), clip_frac=float(m['clip_frac']),
       clip_frac_per_epoch=[float(x) for x in m['clip_frac_U']],
       ratio_mean_per_epoch=[float(x) for x in m['ratio_mean_U']],
@@ -562,6 +563,9 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       capacity_recompute=rplan.capacity,
       dropped=int(m['dropped']), planner=ctx.config.planner.method,
       plan_fallbacks=ctx.planner.num_fallbacks,
+      # This step's plan missed its deadline or failed, and why ('' if not).
+      plan_fallback=ticket.fallback_reason is not None,
+      plan_fallback_reason=ticket.fallback_reason or '',
       moves_per_device_per_microstep=float(planned.plan.moves_MLD.mean()),
       **transfer_metrics(ctx, planned),
       transfer_id_errors=int(m['transfer_id_errors']),
@@ -619,7 +623,8 @@ def _clock(seconds: float) -> str:
 
 
 def _log_line(step, m, total_steps=None, elapsed_s=None, done_steps=None):
-  """One line per RL step; elapsed time and ETA once `done_steps` ran."""
+  """One line per RL step; elapsed time and ETA once `done_steps` ran; a
+  step whose plan fell back says so, and why, at the end."""
   mom = np.mean(m['microstep_max_over_mean'])
   mom_s = np.mean(m['microstep_max_over_mean_static'])
   return (f"step {step:4d} | reward {m['reward_mean']:.3f} | kl {m['kl']:.4f} "
@@ -628,7 +633,9 @@ def _log_line(step, m, total_steps=None, elapsed_s=None, done_steps=None):
           f"{m['weight_bytes_moved_per_device_per_microstep'] / 1e3:.1f} kB/"
           f"dev/micro-step | plan wait {m['plan_wait_s'] * 1e3:.0f} ms | "
           f"{m['step_s']:.2f}s" + _progress(step, total_steps, elapsed_s,
-                                            done_steps))
+                                            done_steps)
+          + (f" [plan fell back: {m['plan_fallback_reason']}]"
+             if m.get('plan_fallback_reason') else ''))
 
 
 def _progress(step, total_steps, elapsed_s, done_steps) -> str:

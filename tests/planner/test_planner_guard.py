@@ -14,8 +14,9 @@ def test_plans_and_tracks_current():
                               lib.identity_for(trace, topo), deadline_s=30.0,
                               validate=True)
   for r in range(2):
-    plan = planner.plan(trace.step(r))
-    assert not plan.fell_back
+    ticket = planner.submit(trace.step(r))
+    plan = ticket.result()
+    assert not plan.fell_back and ticket.fallback_reason is None
     lib.check_plan(plan, trace.step(r), topo)
     np.testing.assert_array_equal(planner.current.slot_expert,
                                   plan.placement.slot_expert[-1])
@@ -31,9 +32,14 @@ def test_missed_deadline_falls_back_to_the_step_level_plan(method):
   first = lib.identity_for(trace, topo)
   planner = guard.StepPlanner(method, topo, lib.COST, first, deadline_s=0.0)
   want = planner.step_level_plan(trace.step(1))
-  plan = planner.plan(trace.step(1))
+  ticket = planner.submit(trace.step(1))
+  plan = ticket.result()
+  assert (ticket.fallback_reason is not None) == plan.fell_back
   if plan.fell_back:  # A trivial planner may still beat a zero deadline.
     assert planner.num_fallbacks == 1 and planner.num_timeouts == 1
+    # The step's log line says why, and what ran instead.
+    assert ticket.fallback_reason == 'deadline 0 ms missed -> ' + (
+        'previous placement' if method == 'static' else 'step-level plan')
     if method == 'static':
       np.testing.assert_array_equal(
           plan.placement.slot_expert,
@@ -75,6 +81,8 @@ def test_failure_falls_back_to_step_level_plan_or_the_one_handed_over(method):
   ticket.fallback = home._replace(fell_back=False)
   got = ticket.result()
   assert got.fell_back
+  assert ticket.fallback_reason == (
+      'planner failed (RuntimeError: planner bug) -> step-level plan')
   np.testing.assert_array_equal(got.loads_MLD, home.loads_MLD)
   assert planner.num_step_level_fallbacks == 2
   planner.close()
@@ -96,11 +104,14 @@ def test_an_abandoned_plan_does_not_hold_up_the_next_step():
       release.wait(10.0)
     return real_run(*args)
   planner._run = hang_once  # pylint: disable=protected-access
-  first = planner.submit(trace.step(0), deadline_s=0.05).result()
+  hung = planner.submit(trace.step(0), deadline_s=0.05)
+  first = hung.result()
   assert first.fell_back and planner.num_timeouts == 1
+  assert hung.fallback_reason == 'deadline 50 ms missed -> step-level plan'
   planner._run = real_run  # pylint: disable=protected-access
-  second = planner.submit(trace.step(1), deadline_s=30.0).result()
-  assert not second.fell_back
+  on_time = planner.submit(trace.step(1), deadline_s=30.0)
+  second = on_time.result()
+  assert not second.fell_back and on_time.fallback_reason is None
   assert planner.num_timeouts == 1 and planner.num_fallbacks == 1
   lib.check_plan(second, trace.step(1), topo)
   release.set()
@@ -119,6 +130,16 @@ def test_failure_falls_back_and_is_counted():
   plan = planner.plan(trace.step(1))
   assert plan.fell_back
   assert planner.num_failures == 1 and planner.num_fallbacks == 1
+  # A long or multi-line error stays one short line in the step's note.
+  def wordy(*args):
+    raise ValueError('bad\n' + 'x' * 200)
+  planner._run = wordy  # pylint: disable=protected-access
+  ticket = planner.submit(trace.step(1))
+  ticket.result()
+  reason = ticket.fallback_reason
+  assert reason.startswith('planner failed (ValueError: bad xxx')
+  assert reason.endswith('...) -> step-level plan') and '\n' not in reason
+  assert len(reason) == len('planner failed () -> step-level plan') + 80
   lib.check_plan(plan, trace.step(1), topo)
   planner.close()
 

@@ -74,7 +74,8 @@ def _full_log(workdir):
       m = {'phase': 'warmstart' if step < 4 else 'rl',
            'sft_loss': 1 / (step + 1)}
       if step >= 4:
-        m.update(reward_mean=step / 10, reward_std=0.1, loss=0.1 * step,
+        m.update(reward_mean=step / 10, reward_std=0.1, reward_count=64,
+                 loss=0.1 * step, grad_norm=1.0 / step,
                  kl=0.01 * step, microstep_max_over_mean=[1.1, 1.3, 1.2],
                  microstep_max_over_mean_static=2.0 + 0.01 * step)
       w.write(step, m)
@@ -84,10 +85,13 @@ def test_plots_are_written(tmp_path):
   _full_log(str(tmp_path))
   paths = plot_metrics(str(tmp_path))
   names = sorted(os.path.basename(p) for p in paths)
-  assert names == ['kl.png', 'loss.png', 'microstep_load.png', 'reward.png']
+  assert names == ['kl.png', 'microstep_load.png', 'reward.png', 'update.png']
   for p in paths:
     assert os.path.getsize(p) > 1000
-    assert _png_size(p) == (640, 400)
+    # update.png: two panels (gradient norm; the loss, since this log does
+    # not say how many update epochs ran), 2.4 inches each + 1.6 at 100 dpi.
+    height = 640 if p.endswith('update.png') else 400
+    assert _png_size(p) == (640, height)
   # The image is real: read it back and check it is not blank.
   import matplotlib.image
   img = matplotlib.image.imread(paths[0])
@@ -97,7 +101,8 @@ def test_plots_are_written(tmp_path):
 @pytest.mark.parametrize('keys, expected', [
     ({'reward_mean': 0.5}, ['reward.png']),
     ({'microstep_max_over_mean_eplb_step': 1.5}, ['microstep_load.png']),
-    ({'pg_loss': 0.1, 'kl_coef': 0.0}, ['kl.png', 'loss.png']),
+    ({'pg_loss': 0.1, 'kl_coef': 0.0}, ['kl.png', 'update.png']),
+    ({'grad_norm': 0.1}, ['update.png']),
     ({'other': 1.0}, []),
 ])
 def test_only_present_keys_are_plotted(tmp_path, keys, expected):
@@ -125,38 +130,131 @@ def test_truncate_after_drops_later_and_torn_records(tmp_path):
   assert [r['x'] for r in metrics.read_metrics(str(path))] == [1, 2, 3, 40]
 
 
-def test_plots_clip_the_reward_band_drop_zero_losses_and_draw_warm_start(
-    tmp_path):
-  from matplotlib.axes import Axes
-  from foremoe_jax.utils import metrics as m
+def _band(ax):
+  """{step: (lo, hi)} of the one shaded band on `ax` (its polygon's
+  vertices: the hi edge one way, the lo edge back)."""
+  (poly,) = ax.collections
+  out = {}
+  for x, y in poly.get_paths()[0].vertices:
+    lo, hi = out.get(float(x), (np.inf, -np.inf))
+    out[float(x)] = (min(lo, float(y)), max(hi, float(y)))
+  return out
+
+
+def _legend_texts(fig):
+  return [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+
+
+def test_reward_band_is_the_95_interval_of_the_mean_clipped_to_the_range():
+  """Not the rewards' own ± std (for 0/1 rewards most of [0, 1]): the
+  interval of the step's mean, from the sample std (ddof 1) of its n."""
+  rng = np.random.default_rng(0)
+  rewards = {1: (rng.random(64) < 0.5).astype(float),
+             2: (rng.random(16) < 0.2).astype(float),
+             3: np.ones(16) - (np.arange(16) == 0)}  # 15/16: clips at 1.
+  records = [{'step': s, 'phase': 'rl', 'reward_mean': float(r.mean()),
+              'reward_std': float(r.std()), 'reward_count': r.size}
+             for s, r in rewards.items()]
+  fig = metrics.make_figures(records, reward_range=(0.0, 1.0),
+                             greedy=[(0, 0.2), (3, 0.7)])['reward.png']
+  (ax,) = fig.axes
+  band = _band(ax)
+  for s, r in rewards.items():
+    half = 1.96 * np.std(r, ddof=1) / np.sqrt(r.size)
+    np.testing.assert_allclose(
+        band[s], (max(r.mean() - half, 0.0), min(r.mean() + half, 1.0)),
+        rtol=1e-12)
+  assert band[3][1] == 1.0 and band[1][1] - band[1][0] < 0.25
+  assert _legend_texts(fig) == [
+      "mean reward of the step's samples",
+      '95% interval of the mean (n = 16..64 per step)',
+      'greedy eval (held-out prompts)']
+  # Without reward_count (older logs) there is no band, not a wrong one.
+  old = [{k: v for k, v in r.items() if k != 'reward_count'} for r in records]
+  assert not metrics.make_figures(old)['reward.png'].axes[0].collections
+
+
+def test_legends_sit_below_the_axes_and_name_curves_in_words():
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  records = [{'step': s, 'phase': 'rl', 'planner': 'foremoe',
+              'reward_mean': 0.5, 'reward_std': 0.5, 'reward_count': 64,
+              'microstep_max_over_mean': [1.1, 1.2],
+              'microstep_max_over_mean_static': [2.5, 3.5],
+              'microstep_max_over_mean_eplb_step': 1.5,
+              'plan_fallback': s == 2, 'kl': 0.1 * s, 'grad_norm': 1.0,
+              'loss': 0.1, 'clip_frac_per_epoch': [0.0]} for s in (1, 2, 3)]
+  figures = metrics.make_figures(records)
+  assert sorted(figures) == ['kl.png', 'microstep_load.png', 'reward.png',
+                             'update.png']
+  for name, fig in figures.items():
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:  # Off every curve: outside every axes.
+      assert not box.overlaps(ax.get_window_extent(renderer)), name
+      assert box.y1 < ax.get_window_extent(renderer).y0, name
+    # Words, never a raw metric name.
+    assert all('_' not in t for t in _legend_texts(fig)), name
+  load = figures['microstep_load.png']
+  assert _legend_texts(load) == [
+      'ForeMoE plan', 'EPLB, one placement per step', 'static EP',
+      'plan fell back (the step line says why)']
+  # The fallback is marked on the plan's curve, at its step.
+  marks = [l for l in load.axes[0].lines if l.get_marker() == 'x']
+  (mark,) = marks
+  assert list(mark.get_xdata()) == [2]
+  assert list(mark.get_ydata()) == [pytest.approx(1.15)]
+  # A run whose own plan is static EP draws that line once.
+  static = [dict(r, planner='static') for r in records]
+  texts = _legend_texts(metrics.make_figures(static)['microstep_load.png'])
+  assert texts.count('static EP') == 1
+  assert metrics.label('microstep_max_over_mean', 'eplb_microstep') == \
+      'EPLB, per micro-step'
+
+
+@pytest.mark.parametrize('epochs', [1, 2])
+def test_update_figure_draws_the_loss_only_where_it_carries_information(
+    epochs):
+  """One epoch: ratio 1, the policy-gradient term is a cancellation (~0)
+  and the loss is beta x KL (kl.png's): only the gradient norm and the
+  non-zero terms. Several epochs: the losses and the clipped share too."""
+  records = [{'step': s, 'phase': 'rl', 'grad_norm': 0.5 + s, 'kl': 0.1,
+              'loss': 0.01 * s, 'pg_loss': 1e-9 * (-1) ** s,
+              'indexer_loss': 0.2, 'balance_loss': 0.0,
+              'clip_frac': 0.0 if epochs == 1 else 0.05 * s,
+              'clip_frac_per_epoch': [0.0] * epochs} for s in (1, 2, 3)]
+  fig = metrics.make_figures(records)['update.png']
+  panels = [(ax.get_ylabel(), [l.get_label() for l in ax.lines])
+            for ax in fig.axes]
+  if epochs == 1:
+    assert panels == [('gradient norm', ['gradient norm (before clipping)']),
+                      ('loss', ['MSA indexer loss'])]
+  else:
+    assert panels == [
+        ('gradient norm', ['gradient norm (before clipping)']),
+        ('clipped share', ['share of tokens clipped']),
+        ('loss', ['MSA indexer loss',
+                  'total loss (policy gradient + beta x KL)',
+                  'policy-gradient loss'])]
+  # Each curve its own colour: the panels share one legend.
+  colors = [l.get_color() for ax in fig.axes for l in ax.lines]
+  assert len(set(colors)) == len(colors)
+  np.testing.assert_allclose(fig.axes[0].lines[0].get_ydata(),
+                             [1.5, 2.5, 3.5])
+
+
+def test_plot_metrics_drops_zero_losses_and_draws_warm_start(tmp_path):
   with MetricsWriter(str(tmp_path), 'warmstart.jsonl') as w:
     for step in (50, 100):
       w.write(step, {'phase': 'warmstart', 'sft_loss': 3.0 / step})
   records = [{'step': s, 'phase': 'rl', 'reward_mean': 0.9, 'reward_std': 0.5,
               'loss': 0.1 * s, 'indexer_loss': 0.0} for s in (1, 2, 3)]
-  bands, lines = [], []
-  fill, plot = Axes.fill_between, Axes.plot
-
-  def spy_fill(self, x, y1, y2=0, **kw):
-    bands.append((self, list(y1), list(y2)))
-    return fill(self, x, y1, y2, **kw)
-
-  def spy_plot(self, *args, **kw):
-    lines.append((self, kw.get('label')))
-    return plot(self, *args, **kw)
-  Axes.fill_between, Axes.plot = spy_fill, spy_plot
-  try:
-    paths = m.plot_metrics(str(tmp_path), records, reward_range=(0.0, 1.0),
-                           greedy=[(0, 0.2), (3, 0.7)])
-  finally:
-    Axes.fill_between, Axes.plot = fill, plot
+  paths = plot_metrics(str(tmp_path), records, reward_range=(0.0, 1.0))
   names = sorted(os.path.basename(p) for p in paths)
-  assert names == ['loss.png', 'reward.png', 'warmstart.png']
-  # 0.9 +- 0.5 would reach 1.4: the band stops at the reward's maximum.
-  (lo, hi), = [(y1, y2) for ax, y1, y2 in bands if ax.get_title() == 'Reward']
-  assert max(hi) == 1.0 and min(lo) == pytest.approx(0.4)
-  drawn = lambda title: [l for ax, l in lines if ax.get_title() == title]
-  assert drawn('Reward') == ['reward_mean', 'greedy eval (held-out prompts)']
-  # The all-zero indexer loss is left out; the real loss stays.
-  assert drawn('Loss') == ['loss']
-  assert drawn('Supervised warm start') == ['sft_loss']
+  assert names == ['reward.png', 'update.png', 'warmstart.png']
+  fig = metrics.make_figures(records)['update.png']
+  # The all-zero indexer loss is left out; the loss stays (the log does
+  # not say how many update epochs ran).
+  assert [l.get_label() for l in fig.axes[0].lines] == [
+      'total loss (policy gradient + beta x KL)']
