@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= /tmp/foremoe_demo/$(shell date +%Y%m%d-%H%M%S)
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo demo-dataset test bench simulate gpu-check clean
+.PHONY: venv demo demo-dataset demo-results test bench simulate gpu-check clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,16 @@ demo-dataset: venv
 	  $(PY) -m experiments.make_word_problems --out_dir=data/word_problems
 	$(PY) -m experiments.rl_train --config=configs/tiny_dataset.py \
 	  --workdir=$(DEMO_DIR)
+
+# Both demos, timed, into results/demo.json and results/demo_dataset.json
+# (experiments/record_demo.py), then the README and docs/results.md blocks.
+demo-results: venv
+	$(PY) -m experiments.record_demo --config=configs/tiny.py --name=demo
+	test -f data/word_problems/train.jsonl || \
+	  $(PY) -m experiments.make_word_problems --out_dir=data/word_problems
+	$(PY) -m experiments.record_demo --config=configs/tiny_dataset.py \
+	  --name=demo_dataset
+	$(PY) -m experiments.render_results
 
 test: venv
 	$(PY) -m pytest -q -n 2 --durations=15 tests

@@ -1,21 +1,25 @@
-"""Rebuilds the README's results tables from results/<bench>.json.
+"""Rebuilds the generated results blocks from results/<bench>.json.
 
-  python -m experiments.render_results           # rewrite README.md in place
-  python -m experiments.render_results --check   # exit 1 if it is stale
+  python -m experiments.render_results           # rewrite the files in place
+  python -m experiments.render_results --check   # exit 1 if one is stale
 
-The README holds one generated block per benchmark between
-  <!-- results:<bench> -->  and  <!-- /results:<bench> -->
-(`<bench>.<part>` renders one part of a file, where its README section
-holds text between the parts).
-Each block is the command that produced the file, the machine and versions
-it ran on, and the table(s) made from its result, so the numbers in the
-README are always those of a run the repository can regenerate (run the
-benchmark, then this). Text outside the markers is left alone. A test
-(tests/test_render_results.py) runs the check.
+README.md (the front door: the demo's numbers and a headline table) and
+docs/results.md (every benchmark's full tables) hold generated blocks
+between
+  <!-- results:<name> -->  and  <!-- /results:<name> -->
+where <name> is a benchmark (`<bench>.<part>` renders one part of a file,
+where its section holds text between the parts) or a block drawn from
+several files (`headline`). Each benchmark block is the command that
+produced the file, the machine and versions it ran on, and the table(s)
+made from its result, so the numbers in the docs are always those of a run
+the repository can regenerate (run the benchmark, then this). Text outside
+the markers is left alone. A test (tests/test_render_results.py) runs the
+check.
 """
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import sys
 
@@ -23,11 +27,15 @@ from absl import app, flags
 
 from foremoe_jax.utils import results
 
-_README = flags.DEFINE_string('readme', 'README.md', 'The file to rewrite.')
+# The files with generated blocks, relative to the repository root.
+DEFAULT_FILES = ('README.md', 'docs/results.md')
+
+_FILES = flags.DEFINE_list('files', list(DEFAULT_FILES),
+                           'The files whose blocks to rewrite.')
 _RESULTS_DIR = flags.DEFINE_string('results_dir', results.DEFAULT_DIR,
                                    'Where the <bench>.json files are.')
 _CHECK = flags.DEFINE_bool('check', False, 'Do not write; exit 1 and print '
-                           'a diff if the README does not match the files.')
+                           'a diff if a file does not match the results.')
 
 BLOCK_RE = re.compile(
     r'(<!-- results:(?P<bench>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=bench) -->)',
@@ -456,6 +464,168 @@ def render_memory_report(res: dict) -> str:
   ])
 
 
+def _clock(seconds: float) -> str:
+  m, s = divmod(round(seconds), 60)
+  return f'{m} min {s} s' if m else f'{s} s'
+
+
+def _acc(x) -> str:
+  """An accuracy or reward in [0, 1], always three decimals."""
+  return '-' if x is None else f'{x:.3f}'
+
+
+def render_demo(res: dict) -> str:
+  """The main job (`make demo`) or its dataset variant, from one run."""
+  c, n, w = res['config'], res['steps'], res['reward_window']
+  what = ('greedy accuracy' if c['task'] != 'dataset'
+          else 'greedy accuracy (math-verify)')
+  table = _table(
+      ['', f"after the {_f(c['warmstart_steps'])}-step warm start",
+       f'after {n} GRPO steps'],
+      [[f"{what}, {_f(c['eval_prompts'])} held-out prompts",
+        _acc(res['greedy_before_rl']), f"**{_acc(res['greedy_after_rl'])}**"],
+       [f'sampled reward, mean of {w} steps',
+        f"{_acc(res['reward_first'])} (steps 1-{w})",
+        f"{_acc(res['reward_last'])} (steps {n - w + 1}-{n})"]])
+  timing = (f"{_clock(res['wall_s'])} wall-clock from the command's start"
+            ' (set-up, warm start and compiles included)'
+            if res.get('wall_s') is not None else 'not timed')
+  step = (f"; {_f(res['step_s_median'])} s per GRPO step after"
+          ' compilation (median)' if res.get('step_s_median') else '')
+  undone = res['reverted_moves']
+  return '\n'.join([
+      f"Run: `{res['train_command']}`: {timing}{step}.", '',
+      table, '',
+      f"- A {c['num_layers']}-layer MoE ({c['num_experts']} experts, top-"
+      f"{c['top_k']}, {c['slots_per_device']} slots per device) on a"
+      f" ('data', 'expert') = ({c['num_data']}, {c['num_expert']}) mesh;"
+      f" each step samples {c['prompts_per_step']} prompts x"
+      f" {c['num_generations']} and updates in {c['num_microbatches']}"
+      f" micro-steps, planned by `{c['planner']}`.",
+      f"- Micro-step max/mean device load, mean over the run: the plans"
+      f" **{_f(res['microstep_max_over_mean'])}**, static expert parallelism"
+      f" {_f(res['microstep_max_over_mean_static'])}. Capacity bucket (rows a"
+      f" device receives): {_f(res['capacity_mean'])} on average, static EP"
+      f" {_f(res['capacity_static_mean'])}.",
+      f"- Weights moved: {_bytes(res['weight_bytes_moved'])} per device per"
+      f" micro-step; gradients returned:"
+      f" {_bytes(res['grad_bytes_returned'])}.",
+      f"- Planning: {_f(1e3 * res['plan_s_median'])} ms per step (median);"
+      f" the update waited for its plan on {res['steps_waited_for_plan']} of"
+      f" {n} steps (longest wait {_f(1e3 * res['plan_wait_s_max'], 2)} ms);"
+      f" planner fallbacks: {res['plan_fallbacks']}.",
+      f"- Slots holding the wrong expert: {res['transfer_id_errors']};"
+      f" tokens dropped: {res['dropped']}; slot changes undone to fit the"
+      f" move budget: {undone} in {n} steps. Largest gap between the"
+      f" sampler's log-probs and the replayed recompute's:"
+      f" {_f(res['replay_logp_gap_max'], 2)}.",
+      f"- Plots in the workdir: "
+      + ', '.join(f'`{p}`' for p in res['plots']) + '.',
+  ])
+
+
+# ----------------------------------------------------- blocks over many files
+
+# Where each headline row's details are: a docs/results.md section (the
+# anchor GitHub makes of its heading) and the results file.
+_DETAILS = 'docs/results.md'
+
+
+def _link(section: str, bench: str) -> str:
+  return (f'[{section}]({_DETAILS}#{section.lower().replace(" ", "-")}),'
+          f' [`{bench}.json`](results/{bench}.json)')
+
+
+def render_headline(results_dir: str) -> str:
+  """One row per claim, each drawn from its results file, with links."""
+  load = lambda bench: results.load(bench, results_dir)['result']
+  rows = []
+  demo = load('demo')
+  rows.append([
+      'Main job (`make demo`): 2-digit addition, warm start then GRPO',
+      f"greedy accuracy {_acc(demo['greedy_before_rl'])} ->"
+      f" **{_acc(demo['greedy_after_rl'])}**; micro-step max/mean load"
+      f" {_f(demo['microstep_max_over_mean'])} (static EP"
+      f" {_f(demo['microstep_max_over_mean_static'])})",
+      _link('Main job', 'demo')])
+  data = load('demo_dataset')
+  rows.append([
+      'Dataset demo (`make demo-dataset`): word problems, BPE, math-verify',
+      f"greedy accuracy {_acc(data['greedy_before_rl'])} ->"
+      f" **{_acc(data['greedy_after_rl'])}**",
+      _link('Main job', 'demo_dataset')])
+  rl = load('bench_rl_step')
+  rows.append([
+      'RL step end to end, 8 simulated CPU devices, every cost counted',
+      f"ForeMoE **{_f(rl['speedup_step_vs_static'])}x** vs static EP,"
+      f" {_f(rl['speedup_step_vs_eplb_step'])}x vs step-level EPLB",
+      _link('RL step end to end', 'bench_rl_step')])
+  summ = load('simulate_cluster')['summary']
+  val = load('simulate_cluster')['validation']
+  worst = (None if val is None else
+           max(val['max_rel_error_update'], val['max_rel_error_recompute']))
+  rows.append([
+      'Predicted: Qwen3-30B-A3B on 64 H100s (simulator validated on this'
+      ' CPU)',
+      f"**{_f(summ['speedup_64gpu_foremoe_vs_static'])}x** vs static EP,"
+      f" {_f(summ['speedup_64gpu_foremoe_vs_eplb_step'])}x vs step-level"
+      f" EPLB (paper: up to {_f(summ['paper_speedup_64gpu'])}x)"
+      + ('' if worst is None else
+         f"; validation error at most {100 * worst:.0f}%"),
+      _link('Scale-out simulator', 'simulate_cluster')])
+  pl = load('bench_planner')
+  worst_fm = max(c['methods']['foremoe']['mean_max_over_mean']
+                 for c in pl['configs'])
+  rows.append([
+      f"Planner balance, {len(pl['configs'])} configurations (synthetic and"
+      " sampled traces)",
+      f"ForeMoE max/mean at most {_f(worst_fm, 4)}; targets met:"
+      f" {_f(pl['all_targets_met'])}"
+      + ('' if pl.get('milp_gap') is None else
+         f"; {_f(100 * pl['milp_gap'], 2)}% from the exact MILP"),
+      _link('Planner', 'bench_planner')])
+  moe = load('bench_moe_layer')
+  rows.append([
+      'Expert-parallel layer, balanced vs static placement',
+      f"forward {_f(moe['speedup'])}x (exact dispatch)",
+      _link('Expert-parallel layer', 'bench_moe_layer')])
+  msa = load('bench_msa')
+  pre, dec = msa['results'][-1], (msa.get('decode') or [None])[-1]
+  rows.append([
+      'MSA on CPU vs flash-style causal dense',
+      f"prefill **{_f(pre['speedup_vs_causal_dense'])}x** at"
+      f" {_f(pre['seq_len'])} tokens"
+      + ('' if dec is None else
+         f"; decode {_f(dec['speedup'])}x at a {_f(dec['cache_len'])} cache"),
+      _link('MSA', 'bench_msa')])
+  smp = load('bench_sampler')
+  rows.append([
+      'Sampler: KV cache and the routing record',
+      f"{_f(smp['speedup'])}x vs recompute per token; the record costs"
+      f" {_f(100 * smp['routing_record_overhead'], 2)}% of decode",
+      _link('Sampler', 'bench_sampler')])
+  mem = load('memory_report')
+  rows.append([
+      'Memory: Qwen3-30B-A3B update, EP 64',
+      f"{_bytes(mem['peak_bytes_per_device'])} per device; fits an 80 GB"
+      f" H100: {_f(mem['fits_80gb_with_10pct_headroom'])}",
+      _link('Memory', 'memory_report')])
+  soak = load('soak')
+  rows.append([
+      f"Soak: {soak['steps']} RL steps, memory trend",
+      f"RSS {100 * soak['rss_growth']:+.2f}% (p"
+      f" {soak['rss']['p_value']:.1e}), device buffers"
+      f" {100 * soak['device_bytes_growth']:+.2f}%",
+      _link('Soak', 'soak')])
+  return '\n'.join([
+      '<!-- generated by `python -m experiments.render_results` from'
+      ' results/*.json: do not edit by hand -->',
+      "CPU rows: this repository's 2-core host with 8 simulated devices;"
+      " each file names its command, machine and versions"
+      f" ({_DETAILS} shows them above each table).", '',
+      _table(['what', 'result', 'details'], rows), ''])
+
+
 RENDERERS = {
     'bench_rl_step': render_rl_step,
     'bench_moe_layer': render_moe_layer,
@@ -467,13 +637,22 @@ RENDERERS = {
     'soak': render_soak,
     'bench_rewards': render_rewards,
     'memory_report': render_memory_report,
+    'demo': render_demo,
+    'demo_dataset': render_demo,
+}
+
+# Blocks drawn from several results files: name -> render(results_dir).
+COMPOSITES = {
+    'headline': render_headline,
 }
 
 
 def render_block(bench: str, results_dir: str = results.DEFAULT_DIR) -> str:
+  if bench in COMPOSITES:
+    return COMPOSITES[bench](results_dir)
   if bench not in RENDERERS:
-    raise KeyError(f'README names results:{bench}, which has no renderer; '
-                   f'known: {sorted(RENDERERS)}.')
+    raise KeyError(f'a file names results:{bench}, which has no renderer; '
+                   f'known: {sorted([*RENDERERS, *COMPOSITES])}.')
   # `<bench>.<part>` renders one part of results/<bench>.json.
   record = results.load(bench.split('.')[0], results_dir)
   return (f'<!-- generated by `python -m experiments.render_results` from '
@@ -482,7 +661,7 @@ def render_block(bench: str, results_dir: str = results.DEFAULT_DIR) -> str:
 
 
 def render(text: str, results_dir: str = results.DEFAULT_DIR) -> str:
-  """`text` with every results block rebuilt from its file."""
+  """`text` with every results block rebuilt from its file(s)."""
   return BLOCK_RE.sub(
       lambda m: m.group(1) + render_block(m.group('bench'), results_dir)
       + m.group(4), text)
@@ -494,23 +673,30 @@ def benches_in(text: str) -> list[str]:
 
 def main(argv):
   del argv
-  with open(_README.value) as f:
-    text = f.read()
-  new = render(text, _RESULTS_DIR.value)
-  names = benches_in(text)
-  if _CHECK.value:
+  stale = []
+  for path in _FILES.value:
+    with open(path) as f:
+      text = f.read()
+    new = render(text, _RESULTS_DIR.value)
+    names = benches_in(text)
+    if _CHECK.value:
+      if new != text:
+        sys.stdout.writelines(difflib.unified_diff(
+            text.splitlines(True), new.splitlines(True), path, 'rendered'))
+        stale.append(path)
+      continue
     if new != text:
-      sys.stdout.writelines(difflib.unified_diff(
-          text.splitlines(True), new.splitlines(True), _README.value,
-          'rendered'))
-      print(f'\n{_README.value} does not match {_RESULTS_DIR.value}/; run '
-            '`python -m experiments.render_results`.')
-      sys.exit(1)
-    print(f'{_README.value} matches {len(names)} results files: {names}')
-    return
-  with open(_README.value, 'w') as f:
-    f.write(new)
-  print(f'rendered {len(names)} blocks into {_README.value}: {names}')
+      tmp = path + '.tmp'
+      with open(tmp, 'w') as f:
+        f.write(new)
+      os.replace(tmp, path)
+    print(f'rendered {len(names)} blocks into {path}: {names}')
+  if stale:
+    print(f'\n{", ".join(stale)} do(es) not match {_RESULTS_DIR.value}/; run '
+          '`python -m experiments.render_results`.')
+    sys.exit(1)
+  if _CHECK.value:
+    print(f'{", ".join(_FILES.value)} match {_RESULTS_DIR.value}/.')
 
 
 if __name__ == '__main__':

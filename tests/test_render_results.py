@@ -1,6 +1,8 @@
-"""The README's results tables are exactly what results/*.json say."""
+"""The generated results blocks (README.md, docs/results.md) are exactly
+what results/*.json say."""
 import json
 import os
+import re
 
 import pytest
 
@@ -10,15 +12,42 @@ from foremoe_jax.utils import results
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_readme_matches_the_results_files():
+def test_docs_match_the_results_files():
+  names = set()
+  for path in render_results.DEFAULT_FILES:
+    with open(os.path.join(ROOT, path)) as f:
+      text = f.read()
+    in_file = render_results.benches_in(text)
+    assert len(in_file) == len(set(in_file)), f'{path}: a block twice'
+    names |= set(in_file)
+    rendered = render_results.render(text, os.path.join(ROOT, 'results'))
+    assert rendered == text, (
+        f'{path} is stale: run `python -m experiments.render_results`.')
+  # Every renderer has its block in one of the files.
+  assert names == {*render_results.RENDERERS, *render_results.COMPOSITES}
+
+
+def _github_anchor(heading: str) -> str:
+  """The anchor GitHub gives a Markdown heading: lower case, punctuation
+  other than '-' dropped, spaces to '-'."""
+  kept = ''.join(ch for ch in heading.strip().lower()
+                 if ch.isalnum() or ch in ' -_')
+  return kept.replace(' ', '-')
+
+
+def test_readme_links_land_on_sections_and_files():
   with open(os.path.join(ROOT, 'README.md')) as f:
-    text = f.read()
-  names = render_results.benches_in(text)
-  # Every benchmark with a renderer has its block in the README.
-  assert sorted(names) == sorted(render_results.RENDERERS)
-  rendered = render_results.render(text, os.path.join(ROOT, 'results'))
-  assert rendered == text, (
-      'README.md is stale: run `python -m experiments.render_results`.')
+    readme = f.read()
+  with open(os.path.join(ROOT, 'docs', 'results.md')) as f:
+    anchors = {_github_anchor(line.lstrip('#'))
+               for line in f if line.startswith('## ')}
+  links = re.findall(r'\]\(([^)#\s]+)(?:#([\w-]+))?\)', readme)
+  assert any(a for _, a in links), 'the README links no results section'
+  for target, anchor in links:
+    assert os.path.exists(os.path.join(ROOT, target)), target
+    if anchor:
+      assert target == 'docs/results.md' and anchor in anchors, (
+          f'{target}#{anchor}: no such section; have {sorted(anchors)}')
 
 
 def test_each_results_file_names_its_command_and_machine():
