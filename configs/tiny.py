@@ -83,6 +83,31 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
   c.rl.beta = 0.01  # KL to the reference policy; 0 skips its forward too.
+  # The objective (rl/grpo.py; WORKSPACE.md "RL objectives: verl and TRL
+  # names" maps each to verl's and TRL's settings). How token losses become
+  # the step's loss: 'seq-mean-token-mean' (GRPO's paper, TRL 'grpo'; each
+  # sample weighs the same), 'token-mean' (verl's default, DAPO, TRL
+  # 'dapo'), 'seq-mean-token-sum', or 'seq-mean-token-sum-norm' (Dr.GRPO,
+  # TRL 'dr_grpo': token sums over loss_scale_factor, 0 = completion length).
+  c.rl.loss_agg_mode = 'seq-mean-token-mean'
+  c.rl.loss_scale_factor = 0.0
+  # Dual-clip: caps a negative-advantage token's loss at -A * c (c > 1;
+  # verl: 3.0). 0 = off: at num_update_epochs = 1 the ratio is 1 and it
+  # never acts.
+  c.rl.clip_ratio_c = 0.0
+  # KL estimator: 'k3' (= verl 'low_var_kl', clamped as verl), 'k1' ('kl'),
+  # 'k2' ('mse'), 'abs'.
+  c.rl.kl_estimator = 'k3'
+  # Group advantages: std ddof 0 (population; verl and TRL use 1), and
+  # norm_adv_by_std False for Dr.GRPO's r - group mean.
+  c.rl.adv_std_ddof = 0
+  c.rl.norm_adv_by_std = True
+  # 'ppo' (token ratio, clipped by eps_low / eps_high) or 'gspo' (one ratio
+  # per sequence, clipped by gspo_eps_low / gspo_eps_high; needs
+  # loss_agg_mode 'seq-mean-token-mean').
+  c.rl.policy_loss = 'ppo'
+  c.rl.gspo_eps_low = 3e-4
+  c.rl.gspo_eps_high = 4e-4
   c.rl.grad_clip = 1.0
   c.rl.weight_decay = 0.0
   c.rl.balance_microbatches = False

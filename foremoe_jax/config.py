@@ -356,9 +356,76 @@ def _validate_rl(r) -> None:
   _require(r.get('old_logp_source', 'auto') in OLD_LOGP_SOURCES,
            'rl.old_logp_source', f"must be one of {', '.join(OLD_LOGP_SOURCES)}"
            f", got {r.get('old_logp_source')!r}")
+  _validate_rl_objective(r)
 
 
 OLD_LOGP_SOURCES = ('auto', 'recompute', 'rollout')
+
+# The objective's options (rl/grpo.py; WORKSPACE.md "RL objectives" maps them
+# to verl's and TRL's names). Values are verl's names.
+LOSS_AGG_MODES = ('token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum',
+                  'seq-mean-token-sum-norm')
+# k1 = 'kl', k2 = 'mse', k3 = 'low_var_kl' (verl's names for the same).
+KL_ESTIMATORS = ('k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl')
+POLICY_LOSSES = ('ppo', 'gspo')
+
+
+def rl_objective_defaults() -> dict:
+  """Every rl objective field with its default; a config without the field
+  (an old config or checkpoint) gets this value. rl/grpo.py says why each
+  default is what it is."""
+  # 0.0 rather than None for "off" / "the completion length": a None field
+  # cannot be overridden from the command line (ml_collections).
+  return dict(loss_agg_mode='seq-mean-token-mean', loss_scale_factor=0.0,
+              clip_ratio_c=0.0, kl_estimator='k3', adv_std_ddof=0,
+              norm_adv_by_std=True, policy_loss='ppo', gspo_eps_low=3e-4,
+              gspo_eps_high=4e-4)
+
+
+def rl_objective(r) -> dict:
+  """The objective fields of config.rl, defaults filled in."""
+  return {k: r.get(k, v) for k, v in rl_objective_defaults().items()}
+
+
+def _validate_rl_objective(r) -> None:
+  o = rl_objective(r)
+  _require(o['loss_agg_mode'] in LOSS_AGG_MODES, 'rl.loss_agg_mode',
+           f"must be one of {', '.join(LOSS_AGG_MODES)}, got "
+           f"{o['loss_agg_mode']!r}")
+  lsf = o['loss_scale_factor']
+  _require(lsf is None or (_is_number(lsf) and lsf >= 0),
+           'rl.loss_scale_factor', f'must be 0 (the completion length) or a '
+           f'number > 0, got {lsf!r}')
+  c = o['clip_ratio_c']
+  _require(c is None or (_is_number(c) and (c == 0 or c > 1)),
+           'rl.clip_ratio_c', f'must be 0 (off) or a number > 1 '
+           f'(dual-clip bound; verl uses 3.0), got {c!r}')
+  _require(o['kl_estimator'] in KL_ESTIMATORS, 'rl.kl_estimator',
+           f"must be one of {', '.join(KL_ESTIMATORS)}, got "
+           f"{o['kl_estimator']!r}")
+  _require(o['adv_std_ddof'] in (0, 1) and not isinstance(
+      o['adv_std_ddof'], bool), 'rl.adv_std_ddof',
+           f"must be 0 (population std) or 1 (unbiased, verl/TRL), got "
+           f"{o['adv_std_ddof']!r}")
+  _require(isinstance(o['norm_adv_by_std'], bool), 'rl.norm_adv_by_std',
+           f"must be a bool (False: Dr.GRPO, advantages r - group mean), got "
+           f"{o['norm_adv_by_std']!r}")
+  _require(o['policy_loss'] in POLICY_LOSSES, 'rl.policy_loss',
+           f"must be one of {', '.join(POLICY_LOSSES)}, got "
+           f"{o['policy_loss']!r}")
+  lo, hi = o['gspo_eps_low'], o['gspo_eps_high']
+  _require(_is_number(lo) and _is_number(hi) and 0 <= lo < 1 and hi >= 0,
+           'rl.gspo_eps_low', f'GSPO clip range needs 0 <= gspo_eps_low < 1 '
+           f'and gspo_eps_high >= 0, got {lo!r}, {hi!r}')
+  _require(o['policy_loss'] != 'gspo'
+           or o['loss_agg_mode'] == 'seq-mean-token-mean', 'rl.loss_agg_mode',
+           f"must be 'seq-mean-token-mean' with policy_loss='gspo' (GSPO's "
+           f"objective is a mean over sequences), got {o['loss_agg_mode']!r}")
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 
 
 def old_logp_source(config) -> str:

@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep_lib
 from foremoe_jax.model import moe as moe_lib
@@ -386,7 +387,13 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
 def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                  *, num_generations: int, eps_low: float, eps_high: float,
                  beta: float, indexer_loss_coef: float = 1.0,
-                 balance_loss_coef: float = 0.0):
+                 balance_loss_coef: float = 0.0,
+                 loss_agg_mode: str = 'seq-mean-token-mean',
+                 loss_scale_factor: float | None = None,
+                 clip_ratio_c: float | None = None, kl_estimator: str = 'k3',
+                 adv_std_ddof: int = 0, norm_adv_by_std: bool = True,
+                 policy_loss_mode: str = 'ppo', gspo_eps_low: float = 3e-4,
+                 gspo_eps_high: float = 4e-4):
   """Advantages and the scan over micro-steps with moving slots; (grads, metrics).
 
   batch: the RL batch (module comment above). logps: the recompute's
@@ -410,19 +417,37 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   experts get exactly the returned sums, and no zero-filled carry.
 
   Gradients are float32 sums over micro-steps and devices whatever the
-  compute dtype. The policy loss and the MSA indexer KL are per-sequence
-  token means over the loss mask divided by the whole step's sequence
-  count, so their sum does not depend on the composition; the balance
-  loss is a per-micro-batch term and does (foresight/composition.py says
-  when the full-batch gradient is reproduced).
+  compute dtype. The policy loss is aggregated by `loss_agg_mode` with
+  the whole step's counts (its sequences, and its loss tokens counted
+  here on the global mask: `grpo.loss_weights`), and the MSA indexer KL
+  is a per-sequence token mean over the step's sequence count, so their
+  sum does not depend on the composition in any mode; the balance loss
+  is a per-micro-batch term and does (foresight/composition.py says when
+  the full-batch gradient is reproduced). The objective's options
+  (loss_agg_mode ... gspo_eps_high) are `grpo.policy_loss`'s, and
+  adv_std_ddof / norm_adv_by_std `grpo.group_advantages`' ddof /
+  scale_by_std.
   """
   mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
   _check_rows(batch, mesh)
   num_devices = mesh.shape[EXPERT]
   mb = batch['microbatches_Mb']
   num_total = mb.size
-  adv_B = grpo.group_advantages(batch['rewards_B'], num_generations)
+  adv_B = grpo.group_advantages(batch['rewards_B'], num_generations,
+                                 ddof=adv_std_ddof,
+                                 scale_by_std=norm_adv_by_std)
   adv_Mb = jnp.take(adv_B, mb, axis=0)
+  # The policy loss's step-level denominators: the step's sequences, and
+  # its loss tokens counted on the global mask (every micro-batch, every
+  # device), so that micro-step and device shares sum to the whole-batch
+  # loss whatever the mode.
+  denoms = {'num_tokens_total': jnp.sum(
+      batch['loss_mask_MbT'].astype(jnp.float32))}
+  loss_opts = dict(loss_agg_mode=loss_agg_mode,
+                   loss_scale_factor=loss_scale_factor,
+                   clip_ratio_c=clip_ratio_c, kl_estimator=kl_estimator,
+                   policy_loss_mode=policy_loss_mode,
+                   gspo_eps_low=gspo_eps_low, gspo_eps_high=gspo_eps_high)
   experts, nonexp = _split_params(state.params)
   rows = (DATA, EXPERT)
   fwd_keys = ('tokens_MbT', 'valid_MbT', 'routes_MLbTK', 'loss_mask_MbT',
@@ -435,7 +460,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   extra_specs = {k: P(None, rows) for k in extra}
 
   def micro_loss(nonexp_l, slot_w, experts_l, toks, valid, routes, placement,
-                 mask, adv, old, ref, rollout):
+                 mask, adv, old, ref, rollout, denoms):
     params = nnx.merge_state(nonexp_l, jax.lax.stop_gradient(experts_l))
     # The indexer KL over the loss's positions (completion tokens), each
     # sequence's token mean over num_total: aggregated like the policy loss.
@@ -449,7 +474,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       old = jax.lax.stop_gradient(logp)
     loss, metrics = grpo.policy_loss(
         logp, old, ref, adv, mask, eps_low=eps_low, eps_high=eps_high,
-        beta=beta if ref is not None else 0.0, num_sequences_total=num_total)
+        beta=beta if ref is not None else 0.0, num_sequences_total=num_total,
+        **denoms, **loss_opts)
     # MSA indexer KL (0 without MSA layers; this device's share of the
     # step). The MoE balance loss is the micro-batch's, from the batch's
     # sums (reduced here only when it is trained, else with the other
@@ -481,7 +507,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
   share_M = mb.shape[1] / num_total  # Each micro-batch's share of sequences.
 
-  def local(nonexp_l, experts_l, bt, ex, placement, transfer):
+  def local(nonexp_l, experts_l, bt, ex, placement, transfer, denoms):
     # Per-device gradients: the non-expert parameters and the slot buffers
     # differ per device from here on, so autodiff sums nothing over the
     # mesh inside the loop.
@@ -501,7 +527,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
        rollout) = xs
       (g, g_slots), metrics = grad_fn(
           nonexp_l, slots[:3], experts_l, toks, valid, routes, pl, mask, adv,
-          old, ref, rollout)
+          old, ref, rollout, denoms)
       # Which micro-step went non-finite, so the host can name it.
       metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
                                 & all_finite((g, g_slots)))).astype(jnp.int32)
@@ -535,7 +561,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     # Per-device sums of the losses, over the mesh; the rest is already
     # the same on every device.
     summed = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
-              'indexer_loss')
+              'dual_clip_frac', 'indexer_loss')
     metrics_M = {k: (jax.lax.psum(v, rows) if k in summed else v)
                  for k, v in metrics_M.items()}
     metrics_M['transfer_id_errors'] = jax.lax.psum(
@@ -557,8 +583,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     return g_acc, gcanon, metrics_M
 
   metric_keys = ['loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
-                 'indexer_loss', 'balance_loss', 'dropped', 'max_rows',
-                 'nonfinite', 'transfer_id_errors']
+                 'dual_clip_frac', 'indexer_loss', 'balance_loss', 'dropped',
+                 'max_rows', 'nonfinite', 'transfer_id_errors']
   if has_rollout:
     metric_keys.append('rollout_gap')
   fn = jax.shard_map(
@@ -566,11 +592,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
                 _batch_specs(local_batch), extra_specs,
                 _replicated_specs(plan.placement),
-                _replicated_specs(plan.transfer)),
+                _replicated_specs(plan.transfer), {k: P() for k in denoms}),
       out_specs=(_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
                  {k: P() for k in metric_keys}))
   g_nonexp, gcanon, metrics_M = fn(nonexp, experts, local_batch, extra,
-                                   plan.placement, plan.transfer)
+                                   plan.placement, plan.transfer, denoms)
   g_experts = replace_experts(experts, moe_segments, gcanon)
   grads = nnx.merge_state(g_nonexp, g_experts)
   per_step = ('dropped', 'max_rows', 'transfer_id_errors', 'nonfinite',
@@ -618,6 +644,10 @@ def _epoch_summary(metrics_U: dict) -> dict:
 
 
 OLD_LOGP_SOURCES = ('recompute', 'rollout')
+# The objective options `grpo.check_objective` validates when the step is
+# built (rather than at its first trace).
+_OBJECTIVE_CHECKED = ('loss_agg_mode', 'kl_estimator', 'policy_loss_mode',
+                      'clip_ratio_c', 'loss_scale_factor')
 
 
 class RLStep:
@@ -655,10 +685,13 @@ class RLStep:
     if old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f'old_logp_source must be one of {OLD_LOGP_SOURCES}, '
                        f'got {old_logp_source!r}.')
+    grpo.check_objective(**{k: loss_kw[k] for k in _OBJECTIVE_CHECKED
+                            if k in loss_kw})
     self.tx = tx
     self.num_update_epochs = int(num_update_epochs)
     self.old_logp_source = old_logp_source
     self.beta = float(loss_kw.get('beta', 0.0))
+    self.loss_kw = dict(loss_kw)  # update_grads' options, as given.
     self._recompute = jax.jit(recompute_logps,
                               static_argnames=('old', 'ref'))
 
@@ -720,14 +753,50 @@ def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
                  indexer_loss_coef: float = 1.0,
                  balance_loss_coef: float = 0.0,
                  num_update_epochs: int = 1,
-                 old_logp_source: str = 'recompute') -> RLStep:
-  """Builds the jit-compiled pure RL step (see `RLStep`)."""
+                 old_logp_source: str = 'recompute',
+                 **objective) -> RLStep:
+  """Builds the jit-compiled pure RL step (see `RLStep`).
+
+  objective: the objective's options, as `update_grads` takes them
+  (loss_agg_mode, loss_scale_factor, clip_ratio_c, kl_estimator,
+  adv_std_ddof, norm_adv_by_std, policy_loss_mode, gspo_eps_low,
+  gspo_eps_high; `objective_options` reads them from a config); absent
+  ones keep their defaults.
+  """
+  unknown = set(objective) - set(OBJECTIVE_OPTIONS)
+  if unknown:
+    raise ValueError(f'unknown objective options {sorted(unknown)}; known: '
+                     f"{', '.join(OBJECTIVE_OPTIONS)}.")
   return RLStep(tx, num_update_epochs=num_update_epochs,
                 old_logp_source=old_logp_source,
                 num_generations=num_generations, eps_low=eps_low,
                 eps_high=eps_high, beta=beta,
                 indexer_loss_coef=indexer_loss_coef,
-                balance_loss_coef=balance_loss_coef)
+                balance_loss_coef=balance_loss_coef, **objective)
+
+
+OBJECTIVE_OPTIONS = ('loss_agg_mode', 'loss_scale_factor', 'clip_ratio_c',
+                     'kl_estimator', 'adv_std_ddof', 'norm_adv_by_std',
+                     'policy_loss_mode', 'gspo_eps_low', 'gspo_eps_high')
+
+
+def objective_options(rl_config, completion_len: int) -> dict:
+  """`make_rl_step`'s objective options from config.rl (absent fields take
+  `config.rl_objective_defaults()`, so old configs and checkpoints run as
+  before). loss_scale_factor 0 (or None) becomes the task's completion
+  length: Dr.GRPO's constant is the longest completion the sampler can
+  write (TRL's max_completion_length; verl's response length)."""
+  o = config_lib.rl_objective(rl_config)
+  return dict(loss_agg_mode=o['loss_agg_mode'],
+              loss_scale_factor=float(o['loss_scale_factor']
+                                      or completion_len),
+              clip_ratio_c=float(o['clip_ratio_c'] or 0.0) or None,
+              kl_estimator=o['kl_estimator'],
+              adv_std_ddof=int(o['adv_std_ddof']),
+              norm_adv_by_std=bool(o['norm_adv_by_std']),
+              policy_loss_mode=o['policy_loss'],
+              gspo_eps_low=float(o['gspo_eps_low']),
+              gspo_eps_high=float(o['gspo_eps_high']))
 
 
 def make_sft_step(tx: optax.GradientTransformation,

@@ -192,7 +192,8 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
       beta=rl.beta, indexer_loss_coef=mcfg.msa_indexer_loss_coef,
       balance_loss_coef=mcfg.aux_loss_coef,
       num_update_epochs=rl.get('num_update_epochs', 1),
-      old_logp_source=config_lib.old_logp_source(config))
+      old_logp_source=config_lib.old_logp_source(config),
+      **step_lib.objective_options(rl, task.completion_len))
   topo, cost = planner_setup(config)
   d_ep, d_data = config.parallel.num_expert, config.parallel.num_data
   num_moe = config_lib.num_moe_layers(mcfg)
@@ -539,6 +540,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       reward_std=float(rewards.std()), kl=float(m['kl']),
       reward_count=int(rewards.size),  # n of reward.png's interval of the mean
       loss=float(m['loss']), clip_frac=float(m['clip_frac']),
+      # Share of tokens (sequences, for GSPO) the dual-clip capped; 0 when off.
+      dual_clip_frac=float(m['dual_clip_frac']),
       clip_frac_per_epoch=[float(x) for x in m['clip_frac_U']],
       ratio_mean_per_epoch=[float(x) for x in m['ratio_mean_U']],
       indexer_loss=float(m['indexer_loss']),
