@@ -462,12 +462,8 @@ def _validate_task(config) -> None:
   _require(m.max_seq_len >= task.sequence_len, 'model.max_seq_len',
            f'must be >= prompt + completion ({task.sequence_len}) for task '
            f'{config.task!r}, got {m.max_seq_len}')
-  # MSA kernels take causal block-sparse structure only: they cannot hide a
-  # left-padded prompt's PADs, which dense layers do.
-  _require(not (task.pads_prompts and 'msa' in layer_attention_types(m)),
-           'model.attention_type',
-           f"must be 'dense' for task {config.task!r}: its prompts are "
-           'left-padded and MSA layers do not mask padding keys yet')
+  # MSA layers mask padding keys like dense ones (docs/design.md §6.9), so
+  # tasks with left-padded prompts take either attention type.
 
 
 def dropless_capacity(dispatch: str, tokens_per_device: int, top_k: int,

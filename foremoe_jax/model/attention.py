@@ -8,6 +8,13 @@ index branch trains on its own KL loss, computed from a detached backbone;
 with `msa_indexer_warmup` the layer keeps dense attention while the indexer
 learns.
 
+Left padding in MSA layers (docs/design.md §6.9): MSA blocks sit at fixed
+positions, so a left-padded row is first shifted left by u = (leading PADs)
+mod block_size columns, which puts its first real token on a block boundary
+exactly as when the prompt is alone; the kernels then mask the remaining
+PADs as invalid keys (whole blocks, never selected). The cache stores the
+shifted row and its shift, so decode writes and reads the same layout.
+
 Shape letters: B batch, T query tokens, S key tokens (cache length),
 H query heads, G KV groups (heads), R = H / G heads per group, D head dim,
 I index head dim, M model dim.
@@ -33,6 +40,9 @@ class KVCache(NamedTuple):
   # bool [B, S]: the key at this position is a real token. A left-padded
   # prompt's PADs are written False, so later decode steps never see them.
   valid_BS: jax.Array | None = None
+  # int32 [B] (MSA layers only): the row's left shift u; column c of the
+  # sequence lives at cache slot c - u (module docstring).
+  shift_B: jax.Array | None = None
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -40,8 +50,44 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
   shape = (batch, max_len, num_kv_heads, head_dim)
   ki = (None if index_dim is None
         else jnp.zeros((batch, max_len, index_dim), dtype))
+  shift = None if index_dim is None else jnp.zeros((batch,), jnp.int32)
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ki,
-                 jnp.ones((batch, max_len), bool))
+                 jnp.ones((batch, max_len), bool), shift)
+
+
+def block_shift_B(valid_BT, block_size: int) -> jax.Array:
+  """int32 [B]: a row's leading invalid columns mod block_size (0 for a row
+  with no valid token). Shifting the row left by it puts the first real
+  token on a block boundary."""
+  lead_B = jnp.argmax(valid_BT, axis=1).astype(jnp.int32)
+  return lead_B % block_size
+
+
+def shift_left(x_BT, shift_B):
+  """x'[b, j] = x[b, j + shift[b]]; zeros (False) past the row's end."""
+  t = x_BT.shape[1]
+  src_BT = jnp.arange(t, dtype=jnp.int32)[None, :] + shift_B[:, None]
+  inside_BT = src_BT < t
+  src = jnp.minimum(src_BT, t - 1).reshape(src_BT.shape + (1,) * (x_BT.ndim - 2))
+  out = jnp.take_along_axis(x_BT, src, axis=1)
+  return jnp.where(inside_BT.reshape(src.shape), out, jnp.zeros((), x_BT.dtype))
+
+
+def shift_right(x_BT, shift_B):
+  """Inverse of shift_left on the kept columns: x[b, j] = x'[b, j - shift[b]];
+  zeros at the dropped leading columns (PADs)."""
+  t = x_BT.shape[1]
+  src_BT = jnp.arange(t, dtype=jnp.int32)[None, :] - shift_B[:, None]
+  inside_BT = src_BT >= 0
+  src = jnp.maximum(src_BT, 0).reshape(src_BT.shape + (1,) * (x_BT.ndim - 2))
+  out = jnp.take_along_axis(x_BT, src, axis=1)
+  return jnp.where(inside_BT.reshape(src.shape), out, jnp.zeros((), x_BT.dtype))
+
+
+def _put_rows(cache_BS, x_B1, slot_B):
+  """Write x_B1 [B, 1, ...] at cache slot slot_B[b] of each row."""
+  return jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(
+      c, x.astype(c.dtype), i, axis=0))(cache_BS, x_B1, slot_B)
 
 
 def dense_attention(q_BTHD, k_BSGD, v_BSGD, mask_BTS):
@@ -100,9 +146,10 @@ class Attention(nnx.Module):
     is how a left-padded prompt hides its PADs (positions stay the column
     index; RoPE scores depend only on offsets, so the shift is harmless). A
     query at an invalid position attends nowhere in particular: its output
-    is garbage by design and must not be used. MSA layers do not mask keys
-    (the kernels take causal block-sparse structure only), so callers must
-    not left-pad their prompts (config validation refuses it).
+    is garbage by design (finite) and must not be used. MSA layers mask
+    invalid keys too, in both branches, after aligning each row's first
+    valid token to a block boundary (module docstring), so a left-padded
+    prompt selects, attends and trains as if alone.
     indexer_loss is 0 for dense layers; for MSA it weights query positions by
     indexer_weight_BT (None: plain mean).
     """
@@ -117,11 +164,14 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = layers.apply_rope(q, positions_BT, self.rope_theta)
     k = layers.apply_rope(k, positions_BT, self.rope_theta)
-    qi = ki = None
     if self.layer_type == 'msa':
       qi, ki = self._index_branch(x_BTM, positions_BT)
+      out, new_cache, index_loss = self._msa(
+          q, k.astype(q.dtype), v.astype(q.dtype), qi, ki, positions_BT, cache,
+          cache_index, indexer_weight_BT, valid_BT)
+      return self.o_proj(out.reshape(b, t, -1)), new_cache, index_loss
     if cache is None:
-      k_all, v_all, ki_all, key_pos_BS = k, v, ki, positions_BT
+      k_all, v_all, key_pos_BS = k, v, positions_BT
       key_valid_BS = valid_BT
       new_cache = None
     else:
@@ -129,25 +179,19 @@ class Attention(nnx.Module):
       put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(
           c, x.astype(c.dtype), idx, axis=1)
       k_all, v_all = put(cache.k_BSGD, k), put(cache.v_BSGD, v)
-      ki_all = None if ki is None else put(cache.ki_BSI, ki)
       key_valid_BS = cache.valid_BS
       if key_valid_BS is not None:
         key_valid_BS = put(key_valid_BS, jnp.ones((b, t), bool)
                            if valid_BT is None else valid_BT)
-      new_cache = KVCache(k_all, v_all, ki_all, key_valid_BS)
+      new_cache = KVCache(k_all, v_all, None, key_valid_BS)
       key_pos_BS = jnp.broadcast_to(jnp.arange(k_all.shape[1]),
                                     (b, k_all.shape[1]))
     k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
-    if self.layer_type == 'dense':
-      mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-      if key_valid_BS is not None:
-        mask_BTS = mask_BTS & key_valid_BS[:, None, :]
-      out, index_loss = dense_attention(q, k_all, v_all, mask_BTS), 0.0
-    else:
-      out, index_loss = self._msa(q, k, v, qi, ki, k_all, v_all, ki_all,
-                                  positions_BT, cache, cache_index,
-                                  indexer_weight_BT)
-    return self.o_proj(out.reshape(b, t, -1)), new_cache, index_loss
+    mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+    if key_valid_BS is not None:
+      mask_BTS = mask_BTS & key_valid_BS[:, None, :]
+    out = dense_attention(q, k_all, v_all, mask_BTS)
+    return self.o_proj(out.reshape(b, t, -1)), new_cache, 0.0
 
   def _index_branch(self, x_BTM, positions_BT):
     """Index queries [B, T, G, I] and keys [B, T, I] from a detached backbone."""
@@ -161,18 +205,13 @@ class Attention(nnx.Module):
     ki = layers.apply_rope(ki[:, :, None], positions_BT, self.rope_theta)[:, :, 0]
     return qi, ki
 
-  def _msa(self, q, k, v, qi, ki, k_all, v_all, ki_all, positions_BT, cache,
-           cache_index, indexer_weight_BT):
+  def _msa(self, q, k, v, qi, ki, positions_BT, cache, cache_index,
+           indexer_weight_BT, valid_BT):
+    """(out_BTHD, new cache or None, indexer loss) of an MSA layer."""
     b, t = q.shape[:2]
     kw = dict(block_size=self.block_size)
     if cache is not None and t == 1:  # Decode: one token against the cache.
-      lengths_B = positions_BT[:, 0].astype(jnp.int32) + 1
-      if self.indexer_warmup:
-        mask = jnp.arange(k_all.shape[1])[None, None, :] < lengths_B[:, None, None]
-        return dense_attention(q, k_all, v_all, mask), 0.0
-      out, _ = msa.msa_decode(q[:, 0], k_all, v_all, qi[:, 0], ki_all,
-                              lengths_B, top_k=self.top_k, **kw)
-      return out[:, None], 0.0
+      return self._msa_decode(q, k, v, qi, ki, positions_BT, cache, valid_BT)
     if cache is not None and not (isinstance(cache_index, int)
                                   and cache_index == 0):
       raise NotImplementedError(
@@ -180,13 +219,64 @@ class Attention(nnx.Module):
           'one token at a time; chunked prefill into a filled cache is not '
           'wired into the model.')
     # Training, or prefill from position 0: keys are this call's tokens.
-    out, aux = msa.msa_attention(q, k.astype(q.dtype), v.astype(q.dtype), qi,
-                                 ki, top_k=self.top_k, **kw)
+    if valid_BT is None and cache is None:
+      # No mask: every key is real and no row shifts (the unpadded path).
+      shift_B = kv_valid_BS = None
+      qs, ks, vs, qis, kis, weight_BT = q, k, v, qi, ki, indexer_weight_BT
+    else:
+      valid_BT = (jnp.ones((b, t), bool) if valid_BT is None
+                  else jnp.asarray(valid_BT, bool))
+      shift_B = block_shift_B(valid_BT, self.block_size)
+      qs, ks, vs, qis, kis, kv_valid_BS = (shift_left(x, shift_B) for x in (
+          q, k, v, qi, ki, valid_BT))
+      # None is the plain mean over the T columns; the columns shifted in at
+      # the end are no positions of the sequence and weigh 0.
+      weight_BT = (jnp.full((b, t), 1.0 / (b * t), jnp.float32)
+                   if indexer_weight_BT is None else indexer_weight_BT)
+      weight_BT = shift_left(jnp.asarray(weight_BT, jnp.float32), shift_B)
+    out, aux = msa.msa_attention(qs, ks, vs, qis, kis, top_k=self.top_k,
+                                 kv_valid_BS=kv_valid_BS, **kw)
     sg = jax.lax.stop_gradient
-    index_loss = msa.msa_indexer_kl_loss(sg(q), sg(k.astype(q.dtype)), qi, ki,
+    index_loss = msa.msa_indexer_kl_loss(sg(qs), sg(ks), qis, kis,
                                          jax.tree.map(sg, aux),
-                                         weight_BT=indexer_weight_BT, **kw)
+                                         weight_BT=weight_BT,
+                                         kv_valid_BS=kv_valid_BS, **kw)
+    if shift_B is not None:
+      out = shift_right(out, shift_B)
     if self.indexer_warmup:
       mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
-      out = dense_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-    return out, index_loss
+      if valid_BT is not None:
+        mask = mask & valid_BT[:, None, :]
+      out = dense_attention(q, k, v, mask)
+    new_cache = None
+    if cache is not None:
+      put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(
+          c, x.astype(c.dtype), 0, axis=1)
+      new_cache = KVCache(put(cache.k_BSGD, ks), put(cache.v_BSGD, vs),
+                          put(cache.ki_BSI, kis),
+                          put(cache.valid_BS, kv_valid_BS), shift_B)
+    return out, new_cache, index_loss
+
+  def _msa_decode(self, q, k, v, qi, ki, positions_BT, cache, valid_BT):
+    """One token per row, written at cache slot (column - shift) of its row."""
+    b = q.shape[0]
+    shift_B = (jnp.zeros((b,), jnp.int32) if cache.shift_B is None
+               else cache.shift_B)
+    slot_B = positions_BT[:, 0].astype(jnp.int32) - shift_B
+    valid_B1 = (jnp.ones((b, 1), bool) if valid_BT is None
+                else jnp.asarray(valid_BT, bool))
+    new_cache = KVCache(*(_put_rows(c, x, slot_B) for x, c in (
+        (k, cache.k_BSGD), (v, cache.v_BSGD), (ki, cache.ki_BSI),
+        (valid_B1, cache.valid_BS))), shift_B)
+    k_all = new_cache.k_BSGD.astype(q.dtype)
+    v_all = new_cache.v_BSGD.astype(q.dtype)
+    lengths_B = slot_B + 1
+    if self.indexer_warmup:
+      mask = ((jnp.arange(k_all.shape[1])[None, :] < lengths_B[:, None])
+              & new_cache.valid_BS)[:, None, :]
+      return dense_attention(q, k_all, v_all, mask), new_cache, 0.0
+    out, _ = msa.msa_decode(q[:, 0], k_all, v_all, qi[:, 0], new_cache.ki_BSI,
+                            lengths_B, top_k=self.top_k,
+                            block_size=self.block_size,
+                            kv_valid_BS=new_cache.valid_BS)
+    return out[:, None], new_cache, 0.0

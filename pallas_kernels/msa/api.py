@@ -10,6 +10,12 @@ numbers (tests/msa holds them to the reference):
   out_BHD, aux = msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI,
                             ki_cache_BSI, lengths_B, block_size=..., top_k=...)
 
+Each takes kv_valid_BS (bool [B, S], None: every key is real): padding keys
+are masked in both branches (docs/design.md §6.9). Blocks stay at absolute
+positions; the model aligns a left-padded row's first real token to a block
+boundary before calling (model/attention.py), so a padded prompt selects
+exactly the blocks it would select alone.
+
 impl: 'auto' (XLA path on CPU, Pallas Mosaic on TPU, Pallas Triton on GPU),
 'xla', 'pallas' (interpret=True on CPU; `pallas_backend` 'tpu' or 'gpu'
 picks the lowering, default from the device, 'tpu' on CPU), 'reference'.
@@ -65,6 +71,12 @@ def _check_prefill(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, block_size, top_k,
                      f'kv_len - q_len = {s - t}; got {q_offset!r}.')
 
 
+def _check_valid(kv_valid_BS, b: int, s: int):
+  if kv_valid_BS is not None and jnp.shape(kv_valid_BS) != (b, s):
+    raise ValueError(f'kv_valid_BS must be bool [B, S] = [{b}, {s}], got '
+                     f'{jnp.shape(kv_valid_BS)}.')
+
+
 def _check_budget(block_size, top_k):
   if not (isinstance(block_size, int) and block_size >= 1):
     raise ValueError(f'block_size must be a positive int, got {block_size!r}.')
@@ -75,8 +87,8 @@ def _check_budget(block_size, top_k):
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
                   top_k: int, q_offset: int = 0, impl: str = 'auto',
-                  pallas_backend: str | None = None):
-  """MSA prefill / training attention (docs/design.md §6.1-6.4).
+                  pallas_backend: str | None = None, kv_valid_BS=None):
+  """MSA prefill / training attention (docs/design.md §6.1-6.4, 6.9).
 
   Args:
     q_BTHD: queries [B, T, H, D]; head h is in group h // (H / G).
@@ -87,6 +99,9 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
     top_k: K, blocks kept per query, the local block included.
     q_offset: query t sits at position t + q_offset; kv_len - q_len for a
       chunk of a longer prompt (the cache then holds all S keys), else 0.
+    kv_valid_BS: bool [B, S], False at padding keys: they score -inf in the
+      index branch (an all-padding block is never selected) and are never
+      attended. A query that sees no valid key gets out 0, lse -inf.
 
   Returns:
     out_BTHD in q's dtype, and aux = {'sel_BGTK': int32 [B, G, T, K] (block
@@ -96,8 +111,10 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
   """
   _check_prefill(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, block_size, top_k,
                  q_offset)
+  _check_valid(kv_valid_BS, *k_BSGD.shape[:2])
   impl, backend, interpret = resolve_impl(impl, pallas_backend)
-  kw = dict(block_size=block_size, top_k=top_k, q_offset=int(q_offset))
+  kw = dict(block_size=block_size, top_k=top_k, q_offset=int(q_offset),
+            kv_valid_BS=kv_valid_BS)
   if impl == 'reference':
     return reference.msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI,
                                    **kw)
@@ -109,7 +126,8 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
 
 def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
                         block_size: int, q_offset: int = 0,
-                        impl: str = 'auto', weight_BT=None) -> jax.Array:
+                        impl: str = 'auto', weight_BT=None,
+                        kv_valid_BS=None) -> jax.Array:
   """docs/design.md §6.5: mean over (b, g, t) of KL(main || index dist).
 
   Pass the same q, k, qi, ki and the aux that msa_attention returned (its
@@ -121,23 +139,28 @@ def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
   weight_BT: float weights of the query positions: the loss is then
   sum_{b,t} weight[b, t] * mean_g KL[b, g, t] (a masked mean for weights
   mask / mask.sum()); None is the plain mean, weights 1 / (B T).
+  kv_valid_BS: the mask given to msa_attention; padding keys are in neither
+  distribution, and a query with no valid key adds KL 0.
   """
   if impl not in IMPLS:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}.')
   _check_budget(block_size, aux['sel_BGTK'].shape[-1])
+  _check_valid(kv_valid_BS, *k_BSGD.shape[:2])
   if impl == 'reference':
     return reference.indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI,
                                      aux['sel_BGTK'], block_size=block_size,
-                                     q_offset=q_offset, weight_BT=weight_BT)
+                                     q_offset=q_offset, weight_BT=weight_BT,
+                                     kv_valid_BS=kv_valid_BS)
   return indexer_loss.indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI,
                                       aux['sel_BGTK'], aux['lse_BTH'],
                                       block_size=block_size, q_offset=q_offset,
-                                      weight_BT=weight_BT)
+                                      weight_BT=weight_BT,
+                                      kv_valid_BS=kv_valid_BS)
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
                lengths_B, *, block_size: int, top_k: int, impl: str = 'auto',
-               pallas_backend: str | None = None):
+               pallas_backend: str | None = None, kv_valid_BS=None):
   """MSA for one new token per sequence against a KV cache.
 
   Args:
@@ -149,6 +172,8 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
     ki_cache_BSI: index-key cache [B, S, I], filled like k_cache.
     lengths_B: int [B], valid cache entries per sequence, new token included
       (1 <= length <= S).
+    kv_valid_BS: bool [B, S], False at padding keys in the cache (None: all
+      entries below the length are real).
 
   Returns:
     out_BHD, and aux = {'sel_BGK': int32 [B, G, K], 'lse_BH': f32 [B, H]}:
@@ -167,8 +192,9 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   if jnp.shape(lengths_B) != (b,):
     raise ValueError(f'lengths_B must be [B]={b}, got {jnp.shape(lengths_B)}.')
   _check_budget(block_size, top_k)
+  _check_valid(kv_valid_BS, b, s)
   impl, backend, interpret = resolve_impl(impl, pallas_backend)
-  kw = dict(block_size=block_size, top_k=top_k)
+  kw = dict(block_size=block_size, top_k=top_k, kv_valid_BS=kv_valid_BS)
   if impl == 'reference':
     off_B = jnp.asarray(lengths_B, jnp.int32) - 1
     out, aux = reference.msa_attention(q_BHD[:, None], k_cache_BSGD,

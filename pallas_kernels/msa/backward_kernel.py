@@ -11,6 +11,9 @@ honoured too (d lse / d s = p).
     its accumulators stay in VMEM and each block is written once. Scores are
     formed transposed, s^T = k q^T [C, Tq], so the per-query LSE, delta and
     selection-hit vectors broadcast along sublanes as rows.
+* Padding keys: the forward's int32 key-valid mask is ANDed into every
+  mask (dQ: a lane row per block, [B, N, 1, C]; dK/dV: a sublane column,
+  [B, N, C, 1]; GPU: [B, S]), so padding keys get p = ds = 0.
 * GPU (Triton): one program per (token, batch, group) as in the forward; dq
   is accumulated in registers, dk/dv blocks are added with f32 atomics
   (several tokens select the same block).
@@ -43,7 +46,7 @@ def _probs(s, mask, lse):
 
 
 def _tpu_dq_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref,
-                   sel_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
+                   valid_ref, sel_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
                    block_size: int, n_heads: int, head_dim: int, scale: float,
                    n_groups: int, n_qtiles: int, width: int):
   b, g, i, u = (pl.program_id(a) for a in range(4))
@@ -59,7 +62,7 @@ def _tpu_dq_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref,
   def _visit():
     blk = blocks_ref[tile * width + u]
     mask = kc.query_tile_mask(sel_ref[...], blk, off_ref[b] + i * tq, tq,
-                              block_size)
+                              block_size) & (valid_ref[...] > 0)
     k, v = k_ref[...], v_ref[...]
     for h in range(n_heads):
       cols = slice(h * head_dim, (h + 1) * head_dim)
@@ -80,7 +83,7 @@ def _tpu_dq_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref,
 
 
 def _tpu_dkv_kernel(off_ref, qtiles_ref, count_ref, q_ref, k_ref, v_ref,
-                    selT_ref, do_ref, lseT_ref, deltaT_ref, dk_ref, dv_ref,
+                    validT_ref, selT_ref, do_ref, lseT_ref, deltaT_ref, dk_ref, dv_ref,
                     dk_scr, dv_scr, *, block_size: int, n_heads: int,
                     head_dim: int, scale: float, n_groups: int, n_blocks: int,
                     width: int):
@@ -102,7 +105,7 @@ def _tpu_dkv_kernel(off_ref, qtiles_ref, count_ref, q_ref, k_ref, v_ref,
         jnp.int32, (block_size, 1), 0)
     hit = jnp.max((selT_ref[...] == n).astype(jnp.int32), axis=0,
                   keepdims=True) > 0
-    mask = hit & (kpos <= qpos)
+    mask = hit & (kpos <= qpos) & (validT_ref[...] > 0)
     k, v = k_ref[...], v_ref[...]
     dk, dv = dk_scr[...], dv_scr[...]
     for h in range(n_heads):
@@ -121,8 +124,8 @@ def _tpu_dkv_kernel(off_ref, qtiles_ref, count_ref, q_ref, k_ref, v_ref,
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
-                 delta_BGTR, *, block_size: int, n_heads: int, q_tile: int,
+def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, valid_BS, do_BGTX,
+                 lse_BGTR, delta_BGTR, *, block_size: int, n_heads: int, q_tile: int,
                  scale: float, interpret: bool):
   """Padded group-major operands in; (dq_BGTX, dk_BGSD, dv_BGSD) out."""
   b, g, tp, x = q_BGTX.shape
@@ -141,6 +144,9 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
   def kv_map(bb, gg, ii, uu, off, blocks, count):
     return bb, gg, blocks[((bb * g + gg) * nq + ii) * width + uu], 0
 
+  def valid_map(bb, gg, ii, uu, off, blocks, count):
+    return bb, kv_map(bb, gg, ii, uu, off, blocks, count)[2], 0, 0
+
   def q_map(bb, gg, ii, uu, *_):
     return bb, gg, ii, 0
 
@@ -153,6 +159,7 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
               pl.BlockSpec((None, None, q_tile, x), q_map),
               pl.BlockSpec((None, None, block_size, d), kv_map),
               pl.BlockSpec((None, None, block_size, d), kv_map),
+              pl.BlockSpec((None, None, 1, block_size), valid_map),
               pl.BlockSpec((None, None, q_tile, kk), q_map),
               pl.BlockSpec((None, None, q_tile, x), q_map),
               pl.BlockSpec((None, None, q_tile, n_heads), q_map),
@@ -163,7 +170,8 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
       out_shape=jax.ShapeDtypeStruct(q_BGTX.shape, q_BGTX.dtype),
       compiler_params=sem, interpret=interpret, name='msa_backward_dq_tpu',
   )(off_B, blocks.reshape(-1), count.reshape(-1), q_BGTX, k_BGSD, v_BGSD,
-    sel_BGTK, do_BGTX, lse_BGTR, delta_BGTR)
+    valid_BS.reshape(b, n_blocks, 1, block_size), sel_BGTK, do_BGTX, lse_BGTR,
+    delta_BGTR)
 
   qtiles, qcount = schedule.block_visits(sel_BGTK, q_tile, n_blocks)
   vwidth = qtiles.shape[-1]
@@ -180,6 +188,9 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
   def kv_own_map(bb, gg, nn, uu, *_):
     return bb, gg, nn, 0
 
+  def valid_own_map(bb, gg, nn, uu, *_):
+    return bb, nn, 0, 0
+
   dk, dv = pl.pallas_call(
       functools.partial(_tpu_dkv_kernel, n_blocks=n_blocks, width=vwidth,
                         **common),
@@ -190,6 +201,7 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
               pl.BlockSpec((None, None, q_tile, x), qrow_map),
               pl.BlockSpec((None, None, block_size, d), kv_own_map),
               pl.BlockSpec((None, None, block_size, d), kv_own_map),
+              pl.BlockSpec((None, None, block_size, 1), valid_own_map),
               pl.BlockSpec((None, None, kk, q_tile), qcol_map),
               pl.BlockSpec((None, None, q_tile, x), qrow_map),
               pl.BlockSpec((None, None, n_heads, q_tile), qcol_map),
@@ -203,6 +215,7 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
                  jax.ShapeDtypeStruct(v_BGSD.shape, v_BGSD.dtype)],
       compiler_params=sem, interpret=interpret, name='msa_backward_dkv_tpu',
   )(off_B, qtiles.reshape(-1), qcount.reshape(-1), q_BGTX, k_BGSD, v_BGSD,
+    valid_BS.reshape(b, n_blocks, block_size, 1),
     sel_BGTK.transpose(0, 1, 3, 2), do_BGTX, lse_BGTR.transpose(0, 1, 3, 2),
     delta_BGTR.transpose(0, 1, 3, 2))
   return dq, dk, dv
@@ -212,8 +225,8 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, do_BGTX, lse_BGTR,
 # GPU (Triton)
 
 
-def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, do_ref, lse_ref,
-                delta_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
+def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, valid_ref, sel_ref, do_ref,
+                lse_ref, delta_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
                 block_size: int, top_k: int, scale: float, precision):
   del dk_in_ref, dv_in_ref  # aliased to dk_ref / dv_ref (zero-initialised)
   t = pl.program_id(0)
@@ -228,7 +241,8 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, do_ref, lse_ref,
     rows = pl.ds(start, block_size)
     k, v = k_ref[rows, :], v_ref[rows, :]
     kpos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-    mask = (kpos <= qpos) & (blk >= 0)
+    ok = valid_ref[pl.ds(start, block_size)][None, :] > 0
+    mask = (kpos <= qpos) & (blk >= 0) & ok
     p = _probs(kc.dot_nt(q, k, precision) * scale, mask, lse)
     ds = p * (kc.dot_nt(do, v, precision) - delta)
     # A -1 slot has p = ds = 0, so it adds exact zeros to block 0; no atomic
@@ -243,8 +257,8 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, do_ref, lse_ref,
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, do_BTGRD, lse_BTGR,
-                 delta_BTGR, *, block_size: int, scale: float, interpret: bool,
+def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
+                 lse_BTGR, delta_BTGR, *, block_size: int, scale: float, interpret: bool,
                  num_warps: int = 8, num_stages: int = 1):
   """Padded operands in; (dq_BTGRD, dk_BSGD f32, dv_BSGD f32) out."""
   b, t, g, rp, dp = q_BTGRD.shape
@@ -266,6 +280,7 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, do_BTGRD, lse_BTGR,
       in_specs=[
           pl.BlockSpec((1,), lambda tt, bb, gg: (bb,)),
           q_spec, kv_spec, kv_spec,
+          pl.BlockSpec((None, sp), lambda tt, bb, gg: (bb, 0)),
           pl.BlockSpec((None, None, None, kp),
                        lambda tt, bb, gg: (bb, gg, tt, 0)),
           q_spec, row_spec, row_spec, kv_spec, kv_spec,
@@ -274,10 +289,11 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, do_BTGRD, lse_BTGR,
       out_shape=[jax.ShapeDtypeStruct(q_BTGRD.shape, q_BTGRD.dtype),
                  jax.ShapeDtypeStruct(k_BSGD.shape, jnp.float32),
                  jax.ShapeDtypeStruct(v_BSGD.shape, jnp.float32)],
-      input_output_aliases={8: 1, 9: 2},
+      input_output_aliases={9: 1, 10: 2},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                            num_stages=num_stages),
       interpret=interpret,
       name='msa_backward_gpu',
-  )(off_B, q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, do_BTGRD, lse_BTGR, delta_BTGR,
+  )(off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK, do_BTGRD, lse_BTGR,
+    delta_BTGR,
     jnp.zeros(k_BSGD.shape, jnp.float32), jnp.zeros(v_BSGD.shape, jnp.float32))

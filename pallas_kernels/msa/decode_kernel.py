@@ -10,7 +10,9 @@ the selection [B, G, K] go in scalar prefetch.
   The cache is read in place as [B, S, G*D] (a free reshape) when D % 128 == 0
   or G == 1, so a decode step never copies the cache; otherwise it is
   transposed to [B, G, S, D] first (correct, but O(S) extra traffic).
-  The group's R heads are the rows of one [R, D] x [D, C] matmul.
+  The group's R heads are the rows of one [R, D] x [D, C] matmul. An int32
+  key-valid mask [B, N, 1, C] is fetched with each block, so padding keys in
+  the cache weigh 0.
 * GPU (Triton): decode is the prefill kernel with T = 1 and offset
   length-1 (`forward_kernel.forward_gpu`), which is already one program per
   (token, group); pallas_path calls it directly.
@@ -32,7 +34,8 @@ from pallas_kernels.msa import kernel_common as kc
 LANES = 128
 
 
-def _tpu_kernel(len_ref, sel_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr,
+def _tpu_kernel(len_ref, sel_ref, q_ref, k_ref, v_ref, valid_ref, o_ref,
+                lse_ref, m_scr,
                 l_scr, acc_scr, *, block_size: int, scale: float,
                 n_groups: int, top_k: int):
   b, g, slot = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -50,7 +53,8 @@ def _tpu_kernel(len_ref, sel_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr,
   def _visit():
     kpos = blk * block_size + jax.lax.broadcasted_iota(
         jnp.int32, (1, block_size), 1)
-    mask = jnp.broadcast_to(kpos < len_ref[b], (rows, block_size))
+    mask = jnp.broadcast_to((kpos < len_ref[b]) & (valid_ref[...] > 0),
+                            (rows, block_size))
     s = kc.dot_nt(q_ref[...], k_ref[...], prec) * scale
     m, l, acc = kc.online_softmax_step(m_scr[:, :1], l_scr[:, :1], acc_scr[...],
                                        s, mask, v_ref[...], prec)
@@ -65,9 +69,12 @@ def _tpu_kernel(len_ref, sel_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr,
     lse_ref[...] = lse
 
 
-def decode_tpu(q_BGRD, k_cache_BSGD, v_cache_BSGD, sel_BGK, lengths_B, *,
-               block_size: int, scale: float, interpret: bool):
-  """(out_BGRD, lse_BGR1 f32); S must be a multiple of block_size."""
+def decode_tpu(q_BGRD, k_cache_BSGD, v_cache_BSGD, sel_BGK, lengths_B,
+               valid_BS, *, block_size: int, scale: float, interpret: bool):
+  """(out_BGRD, lse_BGR1 f32); S must be a multiple of block_size.
+
+  valid_BS: int32 [B, S], 0 at padding keys.
+  """
   b, g, r, d = q_BGRD.shape
   s = k_cache_BSGD.shape[1]
   top_k = sel_BGK.shape[-1]
@@ -88,6 +95,9 @@ def decode_tpu(q_BGRD, k_cache_BSGD, v_cache_BSGD, sel_BGK, lengths_B, *,
     kv_spec = pl.BlockSpec(
         (None, None, block_size, d),
         lambda bb, gg, kk, ln, sl: (bb, gg, fetch(bb, gg, kk, ln, sl), 0))
+  valid_spec = pl.BlockSpec(
+      (None, None, 1, block_size),
+      lambda bb, gg, kk, ln, sl: (bb, fetch(bb, gg, kk, ln, sl), 0, 0))
   row_map = lambda bb, gg, kk, *_: (bb, gg, 0, 0)
   kernel = functools.partial(_tpu_kernel, block_size=block_size, scale=scale,
                              n_groups=g, top_k=top_k)
@@ -97,7 +107,7 @@ def decode_tpu(q_BGRD, k_cache_BSGD, v_cache_BSGD, sel_BGK, lengths_B, *,
           num_scalar_prefetch=2,
           grid=(b, g, top_k),
           in_specs=[pl.BlockSpec((None, None, r, d), row_map), kv_spec,
-                    kv_spec],
+                    kv_spec, valid_spec],
           out_specs=[pl.BlockSpec((None, None, r, d), row_map),
                      pl.BlockSpec((None, None, r, 1), row_map)],
           scratch_shapes=[pltpu.VMEM((r, LANES), jnp.float32),
@@ -110,4 +120,4 @@ def decode_tpu(q_BGRD, k_cache_BSGD, v_cache_BSGD, sel_BGK, lengths_B, *,
       interpret=interpret,
       name='msa_decode_tpu',
   )(lengths_B.astype(jnp.int32), sel_BGK.reshape(-1).astype(jnp.int32),
-    q_BGRD, *caches)
+    q_BGRD, *caches, valid_BS.reshape(b, s // block_size, 1, block_size))

@@ -14,6 +14,11 @@ Only selected K/V blocks are read. Two lowerings:
   a loop over the K selected blocks loads each with a dynamic slice.
   No union, no wasted columns; -1 slots are masked out.
 
+Padding keys: an int32 key-valid mask is read with each key block (TPU
+[B, N, 1, C], one lane row per block; GPU [B, S]) and ANDed into the row
+mask, so a padding key weighs exactly 0; a row that meets no valid key ends
+with out 0 and lse -inf (`kernel_common.finish_softmax`).
+
 Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
 R heads per group, D head dim, K selected blocks, C block size, Q query
 tiles, U union entries per tile, X = R*D (a group's heads side by side).
@@ -38,8 +43,8 @@ LANES = 128
 # TPU (Mosaic)
 
 
-def _tpu_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref, sel_ref,
-                o_ref, lse_ref, m_scr, l_scr, acc_scr, *, block_size: int,
+def _tpu_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref, valid_ref,
+                sel_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *, block_size: int,
                 n_heads: int, head_dim: int, scale: float, n_groups: int,
                 n_qtiles: int, width: int):
   b, g, i, u = (pl.program_id(a) for a in range(4))
@@ -57,7 +62,7 @@ def _tpu_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref, sel_ref,
   def _visit():
     blk = blocks_ref[tile * width + u]
     mask = kc.query_tile_mask(sel_ref[...], blk, off_ref[b] + i * tq, tq,
-                              block_size)
+                              block_size) & (valid_ref[...] > 0)
     k, v = k_ref[...], v_ref[...]
     for h in range(n_heads):
       q = q_ref[:, h * head_dim:(h + 1) * head_dim]
@@ -77,9 +82,13 @@ def _tpu_kernel(off_ref, blocks_ref, count_ref, q_ref, k_ref, v_ref, sel_ref,
       lse_ref[:, h:h + 1] = lse
 
 
-def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, *, block_size: int,
-                n_heads: int, q_tile: int, scale: float, interpret: bool):
-  """Padded group-major operands in; (o_BGTX, lse_BGTR f32) out."""
+def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, valid_BS, *,
+                block_size: int, n_heads: int, q_tile: int, scale: float,
+                interpret: bool):
+  """Padded group-major operands in; (o_BGTX, lse_BGTR f32) out.
+
+  valid_BS: int32 [B, Sp], 0 at padding keys.
+  """
   b, g, tp, x = q_BGTX.shape
   sp, d = k_BGSD.shape[2:]
   n_blocks = sp // block_size
@@ -89,6 +98,9 @@ def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, *, block_size: int,
 
   def kv_map(bb, gg, ii, uu, off, blocks, count):
     return bb, gg, blocks[((bb * g + gg) * nq + ii) * width + uu], 0
+
+  def valid_map(bb, gg, ii, uu, off, blocks, count):
+    return bb, kv_map(bb, gg, ii, uu, off, blocks, count)[2], 0, 0
 
   def q_map(bb, gg, ii, uu, *_):
     return bb, gg, ii, 0
@@ -105,6 +117,7 @@ def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, *, block_size: int,
               pl.BlockSpec((None, None, q_tile, x), q_map),
               pl.BlockSpec((None, None, block_size, d), kv_map),
               pl.BlockSpec((None, None, block_size, d), kv_map),
+              pl.BlockSpec((None, None, 1, block_size), valid_map),
               pl.BlockSpec((None, None, q_tile, sel_BGTK.shape[-1]), q_map),
           ],
           out_specs=[
@@ -124,14 +137,15 @@ def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, *, block_size: int,
       interpret=interpret,
       name='msa_forward_tpu',
   )(off_B, blocks.reshape(-1), count.reshape(-1), q_BGTX, k_BGSD, v_BGSD,
-    sel_BGTK)
+    valid_BS.reshape(b, n_blocks, 1, block_size), sel_BGTK)
 
 
 # ----------------------------------------------------------------------------
 # GPU (Triton)
 
 
-def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, o_ref, lse_ref, *,
+def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, valid_ref, sel_ref, o_ref,
+                lse_ref, *,
                 block_size: int, top_k: int, scale: float, precision):
   t = pl.program_id(0)
   q = q_ref[...]
@@ -147,7 +161,8 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, o_ref, lse_ref, *,
     k = k_ref[pl.ds(start, block_size), :]
     v = v_ref[pl.ds(start, block_size), :]
     kpos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-    mask = (kpos <= qpos) & (blk >= 0)
+    ok = valid_ref[pl.ds(start, block_size)][None, :] > 0
+    mask = (kpos <= qpos) & (blk >= 0) & ok
     s = kc.dot_nt(q, k, precision) * scale
     return kc.online_softmax_step(m, l, acc, s, mask, v, precision)
 
@@ -160,10 +175,13 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, sel_ref, o_ref, lse_ref, *,
   lse_ref[...] = lse[:, 0]
 
 
-def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, *, block_size: int,
-                scale: float, interpret: bool, num_warps: int = 4,
-                num_stages: int | None = None):
-  """Padded operands in (R, D, K powers of two, R >= 16); (o, lse_BTGR) out."""
+def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
+                block_size: int, scale: float, interpret: bool,
+                num_warps: int = 4, num_stages: int | None = None):
+  """Padded operands in (R, D, K powers of two, R >= 16); (o, lse_BTGR) out.
+
+  valid_BS: int32 [B, Sp], 0 at padding keys.
+  """
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
   kp = sel_BGTK.shape[-1]
@@ -184,6 +202,7 @@ def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, *, block_size: int,
                        lambda tt, bb, gg: (bb, tt, gg, 0, 0)),
           pl.BlockSpec((None, sp, None, dp), lambda tt, bb, gg: (bb, 0, gg, 0)),
           pl.BlockSpec((None, sp, None, dp), lambda tt, bb, gg: (bb, 0, gg, 0)),
+          pl.BlockSpec((None, sp), lambda tt, bb, gg: (bb, 0)),
           pl.BlockSpec((None, None, None, kp),
                        lambda tt, bb, gg: (bb, gg, tt, 0)),
       ],
@@ -199,4 +218,4 @@ def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, *, block_size: int,
                                            num_stages=num_stages),
       interpret=interpret,
       name='msa_forward_gpu',
-  )(off_B, q_BTGRD, k_BSGD, v_BSGD, sel_BGTK)
+  )(off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK)

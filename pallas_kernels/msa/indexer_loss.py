@@ -12,6 +12,8 @@ It runs on the key-centric pair tiles of `xla.py`: each (token, slot) pair
 reads one key block, and the three sums above are additive over pairs
 (logsumexp merges by its own rule), so the loss never forms [T, K*C] rows.
 The Pallas impl also uses this path; there is no loss kernel.
+Padding keys (kv_valid_BS False) are outside both distributions; a query
+with no valid key in its selection adds KL 0.
 
 Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
 R heads per group, D head dim, I index head dim, K selected blocks, N key
@@ -29,8 +31,9 @@ from pallas_kernels.msa import xla
 MASK_VALUE = xla.MASK_VALUE
 
 
-def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, *, q_offset: int,
-                pairs_per_tile: int | None, tiles_per_step: int | None):
+def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, valid_NC=None, *,
+                q_offset: int, pairs_per_tile: int | None,
+                tiles_per_step: int | None):
   t, r, d = q_TRD.shape
   n, c, di = ki_NCI.shape
   k = sel_TK.shape[1]
@@ -46,8 +49,13 @@ def _group_kl_T(q_TRD, k_NCD, qi_TI, ki_NCI, sel_TK, lse_TR, *, q_offset: int,
     kpos = block[:, None] * c + jnp.arange(c)
     ok = (kpos[:, None, :] <= (tok + q_offset)[:, :, None]) & \
         (table < t * k)[:, :, None]
+    if valid_NC is not None:
+      ok = ok & valid_NC[block][:, None, :]
     main = jnp.einsum('sqrd,scd->sqrc', q_TRD[tok], k_NCD[block]) / math.sqrt(d)
-    p = jnp.where(ok[:, :, None], jnp.exp(main - lse_TR[tok][..., None]), 0.0)
+    # lse is -inf for a query with no valid key; its keys are all masked, so
+    # the exponent is clamped there rather than evaluated at +inf.
+    p = jnp.where(ok[:, :, None], jnp.exp(jnp.where(
+        ok[:, :, None], main - lse_TR[tok][..., None], 0.0)), 0.0)
     p = p.mean(axis=2)
     s = jnp.einsum('sqi,sci->sqc', qi_TI[tok], ki_NCI[block]) / math.sqrt(di)
     s = jnp.where(ok, s, MASK_VALUE)
@@ -69,7 +77,7 @@ def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
                     block_size: int, q_offset: int = 0,
                     pairs_per_tile: int | None = None,
                     tiles_per_step: int | None = None,
-                    weight_BT=None) -> jax.Array:
+                    weight_BT=None, kv_valid_BS=None) -> jax.Array:
   """Mean over (b, g, t) of KL(head-averaged main attention || index dist).
 
   weight_BT: weights of the query positions instead of the plain mean:
@@ -94,14 +102,18 @@ def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
       b, n, block_size, di)
   ki_XNCI = jnp.repeat(ki_BNCI, g, axis=0)
   sel_XTK = sg(sel_BGTK).reshape(b * g, t, -1)
+  args = (q_XTRD, k_XNCD, qi_XTI, ki_XNCI, sel_XTK, lse_XTR)
+  if kv_valid_BS is not None:
+    args += (jnp.repeat(jnp.pad(jnp.asarray(kv_valid_BS, bool),
+                                ((0, 0), (0, sp - s))).reshape(
+                                    b, n, block_size), g, axis=0),)
 
   def one_group(args):
     return _group_kl_T(*args, q_offset=q_offset,
                        pairs_per_tile=pairs_per_tile,
                        tiles_per_step=tiles_per_step)
 
-  kl_XT = jax.lax.map(one_group, (q_XTRD, k_XNCD, qi_XTI, ki_XNCI, sel_XTK,
-                                  lse_XTR),
+  kl_XT = jax.lax.map(one_group, args,
                       batch_size=xla.groups_per_step(
                           b * g, t * sel_XTK.shape[-1] * r * (d + di)))
   if weight_BT is None:

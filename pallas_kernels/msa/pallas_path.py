@@ -12,7 +12,9 @@ same on every backend:
 
 Padding is inert: padded keys sit past every query position, padded query
 rows and -1 selection slots see no key, and zero rows of q and dO add nothing
-to dK/dV.
+to dK/dV. Padding *keys* of the caller (kv_valid_BS False, e.g. a
+left-padded prompt's PADs) go to every kernel as an int32 mask (padded
+with 0 like the keys); None passes an all-ones mask.
 
 Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
 R heads per group, D head dim, I index head dim, K selected blocks.
@@ -95,44 +97,55 @@ def _gpu_dims(r: int, d: int, k: int):
   return max(16, kc.next_pow2(r)), max(16, kc.next_pow2(d)), kc.next_pow2(k)
 
 
+def _valid_mask(valid_BS, b: int, s: int, sp: int):
+  """int32 [B, Sp] key-valid mask: 1 at real keys, 0 at padding (ours and
+  the caller's)."""
+  valid = (jnp.ones((b, s), jnp.int32) if valid_BS is None
+           else jnp.asarray(valid_BS).astype(jnp.int32))
+  return _pad_axis(valid, 1, sp)
+
+
 # ----------------------------------------------------------------------------
 # Forward / backward
 
 
-def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, *, block_size,
-                   backend, interpret):
+def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
+                   block_size, backend, interpret):
   """(out_BTHD, lse_BTH f32) from the kernel of the chosen backend."""
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
   scale = 1.0 / math.sqrt(d)
   sp = kc.round_up(s, block_size)
+  valid = _valid_mask(valid_BS, b, s, sp)
   if backend == 'tpu':
     tq = tpu_q_tile(t)
     tp = kc.round_up(t, tq)
     o, lse = forward_kernel.forward_tpu(
         _to_group_major_q(q_BTHD, g, tp), _to_group_major_kv(k_BSGD, sp),
         _to_group_major_kv(v_BSGD, sp), _pad_axis(sel_BGTK, 2, tp, -1), off_B,
-        block_size=block_size, n_heads=r, q_tile=tq, scale=scale,
+        valid, block_size=block_size, n_heads=r, q_tile=tq, scale=scale,
         interpret=interpret)
     return _from_group_major_q(o, t, h), _rows_BTH(lse, t)
   rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
   o, lse = forward_kernel.forward_gpu(
       _to_gpu_q(q_BTHD, g, rp, dp), _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp),
       _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp), _pad_axis(sel_BGTK, 3, kp, -1),
-      off_B, block_size=block_size, scale=scale, interpret=interpret)
+      off_B, valid, block_size=block_size, scale=scale, interpret=interpret)
   return (o[:, :, :, :r, :d].reshape(b, t, h, d),
           lse[..., :r].reshape(b, t, h))
 
 
-def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, out_BTHD, lse_BTH,
-                    dout_BTHD, dlse_BTH, *, block_size, backend, interpret):
+def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
+                    out_BTHD, lse_BTH, dout_BTHD, dlse_BTH, *, block_size,
+                    backend, interpret):
   """(dq, dk, dv) in the input dtypes."""
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
   scale = 1.0 / math.sqrt(d)
   sp = kc.round_up(s, block_size)
+  valid = _valid_mask(valid_BS, b, s, sp)
   # delta - dlse: a cotangent on the LSE output enters exactly here, since
   # d lse / d s = p.
   delta_BTH = jnp.sum(dout_BTHD.astype(jnp.float32) *
@@ -148,7 +161,7 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, out_BTHD, lse_BTH,
     dq, dk, dv = backward_kernel.backward_tpu(
         _to_group_major_q(q_BTHD, g, tp), _to_group_major_kv(k_BSGD, sp),
         _to_group_major_kv(v_BSGD, sp), _pad_axis(sel_BGTK, 2, tp, -1), off_B,
-        _to_group_major_q(dout, g, tp), rows(lse_BTH), rows(delta_BTH),
+        valid, _to_group_major_q(dout, g, tp), rows(lse_BTH), rows(delta_BTH),
         block_size=block_size, n_heads=r, q_tile=tq, scale=scale,
         interpret=interpret)
     return (_from_group_major_q(dq, t, h),
@@ -158,7 +171,7 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, out_BTHD, lse_BTH,
   dq, dk, dv = backward_kernel.backward_gpu(
       _to_gpu_q(q_BTHD, g, rp, dp), _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp),
       _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp),
-      _pad_axis(sel_BGTK, 3, kp, -1), off_B, _to_gpu_q(dout, g, rp, dp),
+      _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid, _to_gpu_q(dout, g, rp, dp),
       rows(lse_BTH), rows(delta_BTH), block_size=block_size, scale=scale,
       interpret=interpret)
   return (dq[:, :, :, :r, :d].reshape(b, t, h, d),
@@ -166,31 +179,44 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, out_BTHD, lse_BTH,
           dv[:, :s, :, :d].astype(v_BSGD.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, block_size,
-                     backend, interpret):
-  """Main branch on the kernels: (out_BTHD, lse_BTH), differentiable."""
-  return sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B,
+                     backend, interpret, kv_valid_BS=None):
+  """Main branch on the kernels: (out_BTHD, lse_BTH), differentiable.
+
+  kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
+  """
+  b, s = k_BSGD.shape[:2]
+  valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
+           else jnp.asarray(kv_valid_BS).astype(jnp.int32))
+  return _sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid,
+                           block_size, backend, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
+                      block_size, backend, interpret):
+  return sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                         block_size=block_size, backend=backend,
                         interpret=interpret)
 
 
-def _sparse_attention_fwd(q, k, v, sel, off, block_size, backend, interpret):
-  out, lse = sparse_forward(q, k, v, sel, off, block_size=block_size,
+def _sparse_attention_fwd(q, k, v, sel, off, valid, block_size, backend,
+                          interpret):
+  out, lse = sparse_forward(q, k, v, sel, off, valid, block_size=block_size,
                             backend=backend, interpret=interpret)
-  return (out, lse), (q, k, v, sel, off, out, lse)
+  return (out, lse), (q, k, v, sel, off, valid, out, lse)
 
 
 def _sparse_attention_bwd(block_size, backend, interpret, res, cts):
-  q, k, v, sel, off, out, lse = res
+  q, k, v, sel, off, valid, out, lse = res
   dout, dlse = cts
-  dq, dk, dv = sparse_backward(q, k, v, sel, off, out, lse, dout, dlse,
+  dq, dk, dv = sparse_backward(q, k, v, sel, off, valid, out, lse, dout, dlse,
                                block_size=block_size, backend=backend,
                                interpret=interpret)
-  return dq, dk, dv, None, None
+  return dq, dk, dv, None, None, None
 
 
-sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
+_sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 
 # ----------------------------------------------------------------------------
@@ -198,21 +224,23 @@ sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
-                  top_k, q_offset, backend, interpret):
+                  top_k, q_offset, backend, interpret, kv_valid_BS=None):
   """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'})."""
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
   off_B = jnp.full((b,), q_offset, jnp.int32)
   sel = select_kernel.select_blocks_BGTK(
       jax.lax.stop_gradient(qi_BTGI), jax.lax.stop_gradient(ki_BSI), off_B,
-      block_size=block_size, top_k=top_k, backend=backend, interpret=interpret)
+      block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
+      kv_valid_BS=kv_valid_BS)
   out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
-                              backend, interpret)
+                              backend, interpret, kv_valid_BS)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
-               lengths_B, *, block_size, top_k, backend, interpret):
+               lengths_B, *, block_size, top_k, backend, interpret,
+               kv_valid_BS=None):
   """Kernel (a) at T = 1 then kernel (d): (out_BHD, {'sel_BGK', 'lse_BH'})."""
   check_block_size(block_size, backend)
   b, h, d = q_BHD.shape
@@ -220,15 +248,17 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   off_B = lengths_B.astype(jnp.int32) - 1
   sel = select_kernel.select_blocks_BGTK(
       qi_BGI[:, None], ki_cache_BSI, off_B, block_size=block_size,
-      top_k=top_k, backend=backend, interpret=interpret)[:, :, 0]
+      top_k=top_k, backend=backend, interpret=interpret,
+      kv_valid_BS=kv_valid_BS)[:, :, 0]
   if backend == 'tpu':
     sp = kc.round_up(s, block_size)
     out, lse = decode_kernel.decode_tpu(
         q_BHD.reshape(b, g, h // g, d), _pad_axis(k_cache_BSGD, 1, sp),
         _pad_axis(v_cache_BSGD, 1, sp), sel, off_B + 1,
-        block_size=block_size, scale=1.0 / math.sqrt(d), interpret=interpret)
+        _valid_mask(kv_valid_BS, b, s, sp), block_size=block_size, scale=1.0 / math.sqrt(d), interpret=interpret)
     return out.reshape(b, h, d), {'sel_BGK': sel, 'lse_BH': lse.reshape(b, h)}
   out, lse = sparse_forward(q_BHD[:, None], k_cache_BSGD, v_cache_BSGD,
-                            sel[:, :, None], off_B, block_size=block_size,
+                            sel[:, :, None], off_B, kv_valid_BS,
+                            block_size=block_size,
                             backend=backend, interpret=interpret)
   return out[:, 0], {'sel_BGK': sel, 'lse_BH': lse[:, 0]}

@@ -15,6 +15,10 @@ Two lowerings share the math helpers below:
 * GPU (Triton): grid (B, G, query tiles); a fori_loop walks the visible
   blocks, loading each with a dynamic slice of the key array.
 On CPU both run with interpret=True.
+Padding keys: an int32 key-valid mask rides along with the index keys (TPU
+[B, chunks, 1, chunk], a lane row per chunk; GPU [B, S]); an invalid key's
+logit is -inf, so a block's score is the max over its valid keys and a block
+with none never enters the table (its slot stays -1).
 
 Letter key: B batch, T query tokens, S key tokens, G groups, I index head dim,
 N key blocks, C block size, K selected blocks, L lanes of the running table.
@@ -79,7 +83,8 @@ def compose_selection(vals, ids, local, n_live: int, k_out: int):
 # TPU (Mosaic)
 
 
-def _tpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, vals_ref, ids_ref, *,
+def _tpu_kernel(offset_ref, qi_ref, ki_ref, valid_ref, sel_ref, vals_ref,
+                ids_ref, *,
                 block_size: int, chunk: int, top_k: int, scale: float):
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   tq = qi_ref.shape[0]
@@ -98,7 +103,7 @@ def _tpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, vals_ref, ids_ref, *,
         (((1,), (1,)), ((), ())), precision=HIGHEST,
         preferred_element_type=jnp.float32) * scale
     kpos = j * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-    logits = jnp.where(kpos <= qpos, logits, NEG_INF)
+    logits = jnp.where((kpos <= qpos) & (valid_ref[...] > 0), logits, NEG_INF)
     vals, ids = vals_ref[...], ids_ref[...]
     for jb in range(chunk // block_size):
       score = jnp.max(logits[:, jb * block_size:(jb + 1) * block_size], axis=1,
@@ -115,8 +120,8 @@ def _tpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, vals_ref, ids_ref, *,
                                      kc.div(qpos, block_size), n_live, top_k)
 
 
-def _select_tpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
-                chunk, scale, interpret):
+def _select_tpu(qi_BGTI, ki_BSI, valid_BS, offset_B, *, block_size, top_k,
+                q_tile, chunk, scale, interpret):
   b, g, tp, di = qi_BGTI.shape
   sp = ki_BSI.shape[1]
   lanes = kc.round_up(max(top_k - 1, 1), 128)
@@ -126,6 +131,9 @@ def _select_tpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
     # Past the last visible chunk keep the same block index: no new DMA.
     last = kc.div(off_ref[bb] + ii * q_tile + q_tile - 1, chunk)
     return bb, jnp.minimum(jj, last), 0
+
+  def valid_map(bb, gg, ii, jj, off_ref):
+    return bb, ki_map(bb, gg, ii, jj, off_ref)[1], 0, 0
 
   kernel = functools.partial(_tpu_kernel, block_size=block_size, chunk=chunk,
                              top_k=top_k, scale=scale)
@@ -138,6 +146,7 @@ def _select_tpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
               pl.BlockSpec((None, None, q_tile, di),
                            lambda bb, gg, ii, jj, off: (bb, gg, ii, 0)),
               pl.BlockSpec((None, chunk, di), ki_map),
+              pl.BlockSpec((None, None, 1, chunk), valid_map),
           ],
           out_specs=pl.BlockSpec((None, None, q_tile, top_k),
                                  lambda bb, gg, ii, jj, off: (bb, gg, ii, 0)),
@@ -149,14 +158,15 @@ def _select_tpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
                                'arbitrary')),
       interpret=interpret,
       name='msa_select_tpu',
-  )(offset_B, qi_BGTI, ki_BSI)
+  )(offset_B, qi_BGTI, ki_BSI, valid_BS.reshape(b, n_chunks, 1, chunk))
 
 
 # ----------------------------------------------------------------------------
 # GPU (Triton)
 
 
-def _gpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, *, block_size: int,
+def _gpu_kernel(offset_ref, qi_ref, ki_ref, valid_ref, sel_ref, *,
+                block_size: int,
                 top_k: int, scale: float, n_blocks: int):
   i = pl.program_id(2)
   tq = qi_ref.shape[0]
@@ -174,7 +184,8 @@ def _gpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, *, block_size: int,
                                  preferred_element_type=jnp.float32) * scale
     kpos = jb * block_size + jax.lax.broadcasted_iota(
         jnp.int32, (1, block_size), 1)
-    logits = jnp.where(kpos <= qpos, logits, NEG_INF)
+    ok = valid_ref[pl.ds(jb * block_size, block_size)][None, :] > 0
+    logits = jnp.where((kpos <= qpos) & ok, logits, NEG_INF)
     score = jnp.max(logits, axis=1, keepdims=True)
     score = jnp.where(jb < kc.div(qpos, block_size), score, NEG_INF)
     return insert_candidate(vals, ids, score, jb, n_live)
@@ -188,8 +199,8 @@ def _gpu_kernel(offset_ref, qi_ref, ki_ref, sel_ref, *, block_size: int,
                                    sel_ref.shape[-1])
 
 
-def _select_gpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
-                scale, interpret):
+def _select_gpu(qi_BGTI, ki_BSI, valid_BS, offset_B, *, block_size, top_k,
+                q_tile, scale, interpret):
   b, g, tp, di = qi_BGTI.shape
   sp = ki_BSI.shape[1]
   kp = kc.next_pow2(top_k)
@@ -204,6 +215,7 @@ def _select_gpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
           pl.BlockSpec((None, None, q_tile, di),
                        lambda bb, gg, ii: (bb, gg, ii, 0)),
           pl.BlockSpec((None, sp, di), lambda bb, gg, ii: (bb, 0, 0)),
+          pl.BlockSpec((None, sp), lambda bb, gg, ii: (bb, 0)),
       ],
       out_specs=pl.BlockSpec((None, None, q_tile, kp),
                              lambda bb, gg, ii: (bb, gg, ii, 0)),
@@ -211,18 +223,19 @@ def _select_gpu(qi_BGTI, ki_BSI, offset_B, *, block_size, top_k, q_tile,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name='msa_select_gpu',
-  )(offset_B, qi_BGTI, ki_BSI)
+  )(offset_B, qi_BGTI, ki_BSI, valid_BS)
   return sel[..., :top_k]
 
 
 def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
                        top_k: int, backend: str, interpret: bool,
                        q_tile: int | None = None,
-                       chunk_blocks: int = 4) -> jax.Array:
+                       chunk_blocks: int = 4, kv_valid_BS=None) -> jax.Array:
   """Selection [B, G, T, K] for queries at positions t + offset_B[b].
 
   Any T and S work: queries and keys are zero-padded to whole tiles and the
   padding is masked out (padded keys sit beyond every query's position).
+  kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
   """
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
@@ -240,13 +253,16 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
                ((0, 0), (0, 0), (0, tp - t), (0, dip - di)))
   ki = jnp.pad(ki_BSI.astype(jnp.float32), ((0, 0), (0, sp - s),
                                             (0, dip - di)))
+  valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
+           else jnp.asarray(kv_valid_BS).astype(jnp.int32))
+  valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
   offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
   if backend == 'tpu':
-    sel = _select_tpu(qi, ki, offset_B, block_size=block_size, top_k=top_k,
+    sel = _select_tpu(qi, ki, valid, offset_B, block_size=block_size, top_k=top_k,
                       q_tile=q_tile, chunk=chunk, scale=1.0 / math.sqrt(di),
                       interpret=interpret)
   else:
-    sel = _select_gpu(qi, ki, offset_B, block_size=block_size, top_k=top_k,
+    sel = _select_gpu(qi, ki, valid, offset_B, block_size=block_size, top_k=top_k,
                       q_tile=q_tile, scale=1.0 / math.sqrt(di),
                       interpret=interpret)
   return sel[:, :, :t]

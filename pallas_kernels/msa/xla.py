@@ -17,6 +17,8 @@ of docs/design.md §6.6 instead of the reference's dense O(T*S):
   the log-sum-exp rule, exactly as flash attention merges key tiles.
 
 Everything is differentiable by autodiff (gathers transpose to scatter-adds).
+kv_valid_BS (bool [B, S], None = all valid) masks padding keys in both
+branches, as in `reference.py` (docs/design.md §6.9).
 
 Letter key (as in reference.py): B batch, T query tokens, S key tokens,
 H query heads, G KV groups, R heads per group, D head dim, I index head dim,
@@ -56,8 +58,10 @@ def causal_tiles(q_len: int, kv_len: int, q_offset: int, q_chunk: int,
 
 
 def block_scores_BGTN(qi_BTGI, ki_BSI, *, block_size: int, q_offset: int = 0,
-                      q_chunk: int = 256, k_chunk: int = 1024) -> jax.Array:
-  """Causal block-max index scores [B, G, T, N], -inf for invisible blocks."""
+                      q_chunk: int = 256, k_chunk: int = 1024,
+                      kv_valid_BS=None) -> jax.Array:
+  """Causal block-max index scores [B, G, T, N] over the valid keys, -inf
+  for blocks with no visible valid key."""
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
   n = -(-s // block_size)
@@ -69,12 +73,15 @@ def block_scores_BGTN(qi_BTGI, ki_BSI, *, block_size: int, q_offset: int = 0,
   # [I, S] once, so no tile transposes its key slice again (measured ~10%).
   ki_BIS = jnp.pad(ki_BSI.astype(jnp.float32),
                    ((0, 0), (0, sp - s), (0, 0))).transpose(0, 2, 1)
+  valid_BS = None
+  if kv_valid_BS is not None:
+    valid_BS = jnp.pad(jnp.asarray(kv_valid_BS, bool), ((0, 0), (0, sp - s)))
   tiles = causal_tiles(t, s, q_offset, q_chunk, k_chunk)
   # Tiles below the diagonal need no causal mask; only the others pay for it.
   below = (tiles[:, 0] * q_chunk + q_offset >= (tiles[:, 1] + 1) * k_chunk - 1)
   nb_chunk = k_chunk // block_size
 
-  def tile(i, scores_TGN, qi_TGI, ki_IS, tile_list, masked):
+  def tile(i, scores_TGN, qi_TGI, ki_IS, valid_S, tile_list, masked):
     c, kc = tile_list[i, 0], tile_list[i, 1]
     q_QGI = jax.lax.dynamic_slice_in_dim(qi_TGI, c * q_chunk, q_chunk)
     k_IL = jax.lax.dynamic_slice_in_dim(ki_IS, kc * k_chunk, k_chunk, axis=1)
@@ -85,10 +92,13 @@ def block_scores_BGTN(qi_BTGI, ki_BSI, *, block_size: int, q_offset: int = 0,
       kpos = kc * k_chunk + jnp.arange(k_chunk).reshape(nb_chunk, block_size)
       visible = kpos[None, :, :] <= qpos[:, None, None]
       logits = jnp.where(visible[:, None], logits, -jnp.inf)
+    if valid_S is not None:
+      ok_L = jax.lax.dynamic_slice_in_dim(valid_S, kc * k_chunk, k_chunk)
+      logits = jnp.where(ok_L.reshape(nb_chunk, block_size), logits, -jnp.inf)
     return jax.lax.dynamic_update_slice(
         scores_TGN, logits.max(axis=-1), (c * q_chunk, 0, kc * nb_chunk))
 
-  def one_sequence(qi_TGI, ki_IS):
+  def one_sequence(qi_TGI, ki_IS, valid_S):
     scores = like_inputs(
         jnp.full((tp, g, sp // block_size), -jnp.inf, jnp.float32),
         qi_TGI, ki_IS)
@@ -96,11 +106,11 @@ def block_scores_BGTN(qi_BTGI, ki_BSI, *, block_size: int, q_offset: int = 0,
       tile_list = jnp.asarray(tiles[below != masked])
       if tile_list.shape[0]:
         scores = jax.lax.fori_loop(0, tile_list.shape[0], functools.partial(
-            tile, qi_TGI=qi_TGI, ki_IS=ki_IS, tile_list=tile_list,
-            masked=masked), scores)
+            tile, qi_TGI=qi_TGI, ki_IS=ki_IS, valid_S=valid_S,
+            tile_list=tile_list, masked=masked), scores)
     return scores
 
-  scores_BTGN = jax.vmap(one_sequence)(qi, ki_BIS)
+  scores_BTGN = jax.vmap(one_sequence)(qi, ki_BIS, valid_BS)
   return scores_BTGN[:, :t, :, :n].transpose(0, 2, 1, 3)
 
 
@@ -115,7 +125,9 @@ def select_blocks_BGTK(scores_BGTN, *, block_size: int, top_k: int,
   ranked = jnp.where(ids_N < l, scores_BGTN, -jnp.inf)
   kk = min(top_k - 1, n)
   if kk > 0:
-    _, cand_BGTK = jax.lax.top_k(ranked, kk)
+    best_BGTK, cand_BGTK = jax.lax.top_k(ranked, kk)
+    # A block with no visible valid key (all padding) is never selected.
+    cand_BGTK = jnp.where(best_BGTK > -jnp.inf, cand_BGTK, -1)
   else:
     cand_BGTK = jnp.zeros((b, g, t, 0), jnp.int32)
   cand_BGTK = jnp.pad(cand_BGTK, ((0, 0), (0, 0), (0, 0), (0, top_k - kk)),
@@ -127,9 +139,9 @@ def select_blocks_BGTK(scores_BGTN, *, block_size: int, top_k: int,
 
 
 def selection_BGTK(qi_BTGI, ki_BSI, *, block_size: int, top_k: int,
-                   q_offset: int = 0) -> jax.Array:
+                   q_offset: int = 0, kv_valid_BS=None) -> jax.Array:
   scores = block_scores_BGTN(qi_BTGI, ki_BSI, block_size=block_size,
-                             q_offset=q_offset)
+                             q_offset=q_offset, kv_valid_BS=kv_valid_BS)
   return jax.lax.stop_gradient(select_blocks_BGTK(
       scores, block_size=block_size, top_k=top_k, q_offset=q_offset))
 
@@ -205,8 +217,8 @@ def tile_shape(n_pairs: int, n_visible: int, pairs_per_tile: int | None = None,
   return q, mc, _round_up(raw, mc)
 
 
-def _chunk_attention(q_TRD, k_NCD, v_NCD, sel_TK, t0: int, q_offset: int,
-                     n_visible: int, pairs_per_tile: int | None,
+def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
+                     q_offset: int, n_visible: int, pairs_per_tile: int | None,
                      tiles_per_step: int | None):
   """Key-centric attention of the query chunk starting at t0 (one group)."""
   t, r, d = q_TRD.shape
@@ -231,9 +243,14 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, sel_TK, t0: int, q_offset: int,
     kpos = block[:, None] * c + jnp.arange(c)
     visible = (kpos[:, None, :] <= (tok + t0 + q_offset)[:, :, None]) & \
         (table < t * k)[:, :, None]
-    logits = jnp.where(jnp.repeat(visible, r, axis=1), logits, MASK_VALUE)
+    if valid_NC is not None:
+      visible = visible & valid_NC[block][:, None, :]
+    visible = jnp.repeat(visible, r, axis=1)
+    logits = jnp.where(visible, logits, MASK_VALUE)
     m = logits.max(axis=-1)
-    p = jnp.exp(logits - m[..., None])
+    # Masked keys weigh exactly 0, also in a row with no visible key at all
+    # (then l = 0 and the pair adds nothing).
+    p = jnp.where(visible, jnp.exp(logits - m[..., None]), 0.0)
     o = jnp.einsum('sxc,scd->sxd', p, v_NCD[block])
     put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, i * mc, 0)
     return put(m_buf, m), put(l_buf, p.sum(axis=-1)), put(o_buf, o)
@@ -252,12 +269,17 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, sel_TK, t0: int, q_offset: int,
   w_TKR = jnp.where(used_TK1, jnp.exp(m_TKR - m_TR[:, None]), 0.0)
   l_TR = (w_TKR * l_MX.reshape(-1, r)[slot_TK]).sum(axis=1)
   o_TRD = (w_TKR[..., None] * o_MXD.reshape(-1, r, d)[slot_TK]).sum(axis=1)
-  return o_TRD / l_TR[..., None], m_TR + jnp.log(l_TR)
+  # A query with no valid key (only padding visible): out 0, lse -inf.
+  empty_TR = l_TR == 0.0
+  l_TR = jnp.where(empty_TR, 1.0, l_TR)
+  return (o_TRD / l_TR[..., None],
+          jnp.where(empty_TR, -jnp.inf, m_TR + jnp.log(l_TR)))
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
                      q_offset: int = 0, pairs_per_tile: int | None = None,
-                     tiles_per_step: int | None = None, q_chunk: int = 16384):
+                     tiles_per_step: int | None = None, q_chunk: int = 16384,
+                     kv_valid_BS=None):
   """Main branch over a given selection. Returns (out_BTHD, lse_BTH f32).
 
   pairs_per_tile / tiles_per_step: None picks them from the shapes
@@ -278,23 +300,32 @@ def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
   v_XNCD = jnp.pad(v_BSGD.astype(f32), pad).transpose(0, 2, 1, 3).reshape(
       b * g, n, block_size, d)
   sel_XTK = sel_BGTK.reshape(b * g, t, -1)
+  valid_XNC = None
+  if kv_valid_BS is not None:
+    valid_XNC = jnp.repeat(jnp.pad(jnp.asarray(kv_valid_BS, bool),
+                                   ((0, 0), (0, sp - s))).reshape(
+                                       b, n, block_size), g, axis=0)
   q_chunk = min(q_chunk, t)
 
   def one_group(args):
-    q_TRD, k_NCD, v_NCD, sel_TK = args
+    q_TRD, k_NCD, v_NCD, sel_TK = args[:4]
+    valid_NC = args[4] if len(args) > 4 else None
     outs, lses = [], []
     for t0 in range(0, t, q_chunk):
       t1 = min(t0 + q_chunk, t)
       n_visible = min(n, (t1 - 1 + q_offset) // block_size + 1)
-      o, lse = _chunk_attention(q_TRD[t0:t1], k_NCD, v_NCD, sel_TK[t0:t1], t0,
-                                q_offset, n_visible, pairs_per_tile,
-                                tiles_per_step)
+      o, lse = _chunk_attention(q_TRD[t0:t1], k_NCD, v_NCD, valid_NC,
+                                sel_TK[t0:t1], t0, q_offset, n_visible,
+                                pairs_per_tile, tiles_per_step)
       outs.append(o)
       lses.append(lse)
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
+  args = (q_XTRD, k_XNCD, v_XNCD, sel_XTK)
+  if valid_XNC is not None:
+    args += (valid_XNC,)
   out_XTRD, lse_XTR = jax.lax.map(
-      one_group, (q_XTRD, k_XNCD, v_XNCD, sel_XTK),
+      one_group, args,
       batch_size=groups_per_step(b * g, t * sel_XTK.shape[-1] * r * d))
   out_BTHD = out_XTRD.reshape(b, g, t, r, d).transpose(0, 2, 1, 3, 4).reshape(
       b, t, h, d)
@@ -303,16 +334,17 @@ def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
 
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
-                  top_k: int, q_offset: int = 0):
+                  top_k: int, q_offset: int = 0, kv_valid_BS=None):
   sel = selection_BGTK(qi_BTGI, ki_BSI, block_size=block_size, top_k=top_k,
-                       q_offset=q_offset)
+                       q_offset=q_offset, kv_valid_BS=kv_valid_BS)
   out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel,
-                              block_size=block_size, q_offset=q_offset)
+                              block_size=block_size, q_offset=q_offset,
+                              kv_valid_BS=kv_valid_BS)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
-               lengths_B, *, block_size: int, top_k: int):
+               lengths_B, *, block_size: int, top_k: int, kv_valid_BS=None):
   """One token per sequence at position length-1; gathers its K blocks.
 
   At decode every (sequence, group) has its own K blocks and only one query
@@ -328,6 +360,8 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   logits_BGS = jnp.einsum('bgi,bsi->bgs', qi_BGI.astype(jnp.float32),
                           ki_cache_BSI.astype(jnp.float32)) / math.sqrt(di)
   visible_BS = jnp.arange(s)[None, :] <= off_B[:, None]
+  if kv_valid_BS is not None:
+    visible_BS = visible_BS & jnp.asarray(kv_valid_BS, bool)
   logits_BGS = jnp.where(visible_BS[:, None], logits_BGS, -jnp.inf)
   logits_BGS = jnp.pad(logits_BGS, ((0, 0), (0, 0), (0, sp - s)),
                        constant_values=-jnp.inf)
@@ -356,10 +390,15 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   kpos_BGKC = sel_BGK[..., None] * block_size + jnp.arange(block_size)
   ok_BGKC = (sel_BGK[..., None] >= 0) & (kpos_BGKC <= off_B[:, None, None,
                                                              None])
+  if kv_valid_BS is not None:
+    ok_BGKC = ok_BGKC & jnp.asarray(kv_valid_BS, bool)[b_idx, pos_BGKC]
   ok_X1S = ok_BGKC.reshape(b * g, 1, kc)
   logits_XRS = jnp.where(ok_X1S, logits_XRS, MASK_VALUE)
   lse_XR = jax.nn.logsumexp(logits_XRS, axis=-1)
   p_XRS = jnp.where(ok_X1S, jnp.exp(logits_XRS - lse_XR[..., None]), 0.0)
   out_XRD = jnp.einsum('xrs,xsd->xrd', p_XRS, v_XSD)
+  # A query with no valid key (only padding visible): out 0, lse -inf.
+  empty_X1 = ~ok_X1S.any(axis=-1)
+  lse_XR = jnp.where(empty_X1, -jnp.inf, lse_XR)
   return (out_XRD.reshape(b, h, d).astype(q_BHD.dtype),
           {'sel_BGK': sel_BGK, 'lse_BH': lse_XR.reshape(b, h)})

@@ -44,10 +44,17 @@ def assert_close(actual, expected, tol, what=''):
   assert err <= bound, f'{what}: max abs err {err:.3g} > {bound:.3g}'
 
 
-def brute_force_selection(qi_BTGI, ki_BSI, block_size, top_k, q_offset):
-  """docs/design.md §6.1-6.3 with Python loops over (b, g, t) and numpy."""
+def brute_force_selection(qi_BTGI, ki_BSI, block_size, top_k, q_offset,
+                          valid_BS=None):
+  """docs/design.md §6.1-6.3 with Python loops over (b, g, t) and numpy.
+
+  valid_BS (§6.9): padding keys score -inf; a block with no valid key is
+  never kept (its slot is -1).
+  """
   qi = np.asarray(qi_BTGI, np.float64)
   ki = np.asarray(ki_BSI, np.float64)
+  valid = (np.ones(ki.shape[:2], bool) if valid_BS is None
+           else np.asarray(valid_BS, bool))
   b, t, g, di = qi.shape
   out = np.full((b, g, t, top_k), -1, np.int32)
   for bb in range(b):
@@ -56,11 +63,13 @@ def brute_force_selection(qi_BTGI, ki_BSI, block_size, top_k, q_offset):
         pos = tt + q_offset
         local = pos // block_size
         logits = ki[bb, :pos + 1] @ qi[bb, tt, gg] / np.sqrt(di)
+        logits = np.where(valid[bb, :pos + 1], logits, -np.inf)
         scores = [logits[n * block_size:(n + 1) * block_size].max()
                   for n in range(local)]
         # Stable sort on -score: lower block id first among ties.
         earlier = sorted(range(local), key=lambda n: (-scores[n], n))
-        keep = earlier[:top_k - 1]
+        keep = [n if scores[n] > -np.inf else -1
+                for n in earlier[:top_k - 1]]
         row = keep + [local]
         out[bb, gg, tt, :len(row)] = row
   return out

@@ -243,9 +243,9 @@ def test_config_validation_knows_the_dataset_task(data):
   config_lib.validate_config(_dataset_config(data))
   assert isinstance(get_task('dataset', **_dataset_config(data).task_kwargs),
                     DatasetTask)
-  with pytest.raises(config_lib.ConfigError, match='model.attention_type'):
-    config_lib.validate_config(_dataset_config(data, attention_type='msa',
-                                               first_sparse_layer=1))
+  # MSA masks padding keys (docs/design.md §6.9): left-padded prompts pass.
+  config_lib.validate_config(_dataset_config(data, attention_type='msa',
+                                             first_sparse_layer=1))
   with pytest.raises(config_lib.ConfigError, match='model.vocab_size'):
     config_lib.validate_config(_dataset_config(data, vocab_size=64))
   cfg = _dataset_config(data)
