@@ -16,8 +16,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.task_kwargs = ml_collections.ConfigDict({'partial_credit': 0.0})
   c.eval_prompts = 256  # Greedy accuracy before and after RL (0: skip).
   # RL steps between checkpoints (a signal or the last step saves too). Each
-  # orbax save costs ~0.3 s here and keeps a few hundred kB of native memory
-  # (experiments.soak), so a long run should not save every few seconds.
+  # orbax save costs ~0.3 s here and keeps ~70 kB of host memory
+  # (tensorstore's JSON conversion leaks; rl/checkpoint.py avoids the
+  # largest part; experiments.soak), so a long run should not save every
+  # few seconds.
   c.checkpoint_every = 50
   # Every this many RL steps, a few decoded samples (prompt, completion,
   # reference, reward) go to samples.jsonl and one to the log (0: never).

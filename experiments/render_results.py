@@ -405,7 +405,11 @@ def render_soak(res: dict) -> str:
       table, '',
       f"- {res['steps']} RL steps, the first {res['warmup_steps']} left out;"
       f" {res['checkpoint_saves']} checkpoint saves (every"
-      f" {res['checkpoint_every']} steps). Target: both <= +2%."
+      f" {res['checkpoint_every']} steps). RSS trend:"
+      f" {100 * res['rss_growth_per_1k_steps']:+.2f}% per 1,000 steps"
+      f" (Mann-Kendall p {rss['p_value']:.1e}); target: not significant"
+      f" (p > 0.01) or under +0.5% per 1,000 steps:"
+      f" {'met' if res['target_met'] else 'NOT met'}."
       f" {res['compile_steps_after_warmup']} step(s) after warm-up compiled"
       f" (one-time compiles, such as the first checkpoint's or a new"
       f" capacity bucket's), shifts of"
@@ -613,8 +617,9 @@ def render_headline(results_dir: str) -> str:
   soak = load('soak')
   rows.append([
       f"Soak: {soak['steps']} RL steps, memory trend",
-      f"RSS {100 * soak['rss_growth']:+.2f}% (p"
-      f" {soak['rss']['p_value']:.1e}), device buffers"
+      f"RSS {100 * soak['rss_growth_per_1k_steps']:+.2f}% per 1,000 steps"
+      f" (p {soak['rss']['p_value']:.1e}; target"
+      f" {'met' if soak['target_met'] else 'not met'}), device buffers"
       f" {100 * soak['device_bytes_growth']:+.2f}%",
       _link('Soak', 'soak')])
   return '\n'.join([

@@ -8,8 +8,16 @@ model and samples the process RSS and live device-buffer bytes after every
 step. The last line is one JSON object; `rss_growth` and
 `device_bytes_growth` are the fractions by which each grew from the end of
 the warm-up to the end of the run, read from a Theil-Sen trend over all the
-samples (foremoe_jax/benchmarks/soak.py). A healthy run keeps both <= 0.02.
-It also writes soak.png (the samples and the trends) in the workdir.
+samples (foremoe_jax/benchmarks/soak.py). `rss_growth_per_1k_steps` is
+the same trend per 1,000 steps, and `target_met` says whether the RSS trend
+is not significant (p > 0.01) or under 0.5% per 1,000 steps. It also writes
+soak.png (the samples and the trends) in the workdir.
+
+Allocator: the run pins glibc's mmap threshold (--pin_mmap_threshold);
+to try jemalloc instead, without root (Debian/Ubuntu):
+  apt-get download libjemalloc2 && dpkg-deb -x libjemalloc2_*.deb jemalloc
+  LD_PRELOAD=$PWD/jemalloc/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \
+    python -m experiments.soak --steps=2000 --json --nopin_mmap_threshold
 """
 import os
 
@@ -55,6 +63,9 @@ def main(argv):
   pinned = _PIN.value and host_memory.pin_mmap_threshold()
   run = {'bench': 'soak', 'steps': steps, 'warmup_steps': warmup,
          'workdir': workdir, 'mmap_threshold_pinned': pinned,
+         # An allocator swapped in through LD_PRELOAD (jemalloc, tcmalloc).
+         'ld_preload': ' '.join(os.path.basename(p) for p in
+                                os.environ.get('LD_PRELOAD', '').split()),
          'config': config.to_dict()}
   info = print_run_info(run)
   quiet = contextlib.redirect_stdout(io.StringIO()) if _JSON.value \

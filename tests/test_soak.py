@@ -38,6 +38,8 @@ def test_trend_matches_the_hand_computed_line():
   assert t['slope_per_step'] == pytest.approx(2.0)
   assert t['level'] == pytest.approx(100.0)
   assert t['growth'] == pytest.approx(0.06)
+  # 2 a step on a level of 100: +2,000% over 1,000 steps.
+  assert soak.growth_per_1k_steps(t) == pytest.approx(20.0)
 
 
 def test_device_bytes_counts_a_buffer():
@@ -61,6 +63,11 @@ def test_short_soak_run_prints_its_growth_and_plot(tmp_path):
   assert len(result['samples']['rss_bytes']) == 8
   assert result['rss_growth'] == result['rss']['growth']
   assert np.isfinite(result['rss_growth'])
+  rss = result['rss']
+  assert result['rss_growth_per_1k_steps'] == pytest.approx(
+      rss['slope_per_step'] * 1000 / rss['level'])
+  assert result['target_met'] == (
+      rss['p_value'] > 0.01 or result['rss_growth_per_1k_steps'] < 0.005)
   # Device buffers hold the state, the plan and the batch: no more each step.
   assert abs(result['device_bytes_growth']) <= 0.02
   assert os.path.getsize(tmp_path / 'soak.png') > 0

@@ -25,11 +25,19 @@ number of buckets, so they are taken out of the series before the fit and
 reported beside it (`compile_steps_after_warmup`, `compile_shift_bytes`,
 and `rss_growth_with_compiles`, the fit of the raw series).
 
-Checkpoint saves are not taken out: each orbax save through tensorstore
-keeps a few hundred kB of native memory (measured here; upstream reports
-such as google/orbax#1713 describe the same), so the growth depends on
+Checkpoint saves are not taken out. tensorstore's JSON-to-Python
+conversion keeps a reference to every key and value of the dicts it
+returns, and orbax went through it twice per array item on each save, for a
+log line: ~145 kB kept per save on configs/tiny.py's state.
+`rl.checkpoint.Checkpointer` reads those counters another way, which halves
+that to ~74 kB (the rest is orbax's per-array `KvStore.Spec.to_json`, the
+same conversion, and tensorstore's own state); the growth still depends on
 how often the run saves (`--config.checkpoint_every`), and the result
 records the number of saves.
+
+The target (`target_met`): the RSS trend is not significant (Mann-Kendall
+p > 0.01), or it is under 0.5% per 1,000 steps (`rss_growth_per_1k_steps`,
+the Theil-Sen slope times 1,000 over the level).
 """
 from __future__ import annotations
 
@@ -50,6 +58,9 @@ from foremoe_jax.utils import metrics as metrics_lib
 
 # Emitted once per XLA backend compile (jax/_src/dispatch.py).
 _COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+# A trend is aging when it is significant AND at least this much a 1k steps.
+TARGET_P_VALUE = 0.01
+TARGET_GROWTH_PER_1K_STEPS = 0.005
 
 
 def rss_bytes() -> int:
@@ -81,6 +92,11 @@ def trend(samples) -> dict:
               kendall_tau=float(np.nan_to_num(tau)),
               p_value=float(np.nan_to_num(p_value, nan=1.0)),
               first=float(y[0]), last=float(y[-1]), max=float(y.max()))
+
+
+def growth_per_1k_steps(t: dict) -> float:
+  """The fraction a `trend` grows over 1,000 steps (one sample a step)."""
+  return float(t['slope_per_step'] * 1000 / t['level'])
 
 
 def without_compile_jumps(samples, compiles) -> np.ndarray:
@@ -165,14 +181,23 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
   shift = np.asarray(writer.rss[after], np.float64) - without_compile_jumps(
       writer.rss[after], compiles)
   log(f'soak: {steps} steps, warm-up {warmup_steps}: RSS '
-      f'{rss["level"] / 2**20:.1f} MiB growth {rss["growth"]:+.4f}; device '
+      f'{rss["level"] / 2**20:.1f} MiB growth {rss["growth"]:+.4f} '
+      f'({growth_per_1k_steps(rss):+.4f} per 1k steps, p '
+      f'{rss["p_value"]:.1e}); device '
       f'{dev["level"] / 2**20:.2f} MiB growth {dev["growth"]:+.4f}')
   every = config.get('checkpoint_every', 10)
+  per_1k = growth_per_1k_steps(rss)
   return dict(steps=steps, warmup_steps=warmup_steps,
               checkpoint_every=every,
               checkpoint_saves=sum(1 for i in range(1, steps + 1)
                                    if i % every == 0 or i == steps),
               rss_growth=rss['growth'], device_bytes_growth=dev['growth'],
+              rss_growth_per_1k_steps=per_1k,
+              target=dict(p_value_above=TARGET_P_VALUE,
+                          or_growth_per_1k_steps_below=(
+                              TARGET_GROWTH_PER_1K_STEPS)),
+              target_met=bool(rss['p_value'] > TARGET_P_VALUE
+                              or per_1k < TARGET_GROWTH_PER_1K_STEPS),
               rss_growth_with_compiles=raw['growth'],
               compile_steps_after_warmup=int(np.count_nonzero(compiles)),
               compile_shift_bytes=float(shift[-1]),
