@@ -11,11 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
+
+import line_sink
 
 from foremoe_jax.utils import distributed, launcher
 
@@ -42,18 +43,6 @@ def _child_env(tmp_path, **extra):
   return env
 
 
-class _Lines:
-  def __init__(self):
-    self.text, self._lock = '', threading.Lock()
-
-  def write(self, s):
-    with self._lock:
-      self.text += s
-
-  def flush(self):
-    pass
-
-
 def test_xla_flags_replace_the_device_count():
   f = launcher.xla_flags_with_devices(
       '--xla_force_host_platform_device_count=8 --xla_foo=1', 4)
@@ -72,7 +61,7 @@ def test_initialize_from_env_is_a_no_op_without_the_variables():
 
 
 def test_launcher_prefixes_output_and_reports_a_failure(tmp_path):
-  out = _Lines()
+  out = line_sink.Lines()
   status = launcher.launch('mh_child', [], 2, 3, out=out,
                            env=_child_env(tmp_path))
   assert status == 3
@@ -84,7 +73,7 @@ def test_launcher_prefixes_output_and_reports_a_failure(tmp_path):
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
-  out = _Lines()
+  out = line_sink.Lines()
   t0 = time.monotonic()
   status = launcher.launch('mh_child', [], 2, 1, out=out,
                            env=_child_env(tmp_path, CHILD_MODE='hang'))
@@ -115,7 +104,7 @@ def test_processes_agree_on_a_stop_signal_only_one_of_them_got(tmp_path):
   (tmp_path / 'mh_agree.py').write_text(_AGREE_CHILD)
   env = {k: v for k, v in os.environ.items() if not k.startswith('FOREMOE_')}
   env.update(PYTHONPATH=f'{tmp_path}{os.pathsep}{ROOT}', JAX_PLATFORMS='cpu')
-  out = _Lines()
+  out = line_sink.Lines()
   assert launcher.launch('mh_agree', [], 2, 1, out=out, env=env) == 0, \
       out.text
   for i in (0, 1):

@@ -12,12 +12,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from absl import logging
 import numpy as np
 import pytest
+
+import line_sink
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.hf import files
@@ -124,23 +125,11 @@ def test_rl_train_mesh_error_is_one_line_before_any_work(tmp_path):
   assert '# run:' not in out.stdout and not workdir.exists()
 
 
-class _Lines:
-  def __init__(self):
-    self.text, self._lock = '', threading.Lock()
-
-  def write(self, s):
-    with self._lock:
-      self.text += s
-
-  def flush(self):
-    pass
-
-
 def test_mesh_error_under_launch_is_printed_once_with_the_launch_flags(
     tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith('FOREMOE_')}
   env.update(PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
-  out = _Lines()
+  out = line_sink.Lines()
   # configs/tiny.py's mesh is 1 x 8: 2 processes of 2 devices hold 4.
   status = launcher.launch('experiments.rl_train',
                            [f'--workdir={tmp_path}/run'], 2, 2, out=out,
