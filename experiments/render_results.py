@@ -397,7 +397,7 @@ def render_soak(res: dict) -> str:
   rss, dev = res['rss'], res['device_bytes']
   table = _table(
       ['after warm-up', 'level', 'trend growth', 'Mann-Kendall p'],
-      [['process RSS (compile steps out)', _bytes(rss['level']),
+      [['process RSS (compiles left out)', _bytes(rss['level']),
         f"{100 * res['rss_growth']:+.2f}%", f"{rss['p_value']:.1e}"],
        ['live device buffers', _bytes(dev['level']),
         f"{100 * res['device_bytes_growth']:+.2f}%", f"{dev['p_value']:.1e}"]])
@@ -411,10 +411,12 @@ def render_soak(res: dict) -> str:
       f" (p > 0.01) or under +0.5% per 1,000 steps:"
       f" {'met' if res['target_met'] else 'NOT met'}."
       f" {res['compile_steps_after_warmup']} step(s) after warm-up compiled"
-      f" (one-time compiles, such as the first checkpoint's or a new"
-      f" capacity bucket's), shifts of"
-      f" {_bytes(res['compile_shift_bytes'])} in all, taken out of the RSS"
-      f" series; with them the fit reads"
+      f" (a new capacity bucket, the first checkpoint): the samples from"
+      f" each compile to the heap trim after the next save"
+      f" ({res.get('samples_left_out_after_compiles', 0)}) are left out,"
+      f" and no pair of samples across a compile enters the fit; the"
+      f" lasting level shift is {_bytes(res['compile_shift_bytes'])}."
+      f" The raw fit, compiles included, reads"
       f" {100 * res['rss_growth_with_compiles']:+.1f}%.",
   ])
 

@@ -7,6 +7,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from foremoe_jax.benchmarks import soak
 
@@ -74,3 +75,60 @@ def test_short_soak_run_prints_its_growth_and_plot(tmp_path):
   steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
   assert steps == list(range(1, 9))
   assert json.load(open(tmp_path / 'soak.json'))['result'] == result
+
+
+def test_kendall_test_of_one_stretch_matches_scipy_with_ties():
+  rng = np.random.default_rng(2)
+  y = np.round(rng.normal(0, 1, 120) + 0.01 * np.arange(120), 1)  # Ties.
+  t = soak.trend(y)
+  tau_b, p_value = stats.kendalltau(np.arange(120), y)
+  assert t['p_value'] == pytest.approx(p_value, rel=1e-9)
+  assert np.sign(t['kendall_tau']) == np.sign(tau_b)
+  assert t['segments'] == 1 and t['samples_fitted'] == 120
+
+
+def test_compile_segments_leave_out_a_compile_until_the_trim_after_it():
+  compiles = [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+  trims = [False] * 10
+  trims[4] = True  # A save (and trim) right after sample 4.
+  labels = soak.compile_segments(compiles, trims, settle=2)
+  # Out: the compile (2) through the trim (4) and 2 samples to settle.
+  assert labels.tolist() == [0, 0, -1, -1, -1, -1, -1, 1, 1, 1]
+  # No trim after the compile: only the settling samples go.
+  assert soak.compile_segments(compiles, [False] * 10, settle=2).tolist() == [
+      0, 0, -1, -1, 1, 1, 1, 1, 1, 1]
+
+
+def test_pooled_slope_ignores_a_level_shift_between_stretches():
+  # Slope 1 within each stretch; the jump of 10 between them is no trend.
+  t = soak.trend([0., 1., 2., 13., 14., 15.], segments=[0, 0, 0, 1, 1, 1])
+  assert t['slope_per_step'] == pytest.approx(1.0)
+  assert t['level_shift'] == pytest.approx(10.0)
+  assert soak.trend([0., 1., 2., 13., 14., 15.])['slope_per_step'] > 2.0
+
+
+@pytest.mark.parametrize('leak_per_step', [0.0, 4.5e3])
+def test_a_temporary_compile_jump_released_later_is_not_read_as_a_trend(
+    leak_per_step):
+  """As in the 2,000-step run: a compile raises RSS by 612 MB, of which
+  only 120 MB stays; the trim after the next save releases the rest."""
+  rng = np.random.default_rng(3)
+  n, every, base = 1800, 50, 8e8
+  y = base + leak_per_step * np.arange(n) + rng.normal(0, 2e6, n)
+  compiles = np.zeros(n, int)
+  compiles[269] = 1
+  trims = (np.arange(1, n + 1) % every) == 0
+  released = np.flatnonzero(trims[269:])[0] + 269 + 1
+  y[269:] += 120e6  # The executable, kept.
+  y[269:released] += 492e6  # Scratch memory, resident until the trim.
+  t = soak.trend(y, soak.compile_segments(compiles, trims))
+  assert t['segments'] == 2
+  assert t['slope_per_step'] == pytest.approx(leak_per_step, abs=300.0)
+  assert t['level_shift'] == pytest.approx(120e6, rel=0.02)
+  if leak_per_step == 0:
+    assert abs(soak.growth_per_1k_steps(t)) < 5e-4
+    assert t['p_value'] > 0.01
+  else:
+    assert soak.growth_per_1k_steps(t) == pytest.approx(
+        leak_per_step * 1000 / base, rel=0.1)
+    assert t['p_value'] < 1e-6

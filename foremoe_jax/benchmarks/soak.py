@@ -20,10 +20,29 @@ where the level is the fitted line's value at the first sample after
 warm-up: the fraction by which memory grew over the run, per the trend.
 
 A step that compiles (a capacity bucket the run meets for the first time)
-shifts RSS once, by the executable's size; those shifts are bounded by the
-number of buckets, so they are taken out of the series before the fit and
-reported beside it (`compile_steps_after_warmup`, `compile_shift_bytes`,
-and `rss_growth_with_compiles`, the fit of the raw series).
+raises RSS twice over: by the executable it keeps (a bounded, one-time
+shift: there are finitely many buckets) and by the compiler's scratch
+memory, hundreds of MiB that glibc keeps resident until the next
+`malloc_trim` (the one after the next checkpoint save, `Checkpointer.save`).
+Taking out the compile step's whole jump, as this benchmark first did,
+took out the scratch memory too, and the trim that returned it later then
+read as a drop of ~500 MB that stayed in the series. So each compile
+instead starts a new stretch of the series, and the samples from the
+compile up to the first trim after it, plus `SETTLE_STEPS`, are left out
+(`compile_segments`). The slope is the median of the pairwise slopes of
+samples in the same stretch, and the Mann-Kendall statistic and its
+variance are summed over the stretches: the seasonal Kendall test and
+slope of Hirsch, Slack and Smith (1982), with stretches for seasons. No
+pair of samples spans a compile, so neither its persistent part nor its
+temporary part enters the trend, whatever their sizes; a series that
+never compiles after the warm-up is one stretch, a plain Theil-Sen fit
+and Mann-Kendall test. Leaving the compile's whole window out costs a few
+dozen samples; fitting only after the last compile would lose the whole
+stretch before it, and a late compile would leave almost nothing. The
+persistent part is reported on its own: `compile_shift_bytes`, the level of
+the last stretch less that of the first (each stretch's level fitted with
+the common slope), beside `compile_steps_after_warmup` and
+`rss_growth_with_compiles`, the fit of the raw series.
 
 Checkpoint saves are not taken out. tensorstore's JSON-to-Python
 conversion keeps a reference to every key and value of the dicts it
@@ -61,6 +80,9 @@ _COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
 # A trend is aging when it is significant AND at least this much a 1k steps.
 TARGET_P_VALUE = 0.01
 TARGET_GROWTH_PER_1K_STEPS = 0.005
+# Samples left out after the first trim that follows a compile: the heap
+# settles over a step or two after a trim.
+SETTLE_STEPS = 5
 
 
 def rss_bytes() -> int:
@@ -77,21 +99,66 @@ def device_bytes() -> int:
   return int(sum(a.nbytes for a in jax.live_arrays()))
 
 
-def trend(samples) -> dict:
+def _kendall_s(y) -> tuple[float, float, int]:
+  """Mann-Kendall S of `y` against its order, its variance under no trend
+  (with the correction for tied values) and the number of pairs."""
+  n = y.size
+  if n < 2:
+    return 0.0, 0.0, 0
+  i, j = np.triu_indices(n, k=1)
+  s = float(np.sign(y[j] - y[i]).sum())
+  _, counts = np.unique(y, return_counts=True)
+  var = (n * (n - 1) * (2 * n + 5)
+         - float(np.sum(counts * (counts - 1) * (2 * counts + 5)))) / 18.0
+  return s, var, int(i.size)
+
+
+def trend(samples, segments=None) -> dict:
   """Theil-Sen slope per sample, the growth fraction it implies over the
-  series, and the Mann-Kendall test of a monotone trend."""
-  y = np.asarray(samples, np.float64)
-  x = np.arange(y.size, dtype=np.float64)
-  if y.size < 3:
-    raise ValueError(f'a trend needs at least 3 samples, got {y.size}')
-  slope, intercept, _, _ = stats.theilslopes(y, x)
-  tau, p_value = stats.kendalltau(x, y)
-  level = max(float(intercept), 1.0)
-  return dict(growth=float(slope * (y.size - 1) / level),
-              slope_per_step=float(slope), level=level,
-              kendall_tau=float(np.nan_to_num(tau)),
-              p_value=float(np.nan_to_num(p_value, nan=1.0)),
-              first=float(y[0]), last=float(y[-1]), max=float(y.max()))
+  series, and the Mann-Kendall test of a monotone trend.
+
+  segments: optional label per sample (`compile_segments`); samples labelled
+  -1 are left out, and only pairs of samples with the same label enter the
+  slope and the test, so a level shift between stretches does not. The
+  level is the fitted line's value at the first sample fitted.
+  """
+  y_all = np.asarray(samples, np.float64)
+  labels = (np.zeros(y_all.size, np.int64) if segments is None
+            else np.asarray(segments, np.int64))
+  if labels.shape != y_all.shape:
+    raise ValueError(f'segments has {labels.size} labels for '
+                     f'{y_all.size} samples')
+  x_all = np.arange(y_all.size, dtype=np.float64)
+  keep = labels >= 0
+  if np.count_nonzero(keep) < 3:
+    raise ValueError(f'a trend needs at least 3 samples, got '
+                     f'{np.count_nonzero(keep)}')
+  groups = [np.flatnonzero(labels == g) for g in np.unique(labels[keep])]
+  slopes, s_sum, var_sum, pairs = [], 0.0, 0.0, 0
+  for idx in groups:
+    i, j = np.triu_indices(idx.size, k=1)
+    slopes.append((y_all[idx][j] - y_all[idx][i])
+                  / (x_all[idx][j] - x_all[idx][i]))
+    s, var, n_pairs = _kendall_s(y_all[idx])
+    s_sum, var_sum, pairs = s_sum + s, var_sum + var, pairs + n_pairs
+  slope = float(np.median(np.concatenate(slopes))) if pairs else 0.0
+  # Each stretch's level (the intercept at sample 0) under the common slope.
+  intercepts = [float(np.median(y_all[idx] - slope * x_all[idx]))
+                for idx in groups]
+  first, last = groups[0][0], groups[-1][-1]
+  level = max(float(intercepts[0] + slope * x_all[first]), 1.0)
+  if var_sum > 0:  # As scipy's kendalltau: no continuity correction.
+    p_value = float(2 * stats.norm.sf(abs(s_sum) / np.sqrt(var_sum)))
+  else:  # Every fitted sample tied within its stretch: no trend at all.
+    p_value = 1.0
+  return dict(growth=float(slope * (x_all[last] - x_all[first]) / level),
+              slope_per_step=slope, level=level,
+              kendall_tau=float(s_sum / pairs) if pairs else 0.0,
+              p_value=p_value, segments=len(groups),
+              samples_fitted=int(np.count_nonzero(keep)),
+              level_shift=intercepts[-1] - intercepts[0],
+              first=float(y_all[0]), last=float(y_all[-1]),
+              max=float(y_all.max()))
 
 
 def growth_per_1k_steps(t: dict) -> float:
@@ -99,27 +166,49 @@ def growth_per_1k_steps(t: dict) -> float:
   return float(t['slope_per_step'] * 1000 / t['level'])
 
 
-def without_compile_jumps(samples, compiles) -> np.ndarray:
-  """The series with the change at every step that compiled taken out.
+def compile_segments(compiles, trims, settle: int = SETTLE_STEPS
+                     ) -> np.ndarray:
+  """A stretch label per sample: a new stretch starts at every sample whose
+  step compiled; -1 marks the samples left out after a compile.
 
-  A step that meets a new capacity bucket compiles the update for it once
-  and keeps the executable (tens of MiB of RSS): a level shift bounded by the
-  number of buckets, not aging. The growth is read from this series; the
-  shifts are reported on their own (`compile_shift_bytes`).
+  compiles: compiles per sample (> 0: that step compiled).
+  trims: per sample, whether the heap was trimmed right after it (a
+    checkpoint save). A compile's scratch memory stays resident until then,
+    so a compile's samples are left out up to the first trim at or after it,
+    and `settle` samples more (only `settle` samples where no trim follows).
   """
-  y = np.asarray(samples, np.float64)
-  d = np.diff(y, prepend=y[:1])
-  d[np.asarray(compiles) > 0] = 0.0
-  return y[0] + np.cumsum(d)
+  compiles = np.asarray(compiles)
+  trims = np.asarray(trims, bool)
+  if compiles.shape != trims.shape:
+    raise ValueError(f'{compiles.size} compile counts for {trims.size} '
+                     f'trim flags')
+  labels = np.zeros(compiles.size, np.int64)
+  label, skip_to = 0, 0
+  for k in range(compiles.size):
+    if compiles[k] > 0:
+      label += 1
+      after = np.flatnonzero(trims[k:])
+      skip_to = max(skip_to, k + (after[0] + 1 if after.size else 0) + settle)
+    labels[k] = -1 if k < skip_to else label
+  return labels
 
 
 class _SamplingWriter(metrics_lib.MetricsWriter):
   """The loop's metrics writer, sampling memory after each step's write,
-  and counting the XLA compiles each step ran."""
+  and counting the XLA compiles each step ran.
 
-  def __init__(self, workdir: str):
+  The samples go into arrays sized and written for the run up front:
+  appending Python ints to lists would itself grow the heap by ~150 bytes a
+  step, and so would the lazily mapped pages of `np.zeros` (8 bytes a
+  sample) as they are first written."""
+
+  def __init__(self, workdir: str, steps: int):
     super().__init__(workdir)
-    self.rss, self.device, self.t, self.compiles = [], [], [], []
+    self._rss = np.full(steps, -1, np.int64)
+    self._device = np.full(steps, -1, np.int64)
+    self._t = np.full(steps, -1.0)
+    self._compiles = np.full(steps, -1, np.int64)
+    self.count = 0
     self._t0 = time.perf_counter()
     self._compiled = 0
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
@@ -131,11 +220,19 @@ class _SamplingWriter(metrics_lib.MetricsWriter):
 
   def write(self, step: int, record: dict) -> None:
     super().write(step, record)
-    self.rss.append(rss_bytes())
-    self.device.append(device_bytes())
-    self.t.append(time.perf_counter() - self._t0)
-    self.compiles.append(self._compiled)
+    k = self.count
+    self._rss[k] = rss_bytes()
+    self._device[k] = device_bytes()
+    self._t[k] = time.perf_counter() - self._t0
+    self._compiles[k] = self._compiled
     self._compiled = 0
+    self.count = k + 1
+
+  # The samples so far, as lists of Python numbers.
+  rss = property(lambda self: self._rss[:self.count].tolist())
+  device = property(lambda self: self._device[:self.count].tolist())
+  t = property(lambda self: self._t[:self.count].tolist())
+  compiles = property(lambda self: self._compiles[:self.count].tolist())
 
   def close(self) -> None:
     jax.monitoring.unregister_event_duration_listener(self._on_event)
@@ -166,7 +263,7 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
                                     with_ref=config.rl.beta > 0)
   del params
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
-  writer = _SamplingWriter(workdir)  # rl_loop prints a line per step.
+  writer = _SamplingWriter(workdir, steps)  # rl_loop prints a line a step.
   try:
     trainer.rl_loop(ctx, state, 0, np.random.default_rng(config.seed),
                     jax.random.key(config.seed), writer, ckpt)
@@ -174,18 +271,17 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
     ctx.planner.close()
     writer.close()
   after = slice(warmup_steps, None)
+  every = config.get('checkpoint_every', 10)
   compiles = writer.compiles[after]
-  rss = trend(without_compile_jumps(writer.rss[after], compiles))
-  dev = trend(without_compile_jumps(writer.device[after], compiles))
+  segments = _fitted_segments(writer.compiles, every, warmup_steps)
+  rss = trend(writer.rss[after], segments)
+  dev = trend(writer.device[after], segments)
   raw = trend(writer.rss[after])
-  shift = np.asarray(writer.rss[after], np.float64) - without_compile_jumps(
-      writer.rss[after], compiles)
   log(f'soak: {steps} steps, warm-up {warmup_steps}: RSS '
       f'{rss["level"] / 2**20:.1f} MiB growth {rss["growth"]:+.4f} '
       f'({growth_per_1k_steps(rss):+.4f} per 1k steps, p '
       f'{rss["p_value"]:.1e}); device '
       f'{dev["level"] / 2**20:.2f} MiB growth {dev["growth"]:+.4f}')
-  every = config.get('checkpoint_every', 10)
   per_1k = growth_per_1k_steps(rss)
   return dict(steps=steps, warmup_steps=warmup_steps,
               checkpoint_every=every,
@@ -200,13 +296,26 @@ def run(config, workdir: str, steps: int, warmup_steps: int,
                               or per_1k < TARGET_GROWTH_PER_1K_STEPS),
               rss_growth_with_compiles=raw['growth'],
               compile_steps_after_warmup=int(np.count_nonzero(compiles)),
-              compile_shift_bytes=float(shift[-1]),
+              compile_shift_bytes=rss['level_shift'],
+              samples_left_out_after_compiles=int(
+                  len(compiles) - rss['samples_fitted']),
               step_s_median=float(np.median(np.diff(writer.t[after]))),
               rss=rss, device_bytes=dev,
               samples=dict(rss_bytes=writer.rss,
                            device_bytes=writer.device,
                            compiles=writer.compiles,
                            elapsed_s=[round(t, 3) for t in writer.t]))
+
+
+def _fitted_segments(compiles, checkpoint_every: int, warmup_steps: int
+                     ) -> np.ndarray:
+  """The stretch labels of the samples after the warm-up (`run` saves, and
+  so trims, after every `checkpoint_every`-th step and the last); a single
+  stretch where compiles leave fewer than 3 samples to fit."""
+  n = len(compiles)
+  saved = [(i + 1) % checkpoint_every == 0 or i + 1 == n for i in range(n)]
+  labels = compile_segments(compiles[warmup_steps:], saved[warmup_steps:])
+  return labels if np.count_nonzero(labels >= 0) >= 3 else 0 * labels
 
 
 def plot(result: dict, path: str) -> str:
@@ -222,14 +331,20 @@ def plot(result: dict, path: str) -> str:
     y = np.asarray(result['samples'][key], np.float64)
     steps = np.arange(1, y.size + 1)
     ax.plot(steps, y / 2**20, lw=1, label='sampled')
-    adjusted = without_compile_jumps(y[w:], compiles[w:])
-    if np.any(compiles[w:]):
-      ax.plot(steps[w:], adjusted / 2**20, lw=1, color='tab:green',
-              label='compile steps taken out')
     t = result[name]
-    xs = steps[w:]
-    ax.plot(xs, (t['level'] + t['slope_per_step'] * (xs - xs[0])) / 2**20,
-            'k--', lw=1, label=f"Theil-Sen trend: {t['growth']:+.2%}")
+    xs, ys = steps[w:], y[w:]
+    labels = _fitted_segments(result['samples']['compiles'],
+                              result['checkpoint_every'], w)
+    for g in np.unique(labels[labels >= 0]):
+      # The common slope through each stretch's own level.
+      seg = labels == g
+      level = np.median(ys[seg] - t['slope_per_step'] * xs[seg])
+      ax.plot(xs[seg], (level + t['slope_per_step'] * xs[seg]) / 2**20,
+              'k--', lw=1, label=(f"Theil-Sen trend: {t['growth']:+.2%}"
+                                  if g == labels.max() else None))
+    if np.any(labels < 0):
+      ax.plot(xs[labels < 0], ys[labels < 0] / 2**20, '.', ms=1.5,
+              color='tab:orange', label='left out after a compile')
     for s in steps[compiles > 0]:
       ax.axvline(s, color='tab:red', lw=0.5, alpha=0.5)
     ax.axvspan(0.5, w + 0.5, color='0.9', label='warm-up')
