@@ -224,3 +224,16 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
   assert len(p_m) == len(p_s)
   for a, b in zip(p_m, p_s):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_gloo_connect_lines_are_dropped_even_interleaved():
+  noise = ['[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of '
+           'connected peer ranks is : 1',
+           '[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected '
+           'number of connected peer ranks is : 3',
+           '3 is connected to 3 peer ranks. Expected number of connected peer '
+           'ranks is : 3', '[Gloo] Rank ']
+  kept = ['step    1 | reward 0.5', '[Gloo] something else went wrong',
+          'a line that mentions peer ranks', '']
+  assert all(launcher.is_gloo_noise(l) for l in noise)
+  assert not any(launcher.is_gloo_noise(l) for l in kept)

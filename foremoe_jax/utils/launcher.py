@@ -62,13 +62,24 @@ def process_env(base: dict, process_id: int, num_processes: int,
 
 # gloo's C++ side prints one line per communicator it connects (24 for
 # the tiny job on 2 processes) to stdout, with no switch to turn it off.
-_GLOO_CONNECTED = re.compile(r'^\[Gloo\] Rank \d+ is connected to \d+ peer ranks')
+# Its threads write unsynchronised, so lines come interleaved ("[Gloo] Rank
+# [Gloo] Rank 1 is connected ...", and the other thread's tail alone).
+_GLOO_PREFIX = '[Gloo] Rank '
+_GLOO_TAIL = re.compile(r'\s*(\d+ is connected to \d+ peer ranks\..*)?')
+
+
+def is_gloo_noise(text: str) -> bool:
+  """True for gloo's connect lines, whole or interleaved fragments."""
+  rest = text.replace(_GLOO_PREFIX, '')
+  if rest == text and 'peer ranks' not in text:
+    return False
+  return _GLOO_TAIL.fullmatch(rest) is not None
 
 
 def _stream(proc: subprocess.Popen, prefix: str, out, lock) -> None:
   for line in iter(proc.stdout.readline, b''):
     text = line.decode('utf-8', errors='replace').rstrip('\n')
-    if _GLOO_CONNECTED.match(text):
+    if is_gloo_noise(text):
       continue
     with lock:
       out.write(f'{prefix}{text}\n')
