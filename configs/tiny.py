@@ -59,6 +59,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.warmstart.batch_size = 64
   c.warmstart.learning_rate = 3e-3
 
+  # MSA models only: distil the index branches toward the dense attention
+  # after the warm start, before RL (docs/design.md §6.11); 0 steps: off.
+  c.msa_distill = config_lib.msa_distill_defaults()
+
   c.sampler = ml_collections.ConfigDict()
   c.sampler.temperature = 1.0
   c.sampler.top_k = 0

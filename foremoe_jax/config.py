@@ -61,6 +61,11 @@ def model_defaults() -> ml_collections.ConfigDict:
   m.msa_index_dim = 16
   m.msa_indexer_warmup = False  # Train the indexer while attention stays dense.
   m.msa_indexer_loss_coef = 1.0
+  # The indexer's KL: 'selected' (over the blocks the main branch attended;
+  # the sparse model's loss) or 'dense' (over every causal key, attention
+  # kept dense, recall reported: the distillation phase, config.msa_distill,
+  # sets it on its own copy of the model; docs/design.md §6.11).
+  m.msa_indexer_kl = 'selected'
   # Mixed precision (WORKSPACE.md): dtype is the compute dtype (every weight
   # is cast to it where used); param_dtype is the dtype the model is built,
   # checkpointed for serving and moved between slots in. Training always
@@ -203,6 +208,9 @@ def validate_config(config) -> None:
   _require(m.get('remat_policy', 'none') in REMAT_POLICIES,
            'model.remat_policy', f'must be one of {", ".join(REMAT_POLICIES)}, '
            f"got {m.get('remat_policy')!r}")
+  _require(m.get('msa_indexer_kl', 'selected') in ('selected', 'dense'),
+           'model.msa_indexer_kl', f"must be 'selected' or 'dense', got "
+           f"{m.get('msa_indexer_kl')!r}")
   if m.attention_type == 'msa':
     _require(0 <= m.first_sparse_layer < m.num_layers, 'model.first_sparse_layer',
              f'must be in [0, num_layers={m.num_layers})')
@@ -267,6 +275,8 @@ def validate_config(config) -> None:
     _require_int(w.batch_size, 'warmstart.batch_size', 1)
     _require(w.learning_rate > 0, 'warmstart.learning_rate',
              f'must be > 0, got {w.learning_rate!r}')
+  if 'msa_distill' in config:
+    _validate_msa_distill(config)
   if 'sampler' in config:
     s = config.sampler
     _require(s.temperature > 0, 'sampler.temperature',
@@ -443,6 +453,44 @@ def old_logp_source(config) -> str:
   return src
 
 
+def msa_distill_defaults() -> ml_collections.ConfigDict:
+  """The indexer distillation phase (docs/design.md §6.11): after the warm
+  start (or an HF import) and before RL, only the MSA index branches train,
+  toward the dense attention of the model's own main branch, which runs
+  dense meanwhile (the model's outputs are exactly the dense model's). 0
+  steps: no phase."""
+  d = ml_collections.ConfigDict()
+  d.steps = 0
+  d.learning_rate = 1e-3
+  d.batch_size = 32  # Sequences per step.
+  # '' trains on the task's warm-start sequences (prompt + reference
+  # answer); a path reads plain text, tokenised by the task's tokenizer
+  # and cut into max_seq_len windows.
+  d.text_file = ''
+  # Recall and KL are measured on this many held-out sequences before the
+  # first step and after the last (summary.json: msa_recall_before/after).
+  d.eval_sequences = 64
+  d.log_every = 25
+  return d
+
+
+def _validate_msa_distill(config) -> None:
+  d, m = config.msa_distill, config.model
+  _require_int(d.steps, 'msa_distill.steps', 0)
+  if d.steps == 0:
+    return
+  _require(m.attention_type == 'msa', 'msa_distill.steps',
+           "distils MSA index branches: needs model.attention_type='msa'")
+  _require(d.learning_rate > 0, 'msa_distill.learning_rate',
+           f'must be > 0, got {d.learning_rate!r}')
+  _require_int(d.batch_size, 'msa_distill.batch_size', 1)
+  _require_int(d.eval_sequences, 'msa_distill.eval_sequences', 0)
+  _require_int(d.log_every, 'msa_distill.log_every', 1)
+  path = d.get('text_file', '')
+  _require(not path or os.path.isfile(str(path)), 'msa_distill.text_file',
+           f'no such file: {path!r}')
+
+
 def _validate_task(config) -> None:
   """The task exists, takes task_kwargs, and fits the model's vocabulary and
   context (building a task is cheap: a tokenizer and a few numbers)."""
@@ -451,6 +499,14 @@ def _validate_task(config) -> None:
   _require(config.task in tasks.task_names(), 'task',
            f'must be one of {", ".join(tasks.task_names())}, got '
            f'{config.task!r}')
+  if (config.task == 'dataset'
+      and not config.get('task_kwargs', {}).get('tokenizer_path')
+      and not config.get('init_from_hf')):
+    # The tokenizer is to be the checkpoint's (tasks.task_from_config) and
+    # none is named yet: a real-size config as shipped (configs/real_rl.py),
+    # which shape and planning tools read as is. The task is checked
+    # against the model once init_from_hf or tokenizer_path names one.
+    return
   try:
     task = tasks.task_from_config(config)
   except (TypeError, ValueError) as e:

@@ -29,6 +29,7 @@ from flax import nnx
 
 from foremoe_jax.model import layers
 from pallas_kernels import msa
+from pallas_kernels.msa import distill
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -133,6 +134,10 @@ class Attention(nnx.Module):
       self.index_dim = i
       self.block_size, self.top_k = cfg.msa_block_size, cfg.msa_top_k
       self.indexer_warmup = bool(cfg.msa_indexer_warmup)
+      # 'dense': the distillation mode (docs/design.md §6.11): attention
+      # stays dense and the indexer's KL targets every causal key; the layer
+      # reports the selection's recall with it.
+      self.indexer_kl = cfg.get('msa_indexer_kl', 'selected')
     self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
     self.rope_theta = cfg.rope_theta
 
@@ -151,7 +156,8 @@ class Attention(nnx.Module):
     valid token to a block boundary (module docstring), so a left-padded
     prompt selects, attends and trains as if alone.
     indexer_loss is 0 for dense layers; for MSA it weights query positions by
-    indexer_weight_BT (None: plain mean).
+    indexer_weight_BT (None: plain mean). With msa_indexer_kl='dense' (no
+    cache) it is a `distill.DistillStats` (KL over every key, recall).
     """
     b, t, _ = x_BTM.shape
     q, k = self.q_proj(x_BTM), self.k_proj(x_BTM)
@@ -219,6 +225,7 @@ class Attention(nnx.Module):
           'one token at a time; chunked prefill into a filled cache is not '
           'wired into the model.')
     # Training, or prefill from position 0: keys are this call's tokens.
+    distilling = self.indexer_kl == 'dense' and cache is None
     if valid_BT is None and cache is None:
       # No mask: every key is real and no row shifts (the unpadded path).
       shift_B = kv_valid_BS = None
@@ -234,6 +241,16 @@ class Attention(nnx.Module):
       weight_BT = (jnp.full((b, t), 1.0 / (b * t), jnp.float32)
                    if indexer_weight_BT is None else indexer_weight_BT)
       weight_BT = shift_left(jnp.asarray(weight_BT, jnp.float32), shift_B)
+    if distilling:
+      # The dense model's output, exactly; the indexer learns toward its
+      # attention over every key, on the block layout the sparse model uses.
+      stats = distill.dense_indexer_kl(
+          qs, ks, qis, kis, block_size=self.block_size, top_k=self.top_k,
+          weight_BT=weight_BT, kv_valid_BS=kv_valid_BS)
+      mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
+      if valid_BT is not None:
+        mask = mask & valid_BT[:, None, :]
+      return dense_attention(q, k, v, mask), None, stats
     out, aux = msa.msa_attention(qs, ks, vs, qis, kis, top_k=self.top_k,
                                  kv_valid_BS=kv_valid_BS, **kw)
     sg = jax.lax.stop_gradient

@@ -32,6 +32,7 @@ from flax import nnx
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.model import attention, expert_parallel, layers, moe, router
+from pallas_kernels.msa import distill
 
 
 # model.remat_policy -> what the backward pass keeps of a block's forward.
@@ -64,6 +65,11 @@ class ModelAux(NamedTuple):
   # device's received rows, or the largest cell with 'padded' dispatch).
   max_rows_L: jax.Array
   indexer_loss: jax.Array  # float32 sum over MSA layers of the indexer KL.
+  # With model.msa_indexer_kl='dense' (indexer distillation): float32 [L_msa]
+  # per MSA layer, the recall of its selection and the recall over queries
+  # that see more than top_k blocks (pallas_kernels/msa/distill.py); else None.
+  indexer_recall_L: jax.Array | None = None
+  indexer_recall_far_L: jax.Array | None = None
 
   def reduced(self, axes) -> 'ModelAux':
     """The batch's facts from per-device ones (one reduction for all
@@ -131,6 +137,11 @@ def _block_forward(block, x, positions_BT, cache, valid_BT, indexer_weight_BT,
   return x + h, c, index_loss, aux
 
 
+def _as_f32(index_loss):
+  """A layer's indexer loss (a scalar, or distillation's DistillStats)."""
+  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), index_loss)
+
+
 def _layer(tree, i):
   return jax.tree.map(lambda a: a[i], tree)
 
@@ -188,7 +199,7 @@ class Transformer(nnx.Module):
     policy = self.cfg.get('remat_policy', 'none')
     run_kw = dict(positions_BT=positions_BT, valid_BT=valid_BT,
                   indexer_weight_BT=indexer_weight_BT, capacity=capacity)
-    auxes, index_losses = [], []
+    auxes, index_losses, recalls = [], [], []
     new_cache = None if cache is None else []
     for seg, stack in zip(self.layer_segments, self.segments):
       layer_xs = self._moe_inputs(seg, placement, slot_weights,
@@ -201,6 +212,9 @@ class Transformer(nnx.Module):
             stack, x, layer_xs, cache[seg.start:seg.stop], cache_index,
             seg.num_layers, **run_kw)
         new_cache.extend(caches)
+      if isinstance(index_loss_n, distill.DistillStats):
+        recalls.append(index_loss_n)
+        index_loss_n = index_loss_n.kl
       index_losses.append(index_loss_n.sum())
       if seg.moe:
         auxes.append(aux_n)
@@ -217,6 +231,10 @@ class Transformer(nnx.Module):
         dropped_L=cat(lambda a: a.stats.dropped),
         max_rows_L=cat(lambda a: a.stats.max_rows),
         indexer_loss=jnp.asarray(sum(index_losses), jnp.float32))
+    if recalls:
+      aux = aux._replace(
+          indexer_recall_L=jnp.concatenate([r.recall for r in recalls]),
+          indexer_recall_far_L=jnp.concatenate([r.recall_far for r in recalls]))
     out = x if return_hidden else self.unembed(x)
     return out, aux, new_cache
 
@@ -266,7 +284,7 @@ def _scan_segment(stack, x, layer_xs, *, positions_BT, valid_BT,
     x, _, index_loss, aux = _block_forward(
         block, x, positions_BT, None, valid_BT, indexer_weight_BT, moe_kw,
         capacity=capacity, cache_index=None)
-    return x, (jnp.asarray(index_loss, jnp.float32), aux)
+    return x, (_as_f32(index_loss), aux)
 
   if remat_policy != 'none':
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy])
@@ -284,7 +302,7 @@ def _unrolled_segment(stack, x, layer_xs, caches, cache_index, num_layers, *,
     x, c, index_loss, aux = _block_forward(
         block, x, positions_BT, caches[i], valid_BT, indexer_weight_BT,
         _layer(layer_xs, i), capacity=capacity, cache_index=cache_index)
-    outs.append((jnp.asarray(index_loss, jnp.float32), aux))
+    outs.append((_as_f32(index_loss), aux))
     new_caches.append(c)
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *outs)
   return x, stacked, new_caches

@@ -4,7 +4,7 @@ exactly where it was.
 Host-side shell around `orbax.checkpoint.CheckpointManager`. One checkpoint
 holds the device state (params, optimizer state, the reference policy of
 the KL term) as orbax array items and everything else the run depends on as
-one JSON item, `meta`: the phase ('warmstart_done' or 'rl'), the step and a
+one JSON item, `meta`: the phase ('warmstart_done', 'distill_done' or 'rl'), the step and a
 `host` record (the numpy RNG state, the JAX key, the planner's state, the
 data position; see `trainer.host_state`). Restores lay arrays out like the
 given templates (shardings included), so a resumed run continues on the
@@ -89,8 +89,16 @@ class Checkpointer:
         directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
   def save(self, step: int, params, *, phase: str, opt_state=None,
-           ref_params=None, host: dict | None = None) -> None:
-    """Saves one step; `host` is JSON-able state beside the arrays."""
+           ref_params=None, host: dict | None = None,
+           replace: bool = False) -> None:
+    """Saves one step; `host` is JSON-able state beside the arrays.
+
+    replace: a later phase of the same step (the MSA distillation after the
+    warm start, both step 0) takes the step's place; orbax refuses to save
+    a step twice.
+    """
+    if replace and int(step) in self._mgr.all_steps():
+      self._mgr.delete(int(step))
     arrays = dict(params=params, opt_state=opt_state, ref_params=ref_params)
     arrays = {k: v for k, v in arrays.items() if v is not None}
     items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}

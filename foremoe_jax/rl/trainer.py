@@ -39,7 +39,7 @@ from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
 from foremoe_jax.foresight import composition, expert_load, loads as loads_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
-from foremoe_jax.rl import checkpoint, step as step_lib
+from foremoe_jax.rl import checkpoint, distill as distill_lib, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import task_from_config
 from foremoe_jax.transfer import engine as transfer_engine
@@ -735,6 +735,24 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
   return state.params
 
 
+def msa_distill(config, task, graphdef, params, mesh, workdir, rng, key,
+                ckpt, guard=None, tb=None):
+  """The MSA indexer distillation (rl/distill.py); writes distill.jsonl,
+  msa_distill.json (recall and KL before and after) and the step-0
+  checkpoint in place of the warm start's. None when `guard` stops it."""
+  params, summary = distill_lib.run(
+      config, task, graphdef, params, mesh, workdir, rng,
+      guard_stop=lambda: stop_requested(guard), tb=tb)
+  if params is None:
+    return None
+  if distributed.is_primary():
+    with open(os.path.join(workdir, distill_lib.SUMMARY_FILE), 'w') as f:
+      json.dump(summary, f, indent=1)
+  ckpt.save(0, params, phase='distill_done',
+            host=host_state(rng, key, task=task), replace=True)
+  return params
+
+
 def greedy_eval(config, task, graphdef, mesh):
   """A function params -> greedy reward on held-out prompts (or None)."""
   num_eval = config.get('eval_prompts', 256)
@@ -894,6 +912,16 @@ def _reward_summary(workdir: str) -> dict:
               rl_steps_logged=len(rewards))
 
 
+def _distill_summary(workdir: str) -> dict:
+  """The MSA distillation's recall and KL before and after ({} without
+  one), from the file it wrote (a resumed run did not rerun it)."""
+  path = os.path.join(workdir, distill_lib.SUMMARY_FILE)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
 def train(config, workdir: str, guard=None) -> dict:
   """Runs warm start + RL in `workdir`; returns the summary.
 
@@ -950,7 +978,8 @@ def train(config, workdir: str, guard=None) -> dict:
     resumed = restored is not None and restored['phase'] == 'rl'
     if resumed and restored['step'] >= config.rl.steps:
       return _complete(workdir, restored['step'], config)
-    if restored is not None and restored['phase'] in ('warmstart_done', 'rl'):
+    if restored is not None and restored['phase'] in ('warmstart_done',
+                                                      'distill_done', 'rl'):
       params = restored['params']
       print(f"restored the {restored['phase']} checkpoint at step "
             f"{restored['step']}", flush=True)
@@ -965,6 +994,12 @@ def train(config, workdir: str, guard=None) -> dict:
                           key, ckpt, guard, tb)
       if params is None:
         return _stopped(workdir, 0, 'warmstart', guard)
+    if (config.get('msa_distill') and config.msa_distill.steps
+        and (restored is None or restored['phase'] == 'warmstart_done')):
+      params = msa_distill(config, task, graphdef, params, mesh, workdir, rng,
+                           key, ckpt, guard, tb)
+      if params is None:
+        return _stopped(workdir, 0, 'msa_distill', guard)
 
     evaluate = greedy_eval(config, task, graphdef, mesh)
     summary = {'greedy_reward_before_rl': _greedy_before_rl(
@@ -1016,7 +1051,7 @@ def train(config, workdir: str, guard=None) -> dict:
     summary['greedy_reward_after_rl'] = evaluate(state.params)
     tb.write(done, {'phase': 'eval', **{k: v for k, v in summary.items()
                                         if k.startswith('greedy')}})
-    summary.update(_reward_summary(workdir),
+    summary.update(_reward_summary(workdir), **_distill_summary(workdir),
                    plan_fallbacks=ctx.planner.num_fallbacks,
                    **summary_compiles)
     if distributed.is_primary():
