@@ -6,9 +6,11 @@ config and float32 parameter state; `export_hf` writes them back;
 `workdir.py` holds the bodies of experiments/convert_hf.py, hf_forward.py and
 export_hf.py. Modules: families.py (the families and config mapping),
 tensors.py (tensor names and layouts), files.py (safetensors I/O),
-convert.py (whole checkpoints), workdir.py (orbax workdirs).
+convert.py (whole checkpoints), workdir.py (orbax workdirs), msa_init.py
+(an MSA layer's index branch from its dense weights, when the checkpoint has
+none).
 """
 from foremoe_jax.hf.convert import (export_hf, forward_logits, import_hf,
-                                    load_into, model_config_from_hf,
-                                    place_like)
+                                    load_into, missing_index_layers,
+                                    model_config_from_hf, place_like)
 from foremoe_jax.hf.families import FAMILIES, HFCheckpointError

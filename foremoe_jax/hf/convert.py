@@ -7,9 +7,16 @@ parameters as an nnx State shaped like `sharding.split_model`'s state of
 array (the trainer's master dtype, `rl/step.py:master_params`); callers put
 it on their mesh (`place_like`). Export is the inverse.
 
+MSA (docs/design.md §6.10): an MSA layer's index branch is read from the
+checkpoint's `self_attn.indexer.*` tensors when it has them and otherwise
+initialised from the layer's own q/k weights (msa_init.py); export writes
+it under those names.
+
 Shape letters: B batch, T tokens, V vocab.
 """
 from __future__ import annotations
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +24,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from foremoe_jax.hf import families, files, tensors as tensors_lib
+from foremoe_jax.hf import families, files, msa_init, tensors as tensors_lib
 from foremoe_jax.hf.families import HFCheckpointError
 from foremoe_jax.model import expert_parallel, shapes, sharding
 
@@ -42,12 +49,13 @@ def import_hf(hf_dir: str, base_model_config=None):
 
   Checks every tensor's key and shape against the model before reading any
   data: one HFCheckpointError names the first missing, extra or mis-shaped
-  tensor.
+  tensor. MSA layers without index tensors get an index branch derived from
+  their dense weights (`missing_index_layers`, msa_init.py).
   """
   hf_config = files.read_config(hf_dir)
   m = families.model_config_from_hf(hf_config, base_model_config)
-  tensors_lib.check_tensor_shapes(m, files.tensor_shapes(hf_dir),
-                                  tied_lm_head_ok=True)
+  found = files.tensor_shapes(hf_dir)
+  tensors_lib.check_tensor_shapes(m, found, tied_lm_head_ok=True)
   hf = files.LazyTensors(hf_dir)
   if m.tie_embeddings and 'lm_head.weight' in hf:
     if not np.array_equal(np.asarray(hf['lm_head.weight']),
@@ -55,7 +63,18 @@ def import_hf(hf_dir: str, base_model_config=None):
       raise HFCheckpointError(
           'lm_head.weight: present and different from '
           'model.embed_tokens.weight, but tie_word_embeddings is true')
-  return m, state_from_params(m, tensors_lib.params_from_hf(m, hf)), hf_config
+  initialised = msa_init.index_tensors_from_hf(
+      m, hf, tensors_lib.missing_index_layers(m, found))
+  params = tensors_lib.params_from_hf(m, collections.ChainMap(initialised, hf))
+  return m, state_from_params(m, params), hf_config
+
+
+def missing_index_layers(model_cfg, hf_dir: str) -> list[int]:
+  """The MSA layers of `model_cfg` (a config from `model_config_from_hf`)
+  whose index branch `hf_dir` lacks: the import initialises them from their
+  dense weights (msa_init.py). Reads the safetensors headers only."""
+  return tensors_lib.missing_index_layers(model_cfg,
+                                         files.tensor_shapes(hf_dir))
 
 
 def state_from_params(model_cfg, params: dict[tuple, np.ndarray]) -> nnx.State:
@@ -88,7 +107,9 @@ def load_into(config, hf_dir: str) -> nnx.State:
   mismatch is one HFCheckpointError naming the field.
   """
   m, state, _ = import_hf(hf_dir, config.model)
-  for f in ARCH_FIELDS:
+  # attention_type: an MSA checkpoint turns a dense base into MSA, whose
+  # layers have parameters Transformer(config.model) lacks.
+  for f in ARCH_FIELDS + ('attention_type',):
     if config.model.get(f) != m.get(f):
       raise HFCheckpointError(
           f'model.{f}: the config has {config.model.get(f)!r} but {hf_dir} '
@@ -112,7 +133,8 @@ def export_hf(model_cfg, state, out_dir: str, *, original: dict | None = None,
 
 def forward_logits(hf_dir: str, tokens_BT: np.ndarray, mesh=None) -> np.ndarray:
   """float32 logits [B, T, V] of our model with the weights of `hf_dir`
-  (float32 compute, dropless experts; default mesh: one device)."""
+  (float32 compute, dropless experts; default mesh: one device). A
+  checkpoint exported from an MSA model runs as that MSA model."""
   m, state, _ = import_hf(hf_dir)
   tokens_BT = np.asarray(tokens_BT)
   if (tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer)

@@ -9,6 +9,14 @@ renormalisation, config defaults) and the config translation both ways;
 
 Where HF is silent we follow its modeling code: a field missing from
 config.json takes the HF config class's default (`Family.defaults`).
+
+MSA (docs/design.md §6.10): an MSA model exports to its family's config.json
+plus one field of our own, `"foremoe_msa": {"first_sparse_layer",
+"block_size", "top_k", "index_dim"}`, beside the index-branch tensors
+(tensors.py). transformers keeps an unknown config field as an attribute it
+never reads, so the checkpoint still loads there as the dense model of its
+family, with a warning that the `indexer` weights are unused (expected:
+transformers has no MSA).
 """
 from __future__ import annotations
 
@@ -65,6 +73,12 @@ FAMILIES = {
 }
 assert tuple(FAMILIES) == config_lib.HF_MODEL_TYPES
 
+# config.json's "foremoe_msa" fields -> our model fields.
+MSA_FIELD = 'foremoe_msa'
+MSA_FIELDS = {'first_sparse_layer': 'first_sparse_layer',
+              'block_size': 'msa_block_size', 'top_k': 'msa_top_k',
+              'index_dim': 'msa_index_dim'}
+
 
 def family_of(hf_config: dict) -> Family:
   """The family of a config.json dict, from model_type (or architectures)."""
@@ -115,6 +129,48 @@ def _dense_layers(fam: Family, c: dict) -> int:
   return len(dense)
 
 
+def _msa_config(c: dict, num_layers: int) -> dict | None:
+  """The checkpoint's "foremoe_msa" field, checked (None when absent)."""
+  msa = c.get(MSA_FIELD)
+  if msa is None:
+    return None
+  _require(isinstance(msa, dict) and set(msa) == set(MSA_FIELDS), MSA_FIELD,
+           f'must be a dict with exactly the fields {", ".join(MSA_FIELDS)}, '
+           f'got {msa!r}')
+  for f, v in msa.items():
+    _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+             f'{MSA_FIELD}.{f}', f'must be a non-negative integer, got {v!r}')
+  _require(msa['first_sparse_layer'] < num_layers,
+           f'{MSA_FIELD}.first_sparse_layer', f'must be < num_hidden_layers '
+           f'({num_layers}), got {msa["first_sparse_layer"]}')
+  _require(msa['index_dim'] > 0 and msa['index_dim'] % 2 == 0,
+           f'{MSA_FIELD}.index_dim', f'must be a positive even number, got '
+           f'{msa["index_dim"]}')
+  return msa
+
+
+def _apply_msa(m: ml_collections.ConfigDict, msa: dict | None) -> None:
+  """An MSA checkpoint's settings onto `m` (docs/design.md §6.10).
+
+  A dense base becomes the checkpoint's MSA model. An MSA base keeps its
+  own first_sparse_layer, block size and top-k (choices of the run: layers
+  it makes MSA without index tensors are initialised, index tensors of a
+  layer it makes dense are refused), but the index head's width is in the
+  weights.
+  """
+  if msa is None:
+    return
+  if m.attention_type != 'msa':
+    m.attention_type = 'msa'
+    m.update({ours: msa[theirs] for theirs, ours in MSA_FIELDS.items()})
+  elif m.msa_index_dim != msa['index_dim']:
+    raise HFCheckpointError(
+        f'model.msa_index_dim: the base config has {m.msa_index_dim} but the '
+        f'checkpoint\'s index branch has {msa["index_dim"]} (config.json '
+        f'{MSA_FIELD}.index_dim); set model.msa_index_dim='
+        f'{msa["index_dim"]}')
+
+
 def model_config_from_hf(hf_config: dict,
                          base: ml_collections.ConfigDict | None = None
                          ) -> ml_collections.ConfigDict:
@@ -149,9 +205,6 @@ def model_config_from_hf(hf_config: dict,
            'biases in attention are not supported')
   _require(c.get('clip_qkv') is None, 'clip_qkv', 'q/k/v clipping is not '
            'supported')
-  _require(m.attention_type == 'dense', 'attention_type',
-           "the base model config has attention_type='msa', but a HF "
-           'checkpoint has no MSA index-branch weights')
   num_heads = c['num_attention_heads']
   head_dim = c.get('head_dim') or c['hidden_size'] // num_heads
   if fam.qk_norm == 'full':  # OLMoE derives head_dim, it has no field.
@@ -189,6 +242,7 @@ def model_config_from_hf(hf_config: dict,
   )
   if dense:
     m.dense_d_ff = int(c['intermediate_size'])
+  _apply_msa(m, _msa_config(c, m.num_layers))
   return m
 
 
@@ -198,7 +252,8 @@ def hf_config_from_model(m, original: dict | None = None,
 
   Every field that fixes the architecture is written from `m`; the other
   fields of `original` (the imported config.json: token ids, initializer
-  range, router_aux_loss_coef, ...) are kept as they were. Raises
+  range, router_aux_loss_coef, ...) are kept as they were. An MSA model
+  adds "foremoe_msa" (module docstring); a dense one drops it. Raises
   HFCheckpointError when `m` cannot be expressed in its family.
   """
   fam = FAMILIES.get(m.get('hf_model_type', ''))
@@ -212,7 +267,6 @@ def hf_config_from_model(m, original: dict | None = None,
       raise HFCheckpointError(f'model.{field}: {rule} to export as '
                               f'{fam.model_type}')
   need(m.num_shared_experts == 0, 'num_shared_experts', 'must be 0')
-  need(m.attention_type == 'dense', 'attention_type', "must be 'dense'")
   need(bool(m.qk_norm) == bool(fam.qk_norm), 'qk_norm',
        f'must be {bool(fam.qk_norm)}')
   if fam.qk_norm:
@@ -249,4 +303,7 @@ def hf_config_from_model(m, original: dict | None = None,
     c['intermediate_size'] = m.moe_d_ff
   if fam.model_type == 'mixtral':
     c['head_dim'] = m.head_dim
+  c.pop(MSA_FIELD, None)
+  if m.attention_type == 'msa':
+    c[MSA_FIELD] = {theirs: int(m[ours]) for theirs, ours in MSA_FIELDS.items()}
   return c

@@ -19,6 +19,13 @@ Layout facts the table encodes:
     layer axis (`config.layer_segments`); HF stores one tensor per layer
     (and per expert), so one of our leaves stacks n layers' tensors (and,
     for experts, n x E of them).
+  * An MSA layer's index branch (docs/design.md §6.10) has no HF
+    counterpart; we write it as extra tensors under
+    `model.layers.{i}.self_attn.indexer.{q_proj,k_proj,q_norm,k_norm}.weight`
+    (q_proj [G * I, M], k_proj [I, M]: [out, in] like the other Linear
+    weights; norms [I]). An MSA layer whose checkpoint has none of them is
+    initialised on import (msa_init.py): check_tensor_shapes lets exactly
+    those be absent (`missing_index_layers`).
 
 Shape letters: V vocab, M model dim, E experts, F expert hidden dim,
 n layers of one segment.
@@ -26,6 +33,7 @@ n layers of one segment.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 from flax import nnx
@@ -34,6 +42,37 @@ from foremoe_jax import config as config_lib
 from foremoe_jax.hf import families
 from foremoe_jax.hf.families import HFCheckpointError
 from foremoe_jax.model import shapes
+
+
+# Our index-branch parameter -> its name under 'self_attn.' in a checkpoint.
+INDEX_NAMES = {'qi_proj': 'indexer.q_proj', 'ki_proj': 'indexer.k_proj',
+               'qi_norm': 'indexer.q_norm', 'ki_norm': 'indexer.k_norm'}
+_INDEX_KEY = re.compile(r'model\.layers\.(\d+)\.self_attn\.indexer\.')
+
+
+def attn_key(layer: int, name: str) -> str:
+  """HF key of one layer's attention weight `name` ('q_proj', 'q_norm',
+  'indexer.q_proj', ...)."""
+  return f'model.layers.{layer}.self_attn.{name}.weight'
+
+
+def index_keys(layer: int) -> tuple[str, ...]:
+  """The HF keys of one layer's index branch."""
+  return tuple(attn_key(layer, name) for name in INDEX_NAMES.values())
+
+
+def index_layer_of(key: str) -> int | None:
+  """The layer of an index-branch key, None for any other key."""
+  match = _INDEX_KEY.match(key)
+  return int(match.group(1)) if match else None
+
+
+def missing_index_layers(model_cfg, found) -> list[int]:
+  """The MSA layers of `model_cfg` for which `found` (HF keys) holds none of
+  the index-branch tensors: the import initialises them (msa_init.py)."""
+  types = config_lib.layer_attention_types(model_cfg)
+  return [i for i, kind in enumerate(types) if kind == 'msa'
+          and not any(k in found for k in index_keys(i))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +129,10 @@ def _segment_entry(fam, seg, path, shape, expert_names) -> Entry:
                  (seg.num_layers,))
   if module == 'attn':
     sub = rest[0]
+    if sub in INDEX_NAMES:  # MSA index branch: our own names (docstring).
+      return Entry(path, tuple(attn_key(i, INDEX_NAMES[sub]) for i in layers),
+                   'transpose' if sub.endswith('_proj') else 'copy', shape,
+                   (seg.num_layers,))
     if sub in ('q_norm', 'k_norm'):
       return Entry(path, one(f'{{p}}self_attn.{sub}.weight'), 'copy', shape,
                    (seg.num_layers,))
@@ -124,19 +167,41 @@ def check_tensor_shapes(model_cfg, found: dict[str, tuple[int, ...]],
   """Raises one HFCheckpointError naming the first missing, extra or
   mis-shaped tensor (and how many other problems there are).
 
+  An MSA layer with none of its index-branch tensors is not missing them
+  (the import initialises it, `missing_index_layers`); one with some of
+  them must have all. Index tensors of a layer the config makes dense come
+  first, naming model.first_sparse_layer.
+
   tied_lm_head_ok: an 'lm_head.weight' next to tied embeddings is not
   extra (some exporters write the tied table twice; the caller checks that
   it equals the embedding).
   """
   expected = expected_hf_shapes(model_cfg)
-  problems = []
+  types = config_lib.layer_attention_types(model_cfg)
+  problems, on_dense = [], set()
+  for layer, k in sorted((index_layer_of(k), k) for k in found
+                         if index_layer_of(k) is not None):
+    if layer >= len(types) or types[layer] != 'msa':
+      on_dense.add(k)
+      problems.append(
+          f'{k}: index-branch tensor of layer {layer}, which the model config '
+          f'makes dense (model.first_sparse_layer '
+          f'{model_cfg.first_sparse_layer}, model.attention_type '
+          f'{model_cfg.attention_type!r}); an MSA model with '
+          f'model.first_sparse_layer <= {layer} would use it')
+  initialised = {k for i in missing_index_layers(model_cfg, found)
+                 for k in index_keys(i)}
   for k, shape in expected.items():
+    if k in initialised:
+      continue
     if k not in found:
       problems.append(f'{k}: missing (expected shape {shape})')
     elif tuple(found[k]) != shape:
       problems.append(f'{k}: expected shape {shape}, found {tuple(found[k])}')
   for k in sorted(set(found) - set(expected)):
     if k == 'lm_head.weight' and tied_lm_head_ok and model_cfg.tie_embeddings:
+      continue
+    if k in on_dense:  # Reported above.
       continue
     problems.append(f'{k}: unexpected tensor (shape {tuple(found[k])}) that '
                     f'the {model_cfg.hf_model_type} model does not use')
@@ -148,8 +213,8 @@ def check_tensor_shapes(model_cfg, found: dict[str, tuple[int, ...]],
 
 def params_from_hf(model_cfg, tensors) -> dict[tuple, np.ndarray]:
   """nnx path -> float32 array in our layout. `tensors` maps HF keys to
-  arrays (any float dtype, e.g. bfloat16) and must hold exactly the
-  expected keys (`check_tensor_shapes`)."""
+  arrays (any float dtype, e.g. bfloat16) and must hold every expected key
+  (`check_tensor_shapes`; convert.py adds the initialised index branches)."""
   out = {}
   for e in tensor_map(model_cfg):
     parts = [np.asarray(tensors[k]) for k in e.hf_keys]

@@ -14,6 +14,9 @@ A conversion workdir holds
 A training workdir holds config.json (the whole experiment config) and
 checkpoints/ (`rl.checkpoint.Checkpointer`, latest step); its HF source, when it has one,
 is `init_from_hf`, whose config.json export reads again for the extra fields.
+An MSA model's index branch travels as extra tensors and config.json's
+"foremoe_msa" field (docs/design.md §6.10), so either workdir of an MSA
+model exports to an MSA checkpoint.
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ def convert_checkpoint(hf_dir: str, workdir: str) -> dict:
   ckptr.wait_until_finished()
   _write_json(os.path.join(workdir, MODEL_CONFIG), m.to_dict())
   _write_json(os.path.join(workdir, HF_CONFIG), hf_config)
-  return dict(hf_model_type=m.hf_model_type, params_dir=params_dir,
+  return dict(hf_model_type=m.hf_model_type, attention_type=m.attention_type,
+              params_dir=params_dir,
               num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state)),
               model_config=os.path.join(workdir, MODEL_CONFIG),
               hf_config=os.path.join(workdir, HF_CONFIG))
@@ -141,5 +145,6 @@ def export_checkpoint(workdir: str, out_dir: str, *, dtype: str = '',
                             f'got {dtype!r}')
   written = convert_lib.export_hf(m, state, out_dir, original=original,
                                   dtype=dtype, max_shard_bytes=max_shard_bytes)
-  return dict(hf_model_type=m.hf_model_type, dtype=dtype, out_dir=out_dir,
+  return dict(hf_model_type=m.hf_model_type, attention_type=m.attention_type,
+              dtype=dtype, out_dir=out_dir,
               files=written, kept_original_fields=original is not None)

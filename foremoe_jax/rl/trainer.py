@@ -955,7 +955,12 @@ def train(config, workdir: str, guard=None) -> dict:
   # model.param_dtype is; the model casts to model.dtype where it computes.
   params = step_lib.master_params(params)
   if config.get('init_from_hf'):
+    fresh_index = hf.missing_index_layers(config.model, config.init_from_hf)
     params = hf.place_like(hf.load_into(config, config.init_from_hf), params)
+    if fresh_index and distributed.is_primary():
+      print(f'init_from_hf: MSA layers {fresh_index} have no index-branch '
+            f"weights in the checkpoint: initialised from each layer's q/k "
+            f'projections (docs/design.md §6.10)', flush=True)
     if distributed.is_primary():  # The one line that says the weights came.
       sizes = [x.size for x in jax.tree.leaves(params)]
       print(f'init_from_hf: loaded {sum(sizes):,} parameters '
