@@ -503,7 +503,7 @@ def _validate_task(config) -> None:
       and not config.get('task_kwargs', {}).get('tokenizer_path')
       and not config.get('init_from_hf')):
     # The tokenizer is to be the checkpoint's (tasks.task_from_config) and
-    # none is named yet: a real-size config as shipped (configs/real_rl.py),
+    # none is named yet: a real-size config as shipped (configs/_real_rl.py),
     # which shape and planning tools read as is. The task is checked
     # against the model once init_from_hf or tokenizer_path names one.
     return

@@ -709,6 +709,12 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
   warm start is short and a rerun starts it again.
   """
   mcfg = config.model
+  if config.warmstart.steps == 0:
+    # A pretrained checkpoint: no optimizer state to build (it would be
+    # twice the parameters); the step-0 checkpoint is the weights as given.
+    ckpt.save(0, params, phase='warmstart_done',
+              host=host_state(rng, key, task=task))
+    return params
   tx = step_lib.make_optimizer(config.warmstart.learning_rate, 1.0)
   state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
   sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 
+from foremoe_jax import config as config_lib
 from foremoe_jax.tasks.addition import AdditionTask
 from foremoe_jax.tasks.base import Task
 from foremoe_jax.tasks.sorting import SortTask
@@ -44,7 +45,13 @@ def task_from_config(config) -> Task:
   with `init_from_hf`'s checkpoint, as its ids must match that model's.
   """
   kwargs = dict(config.get('task_kwargs', {}))
-  if (config.task == 'dataset' and not kwargs.get('tokenizer_path')
-      and config.get('init_from_hf')):
+  if config.task == 'dataset' and not kwargs.get('tokenizer_path'):
+    if not config.get('init_from_hf'):
+      # A real-size config as shipped (configs/_real_rl.py) names neither:
+      # its shape and planning tools validate it without a task.
+      raise config_lib.ConfigError(
+          'task_kwargs.tokenizer_path: empty, and no init_from_hf to take '
+          "the checkpoint's tokenizer from; set --config.init_from_hf=DIR "
+          '(or tokenizer_path: a tokenizer.json or its directory)')
     kwargs['tokenizer_path'] = config.init_from_hf
   return get_task(config.task, **kwargs)
