@@ -65,11 +65,10 @@ class ModelAux(NamedTuple):
   # device's received rows, or the largest cell with 'padded' dispatch).
   max_rows_L: jax.Array
   indexer_loss: jax.Array  # float32 sum over MSA layers of the indexer KL.
-  # With model.msa_indexer_kl='dense' (indexer distillation): float32 [L_msa]
-  # per MSA layer, the recall of its selection and the recall over queries
-  # that see more than top_k blocks (pallas_kernels/msa/distill.py); else None.
-  indexer_recall_L: jax.Array | None = None
-  indexer_recall_far_L: jax.Array | None = None
+  # With model.msa_indexer_kl='dense' (indexer distillation): the KL and
+  # the recalls of each MSA layer's selection, float32 [L_msa] each
+  # (pallas_kernels/msa/distill.py); else None.
+  indexer_distill: distill.DistillStats | None = None
 
   def reduced(self, axes) -> 'ModelAux':
     """The batch's facts from per-device ones (one reduction for all
@@ -232,9 +231,8 @@ class Transformer(nnx.Module):
         max_rows_L=cat(lambda a: a.stats.max_rows),
         indexer_loss=jnp.asarray(sum(index_losses), jnp.float32))
     if recalls:
-      aux = aux._replace(
-          indexer_recall_L=jnp.concatenate([r.recall for r in recalls]),
-          indexer_recall_far_L=jnp.concatenate([r.recall_far for r in recalls]))
+      aux = aux._replace(indexer_distill=jax.tree.map(
+          lambda *a: jnp.concatenate(a), *recalls))
     out = x if return_hidden else self.unembed(x)
     return out, aux, new_cache
 

@@ -43,12 +43,16 @@ class DistillStats(NamedTuple):
   kl: jax.Array  # sum_{b,t} w[b,t] * mean_g KL(p || i): the training loss.
   recall: jax.Array  # weighted mean of the selected blocks' share of p.
   recall_far: jax.Array  # the same over queries seeing > top_k blocks.
-  # (Either recall is NaN when no query of the batch counts.)
+  # The best any selection of top_k blocks (the local one included) could
+  # keep, over the far queries: the ceiling of recall_far for this model,
+  # block size and top_k. (Each recall is NaN when no query counts.)
+  recall_far_oracle: jax.Array
 
 
-def _chunk_stats(q_BQGRD, k_BSGD, qi_BQGI, ki_BSI, sel_BGQK, visible_BQS, *,
-                 block_size: int):
-  """Per-query (KL, selected mass, visible blocks) of one query chunk [B, Q]."""
+def _chunk_stats(q_BQGRD, k_BSGD, qi_BQGI, ki_BSI, sel_BGQK, visible_BQS,
+                 pos_Q, *, block_size: int, top_k: int):
+  """Per-query (KL, selected mass, best top_k mass, visible blocks) of one
+  query chunk [B, Q]."""
   d, di = q_BQGRD.shape[-1], qi_BQGI.shape[-1]
   s = k_BSGD.shape[1]
   f32 = jnp.float32
@@ -70,8 +74,19 @@ def _chunk_stats(q_BQGRD, k_BSGD, qi_BQGI, ki_BSI, sel_BGQK, visible_BQS, *,
   pad = n * block_size - s
   blocks_BQ = jnp.pad(visible_BQS, ((0, 0), (0, 0), (0, pad))).reshape(
       visible_BQS.shape[:2] + (n, block_size)).any(-1).sum(-1)
-  return kl_BGQ.mean(axis=1), jax.lax.stop_gradient(mass_BGQ.mean(axis=1)), \
-      blocks_BQ
+  # The oracle: the local block's mass plus the top_k - 1 largest earlier
+  # blocks' (later blocks hold no mass: causal).
+  mass_BGQN = jax.lax.stop_gradient(jnp.pad(
+      p_BGQS, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(
+          p_BGQS.shape[:3] + (n, block_size)).sum(-1))
+  is_local_QN = (jnp.arange(n)[None, :] == (pos_Q // block_size)[:, None])
+  local_BGQ = jnp.sum(jnp.where(is_local_QN, mass_BGQN, 0.0), axis=-1)
+  best_BGQ = local_BGQ
+  if top_k > 1:
+    earlier = jnp.where(is_local_QN, 0.0, mass_BGQN)
+    best_BGQ = best_BGQ + jax.lax.top_k(earlier, min(top_k - 1, n))[0].sum(-1)
+  return (kl_BGQ.mean(axis=1), jax.lax.stop_gradient(mass_BGQ.mean(axis=1)),
+          best_BGQ.mean(axis=1), blocks_BQ)
 
 
 def dense_indexer_kl(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
@@ -107,17 +122,18 @@ def dense_indexer_kl(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
 
   @jax.checkpoint
   def chunk(xs):
-    q_c, qi_c, sel_c, vis_c = xs
-    return _chunk_stats(q_c, k_BSGD, qi_c, ki_BSI, sel_c, vis_c,
-                        block_size=block_size)
+    q_c, qi_c, sel_c, vis_c, pos_c = xs
+    return _chunk_stats(q_c, k_BSGD, qi_c, ki_BSI, sel_c, vis_c, pos_c,
+                        block_size=block_size, top_k=top_k)
 
   split = lambda x, axis=1: jnp.moveaxis(
       x.reshape(x.shape[:axis] + (tp // qc, qc) + x.shape[axis + 1:]), axis, 0)
-  kl_CBQ, mass_CBQ, blocks_CBQ = jax.lax.map(
+  kl_CBQ, mass_CBQ, best_CBQ, blocks_CBQ = jax.lax.map(
       chunk, (split(q_BTGRD), split(qi_BTGI_p), split(sel_BGTK, axis=2),
-              split(visible_BTS)))
+              split(visible_BTS), jnp.arange(tp).reshape(tp // qc, qc)))
   merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, tp)[:, :t]
-  kl_BT, mass_BT, blocks_BT = merge(kl_CBQ), merge(mass_CBQ), merge(blocks_CBQ)
+  kl_BT, mass_BT, best_BT, blocks_BT = (
+      merge(kl_CBQ), merge(mass_CBQ), merge(best_CBQ), merge(blocks_CBQ))
   counts_BT = (w_BT > 0) & (blocks_BT > 0)
   far_BT = counts_BT & (blocks_BT > top_k)
   def wmean(x_BT, m_BT):  # NaN when no query counts: not measured, not 0.
@@ -127,4 +143,5 @@ def dense_indexer_kl(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
 
   return DistillStats(kl=jnp.sum(kl_BT * w_BT),
                       recall=wmean(mass_BT, counts_BT),
-                      recall_far=wmean(mass_BT, far_BT))
+                      recall_far=wmean(mass_BT, far_BT),
+                      recall_far_oracle=wmean(best_BT, far_BT))

@@ -70,7 +70,9 @@ def test_only_the_index_branch_changes_and_its_kl_falls(phase):
   lines = [json.loads(l) for l in open(
       os.path.join(phase['workdir'], distill.DISTILL_FILE))]
   assert [r['step'] for r in lines] == [1, 5, 10, 12]
-  assert {'kl', 'recall', 'recall_far', 'recall_layer0'} <= lines[0].keys()
+  assert {'kl', 'recall', 'recall_far', 'recall_far_oracle',
+          'recall_layer0'} <= lines[0].keys()
+  assert s['msa_recall_far_after'] <= s['msa_recall_far_oracle'] + 1e-6
 
 
 def test_distillation_forward_is_the_dense_models(phase):
@@ -87,7 +89,7 @@ def test_distillation_forward_is_the_dense_models(phase):
                       phase['new'], tokens)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(dense_logits),
                              atol=1e-5, rtol=1e-5)
-  assert aux.indexer_recall_L.shape == (1,)
+  assert aux.indexer_distill.recall.shape == (1,)
   # The sparse model with the same weights differs (it drops keys).
   sparse, _ = forward(graph(c.model), phase['new'], tokens)
   assert np.abs(np.asarray(sparse) - np.asarray(dense_logits)).max() > 1e-3
