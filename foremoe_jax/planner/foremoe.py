@@ -22,6 +22,14 @@ Copies made by the step-level anchor happen between RL steps (under rollout
 and recompute), so they are not held to a micro-step's window; they are
 counted in micro-step 0's moves.
 
+The moves are greedy, one micro-step at a time, so a layer's moves can
+cost more over the step than they save (a copy made for one micro-step's
+skew is in the wrong place for the next). ``plan_step`` therefore also
+plans each layer as ``foresight_split`` does (the anchor held for every
+micro-step, its tokens split per micro-step, no moves: ForeMoE with
+``max_rounds=0``) and keeps, per layer, the cheaper of the two under one
+cost (``step_cost_s``): ForeMoE is never worse than foresight_split.
+
 All layers are planned together (arrays over L); only the rounds and the
 colours of the Gauss-Seidel split are Python loops.
 
@@ -413,6 +421,148 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
   return graph, x_LS, y_LD
 
 
+def step_cost_s(loads_MLD, slot_expert_MLS, current_LS, topo: Topology,
+                cost: CostModel, copy_price: float = 1.0) -> np.ndarray:
+  """Seconds one layer's plan costs over the step: [L].
+
+  What ForeMoE trades: per micro-step the straggler's expert compute
+  (`token_time_s` times the busiest device's load), plus the copy time not
+  hidden under the previous micro-step's compute (the busiest receiver's
+  copies beyond `overlap` of that micro-step's straggler compute); plus
+  micro-step 0's copies from `current_LS` in full (the step-level fill,
+  which no compute of this step hides). A copy takes `move_time_s`
+  (inter-node when no replica of its expert was on the receiver's node
+  before) times `copy_price` (`CostModel.return_factor` when the gradient
+  it later sends home is priced, as ForeMoE prices its moves).
+
+  Args:
+    loads_MLD: tokens each device computes (a StepPlan's, or flows' sums).
+    slot_expert_MLS: the placement of each micro-step.
+    current_LS: the placement before the step.
+  """
+  copy_ML = _copy_s(slot_expert_MLS, current_LS, topo, cost, copy_price)
+  return _step_cost_s(loads_MLD, copy_ML, cost)
+
+
+def _copy_s(slot_expert_MLS, current_LS, topo: Topology, cost: CostModel,
+            copy_price: float) -> np.ndarray:
+  """The busiest receiver's copy seconds before each micro-step: [M, L]."""
+  se_MLS = np.asarray(slot_expert_MLS)
+  copy_ML = np.zeros(se_MLS.shape[:2])
+  prev_LS = np.asarray(current_LS)
+  for m in range(se_MLS.shape[0]):
+    # Only layers whose placement changed copy anything.
+    ls = np.flatnonzero((se_MLS[m] != prev_LS).any(axis=1))
+    if len(ls):
+      intra_LD, inter_LD = packing.new_copies_by_link(se_MLS[m, ls],
+                                                      prev_LS[ls], topo)
+      copy_ML[m, ls] = copy_price * (
+          intra_LD * cost.move_time_s(False)
+          + inter_LD * cost.move_time_s(True)).max(axis=1)
+    prev_LS = se_MLS[m]
+  return copy_ML
+
+
+def _step_cost_s(loads_MLD, copy_ML, cost: CostModel) -> np.ndarray:
+  """`step_cost_s` from the copy seconds `_copy_s` gives: [L]."""
+  compute_ML = cost.token_time_s * np.asarray(loads_MLD, np.float64).max(axis=2)
+  exposed_ML = copy_ML.copy()
+  exposed_ML[1:] = np.maximum(copy_ML[1:] - cost.overlap * compute_ML[:-1],
+                              0.0)
+  return (compute_ML + exposed_ML).sum(axis=0)
+
+
+def _rounding_slack_s(slot_expert_MLS, num_experts: int, max_count: float,
+                      topo: Topology, cost: CostModel) -> np.ndarray:
+  """How far `step_cost_s` of a plan's exact counts can be from that of its
+  flows: [L].
+
+  `split_tokens` rounds each (source, replica) count of a replicated
+  expert from its flow's share (cumulatively, so off by at most one token,
+  plus a few float32 ulps of counts up to `max_count`); an expert with one
+  slot takes its load exactly. A device's load is thus within D tokens per
+  replicated slot it holds of its flows' sum, and so is each micro-step's
+  straggler; the cost counts each straggler once and, through the overlap
+  window, once more at `overlap` weight.
+  """
+  se_MLS = np.asarray(slot_expert_MLS, np.int64)
+  num_micro, num_layers, num_slots = se_MLS.shape
+  rows = np.arange(num_micro * num_layers)[:, None]
+  flat = (rows * num_experts + se_MLS.reshape(-1, num_slots)).ravel()
+  count_BS = np.bincount(flat, minlength=num_micro * num_layers * num_experts
+                         )[flat].reshape(-1, num_slots)
+  replicated_ML = (count_BS >= 2).reshape(
+      num_micro, num_layers, topo.num_devices, -1).sum(axis=3).max(axis=2)
+  per_count = 1.0 + 4.0 * max_count * 2.0 ** -24
+  dev_ML = (per_count * topo.num_devices * replicated_ML
+            * cost.token_time_s)
+  return dev_ML.sum(axis=0) + cost.overlap * dev_ML[:-1].sum(axis=0)
+
+
+def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
+                       split_flows_MLS, current_LS, topo: Topology,
+                       cost: CostModel, config: ForeMoEConfig) -> StepPlan:
+  """`plan` with each layer replaced by the foresight_split plan (`split_LS`
+  every micro-step, `split_flows_MLS`) where that costs less
+  (`step_cost_s`); `from_split_L` records which layers were.
+
+  Assembling the second plan's exact counts is the costly part, so layers
+  whose flows already show ForeMoE cheaper by more than the counts'
+  rounding can change (`_rounding_slack_s`, both plans) are decided on the
+  flows; only the other layers are assembled and compared exactly.
+  """
+  num_micro, num_layers, num_slots = flows_MLS.shape
+  se_MLS = np.asarray(plan.placement.slot_expert, np.int64)
+  split_MLS = np.broadcast_to(split_LS, se_MLS.shape)
+  from_split_L = np.zeros(num_layers, bool)
+  differ_L = ((se_MLS != split_MLS) | (flows_MLS != split_flows_MLS)
+              ).any(axis=(0, 2))
+  if not differ_L.any():
+    return plan._replace(from_split_L=from_split_L)
+  price = cost.return_factor if config.price_gradient_returns else 1.0
+  cur_LS = np.asarray(current_LS)
+  ours_copy_ML = _copy_s(se_MLS, cur_LS, topo, cost, price)
+  theirs_copy_ML = _copy_s(split_MLS, cur_LS, topo, cost, price)
+  by_device = lambda x_MLS: x_MLS.reshape(num_micro, num_layers,
+                                          topo.num_devices, -1).sum(axis=3)
+  num_experts, max_count = np.shape(loads_MLDE)[-1], float(loads_MLDE.max())
+  slack_L = (_rounding_slack_s(se_MLS, num_experts, max_count, topo, cost)
+             + _rounding_slack_s(split_MLS, num_experts, max_count, topo, cost))
+  ours_L = _step_cost_s(by_device(flows_MLS), ours_copy_ML, cost)
+  theirs_L = _step_cost_s(by_device(split_flows_MLS), theirs_copy_ML, cost)
+  layers = np.flatnonzero(differ_L & ~(ours_L + slack_L < theirs_L))
+  if not len(layers):
+    return plan._replace(from_split_L=from_split_L)
+  alt = assemble_plan(loads_MLDE[:, layers], split_MLS[:, layers],
+                      split_flows_MLS[:, layers], topo, cost, cur_LS[layers],
+                      config.prefer_local_node)
+  ours_L = _step_cost_s(plan.loads_MLD[:, layers], ours_copy_ML[:, layers],
+                        cost)
+  theirs_L = _step_cost_s(alt.loads_MLD, theirs_copy_ML[:, layers], cost)
+  take = theirs_L < ours_L
+  if not take.any():
+    return plan._replace(from_split_L=from_split_L)
+  ls = layers[take]
+  from_split_L[ls] = True
+
+  def merged(ours, theirs):
+    out = np.array(ours)
+    out[:, ls] = np.asarray(theirs)[:, take]
+    return out
+
+  moves_MLD = merged(plan.moves_MLD, alt.moves_MLD)
+  return plan._replace(
+      placement=placement_lib.Placement(
+          merged(plan.placement.slot_expert, alt.placement.slot_expert),
+          merged(plan.placement.slot_share, alt.placement.slot_share)),
+      loads_MLD=merged(plan.loads_MLD, alt.loads_MLD),
+      slot_loads_MLS=merged(plan.slot_loads_MLS, alt.slot_loads_MLS),
+      max_cell_ML=merged(plan.max_cell_ML, alt.max_cell_ML),
+      moves_MLD=moves_MLD,
+      bytes_moved_M=moves_MLD.sum(axis=(1, 2)) * float(cost.bytes_per_expert),
+      from_split_L=from_split_L)
+
+
 def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
               current: placement_lib.Placement,
               config: ForeMoEConfig = ForeMoEConfig(),
@@ -428,7 +578,10 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
     deadline: a `time.perf_counter()` value; past it, PlanningTimeout is
       raised between micro-steps (see `planner.guard` for the fallback).
   Returns:
-    The StepPlan: placements, predicted loads, moves and bytes.
+    The StepPlan: placements, predicted loads, moves and bytes; per layer
+    ForeMoE's own or, where that costs more (`step_cost_s`), the
+    foresight_split plan (`StepPlan.from_split_L`; with `max_rounds=0`
+    the two are the same and no choice is made).
   """
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro, num_layers, num_devices, num_experts = loads_MLDE.shape
@@ -448,6 +601,10 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
       anchored = split.FlowGraph(se_LS, w_MLE[0], topo)
       anchored.colour_like(graph, changed_L)
       graph = anchored
+  # foresight_split, planned alongside: the same anchor, no moves.
+  with_split = config.max_rounds > 0
+  no_moves = dataclasses.replace(config, max_rounds=0)
+  split_graph, split_frac_LS, split_x_list = graph, None, []
   frac_LS, window_L = None, None
   se_list, x_list = [], []
   for m in range(num_micro):
@@ -461,5 +618,17 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
       frac_LS = _fractions(x_LS, graph.slot_expert_LS, w_MLE[m])
     # Copies for micro-step m+1 hide under micro-step m's compute.
     window_L = cost.overlap * y_LD.max(axis=1)
-  return assemble_plan(loads_MLDE, np.stack(se_list), np.stack(x_list), topo,
-                       cost, cur_LS, config.prefer_local_node)
+    if with_split:
+      split_graph, x_LS, _ = refine_microstep(split_graph, w_MLE[m], topo, cost,
+                                              no_moves, split_frac_LS)
+      split_x_list.append(x_LS)
+      if config.warm_start:
+        split_frac_LS = _fractions(x_LS, split_graph.slot_expert_LS, w_MLE[m])
+  flows_MLS = np.stack(x_list)
+  plan = assemble_plan(loads_MLDE, np.stack(se_list), flows_MLS, topo, cost,
+                       cur_LS, config.prefer_local_node)
+  if not with_split:
+    return plan
+  return _cheaper_per_layer(plan, loads_MLDE, flows_MLS,
+                            split_graph.slot_expert_LS,
+                            np.stack(split_x_list), cur_LS, topo, cost, config)

@@ -34,6 +34,9 @@ class StepPlan(NamedTuple):
   moves_MLD: np.ndarray  # int64: experts newly copied into each device
   bytes_moved_M: np.ndarray  # float64: bytes copied before each micro-step
   fell_back: bool = False  # True when the previous placement was reused
+  # bool [L]: layers where ForeMoE kept the foresight_split plan (its own
+  # moves did not pay, `foremoe.step_cost_s`); None: no such choice made.
+  from_split_L: np.ndarray | None = None
 
   @property
   def num_microsteps(self) -> int:
@@ -42,6 +45,11 @@ class StepPlan(NamedTuple):
   def microstep(self, m: int) -> placement_lib.Placement:
     return placement_lib.Placement(self.placement.slot_expert[m],
                                    self.placement.slot_share[m])
+
+  @property
+  def layers_from_split(self) -> int:
+    """Layers that took the foresight_split plan (0 when none or no choice)."""
+    return 0 if self.from_split_L is None else int(np.sum(self.from_split_L))
 
   def last(self) -> placement_lib.Placement:
     """The placement the next step starts from."""

@@ -487,9 +487,12 @@ def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:
   device_load_MD = [placement_lib.device_loads(
       loads_MLDE[i], plan.microstep(i)).sum(axis=0).tolist()
                     for i in range(num_micro)]
+  # ForeMoE's layers whose foresight_split candidate (no moves) was cheaper
+  # (planner/foremoe.py); 0 for the other methods.
   return dict(microstep_max_over_mean=mom(plan.microstep),
               microstep_max_over_mean_static=mom(lambda i: ctx.identity),
-              device_load_MD=device_load_MD)
+              device_load_MD=device_load_MD,
+              foremoe_layers_from_split=plan.layers_from_split)
 
 
 # The RL step's jitted programs (rl/step.py); their compiles are logged by

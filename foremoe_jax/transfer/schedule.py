@@ -418,4 +418,7 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
     flows_MLS[m, ls] = split.balanced_flows(out[m, ls], w_MLE[m, ls], topo)[0]
   fitted = plan_lib.assemble_plan(loads_MLDE, out, flows_MLS, topo, cost,
                                   current_LS=home_LS)
-  return fitted._replace(fell_back=plan.fell_back), int((out != se).sum())
+  # Fitting only undoes moves: which candidate each layer took still holds.
+  return (fitted._replace(fell_back=plan.fell_back,
+                          from_split_L=plan.from_split_L),
+          int((out != se).sum()))
