@@ -251,6 +251,63 @@ def render_msa(res: dict) -> str:
   return '\n'.join(lines)
 
 
+def render_msa_from_dense(res: dict) -> str:
+  sh = res['shapes']
+  rows = []
+  for r in res['budgets']:
+    pct = f"{r['top_k']} of {r['blocks']} ({100 * r['blocks_kept_frac']:.0f}%)"
+    rows.append([pct, 'q/k init', _f(r['recall_init']),
+                 _f(r['recall_far_init']), _f(r['recall_far_oracle']),
+                 _acc(r['acc_msa_init'])])
+    rows.append([pct, f"distilled ({_f(r['distill_s'])} s)",
+                 _f(r['recall_distilled']),
+                 f"**{_f(r['recall_far_distilled'])}**",
+                 _f(r['recall_far_oracle']),
+                 f"**{_acc(r['acc_msa_distilled'])}**"])
+  lines = [
+      f"Tiny Qwen3-MoE ({sh['num_layers']} layers, {sh['num_heads']} heads /"
+      f" {sh['num_kv_heads']} groups, {sh['num_experts']} experts top-"
+      f"{sh['top_k']}) warm-started on the {sh['max_seq_len']}-token word"
+      f" problems: dense greedy accuracy **{_acc(res['acc_dense'])}**."
+      f" Exported, imported with MSA in every layer (blocks of"
+      f" {sh['msa_block_size']}), distilled. Recall: share of the dense"
+      f" attention mass inside the selected blocks, held-out sequences;"
+      f" far: queries that see more than top_k blocks; oracle: the best"
+      f" any top_k blocks could keep.", '',
+      _table(['blocks kept', 'index branch', 'recall', 'recall (far)',
+              'oracle (far)', 'greedy accuracy'], rows), '']
+  t = res.get('targets')
+  if t:
+    q = [r for r in res['budgets']
+         if abs(r['blocks_kept_frac'] - 0.25) < 1e-9][0]
+    lines.append(
+        f"- At 25% of the blocks: recall >= 0.9 (far)"
+        f" {_met(1.0 if t['recall_far_ge_0_9'] else 0.0)}, and not"
+        f" reachable by any selection here (oracle"
+        f" {_f(q['recall_far_oracle'])}); the distilled indexer keeps"
+        f" {100 * q['recall_far_of_oracle']:.0f}% of the oracle's mass."
+        if not t['oracle_allows_0_9'] else
+        f"- At 25% of the blocks: recall >= 0.9 (far)"
+        f" {_met(1.0 if t['recall_far_ge_0_9'] else 0.0)}"
+        f" ({_f(q['recall_far_distilled'])}).")
+    lines.append(
+        f"- Accuracy within 2 points of dense at 25%:"
+        f" {_met(1.0 if t['acc_within_2_points'] else 0.0)}"
+        f" ({-q['acc_gap_points']:+.1f} points).")
+  lines.append(
+      f"- RL with MSA on ({res['rl_top_k']} blocks, the distilled model"
+      f" exported and imported as an MSA checkpoint), {res['rl_steps']}"
+      f" steps: greedy {_acc(res['acc_msa_before_rl'])} ->"
+      f" {_acc(res['acc_msa_after_rl'])}; dense, the same steps:"
+      f" {_acc(res['acc_dense'])} -> {_acc(res['acc_dense_after_rl'])}.")
+  lines.append(
+      f"- Or {res['adapt_steps']} supervised steps with sparse attention"
+      f" after the switch (every parameter trains): greedy"
+      f" {_acc(res['acc_msa_before_rl'])} ->"
+      f" **{_acc(res['acc_msa_after_adapt'])}**.")
+  return '\n'.join(lines)
+
+
 def render_sampler(res: dict) -> str:
   table = _table(
       ['decode', 'tokens/s'],
@@ -604,6 +661,15 @@ def render_headline(results_dir: str) -> str:
       + ('' if dec is None else
          f"; decode {_f(dec['speedup'])}x at a {_f(dec['cache_len'])} cache"),
       _link('MSA', 'bench_msa')])
+  mfd = load('msa_from_dense')
+  q = mfd['budgets'][0]
+  rows.append([
+      'MSA from a dense checkpoint: q/k init, indexer distillation, switch',
+      f"{100 * q['blocks_kept_frac']:.0f}% of blocks: recall (far queries)"
+      f" {_f(q['recall_far_init'])} -> **{_f(q['recall_far_distilled'])}**"
+      f" of at most {_f(q['recall_far_oracle'])}; greedy accuracy"
+      f" {_acc(q['acc_msa_distilled'])} (dense {_acc(mfd['acc_dense'])})",
+      _link('MSA from a dense checkpoint', 'msa_from_dense')])
   smp = load('bench_sampler')
   rows.append([
       'Sampler: KV cache and the routing record',
@@ -639,6 +705,7 @@ RENDERERS = {
     'bench_planner': render_planner,
     'bench_msa': render_msa,
     'bench_sampler': render_sampler,
+    'msa_from_dense': render_msa_from_dense,
     'simulate_cluster': render_simulate_cluster,
     'simulate_cluster.validation': render_simulate_cluster_validation,
     'soak': render_soak,
