@@ -31,6 +31,7 @@ Shape letters: B batch, T tokens, L MSA layers.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -210,6 +211,9 @@ def run(config, task, graphdef, params, mesh, workdir: str, rng, *,
            f"blocks would keep {before['recall_far_oracle']:.3f}), KL "
            f"{before['kl']:.4f} before")
   t0 = time.perf_counter()
+  # A run stopped mid-phase reruns it whole (its checkpoint is the warm
+  # start's): the earlier attempt's records go.
+  metrics_lib.truncate_after(os.path.join(workdir, DISTILL_FILE), 0)
   with metrics_lib.MetricsWriter(workdir, DISTILL_FILE, mirror=tb) as writer:
     for i in range(dcfg.steps):
       if guard_stop():
