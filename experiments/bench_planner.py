@@ -1,5 +1,13 @@
 """Planner benchmark: ForeMoE vs static / EPLB-step / EPLB-microstep, MILP gap.
 
+ForeMoE is scored twice: on its own ('foremoe'), and as training runs it
+('foremoe_constrained': the trainer's StepPlanner kwargs, from the home
+layout every step, fitted to the transfer budget; `constraint_cost` is the
+difference). The budget is the trainer's default, one fill / flush round
+per EP device and 2 rounds between micro-steps (configs/tiny.py's 8 and 2
+on 8 devices), unless --transfer_step_rounds / --transfer_microstep_rounds
+set it as a config's `transfer` section would.
+
   python -m experiments.bench_planner --json [--plot_dir=/tmp/planner_plots]
 
 Configurations, each with 2 and with 1 redundant slot per device (names end
@@ -47,6 +55,12 @@ _TRACE_DIR = flags.DEFINE_string('trace_dir', 'results/traces', 'Where the '
                                  'sampled traces are cached.')
 _REGENERATE = flags.DEFINE_bool('regenerate_traces', False, 'Regenerate the '
                                 'sampled traces even if cached.')
+_STEP_ROUNDS = flags.DEFINE_integer(
+    'transfer_step_rounds', None, 'Fill / flush rounds of the constrained '
+    'ForeMoE (default: the trainer\'s, one per EP device).')
+_MICRO_ROUNDS = flags.DEFINE_integer(
+    'transfer_microstep_rounds', None, 'Rounds between micro-steps of the '
+    'constrained ForeMoE (default: the trainer\'s, 2).')
 
 
 def main(argv):
@@ -62,6 +76,9 @@ def main(argv):
                          'path': sampled_traces.trace_path(tc, _TRACE_DIR.value),
                          'meta': trace.meta})
     configs += evaluate.sampled_configs(traces_by_source)
+  configs = [dataclasses.replace(
+      c, transfer_step_rounds=_STEP_ROUNDS.value,
+      transfer_microstep_rounds=_MICRO_ROUNDS.value) for c in configs]
   cost, config = CostModel(), ForeMoEConfig()
   run = print_run_info({'bench': 'planner',
                         'uses_jax': any(t['generated_now'] for t in trace_info),

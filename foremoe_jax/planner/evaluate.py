@@ -26,6 +26,21 @@ Per configuration, ForeMoE's mean max/mean is checked against
 ``TARGET_MAX_OVER_MEAN`` (by redundant slots per device).
 ``milp_gap`` compares ForeMoE with the exact MILP on small instances.
 
+'foremoe' is the planner on its own: it plans each step from its previous
+step's last placement, with no round budget. The trainer runs it under
+constraints ('foremoe_constrained', `plan_constrained`): the ForeMoEConfig
+of the trainer's StepPlanner (`rl.trainer.make_rl_context`: carry_over
+False, hence the home anchor, and the transfer budget's fill / flush rounds
+and moves per layer), every step from the home layout (the engine refills
+the slots from the canonical experts each step), the plan then fitted to
+the budget (`transfer.schedule.fit_plan_to_budget`: moves beyond a round
+budget undone, layers whose flush cannot fit held or sent home) and its
+move schedule built, as the trainer's `_finalize` does. No deadline: the
+trainer's fallback on a missed deadline is not modelled; the planning time
+(planner, fit and schedule) is reported instead. `constraint_cost` is the
+constrained mean max/mean minus the unconstrained one; the targets stay on
+'foremoe', with `meets_target_constrained` beside them.
+
 Shape letters: R RL steps, M micro-steps, L layers, D devices, E experts.
 """
 from __future__ import annotations
@@ -37,11 +52,13 @@ import numpy as np
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.foresight import traces
-from foremoe_jax.planner import baselines, foremoe, milp
+from foremoe_jax.planner import baselines, foremoe, guard, milp
 from foremoe_jax.planner.plan import StepPlan
 from foremoe_jax.planner.topology import CostModel, Topology
+from foremoe_jax.transfer import schedule
 
-METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe')
+CONSTRAINED = 'foremoe_constrained'
+METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foremoe', CONSTRAINED)
 # ForeMoE's mean max/mean must not exceed this, by redundant slots per device
 # (issue 10): one redundant slot leaves fewer replicas to spread hot experts.
 TARGET_MAX_OVER_MEAN = {1: 1.08, 2: 1.05}
@@ -72,10 +89,18 @@ class BenchConfig:
   seed: int = 0
   trace: str = SYNTHETIC
   load_scale: int = 1
+  # The config's `transfer` section for 'foremoe_constrained' (None: not
+  # set, the trainer's default; see `trainer_budget`).
+  transfer_step_rounds: int | None = None
+  transfer_microstep_rounds: int | None = None
 
   @property
   def num_devices(self) -> int:
     return self.num_nodes * self.devices_per_node
+
+  def transfer_budget(self) -> schedule.TransferBudget:
+    return trainer_budget(self.num_devices, self.transfer_step_rounds,
+                          self.transfer_microstep_rounds)
 
   @property
   def target_max_over_mean(self) -> float:
@@ -100,6 +125,74 @@ class BenchConfig:
         top_k=self.top_k, num_devices=self.num_devices,
         seqs_per_microbatch=self.seqs_per_microbatch,
         tokens_per_seq=self.tokens_per_seq, seed=self.seed)
+
+
+def trainer_budget(num_devices: int, step_rounds: int | None = None,
+                   microstep_rounds: int | None = None
+                   ) -> schedule.TransferBudget:
+  """The budget `rl.trainer.transfer_budget` gives a config on
+  `num_devices` EP devices whose `transfer` section sets these (None: not
+  set): the fill and the flush get one round per EP device (a hot expert
+  copied to every device), 2 rounds go between micro-steps. configs/tiny.py
+  (8 devices: 8 and 2) and configs/_real_rl.py (num_expert and 2) set the
+  same numbers."""
+  return schedule.TransferBudget(
+      step_rounds=int(num_devices if step_rounds is None else step_rounds),
+      microstep_rounds=int(2 if microstep_rounds is None
+                           else microstep_rounds))
+
+
+def trainer_planner_config(topo: Topology, cost: CostModel,
+                           home: placement_lib.Placement,
+                           budget: schedule.TransferBudget,
+                           config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig()
+                           ) -> foremoe.ForeMoEConfig:
+  """The ForeMoEConfig the trainer's StepPlanner plans with, read off one
+  built as `rl.trainer.make_rl_context` builds it (carry_over False: home
+  anchor; the budget's rounds as anchor rounds and moves per layer), so
+  the benchmark cannot drift from the trainer."""
+  planner = guard.StepPlanner('foremoe', topo, cost, home, config=config,
+                              carry_over=False,
+                              anchor_rounds=budget.step_rounds,
+                              moves_per_layer=budget.microstep_rounds)
+  try:
+    return planner.config
+  finally:
+    planner.close()
+
+
+def plan_constrained(loads_MLDE, topo: Topology, cost: CostModel,
+                     home: placement_lib.Placement,
+                     config: foremoe.ForeMoEConfig,
+                     budget: schedule.TransferBudget):
+  """One RL step as the trainer plans it: ForeMoE from the home layout
+  with the trainer's config (`trainer_planner_config`), fitted to the
+  budget, its move schedule built (`rl.trainer._finalize`; raises
+  BudgetExceeded if the fit left a transition over budget).
+
+  Returns (fitted StepPlan, fit record): entries (micro-step, layer, slot)
+  the fit changed, layers it sent home for the whole step (the plan had
+  them elsewhere), (micro-step, layer) pairs it changed, and the seconds
+  the fit and schedule took.
+  """
+  loads_MLDE = np.asarray(loads_MLDE)
+  raw = foremoe.plan_step(loads_MLDE, topo, cost, home, config)
+  t0 = time.perf_counter()
+  plan, reverted = schedule.fit_plan_to_budget(raw, loads_MLDE, topo, cost,
+                                               budget)
+  schedule.build_step_transfer(plan.placement.slot_expert,
+                               loads_MLDE.shape[-1], topo, budget)
+  fit_s = time.perf_counter() - t0
+  raw_MLS = np.asarray(raw.placement.slot_expert)
+  se_MLS = np.asarray(plan.placement.slot_expert)
+  home_LS = np.asarray(home.slot_expert)
+  home_L = (se_MLS == home_LS).all(axis=(0, 2))
+  return plan, {
+      'reverted_slots': int(reverted),
+      'layers_sent_home': int((home_L & ~(raw_MLS == home_LS).all(
+          axis=(0, 2))).sum()),
+      'changed_layer_microsteps': int((se_MLS != raw_MLS).any(-1).sum()),
+      'fit_s': fit_s}
 
 
 REDUNDANT_SLOTS = (2, 1)  # Per device: 2 and 1 (12.5% at E=128, D=8).
@@ -152,16 +245,25 @@ def sampled_configs(traces_by_source: dict, redundant_slots=REDUNDANT_SLOTS,
 
 def run_methods(trace: traces.Trace, topo: Topology, cost: CostModel,
                 config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
-                methods=METHODS, history_decay: float = 0.5):
+                methods=METHODS, history_decay: float = 0.5,
+                budget: schedule.TransferBudget | None = None,
+                fit_log: list | None = None):
   """Plans every step of the trace with each method, interleaved.
 
   Returns {method: (list of StepPlan, list of (wall, cpu) seconds per
   step)}; CPU time (this process) is reported beside wall time because
-  benchmark machines are often shared.
+  benchmark machines are often shared. 'foremoe_constrained' plans under
+  `budget` (None: `trainer_budget` of the topology) from the home layout
+  every step, and appends each step's fit record (`plan_constrained`) to
+  `fit_log` when one is given; its seconds include the fit and schedule.
   """
   num_layers, num_experts = trace.loads_RMLDE.shape[2], trace.loads_RMLDE.shape[4]
   start = placement_lib.identity_placement(
       num_layers, num_experts, topo.num_devices, topo.slots_per_device)
+  if CONSTRAINED in methods:
+    budget = budget or trainer_budget(topo.num_devices)
+    constrained_config = trainer_planner_config(topo, cost, start, budget,
+                                                config)
   current = {m: start for m in methods}
   out = {m: ([], []) for m in methods}
   history = None
@@ -179,12 +281,19 @@ def run_methods(trace: traces.Trace, topo: Topology, cost: CostModel,
                                              current[method])
       elif method == 'foremoe':
         plan = foremoe.plan_step(loads_MLDE, topo, cost, current[method], config)
+      elif method == CONSTRAINED:
+        plan, fit = plan_constrained(loads_MLDE, topo, cost, start,
+                                     constrained_config, budget)
+        if fit_log is not None:
+          fit_log.append(fit)
       else:
         raise ValueError(f'unknown method {method!r}; pick from {METHODS}.')
       elapsed = (time.perf_counter() - t0, time.process_time() - c0)
       out[method][0].append(plan)
       out[method][1].append(elapsed)
-      current[method] = plan.last()
+      # The trainer's planner starts every step from the home layout
+      # (StepPlanner carry_over=False); the others carry their placement.
+      current[method] = start if method == CONSTRAINED else plan.last()
     # History only ever holds past steps.
     history = baselines.update_history(history, loads_MLDE, history_decay)
   return out
@@ -215,6 +324,20 @@ def method_metrics(plans: list[StepPlan], seconds: list[float],
       'latency_ms_per_layer': 1e3 * step_s / (num_micro * num_layers),
       'latency_ms_per_step': 1e3 * step_s,
       'cpu_ms_per_layer': 1e3 * cpu_s / (num_micro * num_layers),
+  }
+
+
+def fit_metrics(fit_log: list[dict], num_microsteps: int, num_layers: int,
+                skip_steps: int = 1) -> dict:
+  """What fitting to the budget did, over the scored steps."""
+  fits = fit_log[skip_steps:]
+  mean = lambda k: float(np.mean([f[k] for f in fits]))
+  return {
+      'fit_reverted_slots_per_step': mean('reverted_slots'),
+      'fit_layers_sent_home_per_step': mean('layers_sent_home'),
+      'fit_changed_layer_microstep_frac': mean('changed_layer_microsteps')
+                                          / (num_microsteps * num_layers),
+      'fit_ms_per_step': 1e3 * float(np.median([f['fit_s'] for f in fits])),
   }
 
 
@@ -309,11 +432,16 @@ def run_config(bc: BenchConfig, cost: CostModel,
   """
   topo = bc.topology()
   trace = config_trace(bc, trace)
-  results = run_methods(trace, topo, cost, config)
+  budget, fit_log = bc.transfer_budget(), []
+  results = run_methods(trace, topo, cost, config, budget=budget,
+                        fit_log=fit_log)
   metrics = {m: method_metrics(*results[m]) for m in METHODS}
+  metrics[CONSTRAINED].update(fit_metrics(fit_log, bc.num_microsteps,
+                                          bc.num_layers))
   relative_latency(metrics)
   series = {m: per_microstep_series(results[m][0]) for m in METHODS}
   target = bc.target_max_over_mean
+  constrained = metrics[CONSTRAINED]['mean_max_over_mean']
   summary = {'name': bc.name, 'trace': bc.trace, 'experts': bc.num_experts,
              'devices': bc.num_devices, 'nodes': bc.num_nodes,
              'top_k': bc.top_k,
@@ -331,6 +459,10 @@ def run_config(bc: BenchConfig, cost: CostModel,
              'target_max_over_mean': target,
              'meets_target': bool(
                  metrics['foremoe']['mean_max_over_mean'] <= target),
+             'transfer_budget': budget._asdict(),
+             'constraint_cost': float(
+                 constrained - metrics['foremoe']['mean_max_over_mean']),
+             'meets_target_constrained': bool(constrained <= target),
              'methods': metrics}
   return summary, series
 
@@ -352,7 +484,12 @@ def run_benchmark(configs, cost: CostModel,
                                  traces_by_source.get(bc.trace))
     summaries.append(summary)
     all_series[bc.name] = series
+  cost_C = np.asarray([s['constraint_cost'] for s in summaries])
   result = {'all_targets_met': all(s['meets_target'] for s in summaries),
+            'all_targets_met_constrained': all(
+                s['meets_target_constrained'] for s in summaries),
+            'constraint_cost_mean': float(cost_C.mean()),
+            'constraint_cost_max': float(cost_C.max()),
             'configs': summaries}
   if with_milp:
     gap = milp_gap(cost, config)
