@@ -4,13 +4,26 @@ Tests marked `gpu` need a CUDA device and run only through
 `make gpu-check` (scripts/gpu_check.sh sets JAX_PLATFORMS=cuda, which the
 setdefault below leaves alone); anywhere else they are skipped with the
 reason, so the CPU suite stays green.
+
+Under pytest-xdist (`make test` runs `-n 2`), the default 'load' schedule
+is replaced by whole files per worker, the slowest first: a file's tests
+run in one process, so its module-scoped fixtures (a rollout, a trained
+step) are built once and its tests reuse each other's compiled programs,
+instead of both workers building them; and starting the long files first
+leaves short ones to even out the end. file_seconds.json holds each file's
+seconds from a `pytest -n 2` run (only their order matters; a file not
+listed counts as slowest, so a new long file never starts last). An
+explicit `--dist` other than 'load' is left alone.
 """
+import json
 import os
 
 import pytest
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+_FILE_SECONDS = os.path.join(os.path.dirname(__file__), 'file_seconds.json')
 
 
 def _gpu_missing_reason():
@@ -24,8 +37,18 @@ def _gpu_missing_reason():
           f'this process has JAX_PLATFORMS={os.environ.get("JAX_PLATFORMS")!r}')
 
 
+def _slowest_files_first(items):
+  """Sorts in place by the file's recorded seconds, descending; the order
+  within a file is kept (a stable sort)."""
+  with open(_FILE_SECONDS) as f:
+    seconds = json.load(f)
+  items.sort(key=lambda item: -seconds.get(item.nodeid.split('::', 1)[0],
+                                           float('inf')))
+
+
 def pytest_collection_modifyitems(config, items):
   del config
+  _slowest_files_first(items)
   gpu_items = [item for item in items if item.get_closest_marker('gpu')]
   if not gpu_items:
     return
@@ -33,3 +56,13 @@ def pytest_collection_modifyitems(config, items):
   if reason:
     for item in gpu_items:
       item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """Whole files per worker, in collection order (slowest first)."""
+  if config.getvalue('dist') != 'load':
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+  config.option.loadscopereorder = False  # Keep the order sorted above.
+  return LoadFileScheduling(config, log)

@@ -6,25 +6,9 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_rl_train_cli_applies_config_overrides(tmp_path):
-  workdir = tmp_path / 'run'
-  cmd = [sys.executable, '-m', 'experiments.rl_train',
-         '--config=configs/tiny.py', f'--workdir={workdir}',
-         '--config.warmstart.steps=5', '--config.rl.steps=2',
-         '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
-         '--config.planner.method=eplb_step', '--config.task=sort']
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert '# run:' in out.stdout  # The setup is printed first.
-  records = [json.loads(l) for l in open(workdir / 'metrics.jsonl')]
-  assert [r['step'] for r in records] == [1, 2]
-  assert all(r['planner'] == 'eplb_step' for r in records)
-  summary = json.loads(out.stdout.strip().splitlines()[-1])
-  assert summary['reward_first'] is not None
 
 
 def test_bad_override_fails_with_the_rule():
@@ -75,15 +59,25 @@ def test_unknown_config_field_is_one_line_with_the_nearest_name(tmp_path):
       '--config.planner.method?']
 
 
-def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
-  """As a scheduler preempts a job: SIGTERM mid-RL, then the same command."""
-  flags = [f'--workdir={tmp_path}', '--config.warmstart.steps=20',
+@pytest.fixture(scope='module')
+def preempted_run(tmp_path_factory):
+  """One job with --config.* overrides, as a scheduler preempts it: SIGTERM
+  mid-RL, then the same command continued to two steps past the stop. Two
+  tests read it: the overrides took effect; the stop saved and the rerun
+  resumed. (One run for both: each costs a warm start and RL compiles.)"""
+  tmp_path = tmp_path_factory.mktemp('preempted')
+  workdir = tmp_path / 'run'
+  flags = [f'--workdir={workdir}', '--config.warmstart.steps=20',
            '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
-           '--config.checkpoint_every=100', '--config.task=sort']
+           '--config.checkpoint_every=100', '--config.task=sort',
+           '--config.planner.method=eplb_step',
+           # Two capacity rungs: one update program for every step, not one
+           # compile per bucket.
+           '--config.parallel.capacity_growth=100']
   cmd = [sys.executable, '-m', 'experiments.rl_train',
          '--config=configs/tiny.py', *flags, '--config.rl.steps=50',
          '--config.profile_steps=1']
-  env = _cached_env(tmp_path.parent / f'{tmp_path.name}_jax_cache')
+  env = _cached_env(tmp_path / 'jax_cache')
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env)
   lines = []
@@ -93,11 +87,42 @@ def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
       proc.send_signal(signal.SIGTERM)
       break
   rest, err = proc.communicate(timeout=300)
-  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-  last = [l for l in (lines + rest.splitlines(True)) if l.startswith('step ')]
-  stopped_at = int(last[-1].split('|')[0].split()[1])
-  assert stopped_at < 50
-  final = rest.strip().splitlines()[-1]
+  run = dict(workdir=workdir, flags=flags, cmd=cmd,
+             returncode=proc.returncode, stdout=''.join(lines) + rest,
+             rest=rest, stderr=err)
+  last = [l for l in run['stdout'].splitlines() if l.startswith('step ')]
+  run['stopped_at'] = int(last[-1].split('|')[0].split()[1]) if last else 0
+  # Read before the rerun appends to it.
+  run['steps_at_stop'] = [json.loads(l)['step']
+                          for l in open(workdir / 'metrics.jsonl')]
+  run['rerun'] = _rl_train(*flags, f'--config.rl.steps={run["stopped_at"] + 2}',
+                           timeout=600, env=env)
+  return run
+
+
+def test_rl_train_cli_applies_config_overrides(preempted_run):
+  run = preempted_run
+  assert '# run:' in run['stdout']  # The setup is printed first.
+  out = run['rerun']
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert '# run:' in out.stdout
+  # --config.rl.steps ended the rerun two steps past the stop;
+  # --config.planner.method chose every step's planner.
+  records = [json.loads(l) for l in open(run['workdir'] / 'metrics.jsonl')]
+  assert [r['step'] for r in records] == list(range(1, run['stopped_at'] + 3))
+  assert all(r['planner'] == 'eplb_step' for r in records)
+  summary = json.loads(out.stdout.strip().splitlines()[-1])
+  assert summary['reward_first'] is not None
+
+
+def test_sigterm_saves_the_step_and_a_rerun_continues_there(preempted_run):
+  """As a scheduler preempts a job: SIGTERM mid-RL, then the same command."""
+  run = preempted_run
+  workdir, cmd, err = run['workdir'], run['cmd'], run['stderr']
+  assert run['returncode'] == 128 + signal.SIGTERM, err[-3000:]
+  stopped_at = run['stopped_at']
+  assert 2 <= stopped_at < 50
+  final = run['rest'].strip().splitlines()[-1]
   assert final.startswith(f'stopped by SIGTERM: step {stopped_at} saved in '), final
   # The hint runs as printed from the same folder: the interpreter that ran
   # the job (no activated venv needed), then the same flags.
@@ -105,18 +130,16 @@ def test_sigterm_saves_the_step_and_a_rerun_continues_there(tmp_path):
   assert os.path.samefile(os.path.join(ROOT, hint[0]), sys.executable), hint
   assert hint[1:] == ['-m', 'experiments.rl_train', *cmd[3:]], hint
   assert 'Traceback' not in err
-  assert os.path.isdir(tmp_path / 'checkpoints' / str(stopped_at))
-  traces = [f for _, _, fs in os.walk(tmp_path / 'profile') for f in fs]
+  assert os.path.isdir(workdir / 'checkpoints' / str(stopped_at))
+  traces = [f for _, _, fs in os.walk(workdir / 'profile') for f in fs]
   assert any(f.endswith('.xplane.pb') for f in traces), traces
-  steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
-  assert steps == list(range(1, stopped_at + 1))
+  assert run['steps_at_stop'] == list(range(1, stopped_at + 1))
 
-  out = _rl_train(*flags, f'--config.rl.steps={stopped_at + 2}', timeout=600,
-                  env=env)
+  out = run['rerun']
   assert out.returncode == 0, out.stderr[-3000:]
   assert f'restored the rl checkpoint at step {stopped_at}' in out.stdout
   assert 'warm start ' not in out.stdout
-  steps = [json.loads(l)['step'] for l in open(tmp_path / 'metrics.jsonl')]
+  steps = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl')]
   assert steps == list(range(1, stopped_at + 3))
 
 

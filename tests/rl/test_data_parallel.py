@@ -333,8 +333,13 @@ def test_gradients_are_reduced_once_per_step(dp_run, fsdp, fsdp_axes):
   the end, too)."""
   cfg = _config(2, 4, fsdp=fsdp, fsdp_axes=fsdp_axes)
   mesh = ep.make_mesh(2, 4)
-  ctx = _context(cfg, mesh, get_task('addition'))
-  ctx.planner.close()
+  # The context that ran this config's step in dp_run: the lowering below
+  # is of the program that step compiled (jax's cache returns it).
+  run = {(False, 'data'): 'dp', (True, 'data'): 'fsdp',
+         (True, 'data+expert'): 'fsdp_all'}[fsdp, fsdp_axes]
+  ctx = dp_run[run]['ctx']
+  assert ctx.config.parallel.fsdp == fsdp
+  assert ctx.config.parallel.fsdp_axes == fsdp_axes
   state = _state(cfg, mesh, ctx)
   planned = dp_run['dp']['planned']
   plan = step_lib.StepPlan(

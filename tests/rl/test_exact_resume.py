@@ -18,12 +18,17 @@ from foremoe_jax import planner as planner_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 # A generous planner deadline: a plan that times out on a loaded machine
-# falls back to the home layout, which is a different (valid) run.
+# falls back to the home layout, which is a different (valid) run. A
+# capacity ladder of two rungs (the uniform expectation, dropless): each
+# step's plan still decides its bucket, but the steps share one update
+# program instead of compiling one per bucket (a compile costs more than
+# the whole step here).
 FLAGS = ['--config=configs/tiny.py', '--config.warmstart.steps=10',
          '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
          '--config.checkpoint_every=2', '--config.rl.steps=4',
          '--config.planner.method=eplb_step',
-         '--config.planner.deadline_ms=600000']
+         '--config.planner.deadline_ms=600000',
+         '--config.parallel.capacity_growth=100']
 
 
 def _env(cache_dir):

@@ -1,5 +1,6 @@
 """The RL step: replayed recompute equals the rollout; accumulation is exact;
 moving experts between micro-steps changes no number; no expert all-gather."""
+import functools
 import importlib
 
 import jax
@@ -76,6 +77,7 @@ def random_plan(rng, num_mb, num_layers, spd=2):
   return placement_lib.Placement(np.stack(se), np.stack(share))
 
 
+@functools.cache  # One jit per options: tests with the same shapes share it.
 def _grads_fn(**kw):
   """jit(state, batch, plan) -> (grads, metrics): recompute (old and, with
   a reference policy, ref log-probs on the canonical layout) + update."""
@@ -301,9 +303,11 @@ def test_lean_step_equals_the_step_with_a_recompute(setup, mu):
     logps = rl_step.recompute(state, batch)
     if name == 'lean':
       assert 'old_logp_MbT' not in logps or mu > 1
-    else:  # The old policy's forward, at mu = 1 asked for explicitly.
+    elif mu == 1:  # The old policy's forward, at mu = 1 asked for explicitly.
       logps = step_lib.recompute_logps(state, batch, None, old=True,
                                        ref=False)
+    else:  # At mu = 2 the step's own recompute ran it.
+      assert rl_step.recompute_passes(False)['old']
     new_state, m = rl_step.update(state, batch, logps, plan)
     out[name] = (jax.device_get(new_state.params), m)
   (p_lean, m_lean), (p_full, m_full) = out['lean'], out['full']
