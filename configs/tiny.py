@@ -142,12 +142,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.planner.inter_node_bw = 1e10
   c.planner.overlap = 0.5  # Share of a micro-step's compute that hides copies.
 
-  # Transfer engine: static rounds of ppermute (one expert per device per
-  # round and layer). step_rounds fill the slots before micro-step 0 and
-  # flush the replica gradients home after the last; microstep_rounds move
-  # experts between micro-steps, overlapped with compute. Plans are fitted
-  # to these budgets (moves beyond them are undone), so nothing recompiles.
+  # Transfer engine. 'exact': one ragged all-to-all per layer and
+  # transition carries exactly the experts that move; a "round" is one
+  # expert each way per device, so the budgets bound the experts a device
+  # sends or receives per layer ('rounds': the first engine, cyclic-shift
+  # ppermute rounds in which every device sends, kept for comparison).
+  # step_rounds fill the slots before micro-step 0 and flush the replica
+  # gradients home after the last; microstep_rounds move experts between
+  # micro-steps, overlapped with compute. Plans are fitted to these budgets
+  # (moves beyond them are undone), so nothing recompiles.
   c.transfer = ml_collections.ConfigDict()
+  c.transfer.mode = 'exact'
   c.transfer.step_rounds = 8  # A hot expert copied to every device: D - 1 sends.
   c.transfer.microstep_rounds = 2
   return c

@@ -63,6 +63,10 @@ _TRACE = flags.DEFINE_string(
     'trace', None, 'A recorded load trace (.npz of foresight.traces) used '
     'instead of the synthetic one where its [M, L, D, E] fits a model and EP '
     'group.')
+_TRANSFER = flags.DEFINE_enum(
+    'transfer_mode', 'exact', ['exact', 'rounds'], 'How expert moves travel: '
+    'exact (one ragged all-to-all of the experts that move, the default) or '
+    'rounds (cyclic-shift ppermute rounds, the first engine).')
 _OUT = flags.DEFINE_string('out_dir', 'results/simulate_cluster',
                            'Where the PNGs go.')
 
@@ -82,6 +86,7 @@ def main(argv):
                         'device_counts': devices,
                         'profiles': _PROFILES.value,
                         'methods': _METHODS.value, 'workload': work_kwargs,
+                        'transfer_mode': _TRANSFER.value,
                         'validate': _VALIDATE.value})
   log = (lambda *a, **k: None) if _JSON.value else print
   t0 = time.perf_counter()
@@ -102,7 +107,8 @@ def main(argv):
   rows, pngs = [], []
   if _GRID.value:
     rows = cluster.run_grid(_MODELS.value, devices, profiles, _METHODS.value,
-                            work_kwargs=work_kwargs, trace=trace, log=log)
+                            work_kwargs=work_kwargs, trace=trace,
+                            transfer_mode=_TRANSFER.value, log=log)
     pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
   for r in rows:
     if r['mode'] == 'exact' and r['profile'] == profiles[0].name:
@@ -123,6 +129,7 @@ def main(argv):
           'measured_speedup_update_vs_static':
               validation['measured_speedup_update_vs_static']},
       **cluster.headline(rows, profile=profiles[0].name),
+      **cluster.transfer_summary(rows),
       'paper_speedup_64gpu': PAPER_SPEEDUP_64GPU,
       'assumptions': {
           'profile': hardware.describe(profiles[0]),

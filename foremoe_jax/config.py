@@ -256,6 +256,8 @@ def validate_config(config) -> None:
     for f in ('step_rounds', 'microstep_rounds'):
       _require(int(t[f]) >= 1, f'transfer.{f}',
                f'must be >= 1 (rounds of one expert per device), got {t[f]}')
+    _require(t.get('mode', 'exact') in ('exact', 'rounds'), 'transfer.mode',
+             f"must be 'exact' or 'rounds', got {t.get('mode')!r}")
   if 'planner' in config:
     _validate_planner(config.planner)
   if 'rl' in config:

@@ -92,9 +92,10 @@ def preempted_run(tmp_path_factory):
              rest=rest, stderr=err)
   last = [l for l in run['stdout'].splitlines() if l.startswith('step ')]
   run['stopped_at'] = int(last[-1].split('|')[0].split()[1]) if last else 0
-  # Read before the rerun appends to it.
-  run['steps_at_stop'] = [json.loads(l)['step']
-                          for l in open(workdir / 'metrics.jsonl')]
+  # Read before the rerun appends to it (None: no step was logged).
+  metrics = workdir / 'metrics.jsonl'
+  run['steps_at_stop'] = ([json.loads(l)['step'] for l in open(metrics)]
+                          if metrics.exists() else None)
   run['rerun'] = _rl_train(*flags, f'--config.rl.steps={run["stopped_at"] + 2}',
                            timeout=600, env=env)
   return run

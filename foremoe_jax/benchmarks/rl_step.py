@@ -20,7 +20,9 @@ of the foresight) and ForeMoE. Per method, interleaved over repetitions:
 update_s, recompute_s, step_s (everything from planning to the updated
 state: step-level planning, recompute, waiting for the plan, update),
 plan_s and plan_wait_s, the micro-step max/mean device load (mean and
-p95), weight bytes moved per device per micro-step, exposed_transfer_s
+p95), weight bytes moved per device per micro-step, wire_bytes_over_useful
+(experts the transfer collectives carry over those that had to move; the
+CPU emulation's padded figure beside it), exposed_transfer_s
 (the update minus the same update with the placements already installed:
 no fill, no moves), the capacity buckets, and the bytes of any all-gather
 of expert weights in the compiled update (must be 0). Every XLA compile of
@@ -53,7 +55,7 @@ from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
 from foremoe_jax.tasks import task_from_config
-from foremoe_jax.transfer import engine
+from foremoe_jax.transfer import engine, schedule
 from foremoe_jax.utils import compiles as compiles_lib
 from foremoe_jax.utils import hlo
 
@@ -115,8 +117,10 @@ def _installed(transfer):
   expert locally (wrong weights, right cost without transfers)."""
   def idle(t):
     t = {k: jnp.zeros_like(v) for k, v in t.items()}
-    for k in ('recv_LRD', 'ret_recv_LRD', 'ret_local_LS'):
-      t[k] = t[k] - 1
+    for k in ('recv_LRD', 'ret_recv_LRD', 'recv_LDR', 'ret_recv_LDR',
+              'ret_local_LS'):
+      if k in t:
+        t[k] = t[k] - 1
     return t
   out = {k: idle(v) for k, v in transfer.items()}
   out['fill']['local_src_LS'] = jnp.full_like(
@@ -283,6 +287,13 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         capacity=planned.capacity, recompute_capacity=r['recompute_capacity'],
         weight_bytes_moved_per_device_per_microstep=moved[
             'weight_bytes_moved_per_device_per_microstep'],
+        # Experts on the wire over experts that had to cross devices, for
+        # the collective a GPU/TPU runs (exact: the ragged all-to-all) and
+        # for the CPU emulation this benchmark ran (pads every pair).
+        wire_bytes_over_useful=moved['wire_bytes_over_useful'],
+        wire_bytes_over_useful_cpu_emulation=(
+            schedule.step_wire_over_useful(planned.transfer, 8,
+                                           emulated=True)),
         reverted_moves=planned.reverted,
         transfer_id_errors=r['id_errors'], dropped=r['dropped'],
         hlo_expert_all_gather_bytes=hlo_bytes[method])

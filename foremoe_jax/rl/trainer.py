@@ -137,7 +137,8 @@ def transfer_budget(config) -> schedule.TransferBudget:
   spd = config_lib.slots_per_device(config)
   return schedule.TransferBudget(
       step_rounds=int(t.get('step_rounds', config.parallel.num_expert)),
-      microstep_rounds=int(t.get('microstep_rounds', 2)))
+      microstep_rounds=int(t.get('microstep_rounds', 2)),
+      mode=str(t.get('mode', 'exact')))
 
 
 @dataclasses.dataclass
@@ -467,15 +468,17 @@ def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
   per_expert = ctx.cost.bytes_per_expert
   st = planned.transfer
   fills = st.remote_fills_M()
-  # A remote return is a receive with a target in some return round.
-  returns = int((st.steps.ret_recv_LRD >= 0).sum()
-                + (st.flush.ret_recv_LRD >= 0).sum())
+  returns = (schedule.remote_returns(st.steps)
+             + schedule.remote_returns(st.flush))
   return dict(
       weight_bytes_moved_per_device_per_microstep=float(
           fills.sum() * per_expert / (d * num_micro)),
       grad_bytes_returned_per_device_per_microstep=float(
           returns * per_expert / (d * num_micro)),
-      remote_fills_M=fills.tolist(), reverted_moves=planned.reverted)
+      remote_fills_M=fills.tolist(), reverted_moves=planned.reverted,
+      # Experts on the wire over experts that had to move (1.0: exact;
+      # the CPU emulation of the exact exchange pads, see transfer/engine).
+      wire_bytes_over_useful=schedule.step_wire_over_useful(st, d))
 
 
 def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:

@@ -45,8 +45,11 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
              methods=simulate.METHODS, modes=simulate.MODES,
              work_kwargs: dict | None = None, seed: int = 0,
              trace: traces.Trace | None = None, skip_above=None,
-             log=print) -> list[dict]:
+             transfer_mode: str = 'exact', log=print) -> list[dict]:
   """One row per (model, devices, profile, mode, method).
+
+  transfer_mode: the transfer schedule's (`schedule.MODES`): ``exact``
+  (ragged all-to-all of the experts that move) or ``rounds``.
 
   trace: recorded loads (e.g. the sampler's, `traces.trace_from_step_loads`)
   used instead of a synthetic trace wherever its shape fits (step 0 feeds
@@ -74,7 +77,8 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
         history = baselines.update_history(None, loads.step(0), 0.5)
         plans = simulate.plan_methods(
             loads.step(1), history, topo, simulate.cost_model(model, profiles[0]),
-            simulate.default_budget(topo), model.top_k, work.tokens_per_device,
+            simulate.default_budget(topo, transfer_mode), model.top_k,
+            work.tokens_per_device,
             [m for m in methods if ep <= skip_above.get(m, ep)])
         cache[ep] = (loads.step(1), plans)
         log(f'{name}: EP {ep} planned in {time.perf_counter() - t0:.1f}s ('
@@ -85,7 +89,8 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
           for method, mp in plans.items():
             r = simulate.time_step(mp, loads, model, work, hw, mode)
             rows.append(dict(model=name, devices=num_dev, ep=ep,
-                             profile=hw.name, mode=mode, method=method, **r))
+                             profile=hw.name, mode=mode, method=method,
+                             transfer_mode=transfer_mode, **r))
   _add_speedups(rows)
   return rows
 
@@ -132,6 +137,10 @@ def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
     out[f'all_to_all_share_of_update_64gpu_foremoe{suffix}'] = (
         r['all_to_all_s'] / r['update_s'])
     out[f'sender_max_over_mean_64gpu{suffix}'] = r['sender_max_over_mean']
+    out[f'wire_bytes_over_useful_64gpu_foremoe{suffix}'] = r[
+        'wire_bytes_over_useful']
+    out[f'transfer_exposed_share_of_update_64gpu_foremoe{suffix}'] = (
+        r['transfer_exposed_s'] / r['update_s'])
     out[f'microstep_max_over_mean_64gpu_foremoe{suffix}'] = r[
         'microstep_max_over_mean']
     try:
@@ -142,6 +151,24 @@ def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
     except KeyError:
       pass
   return out
+
+
+def transfer_summary(rows, mode: str = simulate.DEFAULT_MODE) -> dict:
+  """The transfer engine over the grid (one dispatch mode): its schedule
+  mode, the worst wire / useful ratio of any row, and per EP size the
+  largest share of the update its exposed transfers take."""
+  rows = [r for r in rows if r['mode'] == mode]
+  if not rows:
+    return {}
+  exposed = {}
+  for r in rows:
+    k = str(r['devices'])
+    exposed[k] = max(exposed.get(k, 0.0),
+                     r['transfer_exposed_s'] / r['update_s'])
+  return dict(transfer_mode=rows[0].get('transfer_mode', 'exact'),
+              wire_bytes_over_useful_max=max(r['wire_bytes_over_useful']
+                                             for r in rows),
+              transfer_exposed_share_of_update_max=exposed)
 
 
 def workload_description(work_kwargs: dict | None) -> dict:

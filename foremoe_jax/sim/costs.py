@@ -20,10 +20,13 @@ function states what it models; the module's assumptions, in one place:
   all-to-all time is its busier direction: bytes to its own node over the
   intra-node rate and bytes to other nodes over the inter-node rate, the
   two tiers in parallel, plus one latency of the slowest tier used.
-* An expert move is one round of the transfer schedule: a cyclic-shift
-  permute in which every device sends at most one expert; a round takes
-  the bytes of one expert over the slowest link any of its pairs uses,
-  plus that link's latency. Rounds of a layer run one after another.
+* Expert moves follow the transfer schedule's mode. ``exact``: one
+  ragged all-to-all per layer and transition carrying exactly the experts
+  that move, timed like a token all-to-all (each device's busier direction
+  over its links). ``rounds``: a cyclic-shift permute in which every device
+  sends at most one expert; a round takes the bytes of one expert over the
+  slowest link any of its pairs uses, plus that link's latency, and the
+  rounds of a layer run one after another.
 * Moves into micro-step m + 1 run while micro-step m computes (the engine
   double-buffers); they hide under `transfer_overlap` of m's compute and
   the rest is exposed. The first fill and the last flush are exposed.
@@ -105,15 +108,27 @@ def rounds_time(shift_R, recv_RD, item_bytes: float, hw: HardwareProfile,
   return total
 
 
+def exchange_time(count_DD, item_bytes: float, hw: HardwareProfile) -> float:
+  """One ragged all-to-all of whole experts (``exact`` mode): source c
+  sends count_DD[c, d] items to d; free when nothing moves."""
+  count = np.asarray(count_DD, np.float64)
+  if not count.any():
+    return 0.0
+  return all_to_all_time(count * item_bytes, hw)
+
+
 def transition_time(t, layer_index, model: ModelShape, hw: HardwareProfile,
                     num_devices: int, grad_bytes_per_param: int) -> float:
   """Fills and gradient returns of one layer of one schedule Transition
   (its arrays indexed by `layer_index`, a tuple), all devices at once."""
+  grad_bytes = model.params_per_expert * grad_bytes_per_param
+  if hasattr(t, 'count_LDD'):  # An ExactTransition.
+    return (exchange_time(t.count_LDD[layer_index], model.bytes_per_expert, hw)
+            + exchange_time(t.ret_count_LDD[layer_index], grad_bytes, hw))
   fills = rounds_time(t.shift_LR[layer_index], t.recv_LRD[layer_index],
                       model.bytes_per_expert, hw, num_devices)
   grads = rounds_time(t.ret_shift_LR[layer_index],
-                      t.ret_recv_LRD[layer_index],
-                      model.params_per_expert * grad_bytes_per_param, hw,
+                      t.ret_recv_LRD[layer_index], grad_bytes, hw,
                       num_devices)
   return fills + grads
 

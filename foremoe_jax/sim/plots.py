@@ -88,3 +88,53 @@ def write_plots(rows, out_dir: str, profile: str = 'h100') -> list[str]:
           rows, os.path.join(out_dir, f'breakdown_{model}_{profile}_{mode}.png'),
           profile, mode, model))
   return paths
+
+
+def moves_ratio_plot(rows, path: str, profile: str) -> str:
+  """experiments.sweep_moves: ForeMoE's step speedup over foresight_split
+  (the same foresight without moves) per tokens config, a bar per
+  redundant-slot count, a panel per (model, devices); the update alone as
+  black ticks. Cells where a method failed have no bar."""
+  panels = list(dict.fromkeys((r['model'], r['devices']) for r in rows))
+  configs = list(dict.fromkeys((r['seqs_per_microbatch'], r['tokens_per_seq'])
+                               for r in rows))
+  redundant = sorted({r['redundant_slots_per_device'] for r in rows})
+  width = 0.8 / len(redundant)
+  cmap = plt.get_cmap('viridis')
+  fig, axes = plt.subplots(1, len(panels), squeeze=False,
+                           figsize=(max(6.5, 1.8 * len(configs)) * len(panels),
+                                    3.8))
+  for ax, (model, devices) in zip(axes[0], panels):
+    for j, red in enumerate(redundant):
+      for i, (seqs, tokens) in enumerate(configs):
+        sel = [r for r in rows if r['model'] == model
+               and r['devices'] == devices
+               and r['redundant_slots_per_device'] == red
+               and (r['seqs_per_microbatch'], r['tokens_per_seq'])
+               == (seqs, tokens)]
+        step = sel[0]['foremoe_vs_foresight_split_step'] if sel else None
+        if step is None:
+          continue
+        x = i + (j - (len(redundant) - 1) / 2) * width
+        ax.bar(x, step - 1.0, width, bottom=1.0,
+               color=cmap(j / max(1, len(redundant) - 1)),
+               label=f'{red} redundant slot(s)' if i == 0 else None)
+        ax.plot([x - width / 2, x + width / 2],
+                [sel[0]['foremoe_vs_foresight_split_update']] * 2, 'k-',
+                lw=1.5, label='update alone' if i == j == 0 else None)
+        ax.annotate(f'{step:.3f}', (x, step), ha='center',
+                    va='bottom' if step >= 1 else 'top', fontsize=7)
+    ax.axhline(1.0, color='k', lw=0.5)
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels([f'{s} x {t:,}' for s, t in configs])
+    ax.set_xlabel('sequences x tokens per device and micro-step')
+    ax.set_title(f'{model}, {devices} devices')
+    ax.margins(y=0.25)
+  axes[0][0].set_ylabel('ForeMoE speedup vs foresight_split')
+  axes[0][-1].legend(fontsize=7)
+  fig.suptitle(f'what the moves add: simulated RL step, {profile}, exact '
+               'dispatch')
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -81,11 +81,12 @@ def cost_model(model: ModelShape, hw: HardwareProfile) -> CostModel:
       overlap=0.5 * hw.transfer_overlap)  # The planner's default window.
 
 
-def default_budget(topo: Topology) -> schedule.TransferBudget:
+def default_budget(topo: Topology,
+                   mode: str = 'exact') -> schedule.TransferBudget:
   """The trainer's defaults: the fill may take up to D rounds (every
   device's replicas from every home), 2 rounds between micro-steps."""
   return schedule.TransferBudget(step_rounds=topo.num_devices,
-                                 microstep_rounds=2)
+                                 microstep_rounds=2, mode=mode)
 
 
 def _buckets(loads_MLDE, placement_of, buckets) -> dict:
@@ -199,7 +200,7 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
 
 def _transition_s(t, model, hw, num_dev, lead=()) -> np.ndarray:
   """Seconds per layer of a Transition (lead: index of micro-step)."""
-  num_layers = t.shift_LR[lead].shape[0]
+  num_layers = t.local_src_LS[lead].shape[0]
   return np.array([costs.transition_time(t, lead + (l,), model, hw, num_dev,
                                          grad_bytes_per_param=4)
                    for l in range(num_layers)])
@@ -300,6 +301,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       transfer_hidden_s=float(hidden_M.sum()),
       transfer_exposed_s=float(exposed_M.sum() + fill_s + flush_s),
       fill_s=float(fill_s), flush_s=float(flush_s),
+      # Experts the transfer collectives carry over experts that moved.
+      wire_bytes_over_useful=schedule.step_wire_over_useful(mp.transfer,
+                                                            num_dev),
       optimizer_s=optimizer_s, grad_sync_s=sync_s,
       capacity=mp.capacity[mode], reverted_moves=mp.reverted,
       microstep_max_over_mean=float(placement_lib.max_over_mean(

@@ -8,12 +8,24 @@ to the next:
 
 * local copies first: a slot whose new expert already sits on this device
   (in another slot, or as a canonical home expert) copies it, no traffic;
-* then R rounds (R static): in round r every device sends at most one
-  expert to the device `shift[r]` places after it and receives at most one.
-  A round is one `jax.lax.ppermute` whose cyclic shift is picked at run time
-  (`lax.switch` over the D - 1 static shifts; shift 0 sends nothing), so a
-  new schedule never recompiles and the bytes on the wire are bounded by
-  R experts per device, whatever E is.
+* then the remote copies, in one of two ways (the Transition's type says
+  which; `schedule.MODES`):
+
+  - ``exact`` (ExactTransition, the default): one ragged all-to-all per
+    layer. A device packs the (at most R) experts it sends into an
+    [R, X...] buffer grouped by destination, and `jax.lax.ragged_all_to_all`
+    sends each destination exactly its items, with offsets and sizes from
+    the schedule's [D, D] count matrix (data, so a new schedule never
+    recompiles). The receiver writes the items it got into their slots.
+    Only experts that move cross the wire. XLA:CPU has no ragged
+    all-to-all; there the exchange is the dispatch's emulation with the
+    same contract (`dispatch_exact.emulated_ragged_all_to_all`: an
+    all_to_all of D chunks of R experts, padded).
+  - ``rounds`` (Transition): R rounds, R static. In round r every device
+    sends at most one expert to the device `shift[r]` places after it and
+    receives at most one. A round is one `jax.lax.ppermute` whose cyclic
+    shift is picked at run time (`lax.switch` over the D - 1 static shifts;
+    shift 0 sends nothing). Every device sends in a round, useful or not.
 
 Expert ids travel with the weights (an int32 leaf beside them), so the
 device can check that each slot holds the expert the plan says.
@@ -31,12 +43,14 @@ is the scheduler's choice: on GPU, XLA's latency-hiding scheduler with
 asynchronous collectives (`--xla_gpu_enable_latency_hiding_scheduler=true`,
 on by default in recent jaxlib; `--xla_gpu_enable_pipelined_collectives`
 for loops); on TPU `--xla_tpu_enable_latency_hiding_scheduler=true` and
-`--xla_enable_async_collective_permute=true`. One caveat: a round's
-ppermute sits inside the `lax.switch` that picks its shift, and XLA
-schedules a conditional's collectives inside the branch, so they overlap
-work in the same branch only; on CPU collectives are synchronous anyway.
-The benchmark therefore reports the *exposed* transfer time directly
-(experiments/bench_rl_step.py).
+`--xla_enable_async_collective_permute=true`. In ``exact`` mode the
+exchanges sit in the scan over layers and in no conditional (a test reads
+the compiled program to hold this), so the scheduler may move them across
+the micro-step's compute. In ``rounds`` mode a round's ppermute sits
+inside the `lax.switch` that picks its shift, and XLA schedules a
+conditional's collectives inside the branch, so they overlap work in the
+same branch only. On CPU collectives are synchronous anyway; the benchmark
+reports the *exposed* transfer time directly (experiments/bench_rl_step.py).
 
 Everything here runs per device under `jax.shard_map` over the ('data',
 'expert') mesh; slot buffers and canonical experts are replicated over
@@ -58,18 +72,31 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from foremoe_jax.model import dispatch_exact
 from foremoe_jax.model.expert_parallel import EXPERT, vary, varying_axes
+from foremoe_jax.transfer import schedule
 
 # Fields of a schedule Transition the device reads (the rest is host
 # bookkeeping for metrics).
 DEVICE_FIELDS = ('local_src_LS', 'shift_LR', 'send_LRD', 'recv_LRD',
                  'evict_LS', 'ret_local_LS', 'ret_shift_LR', 'ret_send_LRD',
                  'ret_recv_LRD')
+EXACT_DEVICE_FIELDS = ('local_src_LS', 'send_LDR', 'count_LDD', 'recv_LDR',
+                       'evict_LS', 'ret_local_LS', 'ret_send_LDR',
+                       'ret_count_LDD', 'ret_recv_LDR')
 
 
 def device_transition(transition) -> dict:
-  """The device half of a schedule Transition (numpy in, jnp arrays out)."""
-  return {f: jnp.asarray(getattr(transition, f)) for f in DEVICE_FIELDS}
+  """The device half of a schedule (Exact)Transition (numpy in, jnp arrays
+  out)."""
+  fields = (EXACT_DEVICE_FIELDS
+            if isinstance(transition, schedule.ExactTransition)
+            else DEVICE_FIELDS)
+  return {f: jnp.asarray(getattr(transition, f)) for f in fields}
+
+
+def _is_exact(t: dict) -> bool:
+  return 'count_LDD' in t
 
 
 def device_step_transfer(step_transfer) -> dict:
@@ -123,13 +150,36 @@ def _rounds(shift_R, one_round, init):
   return jax.lax.fori_loop(0, shift_R.shape[0], step, init)
 
 
-def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
-  """One layer's fills on this device: local copies, then the rounds.
+def _exchange(items, count_DD, me, exchange: str):
+  """One ragged all-to-all of expert-sized items ([R, X...] leaves packed
+  by destination): this device sends count_DD[me, d] items to device d and
+  receives count_DD[c, me] from each c, sources laid out in ascending
+  order. Returns the received items, [R, X...] (unused rows zero)."""
+  send_D, recv_D = count_DD[me], count_DD[:, me]
+  in_off_D = jnp.cumsum(send_D) - send_D
+  # before[c, d]: items device d receives from sources before c.
+  before_DD = jnp.cumsum(count_DD, axis=0) - count_DD
+  out_off_D, recv_off_D = before_DD[me], before_DD[:, me]
 
-  Every source is read from the buffers as they were before the transition
-  (within a step all copies of an expert are equal, so order is free). The
-  rounds are a fori_loop, so compile time does not grow with the budget.
-  """
+  def one(x):
+    flat = x.reshape(x.shape[0], -1)
+    out = jnp.zeros_like(flat)
+    if exchange == 'ragged':
+      got = jax.lax.ragged_all_to_all(flat, out, in_off_D, send_D, out_off_D,
+                                      recv_D, axis_name=EXPERT)
+    elif exchange == 'emulated':
+      got = dispatch_exact.emulated_ragged_all_to_all(
+          flat, out, in_off_D, send_D, out_off_D, recv_D, axis_name=EXPERT,
+          chunk=x.shape[0], recv_offsets=recv_off_D)
+    else:
+      raise ValueError(f"exchange must be 'ragged' or 'emulated', got "
+                       f'{exchange!r}.')
+    return got.reshape(x.shape)
+  return jax.tree.map(one, items)
+
+
+def _local_copies(slots, canon, t, me, spd: int):
+  """Slots filled from this device's own buffers (no traffic)."""
   local_s = jax.lax.dynamic_slice_in_dim(t['local_src_LS'], me * spd, spd)
   # Slot by slot, and only the slots that take a local copy: a transition
   # between micro-steps changes a few slots, and rewriting all of them
@@ -141,6 +191,41 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
         lambda n, j=j: _write(n, jnp.int32(j), _pick(slots, canon,
                                                      local_s[j])),
         lambda n: n, new)
+  return new
+
+
+def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
+  """One layer's fills on this device: local copies, then one exchange.
+  Sources are read from the buffers as they were before the transition."""
+  new = _local_copies(slots, canon, t, me, spd)
+  got = _exchange(_pick(slots, canon, t['send_LDR'][me]), t['count_LDD'], me,
+                  exchange)
+  dst_R = t['recv_LDR'][me]
+  at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
+  return jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
+
+
+def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
+  """`_layer_returns` by one exchange of the evicted slots' gradients."""
+  num_home = jax.tree.leaves(gcanon)[0].shape[0]
+  gcanon = _local_returns(gslots, gcanon, t, me, spd)
+  items = jax.tree.map(lambda g: g[t['ret_send_LDR'][me]], gslots)
+  got = _exchange(items, t['ret_count_LDD'], me, exchange)
+  dst_R = t['ret_recv_LDR'][me]
+  at_R = jnp.where(dst_R >= 0, dst_R, num_home)
+  gcanon = jax.tree.map(lambda c, v: c.at[at_R].add(v, mode='drop'), gcanon,
+                        got)
+  return _zero_evicted(gslots, t, me, spd), gcanon
+
+
+def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
+  """One layer's fills on this device: local copies, then the rounds.
+
+  Every source is read from the buffers as they were before the transition
+  (within a step all copies of an expert are equal, so order is free). The
+  rounds are a fori_loop, so compile time does not grow with the budget.
+  """
+  new = _local_copies(slots, canon, t, me, spd)
 
   def one_round(r, new):
     item = _pick(slots, canon, t['send_LRD'][r, me])
@@ -149,12 +234,10 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   return _rounds(t['shift_LR'], one_round, new)
 
 
-def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
-  """Evicted slots' gradients added into their home's canonical gradient,
-  then zeroed (the slot starts accumulating for its new expert)."""
-  evict_s = jax.lax.dynamic_slice_in_dim(t['evict_LS'], me * spd, spd)
+def _local_returns(gslots, gcanon, t, me, spd: int):
+  """Evicted slots' gradients added into this device's canonical gradient
+  where it is their home."""
   local_s = jax.lax.dynamic_slice_in_dim(t['ret_local_LS'], me * spd, spd)
-  num_home = jax.tree.leaves(gcanon)[0].shape[0]
   # Slot by slot, only the evicted slots that are home here: most slots
   # keep accumulating, and touching them would copy every slot's gradient
   # every micro-step.
@@ -164,6 +247,27 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
         lambda c, j=j: jax.tree.map(
             lambda cc, g: cc.at[local_s[j]].add(g[j]), c, gslots),
         lambda c: c, gcanon)
+  return gcanon
+
+
+def _zero_evicted(gslots, t, me, spd: int):
+  """Evicted slots' gradients zeroed: the slot starts accumulating for its
+  new expert."""
+  evict_s = jax.lax.dynamic_slice_in_dim(t['evict_LS'], me * spd, spd)
+  for j in range(spd):
+    gslots = jax.lax.cond(
+        evict_s[j],
+        lambda g, j=j: jax.tree.map(lambda x: x.at[j].set(jnp.zeros_like(x[j])),
+                                    g),
+        lambda g: g, gslots)
+  return gslots
+
+
+def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
+  """Evicted slots' gradients added into their home's canonical gradient,
+  then zeroed (the slot starts accumulating for its new expert)."""
+  num_home = jax.tree.leaves(gcanon)[0].shape[0]
+  gcanon = _local_returns(gslots, gcanon, t, me, spd)
 
   def one_round(r, gcanon):
     item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, me]], gslots)
@@ -173,13 +277,7 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
         lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
             v, mode='drop'), gcanon, got)
   gcanon = _rounds(t['ret_shift_LR'], one_round, gcanon)
-  for j in range(spd):
-    gslots = jax.lax.cond(
-        evict_s[j],
-        lambda g, j=j: jax.tree.map(lambda x: x.at[j].set(jnp.zeros_like(x[j])),
-                                    g),
-        lambda g: g, gslots)
-  return gslots, gcanon
+  return _zero_evicted(gslots, t, me, spd), gcanon
 
 
 def _specs(tree):
@@ -198,13 +296,17 @@ def empty_slots(canon, num_slots: int):
                    jnp.full((canon[0].shape[0], num_slots), -1, jnp.int32),)
 
 
-def fill_slots_local(slots, canon, t, *, num_devices: int):
+def fill_slots_local(slots, canon, t, *, num_devices: int,
+                     exchange: str | None = None):
   """Per device (inside a shard_map over 'expert'): the slots after one
   transition, one scan over the layers.
 
   slots: (weight buffers [L, s, X...]..., ids [L, s]); canon: the home
-  experts [L, h, X...]; t: `device_transition(...)` (replicated).
+  experts [L, h, X...]; t: `device_transition(...)` (replicated);
+  exchange: ``exact`` mode's collective, 'ragged' or 'emulated' (default:
+  the backend's, `dispatch_exact.default_exchange`).
   """
+  exchange = exchange or dispatch_exact.default_exchange()
   me = jax.lax.axis_index(EXPERT)
   spd = slots[0].shape[1]
   num_home = canon[0].shape[1]
@@ -215,12 +317,17 @@ def fill_slots_local(slots, canon, t, *, num_devices: int):
 
   def layer(_, xs):
     slots_l, canon_l, t_l = xs
-    return None, tuple(_layer_fill(slots_l, tuple(canon_l) + (ids_h,), t_l,
-                                   me, spd, num_devices))
+    canon_l = tuple(canon_l) + (ids_h,)
+    if _is_exact(t_l):
+      return None, tuple(_layer_fill_exact(slots_l, canon_l, t_l, me, spd,
+                                           exchange))
+    return None, tuple(_layer_fill(slots_l, canon_l, t_l, me, spd,
+                                   num_devices))
   return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t))[1]
 
 
-def fill_slots(slots, canon, transition: dict, *, mesh):
+def fill_slots(slots, canon, transition: dict, *, mesh,
+               exchange: str | None = None):
   """Slot buffers after one transition.
 
   Args:
@@ -244,25 +351,31 @@ def fill_slots(slots, canon, transition: dict, *, mesh):
     slots = empty_slots(canon, num_slots)
   slots = tuple(slots)
   fn = jax.shard_map(
-      lambda sl, ca, t: fill_slots_local(sl, ca, t, num_devices=num_devices),
+      lambda sl, ca, t: fill_slots_local(sl, ca, t, num_devices=num_devices,
+                                         exchange=exchange),
       mesh=mesh, in_specs=(_specs(slots), _specs(canon),
                            _replicated(transition)),
       out_specs=_specs(slots))
   return fn(slots, canon, transition)
 
 
-def return_grads_local(gslots, gcanon, t, *, num_devices: int):
+def return_grads_local(gslots, gcanon, t, *, num_devices: int,
+                       exchange: str | None = None):
   """Per device: `return_grads`, one scan over the layers."""
+  exchange = exchange or dispatch_exact.default_exchange()
   me = jax.lax.axis_index(EXPERT)
   spd = gslots[0].shape[1]
 
   def layer(_, xs):
     gs, gc, t_l = xs
+    if _is_exact(t_l):
+      return None, _layer_returns_exact(gs, gc, t_l, me, spd, exchange)
     return None, _layer_returns(gs, gc, t_l, me, spd, num_devices)
   return jax.lax.scan(layer, None, (tuple(gslots), tuple(gcanon), t))[1]
 
 
-def return_grads(gslots, gcanon, transition: dict, *, mesh):
+def return_grads(gslots, gcanon, transition: dict, *, mesh,
+                 exchange: str | None = None):
   """Sends the gradients of the slots a transition evicts to their homes.
 
   Args:
@@ -275,7 +388,8 @@ def return_grads(gslots, gcanon, transition: dict, *, mesh):
   num_devices = mesh.shape[EXPERT]
   gslots, gcanon = tuple(gslots), tuple(gcanon)
   fn = jax.shard_map(
-      lambda gs, gc, t: return_grads_local(gs, gc, t, num_devices=num_devices),
+      lambda gs, gc, t: return_grads_local(gs, gc, t, num_devices=num_devices,
+                                           exchange=exchange),
       mesh=mesh, in_specs=(_specs(gslots), _specs(gcanon),
                            _replicated(transition)),
       out_specs=(_specs(gslots), _specs(gcanon)))

@@ -18,14 +18,35 @@ were *before* the transition, never a slot written in it, so copies and
 rounds may run in any order. An evicted slot's accumulated gradient goes
 back to its expert's home (summed into the canonical gradient).
 
-Rounds of one layer: an edge c -> d has shift k = (d - c) % D; a round holds
-edges of one shift, at most one per sender (hence per receiver), so a layer
-needs sum over k of max over c of (edges c -> c + k) rounds.
+Two modes carry the remote copies (`TransferBudget.mode`):
+
+* ``exact`` (the default): one ragged all-to-all per layer and transition
+  with expert-sized chunks, so only the experts that move cross the wire.
+  Device c sends its items packed by destination, and receiver d lays the
+  sources out one after another, as the exact-count token dispatch does
+  (foremoe_jax/model/dispatch_exact.py). A layer's "rounds" are then its
+  degree: the most experts one device sends, or receives, in the
+  transition. By Koenig's theorem that many matchings carry the edges;
+  the collective runs them as one. The budget R bounds the degree, so
+  the send and receive buffers hold R experts each.
+* ``rounds``: cyclic-shift rounds, one ppermute each (the first engine,
+  kept for comparison). An edge c -> d has shift k = (d - c) % D; a round
+  holds edges of one shift, at most one per sender (hence per receiver),
+  so a layer needs sum over k of max over c of (edges c -> c + k) rounds.
+  Every device sends in every round it takes part in, so the wire carries
+  D experts per round however few are useful.
+
+The rounds a layer needs in ``rounds`` mode are never fewer than its degree
+(each sender's edges, summed over shifts, are at most the sum of each
+shift's busiest sender; likewise for receivers), so a plan that fits the
+rounds budget fits the exact one.
 
 Shape letters: M micro-steps, L layers, S slots (S = D * s, slot j on device
 j // s), D devices, E experts (expert e's home is device e // h, h = E / D),
 R rounds, K shifts (K = D; shift 0 is an idle round), B rows (one layer of
-one transition each; batched), N fills or edges.
+one transition each; batched), N fills or edges. In ``exact`` mode R is the
+budget's per-device bound and [..., D, R] lists a device's sends or
+receives in collective order.
 """
 from __future__ import annotations
 
@@ -43,9 +64,23 @@ class BudgetExceeded(ValueError):
   """A transition needs more rounds than its static budget."""
 
 
+MODES = ('exact', 'rounds')
+
+
 class TransferBudget(NamedTuple):
+  """Static bounds of the transfer buffers. In ``exact`` mode a "round" is
+  one expert each way per device (the degree bound); in ``rounds`` mode one
+  cyclic-shift ppermute."""
+
   step_rounds: int  # Rounds for the fill (T_0) and the flush.
   microstep_rounds: int  # Rounds for each transition between micro-steps.
+  mode: str = 'exact'
+
+
+def check_mode(mode: str) -> str:
+  if mode not in MODES:
+    raise ValueError(f'transfer mode must be one of {MODES}, got {mode!r}.')
+  return mode
 
 
 class Transition(NamedTuple):
@@ -71,6 +106,33 @@ class Transition(NamedTuple):
   ret_rounds_used_L: np.ndarray  # int64: return rounds used (<= R)
 
 
+class ExactTransition(NamedTuple):
+  """One transition of all layers in ``exact`` mode: one ragged all-to-all
+  per layer for the fills and one for the gradient returns.
+
+  Device c's sends, in order, are send_LDR[l, c, :n] (local sources, as in
+  Transition), n = count_LDD[l, c].sum(), grouped by destination in
+  ascending order; device d writes its q-th received expert into local slot
+  recv_LDR[l, d, q], the sources laid out in ascending order.
+  """
+
+  local_src_LS: np.ndarray  # int32: local source copied into the slot; -1 none
+  send_LDR: np.ndarray  # int32: local source of the sender's r-th item; 0 none
+  count_LDD: np.ndarray  # int32 [L, src, dst]: experts src sends dst
+  recv_LDR: np.ndarray  # int32: local slot the r-th received item fills; -1
+  evict_LS: np.ndarray  # bool: slot's gradient is returned, then zeroed
+  ret_local_LS: np.ndarray  # int32: home-local index added into on the
+  #                           slot's own device (it is the home); -1 otherwise
+  ret_send_LDR: np.ndarray  # int32: local slot of the r-th gradient sent
+  ret_count_LDD: np.ndarray  # int32 [L, src, dst]: gradients src sends dst
+  ret_recv_LDR: np.ndarray  # int32: home-local index the r-th received
+  #                           gradient is added into; -1 none
+  remote_fills_L: np.ndarray  # int64: fills that cross devices
+  local_fills_L: np.ndarray  # int64
+  rounds_used_L: np.ndarray  # int64: fill degree (<= R)
+  ret_rounds_used_L: np.ndarray  # int64: return degree (<= R)
+
+
 class StepTransfer(NamedTuple):
   """Every transition of one RL step."""
 
@@ -92,7 +154,8 @@ def _homes(num_experts: int, topo: Topology) -> int:
   return num_experts // topo.num_devices
 
 
-def _fill_edges(prev_BS, next_BS, num_experts, topo: Topology):
+def _fill_edges(prev_BS, next_BS, num_experts, topo: Topology,
+                mode: str = 'exact'):
   """Source of every slot to fill: (local_src_BS, edges b, src, src index,
   dst, dst local slot [N]). -1 in prev / next means empty / nothing."""
   num_devices, s = topo.num_devices, topo.slots_per_device
@@ -141,7 +204,8 @@ def _fill_edges(prev_BS, next_BS, num_experts, topo: Topology):
                                                count_N)] = c_C
   src_N = cand_NC[:, 0]
   if (count_N > 1).any():
-    src_N = _share_rounds(b_N, d_N, cand_NC, count_N > 1, num_devices)
+    choose = _share_rounds if mode == 'rounds' else _spread_sends
+    src_N = choose(b_N, d_N, cand_NC, count_N > 1, num_devices)
   return local_BS, (b_N, src_N, idx_ND[np.arange(num), src_N] - 1, d_N, j_N % s)
 
 
@@ -181,6 +245,37 @@ def _share_rounds(b_N, d_N, cand_NC, flex_N, num_devices):
   return src_N
 
 
+def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
+  """Greedy sources for fills with several candidates (``exact`` mode),
+  after the forced ones: the candidate that sends fewest so far in the
+  row, so the busiest sender, the degree that sizes the collective, stays
+  low. Rows advance together, one fill each (as `_share_rounds`)."""
+  del d_N
+  src_N = cand_NC[:, 0].copy()
+  rows = np.unique(b_N[flex_N])
+  row_of_B = np.full(int(b_N.max()) + 1, -1)
+  row_of_B[rows] = np.arange(len(rows))
+  f_N = row_of_B[b_N]
+  sends_FD = np.zeros((len(rows), num_devices), np.int64)
+  fixed = ~flex_N & (f_N >= 0)
+  np.add.at(sends_FD, (f_N[fixed], src_N[fixed]), 1)
+  flex = np.flatnonzero(flex_N)
+  first = np.r_[True, b_N[flex][1:] != b_N[flex][:-1]]
+  rank = np.arange(len(flex)) - np.maximum.accumulate(
+      np.where(first, np.arange(len(flex)), 0))
+  flex = flex[np.argsort(rank, kind='stable')]
+  ends = np.cumsum(np.bincount(rank))
+  for start, end in zip(np.r_[0, ends[:-1]], ends):
+    n = flex[start:end]
+    f, c_nC = f_N[n], cand_NC[n]
+    load_nC = np.where(c_nC >= 0, sends_FD[f[:, None], np.maximum(c_nC, 0)],
+                       np.iinfo(np.int64).max)
+    c = c_nC[np.arange(len(n)), load_nC.argmin(1)]  # Ties: the first.
+    sends_FD[f, c] += 1
+    src_N[n] = c
+  return src_N
+
+
 def _return_edges(prev_BS, next_BS, num_experts, topo: Topology):
   """Evicted slots, local returns, and edges (b, src, slot, home, index)."""
   s, h = topo.slots_per_device, _homes(num_experts, topo)
@@ -214,6 +309,44 @@ def _pack_rounds(b_N, src_N, dst_N, num_rows, num_devices):
   return offset_BK[b_N, k_N] + rank_N, depth_BK
 
 
+def _degree(b_N, src_N, dst_N, num_rows, num_devices):
+  """The most items one device sends or receives, per row: [B, 1] (the
+  ``exact`` mode's rounds, shaped like `_pack_rounds`' depth)."""
+  count = lambda x: np.bincount(b_N * num_devices + x,
+                                minlength=num_rows * num_devices).reshape(
+                                    num_rows, num_devices)
+  return np.maximum(count(src_N).max(axis=1, initial=0),
+                    count(dst_N).max(axis=1, initial=0))[:, None]
+
+
+def _rank_in_runs(key_N):
+  """Position of each entry within its run of equal (sorted) keys."""
+  pos = np.arange(len(key_N))
+  first = np.r_[True, key_N[1:] != key_N[:-1]] if len(key_N) else pos > 0
+  return pos - np.maximum.accumulate(np.where(first, pos, 0))
+
+
+def _exact_arrays(edges, num_rows, num_devices, num_rounds):
+  """send [B, D, R] (0 none), count [B, D, D], recv [B, D, R] (-1 none):
+  the collective's order, sender-major then destination."""
+  order = np.lexsort((edges[3], edges[1], edges[0]))
+  b, src, src_idx, dst, dst_idx = (np.asarray(x)[order] for x in edges)
+  d = num_devices
+  count_BDD = np.bincount((b * d + src) * d + dst,
+                          minlength=num_rows * d * d).reshape(num_rows, d, d)
+  send_pos = _rank_in_runs(b * d + src)
+  # A receiver lays its sources out in ascending order: source c's items
+  # start after those of every source before it.
+  before_BDD = np.cumsum(count_BDD, axis=1) - count_BDD
+  recv_pos = (before_BDD[b, src, dst]
+              + _rank_in_runs((b * d + src) * d + dst))
+  send_BDR = np.zeros((num_rows, d, num_rounds), np.int32)
+  recv_BDR = np.full((num_rows, d, num_rounds), -1, np.int32)
+  send_BDR[b, src, send_pos] = src_idx
+  recv_BDR[b, dst, recv_pos] = dst_idx
+  return send_BDR, count_BDD.astype(np.int32), recv_BDR
+
+
 class _Moves(NamedTuple):
   """A transition of B rows before it becomes device arrays. Edges are
   tuples of [N] arrays (row, sender, sender's item, receiver, receiver's
@@ -230,20 +363,24 @@ class _Moves(NamedTuple):
   ret_depth_BK: np.ndarray
 
 
-def _moves(prev_BS, next_BS, num_experts, topo) -> _Moves:
+def _moves(prev_BS, next_BS, num_experts, topo, mode='exact') -> _Moves:
+  """In ``exact`` mode the round fields are None and the depths [B, 1] hold
+  the degree."""
   num_rows, d = len(next_BS), topo.num_devices
-  local_BS, fill = _fill_edges(prev_BS, next_BS, num_experts, topo)
+  local_BS, fill = _fill_edges(prev_BS, next_BS, num_experts, topo, mode)
   evict_BS, ret_local_BS, ret = _return_edges(prev_BS, next_BS, num_experts,
                                               topo)
-  return _Moves(local_BS, fill,
-                *_pack_rounds(fill[0], fill[1], fill[3], num_rows, d),
-                evict_BS, ret_local_BS, ret,
-                *_pack_rounds(ret[0], ret[1], ret[3], num_rows, d))
+  if check_mode(mode) == 'rounds':
+    pack = lambda e: _pack_rounds(e[0], e[1], e[3], num_rows, d)
+  else:
+    pack = lambda e: (None, _degree(e[0], e[1], e[3], num_rows, d))
+  return _Moves(local_BS, fill, *pack(fill), evict_BS, ret_local_BS, ret,
+                *pack(ret))
 
 
-def _rounds(prev_BS, next_BS, num_experts, topo):
+def _rounds(prev_BS, next_BS, num_experts, topo, mode='exact'):
   """max(fill rounds, return rounds) per row: [B]."""
-  mv = _moves(prev_BS, next_BS, num_experts, topo)
+  mv = _moves(prev_BS, next_BS, num_experts, topo, mode)
   return np.maximum(mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1))
 
 
@@ -265,9 +402,10 @@ def _round_arrays(edges, round_N, depth_BK, num_rounds):
   return shift_BR, send_BRD, recv_BRD
 
 
-def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where):
-  """The Transition of B rows; `where(b)` names row b in errors."""
-  mv = _moves(prev_BS, next_BS, num_experts, topo)
+def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
+              mode='exact'):
+  """The (Exact)Transition of B rows; `where(b)` names row b in errors."""
+  mv = _moves(prev_BS, next_BS, num_experts, topo, mode)
   fill_B, ret_B = mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1)
   over = np.flatnonzero(np.maximum(fill_B, ret_B) > num_rounds)
   if len(over):
@@ -275,13 +413,21 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where):
     raise BudgetExceeded(
         f'{where(b)} needs {fill_B[b]} fill and {ret_B[b]} return rounds; '
         f'the budget is {num_rounds} ({len(over)} layer(s) over).')
+  counts = (np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
+            (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
+  if mode == 'exact':
+    d = topo.num_devices
+    return ExactTransition(
+        mv.local_BS.astype(np.int32),
+        *_exact_arrays(mv.fill, len(next_BS), d, num_rounds),
+        mv.evict_BS, mv.ret_local_BS.astype(np.int32),
+        *_exact_arrays(mv.ret, len(next_BS), d, num_rounds), *counts)
   return Transition(
       mv.local_BS.astype(np.int32),
       *_round_arrays(mv.fill, mv.fill_round_N, mv.fill_depth_BK, num_rounds),
       mv.evict_BS, mv.ret_local_BS.astype(np.int32),
       *_round_arrays(mv.ret, mv.ret_round_N, mv.ret_depth_BK, num_rounds),
-      np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
-      (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
+      *counts)
 
 
 def _rows(x_LS, like):
@@ -292,18 +438,61 @@ def _rows(x_LS, like):
 
 
 def transition(prev_LS, next_LS, num_experts: int, topo: Topology,
-               num_rounds: int) -> Transition:
-  """prev_LS None: fill from empty buffers; next_LS None: flush."""
+               num_rounds: int, mode: str = 'exact'):
+  """prev_LS None: fill from empty buffers; next_LS None: flush. A
+  Transition (``rounds``) or an ExactTransition (``exact``)."""
   ref = next_LS if next_LS is not None else prev_LS
   return _schedule(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts,
-                   topo, num_rounds, lambda b: f'layer {b}')
+                   topo, num_rounds, lambda b: f'layer {b}', mode)
 
 
-def rounds_needed(prev_LS, next_LS, num_experts: int,
-                  topo: Topology) -> np.ndarray:
-  """max(fill rounds, return rounds) per layer: int [L]."""
+def rounds_needed(prev_LS, next_LS, num_experts: int, topo: Topology,
+                  mode: str = 'exact') -> np.ndarray:
+  """max(fill rounds, return rounds) per layer: int [L] (``exact``: the
+  degree)."""
   ref = next_LS if next_LS is not None else prev_LS
-  return _rounds(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts, topo)
+  return _rounds(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts, topo,
+                 mode)
+
+
+def remote_returns(t) -> int:
+  """Gradients a transition sends to another device (all layers)."""
+  if isinstance(t, ExactTransition):
+    return int(t.ret_count_LDD.sum())
+  return int((t.ret_recv_LRD >= 0).sum())
+
+
+def wire_items(t, num_devices: int, emulated: bool = False) -> tuple:
+  """(items on the wire, useful items) of a transition, fills and returns
+  together, all layers (an item is one expert's weights or gradient).
+
+  ``rounds``: every device sends in every round used. ``exact``: the
+  ragged all-to-all carries exactly the remote items; `emulated` counts
+  the CPU emulation instead (every pair padded to the R-item bound).
+  """
+  if isinstance(t, ExactTransition):
+    useful = int(t.count_LDD.sum() + t.ret_count_LDD.sum())
+    if not emulated:
+      return useful, useful
+    # The emulation runs every layer's two exchanges, used or not (no
+    # conditional around a collective), each device sending D chunks of R.
+    num_rounds = t.send_LDR.shape[-1]
+    rows = 2 * int(np.prod(t.count_LDD.shape[:-2]))
+    return rows * num_devices * num_devices * num_rounds, useful
+  useful = int((t.recv_LRD >= 0).sum() + (t.ret_recv_LRD >= 0).sum())
+  wire = int(((t.shift_LR != 0).sum() + (t.ret_shift_LR != 0).sum())
+             * num_devices)
+  return wire, useful
+
+
+def step_wire_over_useful(st: StepTransfer, num_devices: int,
+                          emulated: bool = False) -> float:
+  """Items on the wire over useful items for a whole step (fill, moves,
+  flush); 1.0 when nothing moves."""
+  parts = [wire_items(t, num_devices, emulated)
+           for t in (st.fill, st.steps, st.flush)]
+  useful = sum(p[1] for p in parts)
+  return sum(p[0] for p in parts) / useful if useful else 1.0
 
 
 def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
@@ -312,20 +501,23 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
   se = np.asarray(slot_expert_MLS, np.int64)
   num_micro, num_layers, num_slots = se.shape
   nxt = np.concatenate([se[1:], se[-1:]])  # The last transition is a no-op.
+  mode = check_mode(budget.mode)
   steps = _schedule(se.reshape(-1, num_slots), nxt.reshape(-1, num_slots),
                     num_experts, topo, budget.microstep_rounds,
                     lambda b: f'transition into micro-step '
-                    f'{b // num_layers + 1}, layer {b % num_layers}')
-  steps = Transition(*(x.reshape((num_micro, num_layers) + x.shape[1:])
-                       for x in steps))
+                    f'{b // num_layers + 1}, layer {b % num_layers}', mode)
+  steps = type(steps)(*(x.reshape((num_micro, num_layers) + x.shape[1:])
+                        for x in steps))
   fill = _schedule(_rows(None, se[0]), se[0], num_experts, topo,
-                   budget.step_rounds, lambda b: f'fill (T_0), layer {b}')
+                   budget.step_rounds, lambda b: f'fill (T_0), layer {b}',
+                   mode)
   flush = _schedule(se[-1], _rows(None, se[-1]), num_experts, topo,
-                    budget.step_rounds, lambda b: f'flush, layer {b}')
+                    budget.step_rounds, lambda b: f'flush, layer {b}', mode)
   return StepTransfer(fill, steps, flush)
 
 
-def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo):
+def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,
+                mode='exact'):
   """Each layer of next_LS with changed slots reverted to ref_LS until it
   fits: those whose revert alone needs fewest rounds first, 1, 2, 4, ...
   of them. Reverting all of them gives ref_LS, which always fits."""
@@ -334,7 +526,7 @@ def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo):
   at = np.arange(len(l_N))
   single_NS = next_LS[l_N]
   single_NS[at, j_N] = ref_LS[l_N, j_N]
-  need_N = _rounds(prev_LS[l_N], single_NS, num_experts, topo)
+  need_N = _rounds(prev_LS[l_N], single_NS, num_experts, topo, mode)
   order = np.lexsort((need_N, l_N))
   l_N, j_N = l_N[order], j_N[order]
   count_L = np.bincount(l_N, minlength=num_layers)
@@ -354,7 +546,7 @@ def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo):
                         minlength=len(trial_BS) * num_experts)
   ok_LP = ((held_BE.reshape(-1, num_experts).min(axis=1) > 0)
            & (_rounds(np.repeat(prev_LS, width, axis=0), trial_BS,
-                      num_experts, topo) <= num_rounds)
+                      num_experts, topo, mode) <= num_rounds)
            ).reshape(num_layers, width)
   return trial_LPS[np.arange(num_layers), ok_LP.argmax(axis=1)]
 
@@ -380,8 +572,10 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
       topo.slots_per_device).slot_expert.astype(np.int64)
   empty_LS = _rows(None, home_LS)
 
+  mode = check_mode(budget.mode)
+
   def fits(prev_BS, next_BS, num_rounds):
-    return _rounds(prev_BS, next_BS, num_experts, topo) <= num_rounds
+    return _rounds(prev_BS, next_BS, num_experts, topo, mode) <= num_rounds
 
   flat = se.reshape(-1, se.shape[-1])
   nxt = np.concatenate([se[1:], se[-1:]]).reshape(flat.shape)
@@ -397,7 +591,7 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
     bad = np.flatnonzero(~fits(prev_LS, out[m], num_rounds))
     if len(bad):
       out[m, bad] = _fit_layers(prev_LS[bad], out[m, bad], ref_LS[bad],
-                                num_rounds, num_experts, topo)
+                                num_rounds, num_experts, topo, mode)
   # The flush returns every replica. A layer whose flush does not fit holds
   # an earlier micro-step's placement for the rest of the step (the latest
   # one whose flush fits: the moves after it are undone, the balance before

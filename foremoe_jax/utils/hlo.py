@@ -1,7 +1,8 @@
 """Reading compiled HLO text: which collectives a compiled step holds.
 
 Used by the tests and benchmarks that prove the RL step moves expert weights
-by point-to-point rounds only (no all-gather of an [E, ...] tensor).
+by exact-size exchanges only (no all-gather of an [E, ...] tensor), outside
+any conditional.
 """
 from __future__ import annotations
 
@@ -79,6 +80,53 @@ def loop_computations(hlo_text: str) -> set[str]:
     for line in comps[c]:
       todo += _called(line)
   return seen
+
+
+_COLLECTIVE = re.compile(
+    r' (ragged-all-to-all|all-to-all|collective-permute|all-gather|all-reduce'
+    r'|reduce-scatter)(?:-start)?\(')
+
+
+def conditional_computations(hlo_text: str) -> set[str]:
+  """Names of the computations that run inside a conditional's branch
+  (transitively: everything a branch calls)."""
+  comps = _computations(hlo_text)
+  todo = []
+  for lines in comps.values():
+    for line in lines:
+      if ' conditional(' not in line:
+        continue
+      todo += re.findall(r'(?:true|false)_computation=%([^\s,)]+)', line)
+      m = re.search(r'branch_computations=\{([^}]*)\}', line)
+      if m:
+        todo += [x.strip().lstrip('%') for x in m.group(1).split(',')]
+  seen = set()
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    for line in comps[c]:
+      todo += _called(line)
+  return seen
+
+
+def collectives(hlo_text: str) -> list[dict]:
+  """Every collective: its kind ('all-to-all', 'collective-permute', ...),
+  its computation, and whether it sits inside a conditional's branch
+  (where XLA schedules it within the branch, so it cannot overlap work
+  outside) or inside a loop."""
+  in_cond = conditional_computations(hlo_text)
+  in_loop = loop_computations(hlo_text)
+  out = []
+  for comp, lines in _computations(hlo_text).items():
+    for line in lines:
+      m = _COLLECTIVE.search(line)
+      if m:
+        out.append(dict(kind=m.group(1), computation=comp,
+                        in_conditional=comp in in_cond,
+                        in_loop=comp in in_loop))
+  return out
 
 
 def _group_size(line: str) -> int:

@@ -1,6 +1,8 @@
 """Plans that know the transfer engine's rounds: they fit its budgets by
 construction, and replicas are priced by the rounds they cost every step.
-Checked against the transfer schedule itself (an independent count)."""
+Checked against the transfer schedule itself (an independent count), in
+its ``rounds`` mode, whose count the planner's accounting follows (the
+``exact`` mode needs no more: tests/transfer/test_schedule.py)."""
 import dataclasses
 
 import numpy as np
@@ -45,13 +47,14 @@ def test_home_anchored_placement_respects_round_budget():
   trace, topo = _wide()
   w_LE = trace.step(0).sum(axis=(0, 2)).astype(np.float64)
   free = packing.home_anchored_placement(w_LE, topo)
-  need_free = np.maximum(schedule.rounds_needed(None, free, 64, topo),
-                         schedule.rounds_needed(free, None, 64, topo))
+  need_free = np.maximum(
+      schedule.rounds_needed(None, free, 64, topo, 'rounds'),
+      schedule.rounds_needed(free, None, 64, topo, 'rounds'))
   cap = int(need_free.max()) // 2
   assert cap >= 1
   capped = packing.home_anchored_placement(w_LE, topo, lib.COST, cap)
   for prev, nxt in ((None, capped), (capped, None)):
-    assert (schedule.rounds_needed(prev, nxt, 64, topo) <= cap).all()
+    assert (schedule.rounds_needed(prev, nxt, 64, topo, 'rounds') <= cap).all()
   # Every expert keeps its home copy.
   h = 64 // topo.num_devices
   for l in range(capped.shape[0]):
@@ -59,13 +62,15 @@ def test_home_anchored_placement_respects_round_budget():
       assert (topo.device_of_slot()[capped[l] == e] == e // h).any()
   # Round-aware packing needs no more rounds than the round-blind one.
   aware = packing.home_anchored_placement(w_LE, topo, lib.COST)
-  need_aware = schedule.rounds_needed(None, aware, 64, topo)
-  assert need_aware.sum() <= schedule.rounds_needed(None, free, 64, topo).sum()
+  need_aware = schedule.rounds_needed(None, aware, 64, topo, 'rounds')
+  assert need_aware.sum() <= schedule.rounds_needed(None, free, 64, topo,
+                                                    'rounds').sum()
 
 
 def test_foremoe_plan_fits_engine_budget_without_reverts():
   trace, topo = _wide()
-  budget = schedule.TransferBudget(step_rounds=12, microstep_rounds=2)
+  budget = schedule.TransferBudget(step_rounds=12, microstep_rounds=2,
+                                   mode='rounds')
   home = lib.identity_for(trace, topo)
   cfg = foremoe.ForeMoEConfig(home_anchor=True, anchor_rounds=12,
                               moves_per_layer=2)

@@ -18,7 +18,7 @@ from foremoe_jax.rl import trainer
 from foremoe_jax.planner.topology import Topology
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import get_task
-from foremoe_jax.transfer import schedule
+from foremoe_jax.transfer import engine, schedule
 from foremoe_jax.utils import hlo
 
 
@@ -86,6 +86,13 @@ def _grads_fn(**kw):
                                      ref=s.ref_params is not None)
     return step_lib.update_grads(s, b, logps, plan, **kw)
   return jax.jit(fn)
+
+
+@functools.cache
+def _rl_step(learning_rate, **kw):
+  """One RLStep (one pair of jitted halves) per options, shared by tests."""
+  return step_lib.make_rl_step(step_lib.make_optimizer(learning_rate, 1.0),
+                               **kw)
 
 
 def _grads(state, batch, plan, **kw):
@@ -170,8 +177,9 @@ def test_moving_experts_changes_no_number(setup):
   num_layers = cfg.model.num_layers
   # Adam's first step is lr * g / |g|: a gradient near zero turns rounding
   # into a whole step, so the parameter check uses a realistic lr.
-  tx = step_lib.make_optimizer(1e-3, 1.0)
   kw = dict(num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.05)
+  rl_step = _rl_step(1e-3, **kw)
+  tx = rl_step.tx
   batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
       rollout, rewards, np.split(np.random.default_rng(2).permutation(32), 4)))
   placement = random_plan(np.random.default_rng(5), 4, num_layers)
@@ -181,7 +189,7 @@ def test_moving_experts_changes_no_number(setup):
   assert st.remote_fills_M()[1:].sum() > 0  # Experts really move mid-step.
   still = _plan(4, num_layers)
   out = {}
-  grads_fn, rl_step = _grads_fn(**kw), step_lib.make_rl_step(tx, **kw)
+  grads_fn = _grads_fn(**kw)
   assert rl_step.num_update_epochs == 1  # The default: GRPO's mu = 1.
 
   @jax.jit
@@ -219,10 +227,12 @@ def test_compiled_step_gathers_no_expert_weights(setup):
   update (fills, micro-steps, returns, optimizer) all-gathers a float:
   slots move by ppermute only."""
   cfg, mesh, graphdef, params, rollout, rewards = setup
-  tx = step_lib.make_optimizer(1e-3, 1.0)
-  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=True)
-  rl_step = step_lib.make_rl_step(tx, num_generations=4, eps_low=0.2,
-                                  eps_high=0.28, beta=0.05)
+  # test_moving_experts_changes_no_number's step (same options and shapes):
+  # the update below is the program that test ran, from jax's cache.
+  rl_step = _rl_step(1e-3, num_generations=4, eps_low=0.2, eps_high=0.28,
+                     beta=0.05)
+  state = step_lib.init_train_state(graphdef, params, rl_step.tx, mesh,
+                                    with_ref=True)
   batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
       rollout, rewards, np.split(np.arange(32), 4)))
   plan = _step_plan(random_plan(np.random.default_rng(1), 4,
@@ -231,7 +241,23 @@ def test_compiled_step_gathers_no_expert_weights(setup):
   texts = [rl_step._recompute.lower(state, batch, plan, old=True, ref=True
                                     ).compile().as_text(),
            rl_step.update.lower(state, batch, logps, plan).compile().as_text()]
-  assert 'collective-permute' in texts[1]  # The moves are there ...
+  # The moves are there (the step's plan moves experts: fills, moves and
+  # returns are all-to-alls) and, as every other collective of the
+  # update, outside any conditional: XLA may overlap them with compute.
+  update = hlo.collectives(texts[1])
+  assert sum(c['kind'] == 'all-to-all' for c in update) > 0
+  assert not [c for c in update if c['in_conditional']], update
+  # ... which the check would see in the shift-round engine, whose
+  # permutes sit in the lax.switch picking each round's shift.
+  rounds = _step_plan(random_plan(np.random.default_rng(1), 4,
+                                  cfg.model.num_layers),
+                      budget=BUDGET._replace(mode='rounds'))
+  fill = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))
+  canon = (jnp.zeros((1, 8, 2)),)
+  t = jax.tree.map(lambda x: x[:1], rounds.transfer['fill'])
+  nested = [c for c in hlo.collectives(fill.lower(canon, t).compile().as_text())
+            if c['kind'] == 'collective-permute']
+  assert nested and all(c['in_conditional'] for c in nested)
   # The only gathers are the exact dispatch's int32 slot counts, [D, S]
   # per MoE layer: no weight, gradient or activation is ever gathered.
   for text in texts:

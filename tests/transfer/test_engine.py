@@ -38,15 +38,19 @@ def mesh():
   return ep.make_mesh(1, D)
 
 
-@pytest.mark.parametrize('num_nodes,spd,num_experts', [(1, 2, 8), (2, 3, 16)])
-def test_slots_hold_planned_experts_and_gradients_go_home(mesh, num_nodes, spd,
+@pytest.mark.parametrize('mode,num_nodes,spd,num_experts',
+                         [('exact', 1, 2, 8), ('exact', 2, 3, 16),
+                          ('rounds', 2, 3, 16)])
+def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode,
+                                                          num_nodes, spd,
                                                           num_experts):
   rng = np.random.default_rng(spd)
   num_micro, num_layers = 4, 2
   topo = Topology(num_nodes, D // num_nodes, spd)
   se_MLS = random_placements(rng, num_micro, num_layers, num_experts,
                              topo.num_slots)
-  budget = schedule.TransferBudget(step_rounds=4 * spd, microstep_rounds=4 * spd)
+  budget = schedule.TransferBudget(step_rounds=4 * spd, microstep_rounds=4 * spd,
+                                   mode=mode)
   st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
   assert st.remote_fills_M()[1:].sum() > 0  # The sequence really moves experts.
   # Two leaves of different shapes, stacked over the layers as the model
@@ -94,7 +98,7 @@ def test_id_check_catches_a_wrong_schedule(mesh):
   topo = Topology(1, D, 2)
   se_MLS = random_placements(rng, 1, 1, 8, 16)
   st = schedule.build_step_transfer(se_MLS, 8, topo,
-                                    schedule.TransferBudget(8, 8))
+                                    schedule.TransferBudget(8, 8, 'rounds'))
   canon = ((jnp.arange(8.0)[:, None] * jnp.ones((1, 4)))[None],)
   t = engine.device_transition(st.fill)
   fill = jax.jit(lambda t: engine.fill_slots(None, canon, t, mesh=mesh))
@@ -105,3 +109,37 @@ def test_id_check_catches_a_wrong_schedule(mesh):
   t['send_LRD'] = jnp.zeros_like(t['send_LRD'])
   t['local_src_LS'] = jnp.where(t['local_src_LS'] >= 0, 2, -1)
   assert int(errors(fill(t))) > 0
+
+
+def test_exact_sends_only_the_counted_items(mesh):
+  """The exchange carries exactly the counted items: whatever sits in the
+  send buffer past a device's count never reaches anyone, and a count
+  taken away loses exactly that item."""
+  rng = np.random.default_rng(0)
+  topo = Topology(1, D, 2)
+  se_MLS = random_placements(rng, 1, 1, 8, 16)
+  st = schedule.build_step_transfer(se_MLS, 8, topo,
+                                    schedule.TransferBudget(8, 8))
+  canon = ((jnp.arange(8.0)[:, None] * jnp.ones((1, 4)))[None],)
+  want = np.asarray(canon[0])[0][se_MLS[0, 0]]
+  t = engine.device_transition(st.fill)
+  fill = jax.jit(lambda t: engine.fill_slots(None, canon, t, mesh=mesh))
+  slots = fill(t)
+  np.testing.assert_array_equal(slots[0][0], want)
+  sent_D = st.fill.count_LDD[0].sum(1)
+  past = np.arange(8)[None, :] >= sent_D[:, None]  # [D, R]
+  t['send_LDR'] = jnp.where(past[None], 2 + np.arange(8) % 2, t['send_LDR'])
+  slots = fill(t)
+  np.testing.assert_array_equal(slots[0][0], want)
+  np.testing.assert_array_equal(slots[-1], se_MLS[0])
+  # The last receiver of the last sender: its last item no longer counted.
+  c = int(np.flatnonzero(sent_D)[-1])
+  d = int(np.flatnonzero(st.fill.count_LDD[0, c])[-1])
+  t['count_LDD'] = t['count_LDD'].at[0, c, d].add(-1)
+  q = int(st.fill.count_LDD[0, :, d].sum()) - 1  # Its place at d.
+  slot = d * 2 + int(st.fill.recv_LDR[0, d, q])
+  slots = fill(t)
+  got_ids = np.asarray(slots[-1])[0]
+  assert got_ids[slot] != se_MLS[0, 0, slot]
+  np.testing.assert_array_equal(np.delete(got_ids, slot),
+                                np.delete(se_MLS[0, 0], slot))

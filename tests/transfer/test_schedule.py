@@ -1,9 +1,11 @@
 """Transfer schedule (transfer.schedule) run on a numpy model of the device.
 
-The simulator below knows only the Transition format and the engine's rules
-(local copies and sends read the buffers as they were before the
-transition; round r with shift k sends d -> (d + k) % D), never the
-schedule's internals.
+The simulators below know only the (Exact)Transition format and the
+engine's rules (local copies and sends read the buffers as they were before
+the transition; ``rounds``: round r with shift k sends d -> (d + k) % D;
+``exact``: one ragged all-to-all, each sender's items grouped by
+destination in ascending order, each receiver's laid out by source in
+ascending order), never the schedule's internals.
 """
 import numpy as np
 import pytest
@@ -15,9 +17,25 @@ from foremoe_jax.planner.topology import CostModel, Topology
 from foremoe_jax.transfer import schedule
 
 
+def exchange_exact(send_DR, count_DD):
+  """The ragged all-to-all's routing: per receiver, the (sender, sender's
+  item position) of each received item, in receive order."""
+  d_ = count_DD.shape[0]
+  got = [[] for _ in range(d_)]
+  for c in range(d_):  # Sources in ascending order at every receiver.
+    pos = 0
+    for d in range(d_):  # A sender's items grouped by destination.
+      for _ in range(count_DD[c, d]):
+        got[d].append((c, pos))
+        pos += 1
+  return got
+
+
 def simulate_fill(tr, l, prev_S, num_experts, topo):
   """Slot contents after the transition, the slots written, and the sender
   of every remote fill: (new [S], writes [S], sender [S])."""
+  if isinstance(tr, schedule.ExactTransition):
+    return simulate_fill_exact(tr, l, prev_S, num_experts, topo)
   d_, s = topo.num_devices, topo.slots_per_device
   h = num_experts // d_
   old_Ds = (np.full((d_, s), -1) if prev_S is None
@@ -47,8 +65,58 @@ def simulate_fill(tr, l, prev_S, num_experts, topo):
   return new_Ds.ravel(), writes_Ds.ravel(), sender_Ds.ravel()
 
 
+def _sources(prev_S, num_experts, topo):
+  d_, s = topo.num_devices, topo.slots_per_device
+  h = num_experts // d_
+  old_Ds = (np.full((d_, s), -1) if prev_S is None
+            else np.asarray(prev_S).reshape(d_, s))
+  return old_Ds, np.concatenate([old_Ds, np.arange(num_experts).reshape(d_,
+                                                                         h)], 1)
+
+
+def simulate_fill_exact(tr, l, prev_S, num_experts, topo):
+  d_, s = topo.num_devices, topo.slots_per_device
+  old_Ds, src_Dx = _sources(prev_S, num_experts, topo)
+  new_Ds = old_Ds.copy()
+  writes_Ds = np.zeros((d_, s), int)
+  sender_Ds = np.full((d_, s), -1)
+  for j in range(d_ * s):
+    i = tr.local_src_LS[l, j]
+    if i >= 0:
+      assert src_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
+      new_Ds[j // s, j % s] = src_Dx[j // s, i]
+      writes_Ds[j // s, j % s] += 1
+  got = exchange_exact(tr.send_LDR[l], tr.count_LDD[l])
+  for d in range(d_):
+    assert (tr.recv_LDR[l, d, len(got[d]):] == -1).all(), 'phantom receive'
+    for q, (c, pos) in enumerate(got[d]):
+      slot = tr.recv_LDR[l, d, q]
+      assert slot >= 0, 'a received expert is dropped'
+      item = src_Dx[c, tr.send_LDR[l, c, pos]]
+      assert item >= 0, 'sent an empty buffer'
+      new_Ds[d, slot] = item
+      writes_Ds[d, slot] += 1
+      sender_Ds[d, slot] = c
+  return new_Ds.ravel(), writes_Ds.ravel(), sender_Ds.ravel()
+
+
 def simulate_returns(tr, l, grad_S, num_experts, topo):
   """Canonical gradient sums [E] after the returns, and the slots zeroed."""
+  if isinstance(tr, schedule.ExactTransition):
+    d_, s = topo.num_devices, topo.slots_per_device
+    h = num_experts // d_
+    grad_Ds = np.asarray(grad_S, float).reshape(d_, s)
+    acc_Dh = np.zeros((d_, h))
+    for j in range(d_ * s):
+      if tr.ret_local_LS[l, j] >= 0:
+        acc_Dh[j // s, tr.ret_local_LS[l, j]] += grad_Ds[j // s, j % s]
+    got = exchange_exact(tr.ret_send_LDR[l], tr.ret_count_LDD[l])
+    for d in range(d_):
+      assert (tr.ret_recv_LDR[l, d, len(got[d]):] == -1).all()
+      for q, (c, pos) in enumerate(got[d]):
+        acc_Dh[d, tr.ret_recv_LDR[l, d, q]] += grad_Ds[
+            c, tr.ret_send_LDR[l, c, pos]]
+    return acc_Dh.ravel(), tr.evict_LS[l]
   d_, s = topo.num_devices, topo.slots_per_device
   h = num_experts // d_
   grad_Ds = np.asarray(grad_S, float).reshape(d_, s)
@@ -68,12 +136,30 @@ def simulate_returns(tr, l, grad_S, num_experts, topo):
   return acc_Dh.ravel(), tr.evict_LS[l]
 
 
+def degree(count_LDD):
+  """Most items one device sends or receives, per layer."""
+  return np.maximum(count_LDD.sum(2).max(1), count_LDD.sum(1).max(1))
+
+
 def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
   rng = np.random.default_rng(1)
   num_layers = tr.local_src_LS.shape[0]
-  assert tr.shift_LR.shape == (num_layers, num_rounds)
-  assert tr.send_LRD.shape == (num_layers, num_rounds, topo.num_devices)
-  assert ((tr.shift_LR >= 0) & (tr.shift_LR < topo.num_devices)).all()
+  exact = isinstance(tr, schedule.ExactTransition)
+  if exact:
+    d_ = topo.num_devices
+    assert tr.send_LDR.shape == (num_layers, d_, num_rounds)
+    assert tr.count_LDD.shape == (num_layers, d_, d_)
+    # No device exchanges with itself; the degree is what was used.
+    assert (np.diagonal(tr.count_LDD, axis1=1, axis2=2) == 0).all()
+    np.testing.assert_array_equal(tr.rounds_used_L, degree(tr.count_LDD))
+    np.testing.assert_array_equal(tr.ret_rounds_used_L,
+                                  degree(tr.ret_count_LDD))
+    assert (tr.rounds_used_L <= num_rounds).all()
+    assert (tr.ret_rounds_used_L <= num_rounds).all()
+  else:
+    assert tr.shift_LR.shape == (num_layers, num_rounds)
+    assert tr.send_LRD.shape == (num_layers, num_rounds, topo.num_devices)
+    assert ((tr.shift_LR >= 0) & (tr.shift_LR < topo.num_devices)).all()
   for l in range(num_layers):
     prev = None if prev_LS is None else np.asarray(prev_LS[l])
     nxt = None if next_LS is None else np.asarray(next_LS[l])
@@ -85,11 +171,16 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
       np.testing.assert_array_equal(writes, changed.astype(int))
       assert tr.remote_fills_L[l] + tr.local_fills_L[l] == changed.sum()
     else:
-      assert (tr.local_src_LS[l] == -1).all() and (tr.shift_LR[l] == 0).all()
-    assert tr.rounds_used_L[l] == (tr.shift_LR[l] > 0).sum() <= num_rounds
-    assert tr.ret_rounds_used_L[l] == (tr.ret_shift_LR[l] > 0).sum()
+      assert (tr.local_src_LS[l] == -1).all()
+      assert (tr.count_LDD[l] == 0).all() if exact else (
+          tr.shift_LR[l] == 0).all()
+    if not exact:
+      assert tr.rounds_used_L[l] == (tr.shift_LR[l] > 0).sum() <= num_rounds
+      assert tr.ret_rounds_used_L[l] == (tr.ret_shift_LR[l] > 0).sum()
     if prev is None:
-      assert not tr.evict_LS[l].any() and (tr.ret_shift_LR[l] == 0).all()
+      assert not tr.evict_LS[l].any()
+      assert (tr.ret_count_LDD[l] == 0).all() if exact else (
+          tr.ret_shift_LR[l] == 0).all()
       continue
     # Distinct powers of two: a sum names exactly which gradients arrived.
     grad = 2.0 ** rng.permutation(len(prev))
@@ -130,8 +221,10 @@ def partly_changed(rng, prev_LS, num_experts, topo, frac):
   return out
 
 
+@pytest.mark.parametrize('mode', schedule.MODES)
 @pytest.mark.parametrize('nodes,per_node,s,num_experts', CASES)
-def test_random_transitions_execute_exactly(nodes, per_node, s, num_experts):
+def test_random_transitions_execute_exactly(nodes, per_node, s, num_experts,
+                                            mode):
   topo = Topology(nodes, per_node, s)
   rng = np.random.default_rng(nodes * 100 + per_node * 10 + s)
   num_rounds = 4 * topo.num_slots
@@ -139,50 +232,56 @@ def test_random_transitions_execute_exactly(nodes, per_node, s, num_experts):
   for frac in (0.0, 0.3, 1.0):
     p1 = partly_changed(rng, p0, num_experts, topo, frac)
     for prev, nxt in ((None, p0), (p0, p1), (p1, None)):
-      tr = schedule.transition(prev, nxt, num_experts, topo, num_rounds)
+      tr = schedule.transition(prev, nxt, num_experts, topo, num_rounds, mode)
       check_transition(tr, prev, nxt, num_experts, topo, num_rounds)
-      need = schedule.rounds_needed(prev, nxt, num_experts, topo)
+      need = schedule.rounds_needed(prev, nxt, num_experts, topo, mode)
       np.testing.assert_array_equal(
           need, np.maximum(tr.rounds_used_L, tr.ret_rounds_used_L))
+      if mode == 'exact':  # Never more than the rounds the shifts need.
+        assert (need <= schedule.rounds_needed(prev, nxt, num_experts, topo,
+                                               'rounds')).all()
 
 
-def test_budget_exceeded_names_layer_and_rounds():
+@pytest.mark.parametrize('mode', schedule.MODES)
+def test_budget_exceeded_names_layer_and_rounds(mode):
   topo, num_experts = Topology(1, 8, 2), 8
   p0 = random_placement(np.random.default_rng(0), 3, num_experts, topo)
-  need = schedule.rounds_needed(None, p0, num_experts, topo)
+  need = schedule.rounds_needed(None, p0, num_experts, topo, mode)
   tight = int(need.max()) - 1
   with pytest.raises(schedule.BudgetExceeded,
                      match=rf'layer {need.argmax()} needs {need.max()} fill .*'
                      rf'budget is {tight}'):
-    schedule.transition(None, p0, num_experts, topo, tight)
+    schedule.transition(None, p0, num_experts, topo, tight, mode)
   assert issubclass(schedule.BudgetExceeded, ValueError)
-  schedule.transition(None, p0, num_experts, topo, int(need.max()))
+  schedule.transition(None, p0, num_experts, topo, int(need.max()), mode)
 
 
-def test_local_copy_preferred():
+@pytest.mark.parametrize('mode', schedule.MODES)
+def test_local_copy_preferred(mode):
   # Device 1 (slots 2, 3) held expert 0 in slot 2; slot 3 now wants it too.
   topo, num_experts = Topology(1, 4, 2), 4
   prev = np.array([[0, 0, 0, 1, 2, 2, 3, 3]])
   nxt = np.array([[0, 0, 0, 0, 2, 2, 3, 1]])
-  tr = schedule.transition(prev, nxt, num_experts, topo, 4)
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4, mode)
   assert tr.local_src_LS[0, 3] == 0  # Device 1's previous slot 0.
   assert tr.local_src_LS[0, 7] == -1  # Expert 1 is on no slot of device 3.
   assert tr.local_fills_L[0] == 1 and tr.remote_fills_L[0] == 1
   check_transition(tr, prev, nxt, num_experts, topo, 4)
 
 
-def test_same_node_source_preferred():
+@pytest.mark.parametrize('mode', schedule.MODES)
+def test_same_node_source_preferred(mode):
   # 2 nodes x 2 devices; expert 3's home is device 3 (node 1), but device 1
   # (node 0) holds a replica: device 0 fills from device 1.
   topo, num_experts = Topology(2, 2, 2), 4
   prev = np.array([[0, 0, 1, 3, 2, 2, 3, 3]])
   nxt = np.array([[0, 3, 1, 3, 2, 2, 3, 3]])
-  tr = schedule.transition(prev, nxt, num_experts, topo, 4)
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4, mode)
   _, _, sender = simulate_fill(tr, 0, prev[0], num_experts, topo)
   assert sender[1] == 1
   # Without the replica it must come from its home across nodes.
   prev2 = np.array([[0, 0, 1, 1, 2, 2, 3, 3]])
-  tr2 = schedule.transition(prev2, nxt, num_experts, topo, 4)
+  tr2 = schedule.transition(prev2, nxt, num_experts, topo, 4, mode)
   assert simulate_fill(tr2, 0, prev2[0], num_experts, topo)[2][1] == 3
 
 
@@ -193,9 +292,35 @@ def test_source_that_shares_a_round():
   topo, num_experts = Topology(1, 4, 2), 4
   prev = np.array([[0, 2, 1, 1, 2, 2, 3, 3]])
   nxt = np.array([[0, 2, 1, 0, 2, 2, 3, 2]])
-  tr = schedule.transition(prev, nxt, num_experts, topo, 4)
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4, 'rounds')
   assert tr.rounds_used_L[0] == 1 and tr.shift_LR[0, 0] == 1
   check_transition(tr, prev, nxt, num_experts, topo, 4)
+
+
+def test_exact_spreads_a_hot_expert_over_its_holders():
+  """Expert 0 (home device 0) is held by devices 0-3 before; devices 4-7
+  each want it. The shift rounds take the sources that share rounds; the
+  exact mode spreads the four sends over the four holders (degree 1, where
+  the home alone would send four), and the wire carries the useful items
+  only."""
+  topo, num_experts = Topology(1, 8, 2), 8
+  prev = np.array([[0, 0, 1, 0, 2, 0, 3, 0, 4, 4, 5, 5, 6, 6, 7, 7]])
+  nxt = prev.copy()
+  nxt[0, 9::2] = 0  # Devices 4-7's second slot: expert 0.
+  tr = schedule.transition(prev, nxt, num_experts, topo, 4, 'exact')
+  check_transition(tr, prev, nxt, num_experts, topo, 4)
+  np.testing.assert_array_equal(tr.count_LDD[0].sum(1),
+                                [1, 1, 1, 1, 0, 0, 0, 0])
+  assert tr.rounds_used_L[0] == 1
+  # The returns of devices 4-7's evicted experts 4-7: each is home there.
+  assert tr.ret_count_LDD[0].sum() == 0 and tr.ret_rounds_used_L[0] == 0
+  wire, useful = schedule.wire_items(tr, topo.num_devices)
+  assert wire == useful == 4
+  rounds = schedule.transition(prev, nxt, num_experts, topo, 8, 'rounds')
+  wire, useful = schedule.wire_items(rounds, topo.num_devices)
+  assert useful == 4 and wire == 8 * rounds.rounds_used_L[0]
+  # The CPU emulation pads every pair to the R bound, both exchanges.
+  assert schedule.wire_items(tr, 8, emulated=True) == (2 * 8 * 8 * 4, 4)
 
 
 def zipf_loads(rng, num_micro, num_layers, num_devices, num_experts,
@@ -209,9 +334,10 @@ def zipf_loads(rng, num_micro, num_layers, num_devices, num_experts,
   return out
 
 
+@pytest.mark.parametrize('mode', schedule.MODES)
 @pytest.mark.parametrize('nodes,per_node,s,num_experts',
                          [(1, 8, 2, 8), (2, 4, 3, 16)])
-def test_step_transfer_and_fit(nodes, per_node, s, num_experts):
+def test_step_transfer_and_fit(nodes, per_node, s, num_experts, mode):
   topo, cost = Topology(nodes, per_node, s), CostModel()
   rng = np.random.default_rng(7)
   loads = zipf_loads(rng, 4, 3, topo.num_devices, num_experts)
@@ -219,21 +345,21 @@ def test_step_transfer_and_fit(nodes, per_node, s, num_experts):
   plan = baselines.plan_eplb_microstep(loads, topo, cost, ident)
   se = plan.placement.slot_expert
   # Ample budget: nothing to repair, and every transition executes exactly.
-  big = schedule.TransferBudget(4 * topo.num_slots, 4 * topo.num_slots)
+  big = schedule.TransferBudget(4 * topo.num_slots, 4 * topo.num_slots, mode)
   same, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost, big)
   assert same is plan and reverted == 0
   st = schedule.build_step_transfer(se, num_experts, topo, big)
   check_transition(st.fill, None, se[0], num_experts, topo, big.step_rounds)
   check_transition(st.flush, se[-1], None, num_experts, topo, big.step_rounds)
   for m in range(4):
-    tr = schedule.Transition(*(x[m] for x in st.steps))
+    tr = type(st.steps)(*(x[m] for x in st.steps))
     nxt = se[min(m + 1, 3)]
     check_transition(tr, se[m], nxt, num_experts, topo, big.microstep_rounds)
   assert st.remote_fills_M()[0] == st.fill.remote_fills_L.sum()
   assert st.steps.remote_fills_L[-1].sum() == 0  # The no-op.
   # Tight budget: repairs, valid placements, and the result fits.
-  need_fill = schedule.rounds_needed(None, se[0], num_experts, topo)
-  tight = schedule.TransferBudget(max(int(need_fill.max()) - 2, 1), 1)
+  need_fill = schedule.rounds_needed(None, se[0], num_experts, topo, mode)
+  tight = schedule.TransferBudget(max(int(need_fill.max()) - 2, 1), 1, mode)
   with pytest.raises(schedule.BudgetExceeded):
     schedule.build_step_transfer(se, num_experts, topo, tight)
   fitted, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost, tight)
@@ -267,8 +393,9 @@ def test_unflushable_tail_holds_the_last_flushable_placement():
       loads, se, np.stack([split.balanced_flows(se[m], loads[m].sum(1), topo)[0]
                            for m in range(4)]), topo, cost,
       current_LS=home[None])
-  budget = schedule.TransferBudget(step_rounds=1, microstep_rounds=4)
-  assert (schedule.rounds_needed(se[3], None, e, topo) > 1).all()
+  budget = schedule.TransferBudget(step_rounds=1, microstep_rounds=4,
+                                   mode='rounds')
+  assert (schedule.rounds_needed(se[3], None, e, topo, 'rounds') > 1).all()
   fitted, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost,
                                                  budget)
   out = fitted.placement.slot_expert
