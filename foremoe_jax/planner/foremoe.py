@@ -499,6 +499,20 @@ def _rounding_slack_s(slot_expert_MLS, num_experts: int, max_count: float,
   return dev_ML.sum(axis=0) + cost.overlap * dev_ML[:-1].sum(axis=0)
 
 
+def _a2a_s(loads_MLDE, slot_expert_MLS, slot_share_MLDS, topo: Topology,
+           cost: CostModel) -> np.ndarray:
+  """All-to-all seconds of each layer over the step (`CostModel.
+  all_to_all_s` of the cells the placement's split makes): [L]."""
+  node_D = topo.node_of_device()
+  out = np.zeros(np.shape(loads_MLDE)[1])
+  for m in range(np.shape(loads_MLDE)[0]):
+    p = placement_lib.Placement(np.asarray(slot_expert_MLS[m]),
+                                np.asarray(slot_share_MLDS[m]))
+    out += cost.all_to_all_s(placement_lib.cell_counts(loads_MLDE[m], p),
+                             node_D)
+  return out
+
+
 def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
                        split_flows_MLS, current_LS, topo: Topology,
                        cost: CostModel, config: ForeMoEConfig) -> StepPlan:
@@ -530,7 +544,11 @@ def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
              + _rounding_slack_s(split_MLS, num_experts, max_count, topo, cost))
   ours_L = _step_cost_s(by_device(flows_MLS), ours_copy_ML, cost)
   theirs_L = _step_cost_s(by_device(split_flows_MLS), theirs_copy_ML, cost)
-  layers = np.flatnonzero(differ_L & ~(ours_L + slack_L < theirs_L))
+  # With the all-to-all priced, compute alone decides nothing: every layer
+  # whose plans differ is compared on exact counts.
+  decided_L = ((ours_L + slack_L < theirs_L) if not cost.row_bytes
+               else np.zeros(num_layers, bool))
+  layers = np.flatnonzero(differ_L & ~decided_L)
   if not len(layers):
     return plan._replace(from_split_L=from_split_L)
   alt = assemble_plan(loads_MLDE[:, layers], split_MLS[:, layers],
@@ -539,6 +557,12 @@ def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
   ours_L = _step_cost_s(plan.loads_MLD[:, layers], ours_copy_ML[:, layers],
                         cost)
   theirs_L = _step_cost_s(alt.loads_MLD, theirs_copy_ML[:, layers], cost)
+  if cost.row_bytes:
+    ours_L = ours_L + _a2a_s(loads_MLDE[:, layers], se_MLS[:, layers],
+                             plan.placement.slot_share[:, layers], topo, cost)
+    theirs_L = theirs_L + _a2a_s(loads_MLDE[:, layers],
+                                 alt.placement.slot_expert,
+                                 alt.placement.slot_share, topo, cost)
   take = theirs_L < ours_L
   if not take.any():
     return plan._replace(from_split_L=from_split_L)

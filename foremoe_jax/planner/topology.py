@@ -76,6 +76,15 @@ class CostModel:
   """Bytes of a replica's accumulated gradient sent home when it leaves
   (f32 accumulation: twice the bytes of bf16 weights); None: the same as
   `bytes_per_expert`."""
+  row_bytes: float = 0.0
+  """Bytes of one token-assignment's activation row in the dispatch
+  all-to-all (d_model x activation bytes). A placement decides which rows
+  cross devices and nodes, so when this is > 0 the choice between ForeMoE
+  and foresight_split per layer prices the all-to-alls too (0: compute and
+  copies only)."""
+  a2a_passes: int = 4
+  """All-to-alls of one layer per micro-step in the update: dispatch and
+  combine forward, their transposes backward."""
 
   def __post_init__(self):
     if self.token_time_s <= 0 or self.bytes_per_expert < 0:
@@ -86,6 +95,8 @@ class CostModel:
       raise ValueError('grad_bytes_per_expert must be >= 0.')
     if not 0.0 <= self.overlap <= 1.0:
       raise ValueError(f'overlap = {self.overlap} must be in [0, 1].')
+    if self.row_bytes < 0 or self.a2a_passes < 0:
+      raise ValueError('row_bytes and a2a_passes must be >= 0.')
 
   @classmethod
   def from_expert_shape(cls, d_model: int, d_ff: int, bytes_per_param=2,
@@ -99,6 +110,26 @@ class CostModel:
                bytes_per_expert=float(params * bytes_per_param),
                grad_bytes_per_expert=float(params * grad_bytes_per_param),
                **kwargs)
+
+  def all_to_all_s(self, cells_LSD, node_D) -> np.ndarray:
+    """Seconds of one layer's all-to-alls in one micro-step: [L]. cells
+    [L, source, destination] rows; a device's time is its busier direction,
+    rows to its own node over `intra_node_bw` and to other nodes over
+    `inter_node_bw`, the two tiers in parallel (the diagonal stays local);
+    times `a2a_passes`. Zero when `row_bytes` is 0."""
+    cells = np.asarray(cells_LSD, np.float64) * self.row_bytes
+    num_layers = cells.shape[0]
+    if not self.row_bytes or cells.shape[-1] == 1:
+      return np.zeros(num_layers)
+    node_D = np.asarray(node_D)
+    same = node_D[:, None] == node_D[None, :]
+    intra = same & ~np.eye(len(node_D), dtype=bool)
+    out = np.zeros(num_layers)
+    for x in (cells, cells.transpose(0, 2, 1)):  # Sends, then receives.
+      t = np.maximum((x * intra).sum(axis=2) / self.intra_node_bw,
+                     (x * ~same).sum(axis=2) / self.inter_node_bw)
+      out = np.maximum(out, t.max(axis=1))
+    return self.a2a_passes * out
 
   def move_time_s(self, inter_node):
     """Seconds to copy one expert, per move (array-friendly)."""

@@ -78,7 +78,10 @@ def cost_model(model: ModelShape, hw: HardwareProfile) -> CostModel:
       model.d_model, model.moe_d_ff, bytes_per_param=model.bytes_per_param,
       flops_per_s=hw.flops_per_s, intra_node_bw=hw.intra_bw,
       inter_node_bw=hw.inter_bw,
-      overlap=0.5 * hw.transfer_overlap)  # The planner's default window.
+      overlap=0.5 * hw.transfer_overlap,  # The planner's default window.
+      # The dispatch's rows, so ForeMoE's per-layer choice against
+      # foresight_split sees the all-to-alls its moves change.
+      row_bytes=float(model.d_model * model.bytes_per_param))
 
 
 def default_budget(topo: Topology,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import planner_testlib as lib
+from foremoe_jax import placement as placement_lib
 from foremoe_jax.planner import foremoe
 from foremoe_jax.planner.topology import CostModel, Topology
 
@@ -129,3 +130,55 @@ def test_choice_takes_split_where_moves_do_not_pay():
                               lib.identity_for(trace, topo), config).last()
   plan = foremoe.plan_step(trace.step(1), topo, cost, current, config)
   assert plan.layers_from_split >= 1
+
+
+def _a2a_costs(plan, loads_MLDE, topo: Topology, cost: CostModel):
+  """All-to-all seconds per layer, plain loops over the plan's cells: per
+  micro-step each device's busier direction, same-node rows over the
+  intra-node rate and the rest over the inter-node rate in parallel."""
+  num_micro, num_layers = np.shape(plan.placement.slot_expert)[:2]
+  node = lambda d: d // topo.devices_per_node
+  out = np.zeros(num_layers)
+  for m in range(num_micro):
+    cells = placement_lib.cell_counts(loads_MLDE[m], plan.microstep(m))
+    for l in range(num_layers):
+      worst = 0.0
+      for d in range(topo.num_devices):
+        for rows in (cells[l, d, :], cells[l, :, d]):  # Sends, receives.
+          intra = sum(rows[o] for o in range(topo.num_devices)
+                      if o != d and node(o) == node(d))
+          inter = sum(rows[o] for o in range(topo.num_devices)
+                      if node(o) != node(d))
+          worst = max(worst, intra * cost.row_bytes / cost.intra_node_bw,
+                      inter * cost.row_bytes / cost.inter_node_bw)
+      out[l] += cost.a2a_passes * worst
+  return out
+
+
+def test_priced_all_to_all_is_part_of_the_choice():
+  """With the dispatch rows priced (`CostModel.row_bytes`), each layer is
+  the cheaper of the two plans counting compute, copies and all-to-alls;
+  where a layer's moves balance compute but send more rows across nodes,
+  it becomes foresight_split's."""
+  trace, topo = lib.one_node()
+  config = foremoe.ForeMoEConfig()
+  loads = trace.step(1)
+  plain = lib.COST
+  # A row sent to another device costs about half of computing it: the
+  # all-to-all matters about as much as the balance.
+  cost = dataclasses.replace(plain, row_bytes=3 * plain.token_time_s
+                             * plain.inter_node_bw)
+  current = foremoe.plan_step(trace.step(0), topo, plain,
+                              lib.identity_for(trace, topo), config).last()
+  cur_LS = np.asarray(current.slot_expert)
+  plan = foremoe.plan_step(loads, topo, cost, current, config)
+  split = foremoe.plan_step(loads, topo, cost, current,
+                            dataclasses.replace(config, max_rounds=0))
+  blind = foremoe.plan_step(loads, topo, plain, current, config)
+  lib.check_plan(plan, loads, topo)
+  total = lambda p: (_layer_costs(p, cur_LS, topo, cost, cost.return_factor)
+                     + _a2a_costs(p, loads, topo, cost))
+  assert np.all(total(plan) <= total(split) * (1 + 1e-12))
+  # The blind choice keeps a layer whose all-to-all makes it dearer.
+  assert (plan.from_split_L & ~blind.from_split_L).any()
+  assert np.any(total(blind) > total(split) * (1 + 1e-12))
