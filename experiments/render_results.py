@@ -145,7 +145,13 @@ def render_rl_step(res: dict) -> str:
       f" slots holding the wrong expert: {_f(fm['transfer_id_errors'])};"
       f" dropped tokens: {_f(fm['dropped'])}; plan wait"
       f" {_f(100 * res['plan_wait_frac_of_step'], 2)}% of the step.",
-  ])
+  ] + ([
+      f"- Transfers: experts on the wire over experts that had to move,"
+      f" ForeMoE: {_f(fm['wire_bytes_over_useful'], 3)} for the collective a"
+      f" GPU/TPU runs (one ragged all-to-all per layer and transition);"
+      f" {_f(fm['wire_bytes_over_useful_cpu_emulation'], 3)} for the CPU"
+      f" emulation this run used (every pair padded)."]
+       if 'wire_bytes_over_useful' in fm else []))
 
 
 def render_moe_layer(res: dict) -> str:
@@ -481,6 +487,16 @@ def render_simulate_cluster(res: dict) -> str:
             f" {_f(summ['microstep_max_over_mean_64gpu_foremoe'])}x and"
             f" EPLB-step's at"
             f" {_f(summ.get('microstep_max_over_mean_64gpu_eplb_step', 0))}x."]
+  if 'wire_bytes_over_useful_max' in summ:
+    shares = summ['transfer_exposed_share_of_update_max']
+    out += [f"- Expert moves ({summ['transfer_mode']} transfers): experts on"
+            f" the wire over experts that moved, worst row"
+            f" {_f(summ['wire_bytes_over_useful_max'], 3)}; exposed transfer"
+            f" (the step's first fill and last flush, which nothing hides, plus"
+            f" moves beyond the overlap window), worst method, as a share of"
+            f" the update: "
+            + ', '.join(f"{100 * v:.1f}% at {d} devices"
+                        for d, v in shares.items()) + '.']
   return '\n'.join(out)
 
 
