@@ -18,9 +18,9 @@ to the next:
     the schedule's [D, D] count matrix (data, so a new schedule never
     recompiles). The receiver writes the items it got into their slots.
     Only experts that move cross the wire. XLA:CPU has no ragged
-    all-to-all; there the exchange is the dispatch's emulation with the
-    same contract (`dispatch_exact.emulated_ragged_all_to_all`: an
-    all_to_all of D chunks of R experts, padded).
+    all-to-all; there the same contract runs as cyclic-shift ppermute
+    rounds derived on device from the counts, idle rounds skipped
+    (`EXCHANGES`).
   - ``rounds`` (Transition): R rounds, R static. In round r every device
     sends at most one expert to the device `shift[r]` places after it and
     receives at most one. A round is one `jax.lax.ppermute` whose cyclic
@@ -43,10 +43,10 @@ is the scheduler's choice: on GPU, XLA's latency-hiding scheduler with
 asynchronous collectives (`--xla_gpu_enable_latency_hiding_scheduler=true`,
 on by default in recent jaxlib; `--xla_gpu_enable_pipelined_collectives`
 for loops); on TPU `--xla_tpu_enable_latency_hiding_scheduler=true` and
-`--xla_enable_async_collective_permute=true`. In ``exact`` mode the
-exchanges sit in the scan over layers and in no conditional (a test reads
-the compiled program to hold this), so the scheduler may move them across
-the micro-step's compute. In ``rounds`` mode a round's ppermute sits
+`--xla_enable_async_collective_permute=true`. In ``exact`` mode on GPU
+and TPU the exchanges sit in the scan over layers and in no conditional (a
+test reads the compiled 'a2a' stand-in to hold this), so the scheduler may
+move them across the micro-step's compute. In ``rounds`` mode a round's ppermute sits
 inside the `lax.switch` that picks its shift, and XLA schedules a
 conditional's collectives inside the branch, so they overlap work in the
 same branch only. On CPU collectives are synchronous anyway; the benchmark
@@ -150,6 +150,13 @@ def _rounds(shift_R, one_round, init):
   return jax.lax.fori_loop(0, shift_R.shape[0], step, init)
 
 
+# How ``exact`` mode's exchange runs: 'ragged' (GPU/TPU), 'emulated' (CPU:
+# shift rounds from the counts, idle ones skipped), 'a2a' (CPU: one
+# all_to_all padded to R items per pair, the ragged collective's shape: no
+# conditional, which is what the compiled-program test reads).
+EXCHANGES = ('ragged', 'emulated', 'a2a')
+
+
 def _exchange(items, count_DD, me, exchange: str):
   """One ragged all-to-all of expert-sized items ([R, X...] leaves packed
   by destination): this device sends count_DD[me, d] items to device d and
@@ -161,21 +168,54 @@ def _exchange(items, count_DD, me, exchange: str):
   before_DD = jnp.cumsum(count_DD, axis=0) - count_DD
   out_off_D, recv_off_D = before_DD[me], before_DD[:, me]
 
+  if exchange == 'emulated':
+    return _exchange_by_rounds(items, count_DD, me, in_off_D, recv_off_D)
+
   def one(x):
     flat = x.reshape(x.shape[0], -1)
     out = jnp.zeros_like(flat)
     if exchange == 'ragged':
       got = jax.lax.ragged_all_to_all(flat, out, in_off_D, send_D, out_off_D,
                                       recv_D, axis_name=EXPERT)
-    elif exchange == 'emulated':
+    elif exchange == 'a2a':
       got = dispatch_exact.emulated_ragged_all_to_all(
           flat, out, in_off_D, send_D, out_off_D, recv_D, axis_name=EXPERT,
           chunk=x.shape[0], recv_offsets=recv_off_D)
     else:
-      raise ValueError(f"exchange must be 'ragged' or 'emulated', got "
+      raise ValueError(f'exchange must be one of {EXCHANGES}, got '
                        f'{exchange!r}.')
     return got.reshape(x.shape)
   return jax.tree.map(one, items)
+
+
+def _exchange_by_rounds(items, count_DD, me, in_off_D, recv_off_D):
+  """`_exchange` on CPU: the same result by cyclic-shift ppermute rounds,
+  idle rounds skipped. Shift k takes as many rounds as its busiest pair
+  (c, c + k) has items, each carrying one expert per device; so a step
+  without moves costs nothing and one with few moves little, where an
+  all_to_all padded to R items per pair would copy D x R experts per
+  device every layer. (The rounds sit in conditionals, which on CPU costs
+  nothing: its collectives are synchronous anyway.)"""
+  num_devices = count_DD.shape[0]
+  d_D = jnp.arange(num_devices)
+  k_K = jnp.arange(num_devices)
+  depth_K = count_DD[d_D[:, None], (d_D[:, None] + k_K[None, :])
+                     % num_devices].max(axis=0)
+  num_rows = jax.tree.leaves(items)[0].shape[0]
+
+  def one_round(k, r, out):
+    dst, src = (me + k) % num_devices, (me - k) % num_devices
+    item = jax.tree.map(
+        lambda x: x[jnp.clip(in_off_D[dst] + r, 0, num_rows - 1)], items)
+    got = _shifted(item, k, num_devices)
+    at = jnp.where(r < count_DD[src, me], recv_off_D[src] + r, num_rows)
+    return jax.tree.map(lambda o, g: o.at[at].set(g, mode='drop'), out, got)
+
+  def shift(k, out):
+    return jax.lax.fori_loop(0, depth_K[k], lambda r, o: one_round(k, r, o),
+                             out)
+  out = jax.tree.map(jnp.zeros_like, items)
+  return jax.lax.fori_loop(1, num_devices, shift, out)
 
 
 def _local_copies(slots, canon, t, me, spd: int):

@@ -468,17 +468,22 @@ def wire_items(t, num_devices: int, emulated: bool = False) -> tuple:
 
   ``rounds``: every device sends in every round used. ``exact``: the
   ragged all-to-all carries exactly the remote items; `emulated` counts
-  the CPU emulation instead (every pair padded to the R-item bound).
+  the CPU emulation instead (engine 'emulated': per shift k, as many
+  rounds as its busiest pair (c, c + k) has items, every device sending
+  in each).
   """
   if isinstance(t, ExactTransition):
     useful = int(t.count_LDD.sum() + t.ret_count_LDD.sum())
     if not emulated:
       return useful, useful
-    # The emulation runs every layer's two exchanges, used or not (no
-    # conditional around a collective), each device sending D chunks of R.
-    num_rounds = t.send_LDR.shape[-1]
-    rows = 2 * int(np.prod(t.count_LDD.shape[:-2]))
-    return rows * num_devices * num_devices * num_rounds, useful
+    d = np.arange(num_devices)
+    wire = 0
+    for count in (t.count_LDD, t.ret_count_LDD):
+      c = count.reshape(-1, num_devices, num_devices)
+      depth_BK = c[:, d[:, None], (d[:, None] + d[None, :]) % num_devices
+                   ].max(axis=1)
+      wire += int(depth_BK[:, 1:].sum()) * num_devices
+    return wire, useful
   useful = int((t.recv_LRD >= 0).sum() + (t.ret_recv_LRD >= 0).sum())
   wire = int(((t.shift_LR != 0).sum() + (t.ret_shift_LR != 0).sum())
              * num_devices)

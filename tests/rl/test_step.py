@@ -241,23 +241,25 @@ def test_compiled_step_gathers_no_expert_weights(setup):
   texts = [rl_step._recompute.lower(state, batch, plan, old=True, ref=True
                                     ).compile().as_text(),
            rl_step.update.lower(state, batch, logps, plan).compile().as_text()]
-  # The moves are there (the step's plan moves experts: fills, moves and
-  # returns are all-to-alls) and, as every other collective of the
-  # update, outside any conditional: XLA may overlap them with compute.
+  # The moves are there (on CPU the exact exchange runs as shift rounds).
   update = hlo.collectives(texts[1])
-  assert sum(c['kind'] == 'all-to-all' for c in update) > 0
-  assert not [c for c in update if c['in_conditional']], update
-  # ... which the check would see in the shift-round engine, whose
-  # permutes sit in the lax.switch picking each round's shift.
-  rounds = _step_plan(random_plan(np.random.default_rng(1), 4,
-                                  cfg.model.num_layers),
-                      budget=BUDGET._replace(mode='rounds'))
-  fill = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))
-  canon = (jnp.zeros((1, 8, 2)),)
-  t = jax.tree.map(lambda x: x[:1], rounds.transfer['fill'])
-  nested = [c for c in hlo.collectives(fill.lower(canon, t).compile().as_text())
-            if c['kind'] == 'collective-permute']
-  assert nested and all(c['in_conditional'] for c in nested)
+  assert sum(c['kind'] == 'collective-permute' for c in update) > 0
+  # The exact exchange as GPU/TPU run it (one collective per layer, here
+  # its all_to_all stand-in 'a2a') sits in the scan over layers and in no
+  # conditional, so XLA may overlap it with compute; the shift-round
+  # engine's permutes all sit in the lax.switch picking each round's shift.
+  canon = (jnp.zeros((cfg.model.num_layers, 8, 2)),)
+  for mode, exchange, nested in (('exact', 'a2a', False),
+                                 ('rounds', None, True)):
+    t = _step_plan(plan.placement, budget=BUDGET._replace(mode=mode)
+                   ).transfer['fill']
+    fill = jax.jit(lambda c, t, x=exchange: engine.fill_slots(
+        None, c, t, mesh=mesh, exchange=x))
+    moves = [c for c in hlo.collectives(fill.lower(canon, t).compile()
+                                        .as_text())
+             if c['kind'] in ('all-to-all', 'collective-permute')]
+    assert moves and all(c['in_conditional'] == nested for c in moves), (
+        mode, moves)
   # The only gathers are the exact dispatch's int32 slot counts, [D, S]
   # per MoE layer: no weight, gradient or activation is ever gathered.
   for text in texts:

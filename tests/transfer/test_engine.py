@@ -38,10 +38,12 @@ def mesh():
   return ep.make_mesh(1, D)
 
 
-@pytest.mark.parametrize('mode,num_nodes,spd,num_experts',
-                         [('exact', 1, 2, 8), ('exact', 2, 3, 16),
-                          ('rounds', 2, 3, 16)])
-def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode,
+@pytest.mark.parametrize('mode,exchange,num_nodes,spd,num_experts',
+                         [('exact', 'emulated', 1, 2, 8),
+                          ('exact', 'emulated', 2, 3, 16),
+                          ('exact', 'a2a', 2, 3, 16),
+                          ('rounds', None, 2, 3, 16)])
+def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode, exchange,
                                                           num_nodes, spd,
                                                           num_experts):
   rng = np.random.default_rng(spd)
@@ -59,9 +61,12 @@ def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode,
                        jnp.float32),
            jnp.asarray(rng.standard_normal((num_layers, num_experts, 2)),
                        jnp.float32))
-  fill = jax.jit(lambda s, c, t: engine.fill_slots(s, c, t, mesh=mesh))
-  fill0 = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))
-  ret = jax.jit(lambda g, c, t: engine.return_grads(g, c, t, mesh=mesh))
+  fill = jax.jit(lambda s, c, t: engine.fill_slots(s, c, t, mesh=mesh,
+                                                   exchange=exchange))
+  fill0 = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh,
+                                                 exchange=exchange))
+  ret = jax.jit(lambda g, c, t: engine.return_grads(g, c, t, mesh=mesh,
+                                                    exchange=exchange))
   errors = jax.jit(lambda s, se: engine.id_errors(s, se, mesh=mesh))
 
   steps = engine.device_transition(st.steps)
