@@ -237,6 +237,9 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   pl.overlap = 0.5
 
   t = c.transfer = ml_collections.ConfigDict()
+  # 'exact': each layer's moves are one ragged all-to-all of the experts
+  # that move (wire bytes = useful bytes); 'rounds' is the first engine.
+  t.mode = 'exact'
   # Fill and flush: a hot expert may be copied to every device of the ring
   # (num_expert - 1 sends), the trainer's and the simulator's default.
   t.step_rounds = num_expert
