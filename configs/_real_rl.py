@@ -228,6 +228,10 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   # (Qwen3-30B-A3B) and 1.5 s (DeepSeek-V3-like) at EP 64.
   pl.deadline_ms = 3000.0
   pl.deadline_recompute_frac = 1.0
+  # Planner processes, each planning chunks of layers (planner/layers.py);
+  # 0: a quarter of the host's cores, at most 8 (a GPU node's host CPUs
+  # idle during the update, and DeepSeek-V3-like at EP 256 plans 58 layers).
+  pl.workers = 0
   pl.num_nodes = num_nodes  # Nodes the EP ring spans (the slow tier).
   pl.flops_per_s = H100_EXPERT_FLOPS
   pl.intra_node_bw = H100_NVLINK_BW

@@ -128,10 +128,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.planner.method = 'foremoe'
   # The plan must be ready when the recompute it overlaps ends: the deadline
   # is deadline_recompute_frac x the last recompute time, at least
-  # deadline_ms (all of it on the first step). Past it, the home layout is
-  # used for every micro-step.
+  # deadline_ms (all of it on the first step). Layers whose plan is late
+  # take the recompute's step-level plan (one placement for the step, from
+  # its exact loads; planner/guard.py).
   c.planner.deadline_ms = 200.0
   c.planner.deadline_recompute_frac = 1.0
+  # Processes planning chunks of layers side by side (planner/layers.py);
+  # 0: a quarter of the host's cores, at most 8 (1, no processes, below 8
+  # cores, as on this CPU demo).
+  c.planner.workers = 0
   c.planner.num_nodes = 1
   # Cost model of the simulated devices (this CPU): ~10 GFLOP/s of expert
   # compute and ~10 GB/s memcpy, so a tiny expert copies in about the time of

@@ -339,6 +339,8 @@ def _validate_planner(p) -> None:
              'must be > 0')
   if 'num_nodes' in p:
     _require_int(p.num_nodes, 'planner.num_nodes', 1)
+  if 'workers' in p:
+    _require_int(p.workers, 'planner.workers', 0, ' (0: auto)')
 
 
 def _validate_rl(r) -> None:

@@ -204,9 +204,12 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   mean_L = y_LD.mean(axis=1)
   cheapest = float(cost.move_tokens(False))
   hot_LD = y_LD > _target_level(y_LD, cfg.band_cost_scale * cheapest, cfg)[:, None]
-  n_hot = int(hot_LD.sum(axis=1).max())
-  n_pairs = min(cfg.pairs_per_round or num_devices // 2, num_devices // 2,
-                n_hot)
+  # Pairs per layer from its own hot devices; arrays are padded to the
+  # largest, and a layer's padding is masked, so no layer's moves depend
+  # on another's (`planner.layers` plans chunks of layers apart).
+  max_pairs = min(cfg.pairs_per_round or num_devices // 2, num_devices // 2)
+  n_pairs_L = np.minimum(hot_LD.sum(axis=1), max_pairs)
+  n_pairs = int(n_pairs_L.max())
   empty = (np.zeros(0, np.int64),) * 4 + (np.zeros(0),)
   if n_pairs < 1:
     return empty
@@ -225,7 +228,8 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   cold_LQ = np.argsort(cold_key_LD, axis=1, kind='stable')[:, :n_cold]
   y_hot_LP, y_cold_LQ = y_LD[lk, hot_LP], y_LD[lk, cold_LQ]
   hot_ok_LP = hot_LD[lk, hot_LP]
-  cold_ok_LQ = np.isfinite(cold_key_LD[lk, cold_LQ])
+  cold_ok_LQ = (np.isfinite(cold_key_LD[lk, cold_LQ])
+                & (np.arange(n_cold) < n_pairs_L[:, None] + 2))
   slot_hot_LPi = hot_LP[..., None] * s + np.arange(s)
   slot_cold_LQk = cold_LQ[..., None] * s + np.arange(s)
   e_hot_LPi, x_hot_LPi = se_LS[l3, slot_hot_LPi], x_LS[l3, slot_hot_LPi]

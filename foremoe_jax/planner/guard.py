@@ -2,13 +2,17 @@
 
 Sits between foresight and the RL step. Once per RL step the trainer hands
 over the step's loads; ``StepPlanner.plan`` returns a StepPlan no later than
-the deadline. Planning runs in one worker thread (numpy releases the GIL in
-its kernels): `submit` starts it and returns at once, so the trainer
-dispatches the recompute phase to the device and collects the plan with
-`result()` when the update needs it; ForeMoE also checks
-the deadline between micro-steps and gives up early. When the planner
-fails or misses the deadline, the step falls back, and the event is
-counted: planning never blocks or breaks training. The fallback is the
+the deadline. Planning runs off the trainer's thread: `submit` starts it
+and returns at once, so the trainer dispatches the recompute phase to the
+device and collects the plan with `result()` when the update needs it.
+With `workers` > 1 the layers are cut into chunks planned side by side in
+worker processes (`planner.layers`); a chunk that fails or misses the
+deadline is replaced by the fallback plan's same layers
+(`StepPlan.fell_back_L`), so a late planner costs only its late layers.
+ForeMoE also checks the deadline between micro-steps and gives up early.
+When the planning thread itself fails or misses the deadline, the whole
+step falls back, and the event is counted: planning never blocks or
+breaks training. The fallback is the
 method's step-level plan (`step_level_plan`: one placement for the whole
 step, made in milliseconds; for the foresight methods the step's exact
 loads with a per-micro-step token split, which is the `foresight_split`
@@ -28,12 +32,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import os
 import time
 
 import numpy as np
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.planner import baselines, foremoe, split
+from foremoe_jax.planner import layers as layers_lib
 from foremoe_jax.planner.plan import StepPlan, assemble_plan, fallback_plan
 from foremoe_jax.planner.topology import CostModel, Topology
 
@@ -43,6 +50,66 @@ from foremoe_jax.planner.topology import CostModel, Topology
 # (ForeMoE with no rounds of moves).
 METHODS = ('static', 'eplb_step', 'eplb_microstep', 'foresight_split',
            'foremoe')
+
+
+def default_workers(num_layers: int | None = None) -> int:
+  """Planner processes when the config says 0 (auto): a quarter of this
+  host's cores, at most 8 and at most one per layer; 1 (plan in the
+  trainer's planning thread, no processes) on hosts of fewer than 8 cores,
+  where the processes would take the cores the trainer's own work needs."""
+  n = min(8, (os.cpu_count() or 1) // 4)
+  if num_layers is not None:
+    n = min(n, num_layers)
+  return n if n >= 2 else 1
+
+
+def run_method(method: str, topo: Topology, cost: CostModel,
+               config: foremoe.ForeMoEConfig, loads_MLDE, current, history_LE,
+               deadline):
+  """Plans one step (or one chunk of its layers: `planner.layers`) with
+  `method`; module-level so a worker process can run it."""
+  if method == 'static':
+    return baselines.plan_static(loads_MLDE, topo, cost, current)
+  if method == 'eplb_step':
+    return baselines.plan_eplb_step(loads_MLDE, topo, cost, current,
+                                    history_LE, home_anchor=config.home_anchor,
+                                    max_rounds=config.anchor_rounds)
+  if method == 'eplb_microstep':
+    return baselines.plan_eplb_microstep(
+        loads_MLDE, topo, cost, current, home_anchor=config.home_anchor,
+        max_rounds=config.anchor_rounds)
+  if method == 'foresight_split':
+    config = dataclasses.replace(config, max_rounds=0)
+  return foremoe.plan_step(loads_MLDE, topo, cost, current, config,
+                           deadline=deadline)
+
+
+def step_level(method: str, topo: Topology, cost: CostModel,
+               config: foremoe.ForeMoEConfig, loads_MLDE, current, history_LE,
+               deadline=None) -> StepPlan:
+  """`StepPlanner.step_level_plan` of one step (or one chunk of its
+  layers); module-level so a worker process can run it."""
+  del deadline  # The recompute waits for it: never cut short.
+  loads_MLDE = np.asarray(loads_MLDE)
+  num_micro = loads_MLDE.shape[0]
+  step_1LDE = loads_MLDE.sum(axis=0, keepdims=True)
+  if method == 'static':
+    plan = baselines.plan_static(step_1LDE, topo, cost, current)
+  elif method == 'eplb_step':
+    plan = baselines.plan_eplb_step(step_1LDE, topo, cost, current,
+                                    history_LE, home_anchor=config.home_anchor,
+                                    max_rounds=config.anchor_rounds)
+  else:
+    plan = foremoe.plan_step(step_1LDE, topo, cost, current,
+                             dataclasses.replace(config, max_rounds=0))
+  one = plan.microstep(0)
+  tile = lambda x: np.repeat(np.asarray(x)[None], num_micro, axis=0)
+  return assemble_plan(
+      loads_MLDE, tile(one.slot_expert),
+      np.stack([split.balanced_flows(one.slot_expert, loads_MLDE[m].sum(1),
+                                     topo)[0]
+                for m in range(num_micro)]),
+      topo, cost, np.asarray(current.slot_expert))
 
 
 def _one_line(err: BaseException, limit: int = 80) -> str:
@@ -92,6 +159,11 @@ class StepPlanner:
   anchor_rounds, moves_per_layer: the engine's round budgets (fill and
   flush; between micro-steps), which plans then respect
   (`ForeMoEConfig.anchor_rounds`, `ForeMoEConfig.moves_per_layer`).
+  workers: processes planning layer chunks side by side (1: the planning
+  thread plans every layer at once; `default_workers` picks for a host).
+  chunks_per_worker: chunks per worker; more make a late planner cost
+  fewer layers and balance the workers better, fewer batch more numpy work.
+  layer_pool: worker processes to share (sets `workers`; not closed here).
   """
 
   def __init__(self, method: str, topo: Topology, cost: CostModel,
@@ -100,7 +172,9 @@ class StepPlanner:
                config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
                history_decay: float = 0.5, validate: bool = False,
                carry_over: bool = True, anchor_rounds: int | None = None,
-               moves_per_layer: int | None = None):
+               moves_per_layer: int | None = None, workers: int = 1,
+               chunks_per_worker: int = 2,
+               layer_pool: layers_lib.LayerPool | None = None):
     if method not in METHODS:
       raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
     if not carry_over:
@@ -124,6 +198,24 @@ class StepPlanner:
     self.last_error: BaseException | None = None
     self.last_latency_s = 0.0
     self.num_step_level_fallbacks = 0  # Fallbacks to the step-level plan.
+    # Steps where some layer chunks fell back, and layers that did (whole
+    # steps included).
+    self.num_layer_fallbacks = 0
+    self.num_layers_fallen_back = 0
+    self.last_plan_s = 0.0  # Planning alone (no finalize), last step.
+    if workers < 1 or chunks_per_worker < 1:
+      raise ValueError(f'workers and chunks_per_worker must be >= 1, got '
+                       f'{workers} and {chunks_per_worker}.')
+    if layer_pool is not None:
+      workers = layer_pool.workers
+    self.workers, self.chunks_per_worker = int(workers), int(chunks_per_worker)
+    # Worker processes for layer chunks (None: plan in the thread); a pool
+    # handed over is shared (e.g. by the simulator's methods), not closed.
+    self._own_layers = layer_pool is None
+    self._layers = layer_pool or (layers_lib.LayerPool(self.workers)
+                                  if self.workers > 1 else None)
+    self._chunk_futures: list[concurrent.futures.Future] = []
+    self._finish_s = 0.0  # Joining + finalizing, last step (the reserve).
     self._pool = self._new_pool()
     self._busy: concurrent.futures.Future | None = None
 
@@ -132,73 +224,151 @@ class StepPlanner:
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix='foremoe-planner')
 
-  def _run(self, loads_MLDE, current, history_LE, deadline):
-    if self.method == 'static':
-      return baselines.plan_static(loads_MLDE, self.topo, self.cost, current)
-    if self.method == 'eplb_step':
-      return baselines.plan_eplb_step(loads_MLDE, self.topo, self.cost,
-                                      current, history_LE,
-                                      home_anchor=self.config.home_anchor,
-                                      max_rounds=self.config.anchor_rounds)
-    if self.method == 'eplb_microstep':
-      return baselines.plan_eplb_microstep(
-          loads_MLDE, self.topo, self.cost, current,
-          home_anchor=self.config.home_anchor,
-          max_rounds=self.config.anchor_rounds)
-    config = self.config
-    if self.method == 'foresight_split':
-      config = dataclasses.replace(config, max_rounds=0)
-    return foremoe.plan_step(loads_MLDE, self.topo, self.cost, current,
-                             config, deadline=deadline)
+  def _call(self, fn):
+    return functools.partial(fn, self.method, self.topo, self.cost,
+                             self.config)
 
-  def step_level_plan(self, loads_MLDE) -> StepPlan:
+  def _run(self, loads_MLDE, current, history_LE, deadline):
+    return self._call(run_method)(loads_MLDE, current, history_LE, deadline)
+
+  def _chunks(self, num_layers: int) -> list[np.ndarray]:
+    return layers_lib.chunks(num_layers,
+                             self.workers * self.chunks_per_worker)
+
+  def _submit_chunks(self, fn, loads_MLDE, current, history_LE, deadline):
+    """[(layers, future)] of `fn` over the layer chunks, in the processes."""
+    unix = (None if deadline is None
+            else time.time() + (deadline - time.perf_counter()))
+    out = []
+    for ls in self._chunks(loads_MLDE.shape[1]):
+      out.append((ls, self._layers.submit(
+          layers_lib.plan_chunk, self._call(fn), loads_MLDE[:, ls],
+          layers_lib.take_placement(current, ls, axis=0),
+          None if history_LE is None else np.asarray(history_LE)[ls], unix)))
+    return out
+
+  def step_level_plan(self, loads_MLDE, current=None) -> StepPlan:
     """One placement for every micro-step, at once, from what the method
     knows before the step (synchronous; the recompute's plan, so that
     forward runs balanced while the micro-step plan is made): static the
     home layout, EPLB-step its history, the foresight methods the step's
-    exact loads (the anchor and one token split, no moves).
+    exact loads (the anchor and one token split, no moves). With workers,
+    its layer chunks are made side by side.
     """
     loads_MLDE = np.asarray(loads_MLDE)
-    num_micro = loads_MLDE.shape[0]
-    step_1LDE = loads_MLDE.sum(axis=0, keepdims=True)
-    if self.method == 'static':
-      plan = baselines.plan_static(step_1LDE, self.topo, self.cost,
-                                   self.current)
-    elif self.method == 'eplb_step':
-      plan = baselines.plan_eplb_step(step_1LDE, self.topo, self.cost,
-                                      self.current, self.history_LE,
-                                      home_anchor=self.config.home_anchor,
-                                      max_rounds=self.config.anchor_rounds)
-    else:
-      plan = foremoe.plan_step(step_1LDE, self.topo, self.cost, self.current,
-                               dataclasses.replace(self.config, max_rounds=0))
-    one = plan.microstep(0)
-    tile = lambda x: np.repeat(np.asarray(x)[None], num_micro, axis=0)
-    return assemble_plan(
-        loads_MLDE, tile(one.slot_expert),
-        np.stack([split.balanced_flows(one.slot_expert, loads_MLDE[m].sum(1),
-                                       self.topo)[0]
-                  for m in range(num_micro)]),
-        self.topo, self.cost, np.asarray(self.current.slot_expert))
+    current = self.current if current is None else current
+    if self._layers is None:
+      return self._call(step_level)(loads_MLDE, current, self.history_LE)
+    futures = self._submit_chunks(step_level, loads_MLDE, current,
+                                  self.history_LE, None)
+    return layers_lib.join([(ls, f.result()) for ls, f in futures],
+                           loads_MLDE.shape[1])
 
-  def _work(self, loads_MLDE, current, history_LE, deadline, finalize):
-    plan = self._run(loads_MLDE, current, history_LE, deadline)
+  def _fallback_layers(self, ticket: 'PlanTicket', loads_MLDE, current,
+                       ls) -> StepPlan:
+    """The fallback plan of layers `ls` alone: the ticket's, else the
+    step-level plan of those layers, else (static EP, or that fails) the
+    previous placement."""
+    fb = ticket.fallback
+    if fb is not None:
+      plan = layers_lib.take(fb, ls, self.cost.bytes_per_expert)
+    else:
+      plan, cur = None, layers_lib.take_placement(current, ls, axis=0)
+      if self.method != 'static':
+        try:
+          plan = self._call(step_level)(
+              loads_MLDE[:, ls], cur,
+              None if self.history_LE is None else self.history_LE[ls])
+        except Exception as err:  # pylint: disable=broad-except
+          self.last_error = err
+      if plan is None:
+        plan = fallback_plan(loads_MLDE[:, ls], cur, self.topo, self.cost)
+    return plan._replace(fell_back=True,
+                         fell_back_L=np.ones(len(ls), bool))
+
+  def _plan_by_chunks(self, ticket: 'PlanTicket', loads_MLDE, current,
+                      history_LE, deadline) -> StepPlan:
+    """The step planned chunk by chunk in the worker processes; chunks not
+    done `reserve` before the deadline (1.5x what joining and finalizing
+    took last time, at least a tenth of the deadline, so the plan is still
+    handed over in time), or failed, take the fallback for their layers
+    alone."""
+    futures = self._submit_chunks(run_method, loads_MLDE, current, history_LE,
+                                  deadline)
+    self._chunk_futures = [f for _, f in futures]
+    timeout = None
+    if deadline is not None:
+      reserve = max(1.5 * self._finish_s, 0.1 * (ticket.deadline_s or 0.0))
+      timeout = max(0.0, deadline - reserve - time.perf_counter())
+    concurrent.futures.wait(self._chunk_futures, timeout=timeout)
+    t_join = time.perf_counter()
+    parts, late, failed = [], [], []
+    for ls, f in futures:
+      err = f.exception(timeout=0) if f.done() else None
+      if not f.done() or isinstance(err, foremoe.PlanningTimeout):
+        late.append(ls)
+      elif err is not None:
+        self.last_error = err
+        failed.append(ls)
+      else:
+        parts.append((ls, f.result()))
+    num_layers = loads_MLDE.shape[1]
+    missing = late + failed
+    if missing:
+      ls = np.sort(np.concatenate(missing))
+      parts.append((ls, self._fallback_layers(ticket, loads_MLDE, current,
+                                              ls)))
+      self.num_layer_fallbacks += 1
+      self.num_layers_fallen_back += len(ls)
+      why = []
+      if late:
+        why.append('deadline missed' if ticket.deadline_s is None else
+                   f'deadline {ticket.deadline_s * 1e3:.0f} ms missed')
+        self.num_timeouts += 1
+      if failed:
+        why.append(f'planner failed ({_one_line(self.last_error)})')
+        self.num_failures += 1
+      used = ('given' if ticket.fallback is not None else
+              'step-level' if self.method != 'static' else 'previous')
+      ticket.fallback_reason = (
+          f"{' and '.join(why)} in {len(missing)} of {len(futures)} layer "
+          f'chunks -> {used} plan for {len(ls)} of {num_layers} layers')
+    plan = layers_lib.join(parts, num_layers)
+    self._finish_s = time.perf_counter() - t_join
+    return plan
+
+  def _work(self, ticket, loads_MLDE, current, history_LE, deadline,
+            finalize):
+    t0 = time.perf_counter()
+    if self._layers is None:
+      plan = self._run(loads_MLDE, current, history_LE, deadline)
+    else:
+      plan = self._plan_by_chunks(ticket, loads_MLDE, current, history_LE,
+                                  deadline)
+    t_done = time.perf_counter()
     if self.validate:
       num_experts = loads_MLDE.shape[-1]
       for m in range(plan.num_microsteps):
         placement_lib.validate_placement(plan.microstep(m), num_experts,
                                          self.topo.slots_per_device)
-    return plan if finalize is None else finalize(plan, loads_MLDE)
+    out = plan if finalize is None else finalize(plan, loads_MLDE)
+    self.last_plan_s = t_done - t0
+    if self._layers is not None:
+      self._finish_s += time.perf_counter() - t_done
+    return out
 
   def submit(self, loads_MLDE, *, deadline_s: float | None = None,
-             finalize=None) -> PlanTicket:
-    """Starts planning the step with these loads in the worker thread.
+             finalize=None, fallback: StepPlan | None = None) -> PlanTicket:
+    """Starts planning the step with these loads off this thread.
 
     deadline_s: seconds from now (None: the planner's `deadline_s`).
     finalize(plan, loads) -> a StepPlan or any object whose `.plan` is the
     (possibly amended) StepPlan: runs in the worker after a plan is made
     (and on the fallback), e.g. fitting the plan to the transfer budget and
     building its moves; `result()` returns its output.
+    fallback: a plan for these loads to fall back on, whole or per layer
+    (e.g. the recompute's step-level plan, already made); None: made when
+    needed. Also settable as `PlanTicket.fallback` until it is needed.
     """
     loads_MLDE = np.asarray(loads_MLDE)
     t0 = time.perf_counter()
@@ -210,9 +380,17 @@ class StepPlanner:
       self._pool.shutdown(wait=False, cancel_futures=True)
       self._pool = self._new_pool()
     self._busy = None
-    future = self._pool.submit(self._work, loads_MLDE, self.current,
-                               self.history_LE, deadline, finalize)
-    return PlanTicket(self, loads_MLDE, future, deadline, finalize, t0)
+    if self._layers is not None and not all(f.done()
+                                            for f in self._chunk_futures):
+      # Chunks of an abandoned step still hold workers: new workers.
+      self._layers.restart()
+    self._chunk_futures = []
+    ticket = PlanTicket(self, loads_MLDE, None, deadline, finalize, t0)
+    ticket.fallback = fallback
+    ticket._future = self._pool.submit(  # pylint: disable=protected-access
+        self._work, ticket, loads_MLDE, self.current, self.history_LE,
+        deadline, finalize)
+    return ticket
 
   def _fallback(self, ticket: PlanTicket) -> tuple[StepPlan, str]:
     """The step-level plan (the ticket's, else made now), or the previous
@@ -221,7 +399,9 @@ class StepPlanner:
     plan = ticket.fallback
     if plan is None and self.method != 'static':
       try:
-        plan = self.step_level_plan(loads_MLDE)
+        # In this thread: the worker processes may be the ones stuck.
+        plan = self._call(step_level)(loads_MLDE, self.current,
+                                      self.history_LE)
       except Exception as err:  # pylint: disable=broad-except
         self.last_error = err
         plan = None
@@ -252,6 +432,7 @@ class StepPlanner:
         why = f'planner failed ({_one_line(err)})'
     if out is None:
       self.num_fallbacks += 1
+      self.num_layers_fallen_back += loads_MLDE.shape[1]
       plan, used = self._fallback(ticket)
       ticket.fallback_reason = f'{why} -> {used}'
       finalize = ticket._finalize  # pylint: disable=protected-access
@@ -272,6 +453,9 @@ class StepPlanner:
   def stats(self) -> dict:
     return {'plans': self.num_plans, 'fallbacks': self.num_fallbacks,
             'step_level_fallbacks': self.num_step_level_fallbacks,
+            'layer_fallbacks': self.num_layer_fallbacks,
+            'layers_fallen_back': self.num_layers_fallen_back,
+            'workers': self.workers,
             'timeouts': self.num_timeouts, 'failures': self.num_failures,
             'last_latency_s': self.last_latency_s}
 
@@ -290,7 +474,9 @@ class StepPlanner:
         history_LE=None if self.history_LE is None
         else np.asarray(self.history_LE, np.float64).tolist(),
         counters=dict(plans=self.num_plans, fallbacks=self.num_fallbacks,
-                      timeouts=self.num_timeouts, failures=self.num_failures))
+                      timeouts=self.num_timeouts, failures=self.num_failures,
+                      layer_fallbacks=self.num_layer_fallbacks,
+                      layers_fallen_back=self.num_layers_fallen_back))
 
   def load_state_dict(self, state: dict) -> None:
     if state['method'] != self.method:
@@ -309,6 +495,11 @@ class StepPlanner:
     c = state['counters']
     self.num_plans, self.num_fallbacks = c['plans'], c['fallbacks']
     self.num_timeouts, self.num_failures = c['timeouts'], c['failures']
+    # Absent from checkpoints written before layers were planned apart.
+    self.num_layer_fallbacks = c.get('layer_fallbacks', 0)
+    self.num_layers_fallen_back = c.get('layers_fallen_back', 0)
 
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
+    if self._layers is not None and self._own_layers:
+      self._layers.close()

@@ -37,6 +37,9 @@ class StepPlan(NamedTuple):
   # bool [L]: layers where ForeMoE kept the foresight_split plan (its own
   # moves did not pay, `foremoe.step_cost_s`); None: no such choice made.
   from_split_L: np.ndarray | None = None
+  # bool [L]: layers taken from the fallback plan because their chunk of
+  # layers missed the deadline or failed (`planner.layers`); None: none.
+  fell_back_L: np.ndarray | None = None
 
   @property
   def num_microsteps(self) -> int:
@@ -45,6 +48,14 @@ class StepPlan(NamedTuple):
   def microstep(self, m: int) -> placement_lib.Placement:
     return placement_lib.Placement(self.placement.slot_expert[m],
                                    self.placement.slot_share[m])
+
+  @property
+  def layers_fell_back(self) -> int:
+    """Layers taken from the fallback plan (all of them when the whole
+    step fell back)."""
+    if self.fell_back_L is not None:
+      return int(np.sum(self.fell_back_L))
+    return int(self.loads_MLD.shape[1]) if self.fell_back else 0
 
   @property
   def layers_from_split(self) -> int:

@@ -3,13 +3,17 @@
 One RL iteration reads as its data flow (docs/design.md §2), one named
 function a phase:
 
-  rollout -> score -> compose -> foresight -> plan (async, host thread)
-          -> recompute (device, async) -> transfer + update -> record
+  rollout -> compose -> foresight -> recompute (device, async)
+          -> plan (async, host) || score (host) -> transfer + update
+          -> record
 
-`plan` starts in the planner's worker thread and `recompute` is dispatched
-to the device right after it; the recompute runs on the canonical expert
-layout, so it needs no plan, and the host collects the plan only when the
-update needs it. How long the device waited for the plan is measured and
+`recompute` makes the step-level plan it runs on (one balanced placement
+for the step, from the foresight, in milliseconds to seconds) and
+dispatches the forwards to the device; `plan` then starts the micro-step
+plan off the main thread (the planner's thread, and its worker processes
+for chunks of layers) while the host scores the samples; the host collects
+the plan only when the update needs it. Layers whose plan is late run the
+step-level plan. How long the device waited for the plan is measured and
 logged (`plan_wait_s`). Everything on device lives in rl/step.py,
 rollout/sampler.py and transfer/engine.py; this module moves arrays between
 them and the host-side planner and transfer schedule.
@@ -203,11 +207,14 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
   # The engine refills the slots from the canonical experts every step, so
   # the home layout (identity) is what every step's plan starts from.
   budget = transfer_budget(config)
+  workers = pcfg.get('workers', 0) or planner_lib.guard.default_workers(
+      num_moe)
   planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
                                     deadline_s=pcfg.deadline_ms / 1e3,
                                     carry_over=False,
                                     anchor_rounds=budget.step_rounds,
-                                    moves_per_layer=budget.microstep_rounds)
+                                    moves_per_layer=budget.microstep_rounds,
+                                    workers=workers)
   batch_size = rl.prompts_per_step * num_gen
   buckets = config_lib.buckets_from_config(
       config, batch_size // rl.num_microbatches * (task.sequence_len - 1)
@@ -339,12 +346,15 @@ def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE):
   return finalize
 
 
-def plan_async(ctx: RLContext, loads_MGLDE) -> planner_lib.guard.PlanTicket:
-  """Starts planning in the worker thread; returns at once.
+def plan_async(ctx: RLContext, loads_MGLDE, fallback=None
+               ) -> planner_lib.guard.PlanTicket:
+  """Starts planning off this thread; returns at once.
 
   Deadline: the plan should be ready when the recompute it overlaps ends,
   so it is `deadline_recompute_frac` times the last measured recompute time,
   never below `deadline_ms` (the whole deadline on the first step).
+  fallback: what late layers (or a late step) use instead, the recompute's
+  step-level plan (None: the planner makes one if needed).
   """
   pcfg = ctx.config.planner
   deadline_s = pcfg.deadline_ms / 1e3
@@ -354,7 +364,8 @@ def plan_async(ctx: RLContext, loads_MGLDE) -> planner_lib.guard.PlanTicket:
   t0 = time.perf_counter()
   loads_MGLDE = np.asarray(loads_MGLDE)
   return ctx.planner.submit(planner_loads(loads_MGLDE), deadline_s=deadline_s,
-                            finalize=_finalize(ctx, t0, loads_MGLDE))
+                            finalize=_finalize(ctx, t0, loads_MGLDE),
+                            fallback=fallback)
 
 
 def static_capacity(ctx: RLContext, loads_MGLDE) -> int:
@@ -511,17 +522,18 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   microbatches = compose(ctx, ro, step)
   loads_MGLDE = foresight(ctx, ro, microbatches)
   loads_MLDE = planner_loads(loads_MGLDE)
-  ticket = plan_async(ctx, loads_MGLDE)
   tokens_LE = expert_load.expert_tokens(loads_MGLDE)
   # Every process holds the same host batch and uploads its own devices'
   # share: each device gets whole sequences of every micro-batch.
   batch = device_batch(rl_batch_from_rollout(ro, None, microbatches),
                        ctx.mesh)
   t_rec = time.perf_counter()
+  # The recompute's step-level plan first (the planner's workers make it
+  # side by side), then the micro-step plan, made while the device
+  # recomputes. Layers whose plan is late run the step-level plan instead
+  # of the home layout.
   logps, rplan = recompute(ctx, state, batch, loads_MGLDE)
-  # Should the plan miss its deadline, the update runs on this step-level
-  # plan (made for the recompute already) instead of the home layout.
-  ticket.fallback = rplan.plan
+  ticket = plan_async(ctx, loads_MGLDE, fallback=rplan.plan)
   clock = _ReadyClock(logps)
   # The verifier runs on the host while the device recomputes and the
   # planner thread plans: only the update needs the rewards. A slow
@@ -571,10 +583,15 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
           state.ref_params is not None),
       capacity_recompute=rplan.capacity,
       dropped=int(m['dropped']), planner=ctx.config.planner.method,
+      # Steps so far whose whole plan fell back / only some layers' did.
       plan_fallbacks=ctx.planner.num_fallbacks,
+      plan_layer_fallbacks=ctx.planner.num_layer_fallbacks,
       # This step's plan missed its deadline or failed, and why ('' if not).
       plan_fallback=ticket.fallback_reason is not None,
       plan_fallback_reason=ticket.fallback_reason or '',
+      # MoE layers that ran the step-level plan because their chunk of
+      # layers was late or failed (all of them when the whole step was).
+      plan_fallback_layers=planned.plan.layers_fell_back,
       moves_per_device_per_microstep=float(planned.plan.moves_MLD.mean()),
       **transfer_metrics(ctx, planned),
       transfer_id_errors=int(m['transfer_id_errors']),

@@ -619,5 +619,6 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
                                   current_LS=home_LS)
   # Fitting only undoes moves: which candidate each layer took still holds.
   return (fitted._replace(fell_back=plan.fell_back,
-                          from_split_L=plan.from_split_L),
+                          from_split_L=plan.from_split_L,
+                          fell_back_L=plan.fell_back_L),
           int((out != se).sum()))

@@ -39,10 +39,12 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   # policy that sampled.
   assert max(l['replay_logp_gap'] for l in rl) < 1e-4
   assert all(l['dropped'] == 0 for l in rl)
-  # Each step flags its own plan fallback, with a reason; the flags add up
-  # to the run's counter.
-  assert all(l['plan_fallback'] == bool(l['plan_fallback_reason']) for l in rl)
-  assert sum(l['plan_fallback'] for l in rl) == rl[-1]['plan_fallbacks']
+  # Each step flags its own plan fallback (whole or some layers), with a
+  # reason and the layers it cost; the flags add up to the run's counters.
+  assert all(l['plan_fallback'] == bool(l['plan_fallback_reason'])
+             == (l['plan_fallback_layers'] > 0) for l in rl)
+  assert sum(l['plan_fallback'] for l in rl) == (
+      rl[-1]['plan_fallbacks'] + rl[-1]['plan_layer_fallbacks'])
   for png in ('reward.png', 'microstep_load.png'):
     with open(os.path.join(workdir, png), 'rb') as f:
       assert f.read(8) == b'\x89PNG\r\n\x1a\n'
