@@ -67,6 +67,10 @@ _TRANSFER = flags.DEFINE_enum(
     'transfer_mode', 'exact', ['exact', 'rounds'], 'How expert moves travel: '
     'exact (one ragged all-to-all of the experts that move, the default) or '
     'rounds (cyclic-shift ppermute rounds, the first engine).')
+_WORKERS = flags.DEFINE_integer(
+    'planner_workers', 1, 'Planner processes planning chunks of layers side '
+    'by side (the trainer\'s planner.workers); 1: one thread. Plan times are '
+    'measured with them on this host.')
 _OUT = flags.DEFINE_string('out_dir', 'results/simulate_cluster',
                            'Where the PNGs go.')
 
@@ -87,6 +91,7 @@ def main(argv):
                         'profiles': _PROFILES.value,
                         'methods': _METHODS.value, 'workload': work_kwargs,
                         'transfer_mode': _TRANSFER.value,
+                        'planner_workers': _WORKERS.value,
                         'validate': _VALIDATE.value})
   log = (lambda *a, **k: None) if _JSON.value else print
   t0 = time.perf_counter()
@@ -108,7 +113,8 @@ def main(argv):
   if _GRID.value:
     rows = cluster.run_grid(_MODELS.value, devices, profiles, _METHODS.value,
                             work_kwargs=work_kwargs, trace=trace,
-                            transfer_mode=_TRANSFER.value, log=log)
+                            transfer_mode=_TRANSFER.value,
+                            planner_workers=_WORKERS.value, log=log)
     pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
   for r in rows:
     if r['mode'] == 'exact' and r['profile'] == profiles[0].name:
@@ -130,6 +136,7 @@ def main(argv):
               validation['measured_speedup_update_vs_static']},
       **cluster.headline(rows, profile=profiles[0].name),
       **cluster.transfer_summary(rows),
+      **cluster.planning_summary(rows),
       'paper_speedup_64gpu': PAPER_SPEEDUP_64GPU,
       'assumptions': {
           'profile': hardware.describe(profiles[0]),
@@ -142,7 +149,10 @@ def main(argv):
                     'experiments.memory_report)',
           'trace': 'synthetic, hottest expert per layer calibrated to public '
                    'routing statistics (foremoe_jax/sim/workload.HOT_SHARE)',
-          'planner_time': 'measured on this host, one thread',
+          'planner_time': (f'measured on this host ({os.cpu_count()} '
+                           f'cores), {_WORKERS.value} planner process(es)'
+                           if _WORKERS.value > 1 else
+                           'measured on this host, one thread'),
           'skipped': {m: f'EP groups above {d} devices (planning takes '
                          f'minutes per step)'
                       for m, d in cluster.SKIP_ABOVE.items()},

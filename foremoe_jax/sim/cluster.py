@@ -45,8 +45,13 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
              methods=simulate.METHODS, modes=simulate.MODES,
              work_kwargs: dict | None = None, seed: int = 0,
              trace: traces.Trace | None = None, skip_above=None,
-             transfer_mode: str = 'exact', log=print) -> list[dict]:
+             transfer_mode: str = 'exact', planner_workers: int = 1,
+             log=print) -> list[dict]:
   """One row per (model, devices, profile, mode, method).
+
+  planner_workers: the planner's processes (`StepPlanner(workers=...)`),
+  as the trainer's `planner.workers`; the rows' plan seconds are measured
+  with them on this host.
 
   transfer_mode: the transfer schedule's (`schedule.MODES`): ``exact``
   (ragged all-to-all of the experts that move) or ``rounds``.
@@ -79,7 +84,8 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
             loads.step(1), history, topo, simulate.cost_model(model, profiles[0]),
             simulate.default_budget(topo, transfer_mode), model.top_k,
             work.tokens_per_device,
-            [m for m in methods if ep <= skip_above.get(m, ep)])
+            [m for m in methods if ep <= skip_above.get(m, ep)],
+            workers=planner_workers)
         cache[ep] = (loads.step(1), plans)
         log(f'{name}: EP {ep} planned in {time.perf_counter() - t0:.1f}s ('
             + ', '.join(f'{m} {p.plan_s:.2f}s' for m, p in plans.items()) + ')')
@@ -90,7 +96,8 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
             r = simulate.time_step(mp, loads, model, work, hw, mode)
             rows.append(dict(model=name, devices=num_dev, ep=ep,
                              profile=hw.name, mode=mode, method=method,
-                             transfer_mode=transfer_mode, **r))
+                             transfer_mode=transfer_mode,
+                             planner_workers=planner_workers, **r))
   _add_speedups(rows)
   return rows
 
@@ -169,6 +176,32 @@ def transfer_summary(rows, mode: str = simulate.DEFAULT_MODE) -> dict:
               wire_bytes_over_useful_max=max(r['wire_bytes_over_useful']
                                              for r in rows),
               transfer_exposed_share_of_update_max=exposed)
+
+
+def planning_summary(rows, method: str = 'foremoe',
+                     mode: str = simulate.DEFAULT_MODE) -> dict:
+  """Host planning against the recompute it hides behind, per model at
+  its largest EP group (first profile's rows): the micro-step plan's
+  seconds (`plan_s`, with fit and schedule), the step-level plan's that
+  precede the recompute (`recompute_plan_s`), the recompute's, the
+  planner's processes, and plan_s / recompute_s (the target is <= 0.5)."""
+  rows = [r for r in rows if r['mode'] == mode and r['method'] == method]
+  if not rows:
+    return {}
+  profile = rows[0]['profile']
+  out = {}
+  for r in rows:
+    if r['profile'] != profile:
+      continue
+    best = out.get(r['model'])
+    if best is None or r['ep'] > best['ep']:
+      out[r['model']] = dict(
+          ep=r['ep'], devices=r['devices'], plan_s=r['plan_s'],
+          recompute_plan_s=r['recompute_plan_s'],
+          recompute_s=r['recompute_s'], plan_wait_s=r['plan_wait_s'],
+          plan_over_recompute=r['plan_s'] / r['recompute_s'],
+          planner_workers=r.get('planner_workers', 1))
+  return {'planning_largest_ep': out}
 
 
 def workload_description(work_kwargs: dict | None) -> dict:

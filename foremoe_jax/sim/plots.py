@@ -35,7 +35,8 @@ def speedup_plot(rows, path: str, profile: str, mode: str,
     for method, color in COLORS.items():
       pts = sorted((r['devices'], r[f'speedup_step_vs_{baseline}'])
                    for r in _select(rows, model=model, profile=profile,
-                                    mode=mode, method=method))
+                                    mode=mode, method=method)
+                   if f'speedup_step_vs_{baseline}' in r)
       if pts:
         ax.plot(*zip(*pts), 'o-', color=color, label=method)
     ax.set_xscale('log', base=2)
@@ -80,6 +81,8 @@ def write_plots(rows, out_dir: str, profile: str = 'h100') -> list[str]:
   paths = []
   for mode in sorted({r['mode'] for r in rows}):
     for base in ('static', 'eplb_step'):
+      if not any(f'speedup_step_vs_{base}' in r for r in rows):
+        continue  # The baseline was not run (--methods).
       paths.append(speedup_plot(
           rows, os.path.join(out_dir, f'speedup_vs_{base}_{profile}_{mode}.png'),
           profile, mode, base))

@@ -31,7 +31,7 @@ import numpy as np
 from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model.grouped_swiglu import default_tile
-from foremoe_jax.planner import foremoe, guard
+from foremoe_jax.planner import foremoe, guard, layers
 from foremoe_jax.planner.plan import StepPlan
 from foremoe_jax.planner.topology import CostModel, Topology
 from foremoe_jax.sim import costs, memory
@@ -106,12 +106,14 @@ def _buckets(loads_MLDE, placement_of, buckets) -> dict:
 def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
                  budget: schedule.TransferBudget, top_k: int,
                  tokens_per_device: int, methods=METHODS,
-                 config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig()
-                 ) -> dict[str, MethodPlan]:
+                 config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
+                 workers: int = 1) -> dict[str, MethodPlan]:
   """Each method's plans as the trainer makes them (`rl.trainer`): the
   update's plan from the home layout, fit to the budget, scheduled, its
   buckets; the recompute's step-level placement, fit and filled.
-  history_LE: EPLB-step's decayed past loads (None: none yet)."""
+  history_LE: EPLB-step's decayed past loads (None: none yet).
+  workers: planner processes (`StepPlanner`'s), started before any timing
+  and shared by the methods; 1: one thread, as before."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro, num_layers, _, num_experts = loads_MLDE.shape
   home = placement_lib.identity_placement(num_layers, num_experts,
@@ -120,6 +122,20 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
       tokens_per_device, top_k, topo.num_devices, topo.slots_per_device,
       dispatch=mode) for mode in MODES}
   static_cap = _buckets(loads_MLDE, lambda m: home, buckets)
+  pool = layers.LayerPool(workers) if workers > 1 else None
+  if pool is not None:
+    pool.warm()
+  try:
+    return _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods,
+                         config, home, buckets, static_cap, pool)
+  finally:
+    if pool is not None:
+      pool.close()
+
+
+def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
+                  home, buckets, static_cap, pool):
+  num_experts = loads_MLDE.shape[-1]
   out = {}
   for method in methods:
     if method not in METHODS + ABLATIONS:
@@ -128,7 +144,7 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
     planner = guard.StepPlanner(
         'foremoe' if method in ABLATIONS else method, topo, cost, home,
         config=config, carry_over=False, anchor_rounds=budget.step_rounds,
-        moves_per_layer=budget.microstep_rounds)
+        moves_per_layer=budget.microstep_rounds, layer_pool=pool)
     planner.history_LE = history_LE
     try:
       t0 = time.perf_counter()
@@ -283,9 +299,10 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
                      a2a=passes * float(ra2a_M.sum()),
                      nonexpert=passes * num_micro * nonexpert(1, fwd))
     recompute_s = passes * recompute_fill_s + sum(rec_parts.values())
-  # The micro-step plan is made while the step-level plan is made and the
-  # recompute runs; the update waits for whichever ends last.
-  plan_wait_s = max(0.0, mp.plan_s - mp.recompute_plan_s - recompute_s)
+  # As the trainer orders it: the step-level plan, then the recompute, the
+  # micro-step plan made while it runs; the update waits for whichever
+  # ends last.
+  plan_wait_s = max(0.0, mp.plan_s - recompute_s)
   mem = memory.update_memory(
       model, work, ep=num_dev, slots_per_device=spd,
       capacity_rows=(mp.capacity[mode] if mode == 'exact'
