@@ -28,8 +28,11 @@ function states what it models; the module's assumptions, in one place:
   slowest link any of its pairs uses, plus that link's latency, and the
   rounds of a layer run one after another.
 * Moves into micro-step m + 1 run while micro-step m computes (the engine
-  double-buffers); they hide under `transfer_overlap` of m's compute and
-  the rest is exposed. The first fill and the last flush are exposed.
+  double-buffers); in ``exact`` mode they hide under `transfer_overlap` of
+  m's compute and the rest is exposed; in ``rounds`` mode nothing hides
+  them (each round's permute sits in a conditional,
+  `simulate.move_overlap`). The first fill and the last flush are
+  exposed.
 """
 from __future__ import annotations
 

@@ -235,6 +235,21 @@ def _fill_s(transfer, model, hw, num_dev, num_layers, spd) -> float:
                + costs.local_copy_time(local_D, model, hw))
 
 
+def move_overlap(transfer: schedule.StepTransfer,
+                 hw: HardwareProfile) -> float:
+  """Share of micro-step m's compute that the moves into m + 1 may hide
+  under, from where the engine issues them (transfer/engine.py): in
+  ``exact`` mode one collective per layer in the scan over layers, outside
+  any conditional and with no data dependence on m's compute, so the
+  profile's asynchronous-collective overlap; in ``rounds`` mode each
+  round's permute sits in the `lax.switch` that picks its shift, and XLA
+  schedules a conditional's collectives inside its branch, so nothing of
+  m's compute hides them."""
+  if isinstance(transfer.steps, schedule.ExactTransition):
+    return hw.transfer_overlap
+  return 0.0
+
+
 def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
               hw: HardwareProfile, mode: str = DEFAULT_MODE) -> dict:
   """Predicted seconds of one RL step (update phase and whole step) and
@@ -256,7 +271,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   for m in range(num_micro - 1):
     move_M[m] = _transition_s(mp.transfer.steps, model, hw, num_dev,
                               (m,)).sum()
-  hidden_M = np.minimum(move_M, hw.transfer_overlap * compute_M)
+  hidden_M = np.minimum(move_M, move_overlap(mp.transfer, hw) * compute_M)
   exposed_M = move_M - hidden_M
   fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
   flush_s = _transition_s(mp.transfer.flush, model, hw, num_dev).sum()
