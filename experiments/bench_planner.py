@@ -22,12 +22,28 @@ with --regenerate_traces:
 
   python -m experiments.bench_planner --regenerate_traces --json
 
+With --alt_traces (default), the same methods also run on traces of another
+family than the one the planner was tuned on
+(foremoe_jax.foresight.alt_traces: Zipf popularity per layer, exponent s in
+{0.6, 1.0, 1.4}; Dirichlet routing per sequence around it, concentration c
+in {0.3, 3, 30}; exact top-k per token), at 2,048 tokens per device and
+micro-step on E=64 D=8 top-2, E=128 D=8 / D=16 / E=256 D=32 top-8 (8
+devices per node), 4 layers, 3 RL steps (one warm-up), 4 micro-steps
+(--alt_layers, --alt_steps, --alt_microsteps): 72 rows named like
+alt_zipf1.0_c3_E128_D16_top8_r1, under 'alt_configs' in the JSON, each
+checked against ForeMoE targets 1.08 (one redundant slot per device) and
+1.03 (two), summarised in 'alt_all_targets_met'. --only_alt runs just
+those (no MILP, no sampled traces):
+
+  python -m experiments.bench_planner --json --only_alt --results_dir=
+
 See foremoe_jax.planner.evaluate for what is measured. Intentionally kept
 short: the logic lives in the libraries. The last line printed is the JSON
 result.
 """
 import dataclasses
 import os
+import time
 
 # Only trace generation uses jax; entry points set the simulated devices
 # before anything imports it.
@@ -47,7 +63,8 @@ _LAYERS = flags.DEFINE_integer('layers', 16, 'MoE layers of the synthetic '
                                'configs, planned together (per-layer latency '
                                'is about flat in this).')
 _PLOT_DIR = flags.DEFINE_string('plot_dir', None, 'Write a PNG of max/mean '
-                                'per micro-step here.')
+                                'per micro-step here (the alt configs: '
+                                'planner_alt_max_over_mean.png).')
 _NO_MILP = flags.DEFINE_bool('no_milp', False, 'Skip the MILP gap.')
 _SAMPLED = flags.DEFINE_bool('sampled_traces', True, 'Also run the configs '
                              'on traces recorded from the sampler.')
@@ -58,6 +75,20 @@ _REGENERATE = flags.DEFINE_bool('regenerate_traces', False, 'Regenerate the '
 _STEP_ROUNDS = flags.DEFINE_integer(
     'transfer_step_rounds', None, 'Fill / flush rounds of the constrained '
     'ForeMoE (default: the trainer\'s, one per EP device).')
+_ALT = flags.DEFINE_bool('alt_traces', True, 'Also run the alt configs: '
+                         'traces of another family (Zipf + Dirichlet, '
+                         'foremoe_jax.foresight.alt_traces).')
+_ONLY_ALT = flags.DEFINE_bool('only_alt', False, 'Run only the alt configs '
+                              '(no synthetic / sampled configs, no MILP).')
+_ALT_LAYERS = flags.DEFINE_integer('alt_layers', 4, 'Layers of the alt '
+                                   'traces.')
+_ALT_STEPS = flags.DEFINE_integer('alt_steps', 3, 'RL steps of the alt '
+                                  'traces (the first is a warm-up).')
+_ALT_MICROSTEPS = flags.DEFINE_integer('alt_microsteps', 4, 'Micro-steps per '
+                                       'RL step of the alt traces.')
+_ALT_TOKENS = flags.DEFINE_integer('alt_tokens_per_device', 2048, 'Tokens '
+                                   'per device and micro-step of the alt '
+                                   'traces.')
 _MICRO_ROUNDS = flags.DEFINE_integer(
     'transfer_microstep_rounds', None, 'Rounds between micro-steps of the '
     'constrained ForeMoE (default: the trainer\'s, 2).')
@@ -65,9 +96,11 @@ _MICRO_ROUNDS = flags.DEFINE_integer(
 
 def main(argv):
   del argv
-  configs = evaluate.default_configs(num_layers=_LAYERS.value)
+  only_alt = _ONLY_ALT.value
+  configs = ([] if only_alt
+             else evaluate.default_configs(num_layers=_LAYERS.value))
   traces_by_source, trace_info = {}, []
-  if _SAMPLED.value:
+  if _SAMPLED.value and not only_alt:
     for tc in sampled_traces.default_sampled_configs():
       trace, generated = sampled_traces.load_or_generate(
           tc, _TRACE_DIR.value, _REGENERATE.value)
@@ -76,26 +109,53 @@ def main(argv):
                          'path': sampled_traces.trace_path(tc, _TRACE_DIR.value),
                          'meta': trace.meta})
     configs += evaluate.sampled_configs(traces_by_source)
-  configs = [dataclasses.replace(
+  alt_trace_configs, alt_configs = {}, []
+  if _ALT.value or only_alt:
+    alt_trace_configs = evaluate.alt_trace_configs(
+        num_layers=_ALT_LAYERS.value, num_microsteps=_ALT_MICROSTEPS.value,
+        num_steps=_ALT_STEPS.value, tokens_per_device=_ALT_TOKENS.value)
+    alt_configs = evaluate.alt_configs(alt_trace_configs)
+  budgeted = lambda cs: [dataclasses.replace(
       c, transfer_step_rounds=_STEP_ROUNDS.value,
-      transfer_microstep_rounds=_MICRO_ROUNDS.value) for c in configs]
+      transfer_microstep_rounds=_MICRO_ROUNDS.value) for c in cs]
+  configs, alt_configs = budgeted(configs), budgeted(alt_configs)
   cost, config = CostModel(), ForeMoEConfig()
   run = print_run_info({'bench': 'planner',
                         'uses_jax': any(t['generated_now'] for t in trace_info),
                         'configs': [dataclasses.asdict(c) for c in configs],
                         'sampled_traces': trace_info,
+                        'alt_configs': [dataclasses.asdict(c)
+                                        for c in alt_configs],
+                        'alt_traces': {k: dataclasses.asdict(v) for k, v in
+                                       alt_trace_configs.items()},
                         'cost_model': dataclasses.asdict(cost),
                         'foremoe': dataclasses.asdict(config)})
-  result, series = evaluate.run_benchmark(configs, cost, config,
-                                          with_milp=not _NO_MILP.value,
-                                          traces_by_source=traces_by_source)
+  result, series = {}, {}
+  if configs:
+    result, series = evaluate.run_benchmark(
+        configs, cost, config, with_milp=not _NO_MILP.value,
+        traces_by_source=traces_by_source)
+  if alt_configs:
+    t0 = time.perf_counter()
+    alt_by_source = evaluate.alt_traces_by_source(alt_trace_configs)
+    generate_s = time.perf_counter() - t0
+    alt_result, alt_series = evaluate.run_alt_benchmark(
+        alt_configs, cost, config, alt_by_source)
+    alt_result['alt_trace_generation_s'] = generate_s
+    alt_result['alt_total_s'] = time.perf_counter() - t0
+    result.update(alt_result)
   if _PLOT_DIR.value:
     from foremoe_jax.planner import plots  # pylint: disable=g-import-not-at-top
-    print('# plot: ' + plots.plot_max_over_mean(series, _PLOT_DIR.value))
+    if series:
+      print('# plot: ' + plots.plot_max_over_mean(series, _PLOT_DIR.value))
+    if alt_configs:  # A file of their own (72 panels).
+      os.makedirs(_PLOT_DIR.value, exist_ok=True)
+      print('# plot: ' + plots.plot_max_over_mean(alt_series, os.path.join(
+          _PLOT_DIR.value, 'planner_alt_max_over_mean.png')))
   if not _JSON.value:
-    for c in result['configs']:
+    for c in result.get('configs', []) + result.get('alt_configs', []):
       for method, m in c['methods'].items():
-        print(f"{c['name']:>26} {method:>15}: "
+        print(f"{c['name']:>36} {method:>19}: "
               + ' '.join(f'{k}={v:.4g}' for k, v in m.items()))
   common.finish('bench_planner', run, result)
 
