@@ -108,3 +108,22 @@ def test_save_keeps_numpy_numbers_as_numbers(tmp_path):
   path = results.save('x', {}, {'a': np.float32(1.5), 'b': np.arange(3),
                                 'c': np.int64(7)}, results_dir=str(tmp_path))
   assert json.load(open(path))['result'] == {'a': 1.5, 'b': [0, 1, 2], 'c': 7}
+
+
+def test_planner_alt_rows_group_by_shape_and_slots():
+  """The alt-trace summary by hand: two rows of one shape and slot count,
+  one meeting the target in training and both missing it alone."""
+  row = lambda name, con, free, ok: dict(
+      name=name, redundant_slots_per_device=1, target_max_over_mean=1.08,
+      meets_target_constrained=ok, meets_target=False,
+      methods={'foremoe_constrained': {'mean_max_over_mean': con},
+               'foremoe': {'mean_max_over_mean': free},
+               'eplb_step': {'mean_max_over_mean': 1.5},
+               'eplb_microstep': {'mean_max_over_mean': 1.0}})
+  text = render_results.render_planner_alt(dict(
+      alt_configs=[row('alt_zipf1.0_c3_E64_D8_top2_r1', 1.06, 1.10, True),
+                   row('alt_zipf0.6_c30_E64_D8_top2_r1', 1.12, 1.20, False)],
+      alt_all_targets_met=False, alt_all_targets_met_constrained=False))
+  assert ('| E64_D8_top2 | 1 | 1.08 | 1 / 2 | 1.090 (1.120) | 0 / 2 |'
+          ' 1.150 (1.200) | 1.500 | 1.000 |') in text
+  assert 'All met: in training no, ForeMoE alone no.' in text

@@ -200,8 +200,10 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         state = jax.tree.map(jnp.copy, state0)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        ticket = trainer.plan_async(ctx, loads_MGLDE)
+        # As the trainer orders them: the recompute (its step-level plan,
+        # then the dispatch), then the micro-step plan made while it runs.
         logps, rplan = trainer.recompute(ctx, state, batch, loads_MGLDE)
+        ticket = trainer.plan_async(ctx, loads_MGLDE, fallback=rplan.plan)
         clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
         planned = ticket.result()
         t_plan = time.perf_counter()
