@@ -151,7 +151,7 @@ def render_rl_step(res: dict) -> str:
       f" ForeMoE: {_f(fm['wire_bytes_over_useful'], 3)} for the collective a"
       f" GPU/TPU runs (one ragged all-to-all per layer and transition);"
       f" {_f(fm['wire_bytes_over_useful_cpu_emulation'], 3)} for the CPU"
-      f" emulation this run used (every pair padded)."]
+      f" emulation this run used (shift rounds, every device sending in each)."]
        if 'wire_bytes_over_useful' in fm else []))
 
 

@@ -291,7 +291,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
             'weight_bytes_moved_per_device_per_microstep'],
         # Experts on the wire over experts that had to cross devices, for
         # the collective a GPU/TPU runs (exact: the ragged all-to-all) and
-        # for the CPU emulation this benchmark ran (pads every pair).
+        # for the CPU emulation this benchmark ran (shift rounds, every
+        # device sending in each).
         wire_bytes_over_useful=moved['wire_bytes_over_useful'],
         wire_bytes_over_useful_cpu_emulation=(
             schedule.step_wire_over_useful(planned.transfer, 8,

@@ -252,17 +252,15 @@ class StepPlanner:
     knows before the step (synchronous; the recompute's plan, so that
     forward runs balanced while the micro-step plan is made): static the
     home layout, EPLB-step its history, the foresight methods the step's
-    exact loads (the anchor and one token split, no moves). With workers,
-    its layer chunks are made side by side.
+    exact loads (the anchor and one token split, no moves). Made in this
+    thread even with workers: its output is mostly the shares of every
+    micro-step, and copying them back from two processes made it slower
+    than one thread (DeepSeek-V3-like, EP 256: 5.2 s vs 4.5 s, docs/
+    results.md).
     """
     loads_MLDE = np.asarray(loads_MLDE)
     current = self.current if current is None else current
-    if self._layers is None:
-      return self._call(step_level)(loads_MLDE, current, self.history_LE)
-    futures = self._submit_chunks(step_level, loads_MLDE, current,
-                                  self.history_LE, None)
-    return layers_lib.join([(ls, f.result()) for ls, f in futures],
-                           loads_MLDE.shape[1])
+    return self._call(step_level)(loads_MLDE, current, self.history_LE)
 
   def _fallback_layers(self, ticket: 'PlanTicket', loads_MLDE, current,
                        ls) -> StepPlan:

@@ -196,7 +196,7 @@ def test_without_a_plan_handed_over_late_layers_get_their_step_level_plan():
   loads = trace.step(1)
   planner = guard.StepPlanner('foresight_split', topo, lib.COST, first,
                               deadline_s=30.0, workers=2, chunks_per_worker=1)
-  want = planner.step_level_plan(loads)  # Real processes: made whole.
+  want = planner.step_level_plan(loads)
   planner._layers.close()  # pylint: disable=protected-access
   planner._layers = ThreadLayers(fail=[0])  # pylint: disable=protected-access
   ticket = planner.submit(loads)
