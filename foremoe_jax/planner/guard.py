@@ -85,11 +85,10 @@ def run_method(method: str, topo: Topology, cost: CostModel,
 
 
 def step_level(method: str, topo: Topology, cost: CostModel,
-               config: foremoe.ForeMoEConfig, loads_MLDE, current, history_LE,
-               deadline=None) -> StepPlan:
-  """`StepPlanner.step_level_plan` of one step (or one chunk of its
-  layers); module-level so a worker process can run it."""
-  del deadline  # The recompute waits for it: never cut short.
+               config: foremoe.ForeMoEConfig, loads_MLDE, current,
+               history_LE) -> StepPlan:
+  """`StepPlanner.step_level_plan` of one step (or of some of its
+  layers, for a per-layer fallback)."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro = loads_MLDE.shape[0]
   step_1LDE = loads_MLDE.sum(axis=0, keepdims=True)
@@ -202,7 +201,6 @@ class StepPlanner:
     # steps included).
     self.num_layer_fallbacks = 0
     self.num_layers_fallen_back = 0
-    self.last_plan_s = 0.0  # Planning alone (no finalize), last step.
     if workers < 1 or chunks_per_worker < 1:
       raise ValueError(f'workers and chunks_per_worker must be >= 1, got '
                        f'{workers} and {chunks_per_worker}.')
@@ -235,14 +233,15 @@ class StepPlanner:
     return layers_lib.chunks(num_layers,
                              self.workers * self.chunks_per_worker)
 
-  def _submit_chunks(self, fn, loads_MLDE, current, history_LE, deadline):
-    """[(layers, future)] of `fn` over the layer chunks, in the processes."""
+  def _submit_chunks(self, loads_MLDE, current, history_LE, deadline):
+    """[(layers, future)] of the method's plan of each layer chunk, in
+    the worker processes."""
     unix = (None if deadline is None
             else time.time() + (deadline - time.perf_counter()))
     out = []
     for ls in self._chunks(loads_MLDE.shape[1]):
       out.append((ls, self._layers.submit(
-          layers_lib.plan_chunk, self._call(fn), loads_MLDE[:, ls],
+          layers_lib.plan_chunk, self._call(run_method), loads_MLDE[:, ls],
           layers_lib.take_placement(current, ls, axis=0),
           None if history_LE is None else np.asarray(history_LE)[ls], unix)))
     return out
@@ -262,27 +261,37 @@ class StepPlanner:
     current = self.current if current is None else current
     return self._call(step_level)(loads_MLDE, current, self.history_LE)
 
+  def _fallback_for(self, ticket: 'PlanTicket', loads_MLDE, current,
+                    ls=None) -> tuple[StepPlan, str]:
+    """What layers `ls` (None: all) fall back on, and which it is: the
+    ticket's plan ('given'), else their step-level plan, made here in this
+    thread, since the worker processes may be the ones stuck
+    ('step-level'), else (static EP, or that fails) the previous placement
+    ('previous')."""
+    pick = lambda x: x if ls is None else np.asarray(x)[:, ls]
+    if ticket.fallback is not None:
+      return (ticket.fallback if ls is None else layers_lib.take(
+          ticket.fallback, ls, self.cost.bytes_per_expert)), 'given'
+    cur = current if ls is None else layers_lib.take_placement(current, ls,
+                                                               axis=0)
+    if self.method != 'static':
+      history = self.history_LE
+      if history is not None and ls is not None:
+        history = np.asarray(history)[ls]
+      try:
+        return (self._call(step_level)(pick(loads_MLDE), cur, history),
+                'step-level')
+      except Exception as err:  # pylint: disable=broad-except
+        self.last_error = err
+    return (fallback_plan(pick(loads_MLDE), cur, self.topo, self.cost),
+            'previous')
+
   def _fallback_layers(self, ticket: 'PlanTicket', loads_MLDE, current,
-                       ls) -> StepPlan:
-    """The fallback plan of layers `ls` alone: the ticket's, else the
-    step-level plan of those layers, else (static EP, or that fails) the
-    previous placement."""
-    fb = ticket.fallback
-    if fb is not None:
-      plan = layers_lib.take(fb, ls, self.cost.bytes_per_expert)
-    else:
-      plan, cur = None, layers_lib.take_placement(current, ls, axis=0)
-      if self.method != 'static':
-        try:
-          plan = self._call(step_level)(
-              loads_MLDE[:, ls], cur,
-              None if self.history_LE is None else self.history_LE[ls])
-        except Exception as err:  # pylint: disable=broad-except
-          self.last_error = err
-      if plan is None:
-        plan = fallback_plan(loads_MLDE[:, ls], cur, self.topo, self.cost)
+                       ls) -> tuple[StepPlan, str]:
+    """`_fallback_for` of layers `ls`, marked as fallen back."""
+    plan, used = self._fallback_for(ticket, loads_MLDE, current, ls)
     return plan._replace(fell_back=True,
-                         fell_back_L=np.ones(len(ls), bool))
+                         fell_back_L=np.ones(len(ls), bool)), used
 
   def _plan_by_chunks(self, ticket: 'PlanTicket', loads_MLDE, current,
                       history_LE, deadline) -> StepPlan:
@@ -291,8 +300,7 @@ class StepPlanner:
     took last time, at least a tenth of the deadline, so the plan is still
     handed over in time), or failed, take the fallback for their layers
     alone."""
-    futures = self._submit_chunks(run_method, loads_MLDE, current, history_LE,
-                                  deadline)
+    futures = self._submit_chunks(loads_MLDE, current, history_LE, deadline)
     self._chunk_futures = [f for _, f in futures]
     timeout = None
     if deadline is not None:
@@ -314,8 +322,8 @@ class StepPlanner:
     missing = late + failed
     if missing:
       ls = np.sort(np.concatenate(missing))
-      parts.append((ls, self._fallback_layers(ticket, loads_MLDE, current,
-                                              ls)))
+      plan, used = self._fallback_layers(ticket, loads_MLDE, current, ls)
+      parts.append((ls, plan))
       self.num_layer_fallbacks += 1
       self.num_layers_fallen_back += len(ls)
       why = []
@@ -326,8 +334,6 @@ class StepPlanner:
       if failed:
         why.append(f'planner failed ({_one_line(self.last_error)})')
         self.num_failures += 1
-      used = ('given' if ticket.fallback is not None else
-              'step-level' if self.method != 'static' else 'previous')
       ticket.fallback_reason = (
           f"{' and '.join(why)} in {len(missing)} of {len(futures)} layer "
           f'chunks -> {used} plan for {len(ls)} of {num_layers} layers')
@@ -337,7 +343,6 @@ class StepPlanner:
 
   def _work(self, ticket, loads_MLDE, current, history_LE, deadline,
             finalize):
-    t0 = time.perf_counter()
     if self._layers is None:
       plan = self._run(loads_MLDE, current, history_LE, deadline)
     else:
@@ -350,7 +355,6 @@ class StepPlanner:
         placement_lib.validate_placement(plan.microstep(m), num_experts,
                                          self.topo.slots_per_device)
     out = plan if finalize is None else finalize(plan, loads_MLDE)
-    self.last_plan_s = t_done - t0
     if self._layers is not None:
       self._finish_s += time.perf_counter() - t_done
     return out
@@ -394,18 +398,9 @@ class StepPlanner:
     """The step-level plan (the ticket's, else made now), or the previous
     placement for static EP and when that fails too; with its name."""
     loads_MLDE = ticket._loads  # pylint: disable=protected-access
-    plan = ticket.fallback
-    if plan is None and self.method != 'static':
-      try:
-        # In this thread: the worker processes may be the ones stuck.
-        plan = self._call(step_level)(loads_MLDE, self.current,
-                                      self.history_LE)
-      except Exception as err:  # pylint: disable=broad-except
-        self.last_error = err
-        plan = None
-    if plan is None:
-      return (fallback_plan(loads_MLDE, self.current, self.topo, self.cost),
-              'previous placement')
+    plan, used = self._fallback_for(ticket, loads_MLDE, self.current)
+    if used == 'previous':
+      return plan, 'previous placement'
     self.num_step_level_fallbacks += 1
     return plan._replace(fell_back=True), 'step-level plan'
 

@@ -529,8 +529,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
                        ctx.mesh)
   t_rec = time.perf_counter()
   # The recompute's step-level plan first, then the micro-step plan, made
-  # while the device recomputes. Layers whose plan is late run the step-level plan instead
-  # of the home layout.
+  # while the device recomputes. Layers whose plan is late run the
+  # step-level plan instead of the home layout.
   logps, rplan = recompute(ctx, state, batch, loads_MGLDE)
   ticket = plan_async(ctx, loads_MGLDE, fallback=rplan.plan)
   clock = _ReadyClock(logps)

@@ -52,12 +52,13 @@ def test_a_step_planned_by_chunks_is_the_step_planned_whole(method, fn):
   history = loads.sum(axis=(0, 2)).astype(float)[::-1].copy()  # EPLB's.
   config = foremoe.ForeMoEConfig(home_anchor=method != 'foremoe',
                                  anchor_rounds=16, moves_per_layer=2)
-  whole = fn(method, topo, lib.COST, config, loads, current, history, None)
+  if fn is guard.run_method:  # The micro-step plan takes a deadline.
+    fn = lambda *args, run=fn: run(*args, None)
+  whole = fn(method, topo, lib.COST, config, loads, current, history)
   parts = []
   for ls in layers_lib.chunks(loads.shape[1], 4):
     part = fn(method, topo, lib.COST, config, loads[:, ls],
-              layers_lib.take_placement(current, ls, axis=0), history[ls],
-              None)
+              layers_lib.take_placement(current, ls, axis=0), history[ls])
     assert_same_plan(part, layers_lib.take(whole, ls,
                                            lib.COST.bytes_per_expert))
     parts.append((ls, part))
