@@ -15,13 +15,38 @@ seconds from a `pytest -n 2` run (only their order matters; a file not
 listed counts as slowest, so a new long file never starts last). An
 explicit `--dist` other than 'load' is left alone.
 """
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+
+def _share_a_compilation_cache():
+  """One persistent compilation cache for the whole run, made fresh for it.
+
+  Most of the suite's time is XLA compiling small programs, and many tests
+  build the same ones (the tiny model's step under another test's name, the
+  entry points' subprocesses): with the cache, each is compiled once. The
+  process that loads this first (pytest's controller) makes the folder and
+  removes it at exit; xdist's workers and the tests' subprocesses inherit
+  it through the environment. A cache the caller set is left alone.
+  """
+  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:
+    return
+  cache_dir = tempfile.mkdtemp(prefix='foremoe_test_jax_cache_')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = cache_dir
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+  atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+
+
+_share_a_compilation_cache()
 
 _FILE_SECONDS = os.path.join(os.path.dirname(__file__), 'file_seconds.json')
 

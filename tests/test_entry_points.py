@@ -33,7 +33,8 @@ def _cached_env(cache_dir):
   """A persistent compilation cache shared by one test's runs: the second
   run of the same programs skips their compiles."""
   return dict(os.environ, PYTHONPATH=ROOT,
-              JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+              JAX_COMPILATION_CACHE_DIR=os.environ.get(
+                  'JAX_COMPILATION_CACHE_DIR', str(cache_dir)),
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
 

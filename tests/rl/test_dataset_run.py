@@ -20,7 +20,8 @@ def _env(cache_dir):
   # One persistent compilation cache for the three runs (see
   # test_exact_resume.py).
   return dict(os.environ, PYTHONPATH=ROOT,
-              JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+              JAX_COMPILATION_CACHE_DIR=os.environ.get(
+                  'JAX_COMPILATION_CACHE_DIR', str(cache_dir)),
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
 

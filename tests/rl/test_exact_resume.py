@@ -36,7 +36,8 @@ def _env(cache_dir):
   # compiled once (about 45 s -> 18 s a run), and a resumed run executes
   # the very programs the uninterrupted one did, as on one machine.
   return dict(os.environ, PYTHONPATH=ROOT,
-              JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+              JAX_COMPILATION_CACHE_DIR=os.environ.get(
+                  'JAX_COMPILATION_CACHE_DIR', str(cache_dir)),
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
 
