@@ -86,9 +86,9 @@ def run_method(method: str, topo: Topology, cost: CostModel,
 
 def step_level(method: str, topo: Topology, cost: CostModel,
                config: foremoe.ForeMoEConfig, loads_MLDE, current,
-               history_LE) -> StepPlan:
+               history_LE, threads: int = 1) -> StepPlan:
   """`StepPlanner.step_level_plan` of one step (or of some of its
-  layers, for a per-layer fallback)."""
+  layers, for a per-layer fallback); threads: `assemble_plan`'s."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro = loads_MLDE.shape[0]
   step_1LDE = loads_MLDE.sum(axis=0, keepdims=True)
@@ -108,7 +108,7 @@ def step_level(method: str, topo: Topology, cost: CostModel,
       np.stack([split.balanced_flows(one.slot_expert, loads_MLDE[m].sum(1),
                                      topo)[0]
                 for m in range(num_micro)]),
-      topo, cost, np.asarray(current.slot_expert))
+      topo, cost, np.asarray(current.slot_expert), threads=threads)
 
 
 def _one_line(err: BaseException, limit: int = 80) -> str:
@@ -255,11 +255,13 @@ class StepPlanner:
     thread even with workers: its output is mostly the shares of every
     micro-step, and copying them back from two processes made it slower
     than one thread (DeepSeek-V3-like, EP 256: 5.2 s vs 4.5 s, docs/
-    results.md).
+    results.md). Its micro-steps are split in `workers` threads instead
+    (`assemble_plan`), which share them without a copy.
     """
     loads_MLDE = np.asarray(loads_MLDE)
     current = self.current if current is None else current
-    return self._call(step_level)(loads_MLDE, current, self.history_LE)
+    return self._call(step_level)(loads_MLDE, current, self.history_LE,
+                                  threads=self.workers)
 
   def _fallback_for(self, ticket: 'PlanTicket', loads_MLDE, current,
                     ls=None) -> tuple[StepPlan, str]:
@@ -279,8 +281,8 @@ class StepPlanner:
       if history is not None and ls is not None:
         history = np.asarray(history)[ls]
       try:
-        return (self._call(step_level)(pick(loads_MLDE), cur, history),
-                'step-level')
+        return (self._call(step_level)(pick(loads_MLDE), cur, history,
+                                       threads=self.workers), 'step-level')
       except Exception as err:  # pylint: disable=broad-except
         self.last_error = err
     return (fallback_plan(pick(loads_MLDE), cur, self.topo, self.cost),

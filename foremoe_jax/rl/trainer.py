@@ -321,13 +321,16 @@ def planner_loads(loads_MGLDE) -> np.ndarray:
   return np.asarray(loads_MGLDE).sum(axis=1)
 
 
-def _capacity(ctx: RLContext, loads_MGLDE, placement_of) -> int:
+def _capacity(ctx: RLContext, loads_MGLDE, plan) -> int:
   """Smallest dropless bucket over the micro-steps, for the dispatch in use
-  (a device's received rows, or the largest cell), per data group."""
+  (a device's received rows, or the largest cell), per data group.
+  plan: a planner StepPlan, or one Placement for every micro-step."""
   dispatch = ctx.config.parallel.get('dispatch', 'exact')
-  demand = max(placement_lib.capacity_demand(loads_MGLDE[m], placement_of(m),
-                                             dispatch)
-               for m in range(loads_MGLDE.shape[0]))
+  if isinstance(plan, planner_lib.StepPlan):
+    demand = plan.capacity_demand(loads_MGLDE, dispatch)
+  else:
+    demand = max(placement_lib.capacity_demand(loads_MGLDE[m], plan, dispatch)
+                 for m in range(loads_MGLDE.shape[0]))
   return config_lib.pick_bucket(demand, ctx.buckets)
 
 
@@ -341,7 +344,7 @@ def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE):
     transfer = schedule.build_step_transfer(
         plan.placement.slot_expert, ctx.num_experts, ctx.topo, ctx.budget)
     return PlannedStep(plan, transfer,
-                       _capacity(ctx, loads_MGLDE, plan.microstep),
+                       _capacity(ctx, loads_MGLDE, plan),
                        reverted, time.perf_counter() - t_submit)
   return finalize
 
@@ -370,7 +373,7 @@ def plan_async(ctx: RLContext, loads_MGLDE, fallback=None
 
 def static_capacity(ctx: RLContext, loads_MGLDE) -> int:
   """Bucket of the canonical layout (recompute) for these per-group loads."""
-  return _capacity(ctx, np.asarray(loads_MGLDE), lambda m: ctx.identity)
+  return _capacity(ctx, np.asarray(loads_MGLDE), ctx.identity)
 
 
 class _ReadyClock:
@@ -424,7 +427,7 @@ def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
   plan = ctx.planner.step_level_plan(loads_MLDE)
   plan, _ = schedule.fit_plan_to_budget(plan, loads_MLDE, ctx.topo, ctx.cost,
                                         ctx.budget)
-  cap = _capacity(ctx, loads_MGLDE, plan.microstep)
+  cap = _capacity(ctx, loads_MGLDE, plan)
   transfer = schedule.build_step_transfer(plan.placement.slot_expert,
                                           ctx.num_experts, ctx.topo,
                                           ctx.budget)

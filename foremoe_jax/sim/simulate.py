@@ -56,7 +56,9 @@ class MethodPlan:
   capacity: dict  # Update bucket per dispatch mode.
   static_capacity: dict  # Home layout's bucket per dispatch mode.
   reverted: int
-  plan_s: float  # Planner + fit + move schedule, measured on this host.
+  # Planner + fit + move schedule, measured on this host; the bucket's
+  # seconds are per dispatch mode (`bucket_s`), added by `time_step`.
+  plan_s: float
   # The recompute's step-level placement (None: the home layout, no
   # transfer), its fill, its bucket per mode, and the host seconds to make
   # them (spent before the recompute is dispatched).
@@ -64,6 +66,10 @@ class MethodPlan:
   recompute_transfer: schedule.StepTransfer | None = None
   recompute_capacity: dict | None = None
   recompute_plan_s: float = 0.0
+  # Host seconds to pick the update's / the recompute's bucket, per mode
+  # (the trainer picks one mode's; empty: counted in plan_s already).
+  bucket_s: dict = dataclasses.field(default_factory=dict)
+  recompute_bucket_s: dict = dataclasses.field(default_factory=dict)
 
 
 def topology(model: ModelShape, work: Workload, hw: HardwareProfile) -> Topology:
@@ -92,15 +98,22 @@ def default_budget(topo: Topology,
                                  microstep_rounds=2, mode=mode)
 
 
-def _buckets(loads_MLDE, placement_of, buckets) -> dict:
-  """Smallest bucket per dispatch mode for these (one data group's) loads."""
-  out = {}
+def _buckets(loads_MLDE, plan, buckets) -> tuple[dict, dict]:
+  """(smallest bucket, host seconds to find it) per dispatch mode for
+  these (one data group's) loads; plan: a StepPlan (as the trainer counts
+  it, `StepPlan.capacity_demand`) or one Placement for every micro-step."""
+  loads_MGLDE = np.asarray(loads_MLDE)[:, None]
+  out, seconds = {}, {}
   for mode in MODES:
-    demand = max(placement_lib.capacity_demand(loads_MLDE[m][None],
-                                               placement_of(m), mode)
-                 for m in range(loads_MLDE.shape[0]))
+    t0 = time.perf_counter()
+    if isinstance(plan, StepPlan):
+      demand = plan.capacity_demand(loads_MGLDE, mode)
+    else:
+      demand = max(placement_lib.capacity_demand(loads_MGLDE[m], plan, mode)
+                   for m in range(loads_MGLDE.shape[0]))
     out[mode] = config_lib.pick_bucket(demand, buckets[mode])
-  return out
+    seconds[mode] = time.perf_counter() - t0
+  return out, seconds
 
 
 def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
@@ -121,7 +134,7 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
   buckets = {mode: config_lib.capacity_buckets(
       tokens_per_device, top_k, topo.num_devices, topo.slots_per_device,
       dispatch=mode) for mode in MODES}
-  static_cap = _buckets(loads_MLDE, lambda m: home, buckets)
+  static_cap, _ = _buckets(loads_MLDE, home, buckets)
   pool = layers.LayerPool(workers) if workers > 1 else None
   if pool is not None:
     pool.warm()
@@ -158,10 +171,10 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
                                                    cost, budget)
       transfer = schedule.build_step_transfer(plan.placement.slot_expert,
                                               num_experts, topo, budget)
-      cap = _buckets(loads_MLDE, plan.microstep, buckets)
       plan_s = time.perf_counter() - t0
+      cap, bucket_s = _buckets(loads_MLDE, plan, buckets)
       mp = MethodPlan(plan, transfer, cap, static_cap, reverted, plan_s,
-                      recompute_capacity=static_cap)
+                      recompute_capacity=static_cap, bucket_s=bucket_s)
       if method != 'static':
         t0 = time.perf_counter()
         rplan = planner.step_level_plan(loads_MLDE)
@@ -169,9 +182,10 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
                                                budget)
         mp.recompute_transfer = schedule.build_step_transfer(
             rplan.placement.slot_expert, num_experts, topo, budget)
-        mp.recompute_capacity = _buckets(loads_MLDE, rplan.microstep, buckets)
         mp.recompute_plan = rplan
         mp.recompute_plan_s = time.perf_counter() - t0
+        mp.recompute_capacity, mp.recompute_bucket_s = _buckets(
+            loads_MLDE, rplan, buckets)
     finally:
       planner.close()
     out[method] = mp
@@ -317,16 +331,18 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   # As the trainer orders it: the step-level plan, then the recompute, the
   # micro-step plan made while it runs; the update waits for whichever
   # ends last.
-  plan_wait_s = max(0.0, mp.plan_s - recompute_s)
+  plan_s = mp.plan_s + mp.bucket_s.get(mode, 0.0)
+  recompute_plan_s = mp.recompute_plan_s + mp.recompute_bucket_s.get(mode, 0.0)
+  plan_wait_s = max(0.0, plan_s - recompute_s)
   mem = memory.update_memory(
       model, work, ep=num_dev, slots_per_device=spd,
       capacity_rows=(mp.capacity[mode] if mode == 'exact'
                      else num_dev * mp.capacity[mode]),
       remat_policy=work.remat_policy, fsdp_shards=shards)
   return dict(
-      update_s=update_s, recompute_s=recompute_s, plan_s=mp.plan_s,
-      recompute_plan_s=mp.recompute_plan_s, plan_wait_s=plan_wait_s,
-      step_s=mp.recompute_plan_s + recompute_s + plan_wait_s + update_s,
+      update_s=update_s, recompute_s=recompute_s, plan_s=plan_s,
+      recompute_plan_s=recompute_plan_s, plan_wait_s=plan_wait_s,
+      step_s=recompute_plan_s + recompute_s + plan_wait_s + update_s,
       recompute_forward_passes=passes, recompute_fill_s=recompute_fill_s,
       recompute_moe_s=rec_parts['moe'], recompute_a2a_s=rec_parts['a2a'],
       recompute_nonexpert_s=rec_parts['nonexpert'],

@@ -335,11 +335,13 @@ def _exact_arrays(edges, num_rows, num_devices, num_rounds):
   count_BDD = np.bincount((b * d + src) * d + dst,
                           minlength=num_rows * d * d).reshape(num_rows, d, d)
   send_pos = _rank_in_runs(b * d + src)
-  # A receiver lays its sources out in ascending order: source c's items
-  # start after those of every source before it.
-  before_BDD = np.cumsum(count_BDD, axis=1) - count_BDD
-  recv_pos = (before_BDD[b, src, dst]
-              + _rank_in_runs((b * d + src) * d + dst))
+  # A receiver lays its sources out in ascending order, each source's items
+  # in its send order: an item's place is its rank among the row's items
+  # to that receiver, sorted stably by source (ranked over the N edges, not
+  # by a cumulative sum over the [B, D, D] counts).
+  by_dst = np.lexsort((src, dst, b))  # Stable: a source keeps its order.
+  recv_pos = np.empty(len(b), np.int64)
+  recv_pos[by_dst] = _rank_in_runs((b * d + dst)[by_dst])
   send_BDR = np.zeros((num_rows, d, num_rounds), np.int32)
   recv_BDR = np.full((num_rows, d, num_rounds), -1, np.int32)
   send_BDR[b, src, send_pos] = src_idx

@@ -265,3 +265,17 @@ def test_a_thread_pool_plans_the_same_and_bad_pools_are_refused():
     layers_lib.LayerPool(1)
   with pytest.raises(ValueError, match='kind'):
     layers_lib.LayerPool(2, kind='gpu')
+
+
+@pytest.mark.parametrize('method', guard.METHODS)
+def test_step_level_plan_in_threads_is_the_plan_in_one(method):
+  """assemble_plan's micro-steps split in threads: the same plan, exactly."""
+  trace, topo = skewed()
+  current = lib.identity_for(trace, topo)
+  loads = trace.step(1)
+  history = loads.sum(axis=(0, 2)).astype(float)[::-1].copy()
+  config = foremoe.ForeMoEConfig(anchor_rounds=16, moves_per_layer=2)
+  one = guard.step_level(method, topo, lib.COST, config, loads, current,
+                         history)
+  assert_same_plan(guard.step_level(method, topo, lib.COST, config, loads,
+                                    current, history, threads=3), one)
