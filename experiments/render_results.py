@@ -539,6 +539,18 @@ def render_simulate_cluster(res: dict) -> str:
             f" the update: "
             + ', '.join(f"{100 * v:.1f}% at {d} devices"
                         for d, v in shares.items()) + '.']
+  largest = summ.get('planning_largest_ep') or {}
+  if largest:
+    workers = {p['planner_workers'] for p in largest.values()}
+    out += [f"- Host planning at each model's largest EP group (ForeMoE,"
+            f" measured on the host that ran this,"
+            f" {'/'.join(map(str, sorted(workers)))} planner worker(s)):"
+            f" step-level plan before the recompute (exposed) /"
+            f" micro-step plan / the recompute it hides behind: "
+            + '; '.join(f"{model} EP {p['ep']}"
+                        f" {_f(p['recompute_plan_s'])} s /"
+                        f" {_f(p['plan_s'])} s / {_f(p['recompute_s'])} s"
+                        for model, p in largest.items()) + '.']
   return '\n'.join(out)
 
 

@@ -63,7 +63,8 @@ class StepPlan(NamedTuple):
     """Layers that took the foresight_split plan (0 when none or no choice)."""
     return 0 if self.from_split_L is None else int(np.sum(self.from_split_L))
 
-  def capacity_demand(self, loads_MGLDE, dispatch: str) -> int:
+  def capacity_demand(self, loads_MGLDE, dispatch: str,
+                      threads: int = 1) -> int:
     """Rows the dispatch's capacity must hold over this plan's micro-steps
     (`placement.capacity_demand`, the largest over micro-steps and groups).
 
@@ -73,7 +74,8 @@ class StepPlan(NamedTuple):
     the ones its shares give back, which `tests/planner` checks of every
     plan), so nothing is recounted; at 256 devices the recount of [L, D, S]
     counts per micro-step cost seconds before the recompute. Otherwise each
-    group's counts are recounted under each micro-step's placement.
+    group's counts are recounted under each micro-step's placement, the
+    micro-steps in `threads` threads (numpy's array work releases the GIL).
     """
     loads_MGLDE = np.asarray(loads_MGLDE)
     if loads_MGLDE.ndim != 5 or loads_MGLDE.shape[0] != self.num_microsteps:
@@ -81,9 +83,13 @@ class StepPlan(NamedTuple):
                        f'got {loads_MGLDE.shape}.')
     if dispatch == 'exact' and loads_MGLDE.shape[1] == 1:
       return int(self.loads_MLD.max(initial=0))
-    return max(placement_lib.capacity_demand(loads_MGLDE[m],
-                                             self.microstep(m), dispatch)
-               for m in range(self.num_microsteps))
+    one = lambda m: placement_lib.capacity_demand(loads_MGLDE[m],
+                                                  self.microstep(m), dispatch)
+    threads = max(1, min(int(threads), self.num_microsteps))
+    if threads == 1:
+      return max(map(one, range(self.num_microsteps)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      return max(pool.map(one, range(self.num_microsteps)))
 
   def last(self) -> placement_lib.Placement:
     """The placement the next step starts from."""

@@ -327,7 +327,8 @@ def _capacity(ctx: RLContext, loads_MGLDE, plan) -> int:
   plan: a planner StepPlan, or one Placement for every micro-step."""
   dispatch = ctx.config.parallel.get('dispatch', 'exact')
   if isinstance(plan, planner_lib.StepPlan):
-    demand = plan.capacity_demand(loads_MGLDE, dispatch)
+    demand = plan.capacity_demand(loads_MGLDE, dispatch,
+                                  threads=ctx.planner.workers)
   else:
     demand = max(placement_lib.capacity_demand(loads_MGLDE[m], plan, dispatch)
                  for m in range(loads_MGLDE.shape[0]))

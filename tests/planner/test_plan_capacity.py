@@ -61,6 +61,7 @@ def test_several_groups_are_recounted_group_by_group():
     for dispatch in ('exact', 'padded'):
       got = plan.capacity_demand(loads_MGLDE, dispatch)
       assert got == _recount(loads_MGLDE, plan, dispatch)
+      assert plan.capacity_demand(loads_MGLDE, dispatch, threads=3) == got
     # A group's device computes less than the sum of both groups'.
     assert plan.capacity_demand(loads_MGLDE, 'exact') < plan.loads_MLD.max()
 
