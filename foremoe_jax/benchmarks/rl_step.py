@@ -210,7 +210,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         t_rec = clock.wait()
         ctx.recompute_s = t_rec - t0
         plan = step_lib.StepPlan(
-            jax.tree.map(jnp.asarray, planned.plan.placement),
+            step_lib.device_placement(planned.plan.placement, ctx.mesh),
             engine.device_step_transfer(planned.transfer), planned.capacity)
         new_state, m = rl.update(state, batch, logps, plan)
         jax.block_until_ready(new_state)

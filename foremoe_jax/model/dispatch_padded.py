@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from foremoe_jax.model import grouped_swiglu
-from foremoe_jax.model.slot_assignment import assign_slots
+from foremoe_jax.model.slot_assignment import assign_slots, own_share_row
 
 DATA, EXPERT = 'data', 'expert'
 
@@ -43,8 +43,8 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   e_A = ids_NK.reshape(-1).astype(jnp.int32)
   valid_A = jnp.repeat(valid_N, top_k)
   token_A = jnp.repeat(jnp.arange(num_tokens), top_k)
-  sa = assign_slots(e_A, valid_A, slot_expert_S, slot_share_DS[me],
-                    num_experts)
+  sa = assign_slots(e_A, valid_A, slot_expert_S,
+                    own_share_row(slot_share_DS), num_experts)
   # Within a (source, destination device) cell, slot-major: a slot's tokens
   # stay one contiguous run, and over capacity drops the last slots' tail.
   count_Ds = sa.count_S.reshape(num_ep, spd)

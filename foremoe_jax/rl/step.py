@@ -300,6 +300,24 @@ def _replicated_specs(tree):
   return jax.tree.map(lambda _: P(), tree)
 
 
+def placement_specs(placement):
+  """in_specs of a stacked placement ([M, L, S], [M, L, D, S]) in the step's
+  shard_maps: slot_expert whole, slot_share this device's source row only
+  (the dispatch reads no other: `slot_assignment.own_share_row`)."""
+  if placement is None:
+    return None
+  return type(placement)(P(), P(None, None, EXPERT, None))
+
+
+def device_placement(placement, mesh):
+  """A host (stacked) placement on the mesh as the step reads it: the
+  shares split over 'expert' (each device gets its own row, not D x S
+  floats per layer and micro-step), the slots replicated."""
+  return type(placement)(*(
+      jax.device_put(x, NamedSharding(mesh, spec))
+      for x, spec in zip(placement, placement_specs(placement))))
+
+
 def _slots_per_device(placement, mesh) -> int:
   return placement.slot_expert.shape[-1] // mesh.shape[EXPERT]
 
@@ -372,7 +390,7 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
             capacity, mesh.shape[EXPERT]),
         mesh=mesh,
         in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
-                  _batch_specs(fwd_batch), _replicated_specs(placement),
+                  _batch_specs(fwd_batch), placement_specs(placement),
                   _replicated_specs(transfer)),
         out_specs=P(None, (DATA, EXPERT)))
     out[name] = jax.lax.stop_gradient(fn(nonexp, experts, fwd_batch,
@@ -591,7 +609,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       local, mesh=mesh,
       in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
                 _batch_specs(local_batch), extra_specs,
-                _replicated_specs(plan.placement),
+                placement_specs(plan.placement),
                 _replicated_specs(plan.transfer), {k: P() for k in denoms}),
       out_specs=(_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
                  {k: P() for k in metric_keys}))

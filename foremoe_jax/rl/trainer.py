@@ -432,9 +432,9 @@ def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
   transfer = schedule.build_step_transfer(plan.placement.slot_expert,
                                           ctx.num_experts, ctx.topo,
                                           ctx.budget)
-  device = step_lib.StepPlan(jax.tree.map(jnp.asarray, plan.placement),
-                             transfer_engine.device_step_transfer(transfer),
-                             cap)
+  device = step_lib.StepPlan(
+      step_lib.device_placement(plan.placement, ctx.mesh),
+      transfer_engine.device_step_transfer(transfer), cap)
   return RecomputePlan(device, cap, time.perf_counter() - t0, plan, transfer)
 
 
@@ -451,7 +451,7 @@ def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
   device, all against the recompute's old log-probs and with the same plan
   (blocking)."""
   plan = step_lib.StepPlan(
-      jax.tree.map(jnp.asarray, planned.plan.placement),
+      step_lib.device_placement(planned.plan.placement, ctx.mesh),
       transfer_engine.device_step_transfer(planned.transfer),
       planned.capacity)
   state, m = ctx.rl_step.update(state, batch, logps, plan)
