@@ -177,49 +177,71 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
   r_LE = replica_counts(w_LE, topo.num_slots, d)
   node_of = topo.node_of_device()
   home_D = np.arange(num_experts) // h
-  out = np.empty((num_layers, topo.num_slots), np.int32)
-  for l in range(num_layers):
-    per_E = w_LE[l] / r_LE[l]
-    load_D = np.bincount(home_D, per_E, minlength=d)
-    free_D = np.full(d, s - h)
-    held_DE = np.zeros((d, num_experts), bool)
-    held_DE[home_D, np.arange(num_experts)] = True
-    se_Ds = np.repeat((np.arange(d) * h)[:, None], s, axis=1)
-    se_Ds[:, :h] = np.arange(num_experts).reshape(d, h)
-    extra = np.repeat(np.arange(num_experts), r_LE[l] - 1)
-    # Fill edges home -> replica and return edges replica -> home, per
-    # (sender, shift), and the rounds each shift needs (its busiest sender).
-    fill_DK, ret_DK = np.zeros((d, d), np.int64), np.zeros((d, d), np.int64)
-    fill_K, ret_K = np.zeros(d, np.int64), np.zeros(d, np.int64)
-    for e in extra[np.argsort(-per_E[extra], kind='stable')]:
-      ok = (free_D > 0) & ~held_DE[:, e]
-      home = home_D[e]
-      k_D = (np.arange(d) - home) % d
-      add_fill_D = fill_DK[home, k_D] + 1 > fill_K[k_D]
-      add_ret_D = ret_DK[np.arange(d), -k_D % d] + 1 > ret_K[-k_D % d]
-      if max_rounds is not None:
-        ok &= ((fill_K.sum() + add_fill_D <= max_rounds)
-               & (ret_K.sum() + add_ret_D <= max_rounds))
-      if not ok.any():
-        continue
-      # Least loaded; ties (and near-ties) on the home's node first.
-      inter_D = node_of != node_of[home]
-      key = load_D + np.where(inter_D, 1e-9 * (1 + per_E[e]), 0.0)
-      if cost is not None:
-        key = key + (add_fill_D * cost.move_tokens(inter_D)
-                     + add_ret_D * cost.return_tokens(inter_D))
-      dev = int(np.argmin(np.where(ok, key, np.inf)))
-      k = (dev - home) % d
-      fill_DK[home, k] += 1
-      fill_K[k] = max(fill_K[k], fill_DK[home, k])
-      ret_DK[dev, -k % d] += 1
-      ret_K[-k % d] = max(ret_K[-k % d], ret_DK[dev, -k % d])
-      se_Ds[dev, s - free_D[dev]] = e
-      free_D[dev] -= 1
-      held_DE[dev, e] = True
-      load_D[dev] += per_E[e]
-    out[l] = se_Ds.reshape(-1)
-  return out
+  # The layers are independent: they run side by side, the i-th replica of
+  # every layer in one vectorised pass (a Python loop over replicas, not
+  # over layers x replicas: 30,000 iterations at DeepSeek-V3-like, EP 256).
+  # Each layer sees exactly the arithmetic of a loop over its own replicas.
+  lk = np.arange(num_layers)
+  dk = np.arange(d)
+  per_LE = w_LE / r_LE
+  load_LD = np.stack([np.bincount(home_D, per_LE[l], minlength=d)
+                      for l in range(num_layers)])
+  free_LD = np.full((num_layers, d), s - h)
+  held_LDE = np.zeros((num_layers, d, num_experts), bool)
+  held_LDE[:, home_D, np.arange(num_experts)] = True
+  se_LDs = np.repeat((dk * h)[None, :, None], s, axis=2)
+  se_LDs = np.repeat(se_LDs, num_layers, axis=0)
+  se_LDs[:, :, :h] = np.arange(num_experts).reshape(d, h)
+  # Fill edges home -> replica and return edges replica -> home, per
+  # (sender, shift), and the rounds each shift needs (its busiest sender).
+  fill_LDK = np.zeros((num_layers, d, d), np.int64)
+  ret_LDK = np.zeros((num_layers, d, d), np.int64)
+  fill_LK = np.zeros((num_layers, d), np.int64)
+  ret_LK = np.zeros((num_layers, d), np.int64)
+  # Each layer's extra copies, heaviest first (stable), padded with -1.
+  extras = [np.repeat(np.arange(num_experts), r_LE[l] - 1)
+            for l in range(num_layers)]
+  width = max((len(x) for x in extras), default=0)
+  order_LI = np.full((num_layers, width), -1)
+  for l, x in enumerate(extras):
+    order_LI[l, :len(x)] = x[np.argsort(-per_LE[l, x], kind='stable')]
+  for i in range(width):
+    e_L = order_LI[:, i]
+    act_L = e_L >= 0
+    e_L = np.maximum(e_L, 0)
+    ok_LD = (free_LD > 0) & ~held_LDE[lk, :, e_L] & act_L[:, None]
+    home_L = home_D[e_L]
+    k_LD = (dk[None, :] - home_L[:, None]) % d
+    back_LD = -k_LD % d
+    add_fill_LD = (fill_LDK[lk[:, None], home_L[:, None], k_LD] + 1
+                   > fill_LK[lk[:, None], k_LD])
+    add_ret_LD = (ret_LDK[lk[:, None], dk[None, :], back_LD] + 1
+                  > ret_LK[lk[:, None], back_LD])
+    if max_rounds is not None:
+      ok_LD &= ((fill_LK.sum(axis=1)[:, None] + add_fill_LD <= max_rounds)
+                & (ret_LK.sum(axis=1)[:, None] + add_ret_LD <= max_rounds))
+    go_L = ok_LD.any(axis=1)
+    if not go_L.any():
+      continue
+    # Least loaded; ties (and near-ties) on the home's node first.
+    inter_LD = node_of[None, :] != node_of[home_L][:, None]
+    per_L = per_LE[lk, e_L]
+    key_LD = load_LD + np.where(inter_LD, (1e-9 * (1 + per_L))[:, None], 0.0)
+    if cost is not None:
+      key_LD = key_LD + (add_fill_LD * cost.move_tokens(inter_LD)
+                         + add_ret_LD * cost.return_tokens(inter_LD))
+    dev_L = np.argmin(np.where(ok_LD, key_LD, np.inf), axis=1)
+    l, e, home, dev = lk[go_L], e_L[go_L], home_L[go_L], dev_L[go_L]
+    k = (dev - home) % d
+    fill_LDK[l, home, k] += 1
+    fill_LK[l, k] = np.maximum(fill_LK[l, k], fill_LDK[l, home, k])
+    ret_LDK[l, dev, -k % d] += 1
+    ret_LK[l, -k % d] = np.maximum(ret_LK[l, -k % d], ret_LDK[l, dev, -k % d])
+    se_LDs[l, dev, s - free_LD[l, dev]] = e
+    free_LD[l, dev] -= 1
+    held_LDE[l, dev, e] = True
+    load_LD[l, dev] += per_L[go_L]
+  return se_LDs.reshape(num_layers, -1).astype(np.int32)
 
 
 def anchored_round_tokens(slot_expert_LS, num_experts: int, topo: Topology,

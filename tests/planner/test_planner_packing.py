@@ -116,3 +116,19 @@ def test_home_anchored_placement_keeps_homes_and_balances():
                         for l in range(w_LE.shape[0])])
   assert (placement_lib.max_over_mean(y_LD)
           < placement_lib.max_over_mean(static_LD)).all()
+
+
+@pytest.mark.parametrize('priced', (False, True))
+def test_home_anchored_layers_are_packed_independently(priced):
+  """The layers are packed side by side (one vectorised pass per replica
+  rank): each layer's slots are those it gets packed alone, with the
+  round pricing and the round cap, on two nodes."""
+  trace, topo = lib.two_nodes()
+  w_LE = trace.step(0).sum(axis=(0, 2)).astype(np.float64)
+  w_LE[1] = w_LE[1][::-1]  # Layers with different hot experts.
+  w_LE[2] = np.round(w_LE[2] / 50)  # And ties.
+  cost, cap = (lib.COST, 6) if priced else (None, None)
+  whole = packing.home_anchored_placement(w_LE, topo, cost, cap)
+  for l in range(w_LE.shape[0]):
+    alone = packing.home_anchored_placement(w_LE[l:l + 1], topo, cost, cap)
+    np.testing.assert_array_equal(whole[l], alone[0])
