@@ -35,14 +35,16 @@ def _share_a_compilation_cache():
   entry points' subprocesses): with the cache, each is compiled once. The
   process that loads this first (pytest's controller) makes the folder and
   removes it at exit; xdist's workers and the tests' subprocesses inherit
-  it through the environment. A cache the caller set is left alone.
+  it through the environment (tests that run entry points pass
+  `os.environ` on). A cache the caller set is left alone. Every program is
+  cached, however quick its compile.
   """
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
   if 'JAX_COMPILATION_CACHE_DIR' in os.environ:
     return
   cache_dir = tempfile.mkdtemp(prefix='foremoe_test_jax_cache_')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = cache_dir
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
   atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
 
 

@@ -29,16 +29,6 @@ def _rl_train(*flags, timeout=300, env=None):
                         env=env or dict(os.environ, PYTHONPATH=ROOT))
 
 
-def _cached_env(cache_dir):
-  """A persistent compilation cache shared by one test's runs: the second
-  run of the same programs skips their compiles."""
-  return dict(os.environ, PYTHONPATH=ROOT,
-              JAX_COMPILATION_CACHE_DIR=os.environ.get(
-                  'JAX_COMPILATION_CACHE_DIR', str(cache_dir)),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
-
-
 def test_bad_planner_method_is_one_line_before_any_work(tmp_path):
   out = _rl_train(f'--workdir={tmp_path}', '--config.planner.method=bogus')
   assert out.returncode == 2
@@ -78,7 +68,8 @@ def preempted_run(tmp_path_factory):
   cmd = [sys.executable, '-m', 'experiments.rl_train',
          '--config=configs/tiny.py', *flags, '--config.rl.steps=50',
          '--config.profile_steps=1']
-  env = _cached_env(tmp_path / 'jax_cache')
+  # The run's compilation cache (tests/conftest.py) comes with os.environ.
+  env = dict(os.environ, PYTHONPATH=ROOT)
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env)
   lines = []

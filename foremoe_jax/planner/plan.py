@@ -63,37 +63,49 @@ class StepPlan(NamedTuple):
     """Layers that took the foresight_split plan (0 when none or no choice)."""
     return 0 if self.from_split_L is None else int(np.sum(self.from_split_L))
 
-  def capacity_demand(self, loads_MGLDE, dispatch: str,
-                      threads: int = 1) -> int:
-    """Rows the dispatch's capacity must hold over this plan's micro-steps
-    (`placement.capacity_demand`, the largest over micro-steps and groups).
-
-    loads_MGLDE: the per-group loads the plan was made for (summed over
-    groups). With one data group and the exact dispatch, the demand is the
-    plan's own busiest device (`loads_MLD`: `assemble_plan`'s counts are
-    the ones its shares give back, which `tests/planner` checks of every
-    plan), so nothing is recounted; at 256 devices the recount of [L, D, S]
-    counts per micro-step cost seconds before the recompute. Otherwise each
-    group's counts are recounted under each micro-step's placement, the
-    micro-steps in `threads` threads (numpy's array work releases the GIL).
-    """
-    loads_MGLDE = np.asarray(loads_MGLDE)
-    if loads_MGLDE.ndim != 5 or loads_MGLDE.shape[0] != self.num_microsteps:
-      raise ValueError(f'loads must be [M={self.num_microsteps}, G, L, D, E]; '
-                       f'got {loads_MGLDE.shape}.')
-    if dispatch == 'exact' and loads_MGLDE.shape[1] == 1:
-      return int(self.loads_MLD.max(initial=0))
-    one = lambda m: placement_lib.capacity_demand(loads_MGLDE[m],
-                                                  self.microstep(m), dispatch)
-    threads = max(1, min(int(threads), self.num_microsteps))
-    if threads == 1:
-      return max(map(one, range(self.num_microsteps)))
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      return max(pool.map(one, range(self.num_microsteps)))
-
   def last(self) -> placement_lib.Placement:
     """The placement the next step starts from."""
     return self.microstep(self.num_microsteps - 1)
+
+
+def _thread_map(fn, n: int, threads: int) -> list:
+  """[fn(0), ..., fn(n - 1)], in up to `threads` threads (numpy's array work
+  releases the GIL, so a planner's per-micro-step passes run side by side)."""
+  threads = max(1, min(int(threads), n))
+  if threads == 1:
+    return [fn(i) for i in range(n)]
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    return list(pool.map(fn, range(n)))
+
+
+def capacity_demand(loads_MGLDE, plan, dispatch: str, threads: int = 1) -> int:
+  """Rows the dispatch's capacity must hold over a step's micro-steps
+  (`placement.capacity_demand`, the largest over micro-steps and groups).
+
+  loads_MGLDE: the per-group loads of the step. plan: its StepPlan (made
+  for these loads summed over groups), or one Placement for every
+  micro-step. For a StepPlan with one data group and the exact dispatch,
+  the demand is the plan's own busiest device (`loads_MLD`:
+  `assemble_plan`'s counts are the ones its shares give back, which
+  `tests/planner` checks of every plan), so nothing is recounted; at 256
+  devices the recount of [L, D, S] counts per micro-step cost seconds
+  before the recompute. Otherwise each group's counts are recounted under
+  each micro-step's placement, the micro-steps in `threads` threads.
+  """
+  loads_MGLDE = np.asarray(loads_MGLDE)
+  num_micro = loads_MGLDE.shape[0]
+  if isinstance(plan, StepPlan):
+    if loads_MGLDE.ndim != 5 or num_micro != plan.num_microsteps:
+      raise ValueError(f'loads must be [M={plan.num_microsteps}, G, L, D, E]; '
+                       f'got {loads_MGLDE.shape}.')
+    if dispatch == 'exact' and loads_MGLDE.shape[1] == 1:
+      return int(plan.loads_MLD.max(initial=0))
+    placement_of = plan.microstep
+  else:
+    placement_of = lambda m: plan
+  return max(_thread_map(
+      lambda m: placement_lib.capacity_demand(loads_MGLDE[m], placement_of(m),
+                                              dispatch), num_micro, threads))
 
 
 def _loads_by_device(slot_loads_MLS, topo: Topology):
@@ -126,13 +138,7 @@ def assemble_plan(loads_MLDE, slot_expert_MLS, flows_MLS, topo: Topology,
         loads_MLDE[m], slot_expert_MLS[m], flows_MLS[m], topo, prefer_local,
         loads_LED=loads_MLED[m])
 
-  threads = max(1, min(int(threads), num_micro))
-  if threads > 1:
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      list(pool.map(one, range(num_micro)))
-  else:
-    for m in range(num_micro):
-      one(m)
+  _thread_map(one, num_micro, threads)
   moves, prev_LS = [], np.asarray(current_LS)
   for m in range(num_micro):
     moves.append(packing.new_copies(slot_expert_MLS[m], prev_LS, topo))

@@ -41,6 +41,7 @@ from foremoe_jax import config as config_lib
 from foremoe_jax import hf
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
+from foremoe_jax.planner import plan as plan_lib
 from foremoe_jax.foresight import composition, expert_load, loads as loads_lib
 from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import checkpoint, distill as distill_lib, step as step_lib
@@ -325,13 +326,9 @@ def _capacity(ctx: RLContext, loads_MGLDE, plan) -> int:
   """Smallest dropless bucket over the micro-steps, for the dispatch in use
   (a device's received rows, or the largest cell), per data group.
   plan: a planner StepPlan, or one Placement for every micro-step."""
-  dispatch = ctx.config.parallel.get('dispatch', 'exact')
-  if isinstance(plan, planner_lib.StepPlan):
-    demand = plan.capacity_demand(loads_MGLDE, dispatch,
-                                  threads=ctx.planner.workers)
-  else:
-    demand = max(placement_lib.capacity_demand(loads_MGLDE[m], plan, dispatch)
-                 for m in range(loads_MGLDE.shape[0]))
+  demand = plan_lib.capacity_demand(
+      loads_MGLDE, plan, ctx.config.parallel.get('dispatch', 'exact'),
+      threads=ctx.planner.workers)
   return config_lib.pick_bucket(demand, ctx.buckets)
 
 

@@ -32,6 +32,7 @@ from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model.grouped_swiglu import default_tile
 from foremoe_jax.planner import foremoe, guard, layers
+from foremoe_jax.planner import plan as plan_lib
 from foremoe_jax.planner.plan import StepPlan
 from foremoe_jax.planner.topology import CostModel, Topology
 from foremoe_jax.sim import costs, memory
@@ -101,17 +102,13 @@ def default_budget(topo: Topology,
 def _buckets(loads_MLDE, plan, buckets) -> tuple[dict, dict]:
   """(smallest bucket, host seconds to find it) per dispatch mode for
   these (one data group's) loads; plan: a StepPlan (as the trainer counts
-  it, `StepPlan.capacity_demand`) or one Placement for every micro-step."""
+  it, `plan.capacity_demand`) or one Placement for every micro-step."""
   loads_MGLDE = np.asarray(loads_MLDE)[:, None]
   out, seconds = {}, {}
   for mode in MODES:
     t0 = time.perf_counter()
-    if isinstance(plan, StepPlan):
-      demand = plan.capacity_demand(loads_MGLDE, mode)
-    else:
-      demand = max(placement_lib.capacity_demand(loads_MGLDE[m], plan, mode)
-                   for m in range(loads_MGLDE.shape[0]))
-    out[mode] = config_lib.pick_bucket(demand, buckets[mode])
+    out[mode] = config_lib.pick_bucket(
+        plan_lib.capacity_demand(loads_MGLDE, plan, mode), buckets[mode])
     seconds[mode] = time.perf_counter() - t0
   return out, seconds
 

@@ -1,4 +1,4 @@
-"""StepPlan.capacity_demand: the bucket's rows without recounting, where the
+"""plan.capacity_demand: the bucket's rows without recounting, where the
 plan's own counts are the dispatch's (one data group, exact dispatch), and
 the recount everywhere else; checked against placement.capacity_demand of
 every micro-step's placement."""
@@ -44,10 +44,10 @@ def test_one_group_takes_the_plans_own_busiest_device(method):
   loads, plans = _plans(method)
   for plan in plans:
     for dispatch in ('exact', 'padded'):
-      got = plan.capacity_demand(loads[:, None], dispatch)
+      got = plan_lib.capacity_demand(loads[:, None], plan, dispatch)
       assert got == _recount(loads[:, None], plan, dispatch), dispatch
     # The exact dispatch's demand is the busiest device of the plan.
-    assert plan.capacity_demand(loads[:, None], 'exact') == \
+    assert plan_lib.capacity_demand(loads[:, None], plan, 'exact') == \
         plan.loads_MLD.max()
 
 
@@ -59,16 +59,18 @@ def test_several_groups_are_recounted_group_by_group():
   loads_MGLDE = np.stack([first, loads - first], axis=1)
   for plan in plans:
     for dispatch in ('exact', 'padded'):
-      got = plan.capacity_demand(loads_MGLDE, dispatch)
+      got = plan_lib.capacity_demand(loads_MGLDE, plan, dispatch)
       assert got == _recount(loads_MGLDE, plan, dispatch)
-      assert plan.capacity_demand(loads_MGLDE, dispatch, threads=3) == got
+      assert plan_lib.capacity_demand(loads_MGLDE, plan, dispatch,
+                                      threads=3) == got
     # A group's device computes less than the sum of both groups'.
-    assert plan.capacity_demand(loads_MGLDE, 'exact') < plan.loads_MLD.max()
+    assert (plan_lib.capacity_demand(loads_MGLDE, plan, 'exact')
+            < plan.loads_MLD.max())
 
 
 def test_loads_of_another_shape_are_refused():
   loads, plans = _plans('static')
   with pytest.raises(ValueError, match=r'\[M=4, G, L, D, E\]'):
-    plans[0].capacity_demand(loads, 'exact')
+    plan_lib.capacity_demand(loads, plans[0], 'exact')
   with pytest.raises(ValueError, match='dispatch'):
-    plans[0].capacity_demand(loads[:, None], 'ragged')
+    plan_lib.capacity_demand(loads[:, None], plans[0], 'ragged')
