@@ -235,5 +235,17 @@ def test_gloo_connect_lines_are_dropped_even_interleaved():
            'ranks is : 3', '[Gloo] Rank ']
   kept = ['step    1 | reward 0.5', '[Gloo] something else went wrong',
           'a line that mentions peer ranks', '']
+  # Four threads at once (a CI run's output).
+  noise.append('[Gloo] Rank 0 is connected to 7[Gloo] Rank 1 is connected '
+               'to 7[Gloo] Rank 2 is connected to 7 peer ranks. Expected '
+               'number of connected peer ranks is : 7[Gloo] Rank 3 peer '
+               'ranks.  peer ranks. Expected number of connected peer ranks '
+               'is :  is connected to Expected number of connected peer '
+               'ranks is : ')
   assert all(launcher.is_gloo_noise(l) for l in noise)
   assert not any(launcher.is_gloo_noise(l) for l in kept)
+  # A message's last number alone on a line goes with it; a number that
+  # follows the job's own output stays.
+  lines = [noise[-1], '7', '7', 'step    1 | reward 0.5', '7']
+  assert list(launcher.drop_gloo_noise(lines)) == [
+      'step    1 | reward 0.5', '7']

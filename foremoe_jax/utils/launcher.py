@@ -62,25 +62,39 @@ def process_env(base: dict, process_id: int, num_processes: int,
 
 # gloo's C++ side prints one line per communicator it connects (24 for
 # the tiny job on 2 processes) to stdout, with no switch to turn it off.
-# Its threads write unsynchronised, so lines come interleaved ("[Gloo] Rank
-# [Gloo] Rank 1 is connected ...", and the other thread's tail alone).
-_GLOO_PREFIX = '[Gloo] Rank '
-_GLOO_TAIL = re.compile(r'\s*(\d+ is connected to \d+ peer ranks\..*)?')
+# Its threads write unsynchronised, so lines come interleaved, word by word
+# ("[Gloo] Rank [Gloo] Rank 1 is connected ...", "... to 7[Gloo] Rank 2
+# ...", the other thread's tail alone, or its last number on a line of its
+# own). A line is gloo's when it carries the message's marker and nothing
+# but the message's words and numbers.
+_GLOO_WORDS = frozenset(['[Gloo]', 'Rank', 'is', 'connected', 'to', 'peer',
+                         'ranks.', 'ranks', 'Expected', 'number', 'of', ':'])
 
 
 def is_gloo_noise(text: str) -> bool:
   """True for gloo's connect lines, whole or interleaved fragments."""
-  rest = text.replace(_GLOO_PREFIX, '')
-  if rest == text and 'peer ranks' not in text:
+  if '[Gloo] Rank' not in text and 'peer ranks' not in text:
     return False
-  return _GLOO_TAIL.fullmatch(rest) is not None
+  return all(w in _GLOO_WORDS or w.isdigit()
+             for w in text.replace('[Gloo]', ' [Gloo] ').split())
+
+
+def drop_gloo_noise(lines):
+  """`lines` without gloo's connect lines, nor a bare number right after
+  one (a message's last word cut off by another thread's newline)."""
+  after_noise = False
+  for text in lines:
+    if is_gloo_noise(text) or (after_noise and text.strip().isdigit()):
+      after_noise = True
+      continue
+    after_noise = False
+    yield text
 
 
 def _stream(proc: subprocess.Popen, prefix: str, out, lock) -> None:
-  for line in iter(proc.stdout.readline, b''):
-    text = line.decode('utf-8', errors='replace').rstrip('\n')
-    if is_gloo_noise(text):
-      continue
+  lines = (line.decode('utf-8', errors='replace').rstrip('\n')
+           for line in iter(proc.stdout.readline, b''))
+  for text in drop_gloo_noise(lines):
     with lock:
       out.write(f'{prefix}{text}\n')
       out.flush()
