@@ -248,6 +248,9 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   # (num_expert - 1 sends), the trainer's and the simulator's default.
   t.step_rounds = num_expert
   t.microstep_rounds = 2  # Moves between micro-steps, under compute.
+  # The recompute fills the policy's experts into its step-level slots under
+  # its forward, so the update opens with only micro-step 0's changes.
+  t.prefill = True
   return c
 
 

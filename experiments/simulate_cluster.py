@@ -71,6 +71,10 @@ _WORKERS = flags.DEFINE_integer(
     'planner_workers', 1, 'Planner processes planning chunks of layers side '
     'by side (the trainer\'s planner.workers); 1: one thread. Plan times are '
     'measured with them on this host.')
+_PREFILL = flags.DEFINE_bool(
+    'prefill', True, 'The recompute fills the update\'s slots under its '
+    'forward (the trainer\'s transfer.prefill); off: the update opens with '
+    'the whole fill.')
 _OUT = flags.DEFINE_string('out_dir', 'results/simulate_cluster',
                            'Where the PNGs go.')
 
@@ -92,6 +96,7 @@ def main(argv):
                         'methods': _METHODS.value, 'workload': work_kwargs,
                         'transfer_mode': _TRANSFER.value,
                         'planner_workers': _WORKERS.value,
+                        'prefill': _PREFILL.value,
                         'validate': _VALIDATE.value})
   log = (lambda *a, **k: None) if _JSON.value else print
   t0 = time.perf_counter()
@@ -114,7 +119,8 @@ def main(argv):
     rows = cluster.run_grid(_MODELS.value, devices, profiles, _METHODS.value,
                             work_kwargs=work_kwargs, trace=trace,
                             transfer_mode=_TRANSFER.value,
-                            planner_workers=_WORKERS.value, log=log)
+                            planner_workers=_WORKERS.value,
+                            prefill=_PREFILL.value, log=log)
     pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
   for r in rows:
     if r['mode'] == 'exact' and r['profile'] == profiles[0].name:

@@ -203,7 +203,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         # As the trainer orders them: the recompute (its step-level plan,
         # then the dispatch), then the micro-step plan made while it runs.
         logps, rplan = trainer.recompute(ctx, state, batch, loads_MGLDE)
-        ticket = trainer.plan_async(ctx, loads_MGLDE, fallback=rplan.plan)
+        ticket = trainer.plan_async(ctx, loads_MGLDE, fallback=rplan.plan,
+                                    start_LS=rplan.prefill_LS)
         clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
         planned = ticket.result()
         t_plan = time.perf_counter()
@@ -226,6 +227,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
           r['recompute_capacity'] = rplan.capacity
           r['recompute_plan'] = (None if rplan.plan is None
                                  else (rplan.plan, rplan.transfer))
+          r['prefilled'] = rplan.prefill_LS is not None
           r['id_errors'] = int(m['transfer_id_errors'])
           r['dropped'] = int(m['dropped'])
         # The same update with the placements already in place.
@@ -267,6 +269,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
                                     for m in METHODS}
     extras['recompute_plans'] = {m: res[m]['recompute_plan']
                                  for m in METHODS}
+    extras['prefilled'] = {m: res[m]['prefilled'] for m in METHODS}
     extras['config'] = config
 
   out = {}

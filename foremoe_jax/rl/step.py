@@ -330,9 +330,19 @@ def _fill_local(canon, fill_t, spd: int, num_devices: int):
 
 
 def _forward_local(graphdef, nonexp, experts, slot_dtype, moe_segments, batch,
-                   placement, transfer, capacity, num_devices: int):
+                   placement, transfer, capacity, num_devices: int,
+                   prefill=None):
   """Log-probs [M, b, T-1] of this device's sequences, micro-step by
-  micro-step, forward only (per device, inside the shard_map)."""
+  micro-step, forward only (per device, inside the shard_map), and the
+  prefilled slots (None without `prefill`).
+
+  prefill: the policy's canonical experts (an expert State), filled into
+  the plan's slots for the update while this forward runs: one chunk of
+  layers per micro-step, issued in the same scan iteration as that
+  micro-step's forward and reading nothing it computes, so nothing orders
+  the two (the engine's moves between micro-steps are issued the same
+  way). The update then starts from them (`update_grads`).
+  """
   params = nnx.merge_state(nonexp, experts)
   manual_plan = placement is not None
   if manual_plan:
@@ -340,18 +350,35 @@ def _forward_local(graphdef, nonexp, experts, slot_dtype, moe_segments, batch,
                   for w in canonical_experts(params, moe_segments))
     spd = placement.slot_expert.shape[-1] // num_devices
     slots = _fill_local(canon, transfer['fill'], spd, num_devices)
+  num_micro = batch['tokens_MbT'].shape[0]
+  pslots = None
+  if prefill is not None:
+    pcanon = tuple(w.astype(slot_dtype)
+                   for w in canonical_experts(prefill, moe_segments))
+    axes = ep_lib.varying_axes(pcanon[0]) | {EXPERT}
+    pslots = tuple(ep_lib.vary(x, axes) for x in
+                   transfer_engine.empty_slots(pcanon, spd))
+    chunk_L = transfer_engine.layer_chunks(pcanon[0].shape[0], num_micro)
 
-  def body(_, xs):
-    toks, valid, routes, pl = xs
+  def body(pslots, xs):
+    toks, valid, routes, pl, m = xs
     logp, _ = token_logp(graphdef, params, toks, valid, pl, routes, capacity,
                          slot_weights=slots[:3] if manual_plan else None)
-    return None, logp
-  return jax.lax.scan(body, None, (batch['tokens_MbT'], batch['valid_MbT'],
-                                   batch['routes_MLbTK'], placement))[1]
+    if pslots is not None:
+      pslots = transfer_engine.fill_slots_local(
+          pslots, pcanon, transfer['fill'], num_devices=num_devices,
+          layers_L=chunk_L == m)
+    return pslots, logp
+  pslots, logp = jax.lax.scan(
+      body, pslots, (batch['tokens_MbT'], batch['valid_MbT'],
+                     batch['routes_MLbTK'], placement,
+                     jnp.arange(num_micro, dtype=jnp.int32)))
+  return logp, pslots
 
 
 def recompute_logps(state: TrainState, batch: dict, plan=None, *,
-                    old: bool = True, ref: bool = True) -> dict:
+                    old: bool = True, ref: bool = True,
+                    prefill: bool = False) -> dict:
   """Old and/or reference log-probs per micro-batch, routes replayed.
 
   plan: a StepPlan whose placement is fixed over the micro-steps (the
@@ -362,9 +389,15 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
   experts, no transfer.
   old / ref: which forwards to run (`RLStep.recompute_passes` says which
   the step needs; the reference needs state.ref_params).
+  prefill: also fill the policy's (state.params') experts into the plan's
+    slots while the first forward runs (a StepPlan only), for an update
+    whose fill starts from them (`schedule.build_step_transfer(start_LS=)`
+    with the plan's placement): the fill then hides under the recompute
+    instead of opening the update.
   Returns {'old_logp_MbT', 'ref_logp_MbT' (each when asked),
   'rollout_vs_recompute_logp_max_abs' (with old, when the batch has
-  rollout_logp_MbT)}.
+  rollout_logp_MbT), 'prefill_slots' (with prefill: the update's slot
+  buffers (w_gate, w_up, w_down, ids), [L, S, ...] split over 'expert')}.
   """
   mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
   _check_rows(batch, mesh)
@@ -374,6 +407,9 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
     if not isinstance(plan, CanonicalLayout):
       plan = CanonicalLayout(plan)
     placement, transfer, capacity = None, None, plan.capacity
+  if prefill and placement is None:
+    raise ValueError('prefill fills the slots of a StepPlan; the canonical '
+                     'layout has none.')
   fwd_batch = {k: batch[k] for k in ('tokens_MbT', 'valid_MbT',
                                      'routes_MLbTK')}
   todo = [('old_logp_MbT', state.params)] if old else []
@@ -381,20 +417,29 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
     if state.ref_params is None:
       raise ValueError('the reference forward needs state.ref_params')
     todo.append(('ref_logp_MbT', state.ref_params))
+  if not todo:
+    raise ValueError('recompute_logps runs no forward (old and ref False).')
   out = {}
-  for name, params in todo:
+  for i, (name, params) in enumerate(todo):
     experts, nonexp = _split_params(params)
+    # The first forward carries the prefill, the policy's experts.
+    pexperts = _split_params(state.params)[0] if prefill and i == 0 else None
     fn = jax.shard_map(
-        lambda ne, ex, bt, pl, tr: _forward_local(
+        lambda ne, ex, bt, pl, tr, pe: _forward_local(
             state.graphdef, ne, ex, slot_dtype, moe_segments, bt, pl, tr,
-            capacity, mesh.shape[EXPERT]),
+            capacity, mesh.shape[EXPERT], prefill=pe),
         mesh=mesh,
         in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
                   _batch_specs(fwd_batch), placement_specs(placement),
-                  _replicated_specs(transfer)),
-        out_specs=P(None, (DATA, EXPERT)))
-    out[name] = jax.lax.stop_gradient(fn(nonexp, experts, fwd_batch,
-                                         placement, transfer))
+                  _replicated_specs(transfer),
+                  _expert_state_specs(pexperts)),
+        out_specs=(P(None, (DATA, EXPERT)),
+                   None if pexperts is None else (P(None, EXPERT),) * 4))
+    logp, pslots = fn(nonexp, experts, fwd_batch, placement, transfer,
+                      pexperts)
+    out[name] = jax.lax.stop_gradient(logp)
+    if pslots is not None:
+      out['prefill_slots'] = jax.lax.stop_gradient(pslots)
   if old and 'rollout_logp_MbT' in batch:
     gap = jnp.where(batch['loss_mask_MbT'] > 0,
                     out['old_logp_MbT'] - batch['rollout_logp_MbT'], 0.0)
@@ -418,6 +463,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   output, optionally with 'old_logp_MbT' and 'ref_logp_MbT'; without old
   log-probs (one update epoch: the old policy is the current one), the
   update's own log-probs, detached, are the old ones, so the ratio is 1.
+  With 'prefill_slots' (the recompute filled the policy's experts into its
+  placement's slots, `recompute_logps(prefill=True)`), the update starts
+  from them, and plan's fill must start from that placement
+  (`schedule.build_step_transfer(start_LS=)`); the ids the slots carry are
+  checked every micro-step (transfer_id_errors).
 
   The whole scan runs per device inside one shard_map over the mesh: each
   device holds whole sequences of every micro-batch and accumulates its
@@ -525,7 +575,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
   share_M = mb.shape[1] / num_total  # Each micro-batch's share of sequences.
 
-  def local(nonexp_l, experts_l, bt, ex, placement, transfer, denoms):
+  def local(nonexp_l, experts_l, bt, ex, placement, transfer, denoms,
+            prefilled):
     # Per-device gradients: the non-expert parameters and the slot buffers
     # differ per device from here on, so autodiff sums nothing over the
     # mesh inside the loop.
@@ -534,7 +585,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     canon = tuple(w.astype(slot_dtype)
                   for w in canonical_experts(params, moe_segments))
     spd = placement.slot_expert.shape[-1] // num_devices
-    slots = _fill_local(canon, transfer['fill'], spd, num_devices)
+    if prefilled is None:
+      slots = _fill_local(canon, transfer['fill'], spd, num_devices)
+    else:  # The recompute filled them: the fill moves only what changed.
+      slots = transfer_engine.fill_slots_local(
+          prefilled, canon, transfer['fill'], num_devices=num_devices)
     slots = tuple(ep_lib.vary(w, (DATA,)) for w in slots[:3]) + slots[3:]
     acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
     add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
@@ -605,16 +660,19 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                  'max_rows', 'nonfinite', 'transfer_id_errors']
   if has_rollout:
     metric_keys.append('rollout_gap')
+  prefilled = logps.get('prefill_slots')
   fn = jax.shard_map(
       local, mesh=mesh,
       in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
                 _batch_specs(local_batch), extra_specs,
                 placement_specs(plan.placement),
-                _replicated_specs(plan.transfer), {k: P() for k in denoms}),
+                _replicated_specs(plan.transfer), {k: P() for k in denoms},
+                None if prefilled is None else (P(None, EXPERT),) * 4),
       out_specs=(_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
                  {k: P() for k in metric_keys}))
   g_nonexp, gcanon, metrics_M = fn(nonexp, experts, local_batch, extra,
-                                   plan.placement, plan.transfer, denoms)
+                                   plan.placement, plan.transfer, denoms,
+                                   prefilled)
   g_experts = replace_experts(experts, moe_segments, gcanon)
   grads = nnx.merge_state(g_nonexp, g_experts)
   per_step = ('dropped', 'max_rows', 'transfer_id_errors', 'nonfinite',
@@ -711,7 +769,7 @@ class RLStep:
     self.beta = float(loss_kw.get('beta', 0.0))
     self.loss_kw = dict(loss_kw)  # update_grads' options, as given.
     self._recompute = jax.jit(recompute_logps,
-                              static_argnames=('old', 'ref'))
+                              static_argnames=('old', 'ref', 'prefill'))
 
     def one_update(state: TrainState, batch, logps, plan):
       grads, metrics = update_grads(state, batch, logps, plan, **loss_kw)
@@ -722,6 +780,10 @@ class RLStep:
                                  opt_state=opt_state), metrics
 
     def update(state: TrainState, batch: dict, logps: dict, plan: StepPlan):
+      if 'prefill_slots' in logps and self.num_update_epochs > 1:
+        raise ValueError(
+            'prefilled slots hold the weights before the first epoch; '
+            f'{self.num_update_epochs} update epochs refill from home.')
       if self.num_update_epochs == 1:  # Exactly the single-update program.
         state, metrics = one_update(state, batch, logps, plan)
         metrics_U = jax.tree.map(lambda x: x[None], metrics)
@@ -744,16 +806,31 @@ class RLStep:
   def recompute_forward_passes(self, has_ref: bool = True) -> int:
     return sum(self.recompute_passes(has_ref).values())
 
-  def recompute(self, state: TrainState, batch: dict, plan=None) -> dict:
+  def can_prefill(self, plan, has_ref: bool = True) -> bool:
+    """Whether the recompute on `plan` can fill the update's slots: it
+    runs a forward, on a StepPlan (slots to fill), and the update has one
+    epoch (a later epoch's weights are not known before the first)."""
+    return (isinstance(plan, StepPlan) and self.num_update_epochs == 1
+            and self.recompute_forward_passes(has_ref) > 0)
+
+  def recompute(self, state: TrainState, batch: dict, plan=None,
+                prefill: bool = False) -> dict:
     """The log-probs the update needs besides its own (asynchronous; an
-    empty dict when it needs none: no device work at all)."""
+    empty dict when it needs none: no device work at all). prefill: also
+    fill the update's slots for the plan's placement under the forward
+    (`recompute_logps`; only where `can_prefill`)."""
     passes = self.recompute_passes(state.ref_params is not None)
+    if prefill and not self.can_prefill(plan, state.ref_params is not None):
+      raise ValueError(
+          'the recompute can prefill the update\'s slots only on a StepPlan, '
+          'with a forward to run and one update epoch.')
     if not isinstance(plan, StepPlan):
       plan = (plan if isinstance(plan, CanonicalLayout)
               else CanonicalLayout(plan))
     out = {}
     if passes['old'] or passes['ref']:
-      out = dict(self._recompute(state, batch, plan, **passes))
+      out = dict(self._recompute(state, batch, plan, prefill=prefill,
+                                 **passes))
     if self.num_update_epochs > 1 and self.old_logp_source == 'rollout':
       out['old_logp_MbT'] = batch['rollout_logp_MbT']
     return out

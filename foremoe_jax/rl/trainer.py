@@ -332,22 +332,24 @@ def _capacity(ctx: RLContext, loads_MGLDE, plan) -> int:
   return config_lib.pick_bucket(demand, ctx.buckets)
 
 
-def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE):
+def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE, start_LS=None):
   """Runs in the planner thread after planning: fit the plan to the move
   budget, build its move schedule and pick its capacity bucket (from the
-  per-group loads: the planner only sees their sum)."""
+  per-group loads: the planner only sees their sum). start_LS: the
+  placement whose slots the recompute prefilled (None: none)."""
   def finalize(plan, loads_MLDE):
     plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, ctx.topo,
                                                  ctx.cost, ctx.budget)
     transfer = schedule.build_step_transfer(
-        plan.placement.slot_expert, ctx.num_experts, ctx.topo, ctx.budget)
+        plan.placement.slot_expert, ctx.num_experts, ctx.topo, ctx.budget,
+        start_LS=start_LS)
     return PlannedStep(plan, transfer,
                        _capacity(ctx, loads_MGLDE, plan),
                        reverted, time.perf_counter() - t_submit)
   return finalize
 
 
-def plan_async(ctx: RLContext, loads_MGLDE, fallback=None
+def plan_async(ctx: RLContext, loads_MGLDE, fallback=None, start_LS=None
                ) -> planner_lib.guard.PlanTicket:
   """Starts planning off this thread; returns at once.
 
@@ -356,6 +358,8 @@ def plan_async(ctx: RLContext, loads_MGLDE, fallback=None
   never below `deadline_ms` (the whole deadline on the first step).
   fallback: what late layers (or a late step) use instead, the recompute's
   step-level plan (None: the planner makes one if needed).
+  start_LS: the placement whose slots the recompute prefilled
+  (`RecomputePlan.prefill_LS`): the update's fill starts from it.
   """
   pcfg = ctx.config.planner
   deadline_s = pcfg.deadline_ms / 1e3
@@ -365,7 +369,8 @@ def plan_async(ctx: RLContext, loads_MGLDE, fallback=None
   t0 = time.perf_counter()
   loads_MGLDE = np.asarray(loads_MGLDE)
   return ctx.planner.submit(planner_loads(loads_MGLDE), deadline_s=deadline_s,
-                            finalize=_finalize(ctx, t0, loads_MGLDE),
+                            finalize=_finalize(ctx, t0, loads_MGLDE,
+                                               start_LS),
                             fallback=fallback)
 
 
@@ -402,6 +407,9 @@ class RecomputePlan:
   # The host plan and its moves (None for the home layout).
   plan: planner_lib.StepPlan | None = None
   transfer: schedule.StepTransfer | None = None
+  # The placement [L, S] whose slots the recompute fills with the policy's
+  # weights for the update (`transfer.prefill`), None when it does not.
+  prefill_LS: Any = None
 
 
 def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
@@ -438,9 +446,23 @@ def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
 def recompute(ctx: RLContext, state, batch, loads_MGLDE):
   """Dispatches the forwards the update needs besides its own (reference,
   and old at several update epochs) on the recompute plan; async. Returns
-  (logps, RecomputePlan)."""
+  (logps, RecomputePlan).
+
+  With `transfer.prefill` (on by default) and where the step allows it
+  (`RLStep.can_prefill`: a step-level plan, one update epoch), the
+  recompute also fills the policy's experts into its placement's slots,
+  one chunk of layers per micro-step under its forward: the update then
+  moves only the slots its micro-step 0 changes, instead of opening with
+  a whole fill that nothing hides.
+  """
   rplan = recompute_plan(ctx, loads_MGLDE)
-  return ctx.rl_step.recompute(state, batch, rplan.device), rplan
+  prefill = (bool(ctx.config.get('transfer', {}).get('prefill', True))
+             and ctx.rl_step.can_prefill(rplan.device,
+                                         state.ref_params is not None))
+  if prefill:
+    rplan.prefill_LS = np.asarray(rplan.plan.placement.slot_expert[0])
+  return ctx.rl_step.recompute(state, batch, rplan.device,
+                               prefill=prefill), rplan
 
 
 def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
@@ -533,7 +555,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   # while the device recomputes. Layers whose plan is late run the
   # step-level plan instead of the home layout.
   logps, rplan = recompute(ctx, state, batch, loads_MGLDE)
-  ticket = plan_async(ctx, loads_MGLDE, fallback=rplan.plan)
+  ticket = plan_async(ctx, loads_MGLDE, fallback=rplan.plan,
+                      start_LS=rplan.prefill_LS)
   clock = _ReadyClock(logps)
   # The verifier runs on the host while the device recomputes and the
   # planner thread plans: only the update needs the rewards. A slow

@@ -46,7 +46,7 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
              work_kwargs: dict | None = None, seed: int = 0,
              trace: traces.Trace | None = None, skip_above=None,
              transfer_mode: str = 'exact', planner_workers: int = 1,
-             log=print) -> list[dict]:
+             prefill: bool = True, log=print) -> list[dict]:
   """One row per (model, devices, profile, mode, method).
 
   planner_workers: the planner's processes (`StepPlanner(workers=...)`),
@@ -55,6 +55,10 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
 
   transfer_mode: the transfer schedule's (`schedule.MODES`): ``exact``
   (ragged all-to-all of the experts that move) or ``rounds``.
+
+  prefill: the recompute fills the update's slots under its forward
+  (`transfer.prefill`, the trainer's default) wherever the workload runs a
+  recompute; False: the update opens with the whole fill.
 
   trace: recorded loads (e.g. the sampler's, `traces.trace_from_step_loads`)
   used instead of a synthetic trace wherever its shape fits (step 0 feeds
@@ -85,7 +89,8 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
             simulate.default_budget(topo, transfer_mode), model.top_k,
             work.tokens_per_device,
             [m for m in methods if ep <= skip_above.get(m, ep)],
-            workers=planner_workers)
+            workers=planner_workers,
+            prefill=prefill and work.recompute_forward_passes > 0)
         cache[ep] = (loads.step(1), plans)
         log(f'{name}: EP {ep} planned in {time.perf_counter() - t0:.1f}s ('
             + ', '.join(f'{m} {p.plan_s:.2f}s' for m, p in plans.items()) + ')')

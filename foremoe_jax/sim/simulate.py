@@ -9,8 +9,10 @@ on (`StepPlanner.step_level_plan`). Only the device side is modelled
 (`time_step`, with `costs`): per micro-step the straggler's expert
 compute, the token all-to-alls, the non-expert compute, and the expert
 moves split into hidden and exposed; per step the recompute (the forwards
-the step needs, on the method's step-level placement, filled first),
-the wait for the plan, the fill and flush of the slot buffers, the
+the step needs, on the method's step-level placement, filled first, with
+the update's slots prefilled under it), the wait for the plan, the fill
+(of what micro-step 0 changes, when prefilled) and flush of the slot
+buffers, the
 gradient all-reduce (once per step) and the optimizer update; and the
 per-device memory (`memory.update_memory`). The rollout is the same for
 every method and is left out.
@@ -67,6 +69,10 @@ class MethodPlan:
   recompute_transfer: schedule.StepTransfer | None = None
   recompute_capacity: dict | None = None
   recompute_plan_s: float = 0.0
+  # Whether the recompute fills the policy's experts into its step-level
+  # slots for the update (`transfer.prefill`): then `transfer`'s fill
+  # starts from them and moves only micro-step 0's changes.
+  prefilled: bool = False
   # Host seconds to pick the update's / the recompute's bucket, per mode
   # (the trainer picks one mode's; empty: counted in plan_s already).
   bucket_s: dict = dataclasses.field(default_factory=dict)
@@ -117,13 +123,17 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
                  budget: schedule.TransferBudget, top_k: int,
                  tokens_per_device: int, methods=METHODS,
                  config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
-                 workers: int = 1) -> dict[str, MethodPlan]:
+                 workers: int = 1, prefill: bool = True
+                 ) -> dict[str, MethodPlan]:
   """Each method's plans as the trainer makes them (`rl.trainer`): the
   update's plan from the home layout, fit to the budget, scheduled, its
   buckets; the recompute's step-level placement, fit and filled.
   history_LE: EPLB-step's decayed past loads (None: none yet).
   workers: planner processes (`StepPlanner`'s), started before any timing
-  and shared by the methods; 1: one thread, as before."""
+  and shared by the methods; 1: one thread, as before.
+  prefill: the recompute fills the update's slots for its step-level
+  placement (`transfer.prefill`; the workload must run a recompute, with
+  one update epoch), so the update's fill starts from them."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro, num_layers, _, num_experts = loads_MLDE.shape
   home = placement_lib.identity_placement(num_layers, num_experts,
@@ -137,14 +147,14 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
     pool.warm()
   try:
     return _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods,
-                         config, home, buckets, static_cap, pool)
+                         config, home, buckets, static_cap, pool, prefill)
   finally:
     if pool is not None:
       pool.close()
 
 
 def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
-                  home, buckets, static_cap, pool):
+                  home, buckets, static_cap, pool, prefill):
   num_experts = loads_MLDE.shape[-1]
   out = {}
   for method in methods:
@@ -166,12 +176,11 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
         plan = planner.submit(loads_MLDE).result()
       plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, topo,
                                                    cost, budget)
-      transfer = schedule.build_step_transfer(plan.placement.slot_expert,
-                                              num_experts, topo, budget)
       plan_s = time.perf_counter() - t0
       cap, bucket_s = _buckets(loads_MLDE, plan, buckets)
-      mp = MethodPlan(plan, transfer, cap, static_cap, reverted, plan_s,
+      mp = MethodPlan(plan, None, cap, static_cap, reverted, plan_s,
                       recompute_capacity=static_cap, bucket_s=bucket_s)
+      start_LS = None
       if method != 'static':
         t0 = time.perf_counter()
         rplan = planner.step_level_plan(loads_MLDE)
@@ -183,6 +192,15 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
         mp.recompute_plan_s = time.perf_counter() - t0
         mp.recompute_capacity, mp.recompute_bucket_s = _buckets(
             loads_MLDE, rplan, buckets)
+        if prefill:
+          start_LS = rplan.placement.slot_expert[0]
+          mp.prefilled = True
+      # The update's moves (made in the planner thread, after its plan).
+      t0 = time.perf_counter()
+      mp.transfer = schedule.build_step_transfer(
+          plan.placement.slot_expert, num_experts, topo, budget,
+          start_LS=start_LS)
+      mp.plan_s += time.perf_counter() - t0
     finally:
       planner.close()
     out[method] = mp
@@ -236,14 +254,36 @@ def _transition_s(t, model, hw, num_dev, lead=()) -> np.ndarray:
                    for l in range(num_layers)])
 
 
-def _fill_s(transfer, model, hw, num_dev, num_layers, spd) -> float:
-  """Exposed seconds of a step's first fill (rounds + local copies)."""
+def _fill_s(transfer, model, hw, num_dev, num_layers, spd,
+            layers_L=None) -> float:
+  """Exposed seconds of a step's first fill (rounds + local copies), of
+  the layers in `layers_L` (a bool mask; None: all)."""
   fill = transfer.fill
+  if layers_L is None:
+    layers_L = np.ones(num_layers, bool)
   local_D = np.zeros(num_dev)
-  for l in range(num_layers):
+  for l in np.flatnonzero(layers_L):
     local_D += (fill.local_src_LS[l].reshape(num_dev, spd) >= 0).sum(axis=1)
-  return float(_transition_s(fill, model, hw, num_dev).sum()
+  return float(_transition_s(fill, model, hw, num_dev)[layers_L].sum()
                + costs.local_copy_time(local_D, model, hw))
+
+
+def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
+                    num_layers, spd) -> tuple[float, float]:
+  """(seconds, exposed seconds) of the recompute's prefill of the update's
+  slots (`rl.step.recompute_logps(prefill=True)`): the step-level
+  placement's fill, one chunk of layers per micro-step of the recompute
+  (`transfer.engine.layer_chunks`), each hidden under that micro-step's
+  forward up to the overlap the engine's schedule allows
+  (`move_overlap`)."""
+  num_micro = len(compute_M)
+  chunk_L = (np.arange(num_layers) * num_micro) // num_layers
+  chunk_M = np.array([_fill_s(recompute_transfer, model, hw, num_dev,
+                              num_layers, spd, chunk_L == m)
+                      for m in range(num_micro)])
+  hidden_M = np.minimum(chunk_M,
+                        move_overlap(recompute_transfer, hw) * compute_M)
+  return float(chunk_M.sum()), float((chunk_M - hidden_M).sum())
 
 
 def move_overlap(transfer: schedule.StepTransfer,
@@ -305,8 +345,13 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   # The recompute: the forwards the step needs, each on the method's
   # step-level placement (its weights filled first), or on the home layout.
   passes = work.recompute_forward_passes
+  if mp.prefilled and not passes:
+    raise ValueError('the plan\'s fill starts from slots the recompute '
+                     'prefills, but this workload runs no recompute: plan '
+                     'it with plan_methods(prefill=False).')
   fwd = hw.forward_profile()
   recompute_s, recompute_fill_s = 0.0, 0.0
+  prefill_s, prefill_exposed_s = 0.0, 0.0
   rec_parts = dict(moe=0.0, a2a=0.0, nonexpert=0.0)
   if passes:
     if mp.recompute_plan is None:
@@ -324,7 +369,14 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
     rec_parts = dict(moe=passes * float(rmoe_M.sum()),
                      a2a=passes * float(ra2a_M.sum()),
                      nonexpert=passes * num_micro * nonexpert(1, fwd))
-    recompute_s = passes * recompute_fill_s + sum(rec_parts.values())
+    if mp.prefilled:
+      # Under the first forward's compute (its expert GEMMs and the rest;
+      # the token all-to-alls share the links, so they hide nothing).
+      prefill_s, prefill_exposed_s = prefill_exposed(
+          mp.recompute_transfer, rmoe_M + nonexpert(1, fwd), model, hw,
+          num_dev, num_layers, spd)
+    recompute_s = (passes * recompute_fill_s + sum(rec_parts.values())
+                   + prefill_exposed_s)
   # As the trainer orders it: the step-level plan, then the recompute, the
   # micro-step plan made while it runs; the update waits for whichever
   # ends last.
@@ -345,10 +397,15 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       recompute_nonexpert_s=rec_parts['nonexpert'],
       moe_compute_s=float(moe_M.sum()), all_to_all_s=float(a2a_M.sum()),
       nonexpert_s=float(num_micro * nonexpert(3)),
-      transfer_s=float(move_M.sum() + fill_s + flush_s),
-      transfer_hidden_s=float(hidden_M.sum()),
-      transfer_exposed_s=float(exposed_M.sum() + fill_s + flush_s),
+      # The update's transfers and the recompute's prefill of its slots
+      # (whose exposed part lengthens the recompute).
+      transfer_s=float(move_M.sum() + fill_s + flush_s + prefill_s),
+      transfer_hidden_s=float(hidden_M.sum() + prefill_s
+                              - prefill_exposed_s),
+      transfer_exposed_s=float(exposed_M.sum() + fill_s + flush_s
+                               + prefill_exposed_s),
       fill_s=float(fill_s), flush_s=float(flush_s),
+      prefill_s=prefill_s, prefill_exposed_s=prefill_exposed_s,
       # Experts the transfer collectives carry over experts that moved.
       wire_bytes_over_useful=schedule.step_wire_over_useful(mp.transfer,
                                                             num_dev),

@@ -177,7 +177,11 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
         p.plan_s, recompute_plan=None if rplan is None else rplan[0],
         recompute_transfer=None if rplan is None else rplan[1],
         recompute_capacity=rcap,
-        recompute_plan_s=measured['methods'][method]['recompute_plan_s'])
+        recompute_plan_s=measured['methods'][method]['recompute_plan_s'],
+        # Whether the bench's recompute prefilled the update's slots (its
+        # fill then starts from them); measurements cached before there
+        # was a prefill have none.
+        prefilled=extras.get('prefilled', {}).get(method, False))
   runs = extras['calibration_runs']
   update_fit = refit_compute(kernels, runs, topo, cost, model, work)
   log(f'calibrate: update fit on {len(runs)} static-layout runs of synthetic '

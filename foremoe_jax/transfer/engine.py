@@ -157,6 +157,12 @@ def _rounds(shift_R, one_round, init):
 EXCHANGES = ('ragged', 'emulated', 'a2a')
 
 
+def default_exchange() -> str:
+  """The engine's exchange when a caller names none: the backend's
+  (`dispatch_exact.default_exchange`: 'emulated' on CPU, 'ragged' else)."""
+  return dispatch_exact.default_exchange()
+
+
 def _exchange(items, count_DD, me, exchange: str):
   """One ragged all-to-all of expert-sized items ([R, X...] leaves packed
   by destination): this device sends count_DD[me, d] items to device d and
@@ -336,17 +342,43 @@ def empty_slots(canon, num_slots: int):
                    jnp.full((canon[0].shape[0], num_slots), -1, jnp.int32),)
 
 
+def _fills_only_where(t_l, active):
+  """One layer's transition with its fills switched off unless `active`
+  (a traced bool): no local copy, nothing sent or received. Masked on
+  device, so one schedule serves every chunk of layers."""
+  t_l = dict(t_l)
+  t_l['local_src_LS'] = jnp.where(active, t_l['local_src_LS'], -1)
+  if _is_exact(t_l):
+    t_l['count_LDD'] = jnp.where(active, t_l['count_LDD'], 0)
+    t_l['recv_LDR'] = jnp.where(active, t_l['recv_LDR'], -1)
+  else:
+    t_l['shift_LR'] = jnp.where(active, t_l['shift_LR'], 0)
+    t_l['recv_LRD'] = jnp.where(active, t_l['recv_LRD'], -1)
+  return t_l
+
+
+def layer_chunks(num_layers: int, num_chunks: int):
+  """int32 [L]: the chunk (0..num_chunks-1) each layer's fill runs in
+  when a fill is spread over `num_chunks` steps of a scan, contiguous and
+  as even as the counts allow."""
+  return jnp.asarray((jnp.arange(num_layers) * num_chunks) // num_layers,
+                     jnp.int32)
+
+
 def fill_slots_local(slots, canon, t, *, num_devices: int,
-                     exchange: str | None = None):
+                     exchange: str | None = None, layers_L=None):
   """Per device (inside a shard_map over 'expert'): the slots after one
   transition, one scan over the layers.
 
   slots: (weight buffers [L, s, X...]..., ids [L, s]); canon: the home
   experts [L, h, X...]; t: `device_transition(...)` (replicated);
   exchange: ``exact`` mode's collective, 'ragged' or 'emulated' (default:
-  the backend's, `dispatch_exact.default_exchange`).
+  the backend's, `default_exchange`); layers_L: bool [L]
+  (traced is fine), the layers whose fills run (None: all); the others'
+  slots are left as they are. A fill spread over the iterations of a scan
+  runs one chunk of layers per iteration (`layer_chunks`).
   """
-  exchange = exchange or dispatch_exact.default_exchange()
+  exchange = exchange or default_exchange()
   me = jax.lax.axis_index(EXPERT)
   spd = slots[0].shape[1]
   num_home = canon[0].shape[1]
@@ -355,15 +387,21 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   axes = varying_axes(canon[0]) | {EXPERT}
   slots = tuple(vary(x, axes | varying_axes(x)) for x in slots)
 
+  num_layers = canon[0].shape[0]
+  if layers_L is None:
+    layers_L = jnp.ones((num_layers,), bool)
+
   def layer(_, xs):
-    slots_l, canon_l, t_l = xs
+    slots_l, canon_l, t_l, active = xs
     canon_l = tuple(canon_l) + (ids_h,)
+    t_l = _fills_only_where(t_l, active)
     if _is_exact(t_l):
       return None, tuple(_layer_fill_exact(slots_l, canon_l, t_l, me, spd,
                                            exchange))
     return None, tuple(_layer_fill(slots_l, canon_l, t_l, me, spd,
                                    num_devices))
-  return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t))[1]
+  return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t,
+                                    layers_L))[1]
 
 
 def fill_slots(slots, canon, transition: dict, *, mesh,
@@ -402,7 +440,7 @@ def fill_slots(slots, canon, transition: dict, *, mesh,
 def return_grads_local(gslots, gcanon, t, *, num_devices: int,
                        exchange: str | None = None):
   """Per device: `return_grads`, one scan over the layers."""
-  exchange = exchange or dispatch_exact.default_exchange()
+  exchange = exchange or default_exchange()
   me = jax.lax.axis_index(EXPERT)
   spd = gslots[0].shape[1]
 

@@ -136,7 +136,9 @@ class ExactTransition(NamedTuple):
 class StepTransfer(NamedTuple):
   """Every transition of one RL step."""
 
-  fill: Transition  # T_0, from empty buffers; R = step_rounds
+  fill: Transition  # T_0, from empty buffers (or from the slots the
+  #                   recompute filled: `build_step_transfer(start_LS=)`);
+  #                   R = step_rounds
   steps: Transition  # [M, ...]: entry m moves P_m -> P_{m+1}; the last is a
   #                    no-op. R = microstep_rounds
   flush: Transition  # returns every slot's gradient; R = step_rounds
@@ -502,9 +504,36 @@ def step_wire_over_useful(st: StepTransfer, num_devices: int,
   return sum(p[0] for p in parts) / useful if useful else 1.0
 
 
+def without_returns(t):
+  """The Transition's fills only: no slot evicts a gradient. A fill into
+  slot buffers that hold weights but no gradient yet (the update's first
+  transition from slots the recompute filled) has nothing to send home."""
+  if isinstance(t, ExactTransition):
+    return t._replace(evict_LS=np.zeros_like(t.evict_LS),
+                      ret_local_LS=np.full_like(t.ret_local_LS, -1),
+                      ret_send_LDR=np.zeros_like(t.ret_send_LDR),
+                      ret_count_LDD=np.zeros_like(t.ret_count_LDD),
+                      ret_recv_LDR=np.full_like(t.ret_recv_LDR, -1),
+                      ret_rounds_used_L=np.zeros_like(t.ret_rounds_used_L))
+  return t._replace(evict_LS=np.zeros_like(t.evict_LS),
+                    ret_local_LS=np.full_like(t.ret_local_LS, -1),
+                    ret_shift_LR=np.zeros_like(t.ret_shift_LR),
+                    ret_send_LRD=np.zeros_like(t.ret_send_LRD),
+                    ret_recv_LRD=np.full_like(t.ret_recv_LRD, -1),
+                    ret_rounds_used_L=np.zeros_like(t.ret_rounds_used_L))
+
+
 def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
-                        budget: TransferBudget) -> StepTransfer:
-  """All transitions of one RL step; BudgetExceeded if one does not fit."""
+                        budget: TransferBudget, start_LS=None
+                        ) -> StepTransfer:
+  """All transitions of one RL step; BudgetExceeded if one does not fit.
+
+  start_LS: the placement the slot buffers already hold when the update
+  starts (the recompute's step-level placement, whose slots the recompute
+  filled with the policy's weights: `rl.step.recompute_logps(prefill=)`);
+  the fill then moves only the slots micro-step 0 changes. None: the fill
+  starts from empty buffers.
+  """
   se = np.asarray(slot_expert_MLS, np.int64)
   num_micro, num_layers, num_slots = se.shape
   nxt = np.concatenate([se[1:], se[-1:]])  # The last transition is a no-op.
@@ -515,9 +544,11 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
                     f'{b // num_layers + 1}, layer {b % num_layers}', mode)
   steps = type(steps)(*(x.reshape((num_micro, num_layers) + x.shape[1:])
                         for x in steps))
-  fill = _schedule(_rows(None, se[0]), se[0], num_experts, topo,
+  fill = _schedule(_rows(start_LS, se[0]), se[0], num_experts, topo,
                    budget.step_rounds, lambda b: f'fill (T_0), layer {b}',
                    mode)
+  if start_LS is not None:
+    fill = without_returns(fill)
   flush = _schedule(se[-1], _rows(None, se[-1]), num_experts, topo,
                     budget.step_rounds, lambda b: f'flush, layer {b}', mode)
   return StepTransfer(fill, steps, flush)

@@ -391,3 +391,100 @@ def test_target_logp_in_chunks_equals_full_logits():
   g_f = jax.grad(lambda x, w: full(x, w).sum(), (0, 1))(x, w)
   for a, b in zip(g_c, g_f):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_prefill_is_the_update_fill(setup):
+  """The recompute fills the policy's experts into its step-level slots
+  (a chunk of layers per micro-step under its forward); the update starting
+  from them, with a fill of only what micro-step 0 changes, equals the
+  update that fills from home: same log-probs, same new parameters, every
+  slot holding the expert its plan names."""
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  num_layers = cfg.model.num_layers
+  kw = dict(num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.05)
+  rl_step = _rl_step(1e-3, **kw)
+  batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
+      rollout, rewards, np.split(np.random.default_rng(4).permutation(32), 4)))
+  # The recompute's step-level placement: one placement for every micro-step.
+  level = random_plan(np.random.default_rng(8), 1, num_layers)
+  level = placement_lib.stack_placements(
+      [jax.tree.map(lambda x: x[0], level)] * 4)
+  rplan = _step_plan(level)
+  moving = random_plan(np.random.default_rng(9), 4, num_layers)
+  topo = Topology(1, 8, 2)
+  start_LS = np.asarray(level.slot_expert[0])
+  st = schedule.build_step_transfer(moving.slot_expert, 8, topo, BUDGET,
+                                    start_LS=start_LS)
+  full = schedule.build_step_transfer(moving.slot_expert, 8, topo, BUDGET)
+  # Only the slots micro-step 0 changes move, and no gradient goes home.
+  assert 0 < st.fill.remote_fills_L.sum() < full.fill.remote_fills_L.sum()
+  assert schedule.remote_returns(st.fill) == 0
+  delta = step_lib.StepPlan(jax.tree.map(jnp.asarray, moving),
+                            engine.device_step_transfer(st), None)
+  own = _step_plan(moving)
+  state = step_lib.init_train_state(graphdef, jax.tree.map(jnp.copy, params),
+                                    rl_step.tx, mesh, with_ref=True)
+  assert rl_step.can_prefill(rplan, True)
+  assert not rl_step.can_prefill(step_lib.CanonicalLayout(None), True)
+  logps = rl_step.recompute(state, batch, rplan, prefill=True)
+  plain = rl_step.recompute(state, batch, rplan)
+  np.testing.assert_array_equal(logps['ref_logp_MbT'], plain['ref_logp_MbT'])
+  # The prefilled slots are the step-level placement's, with the policy's
+  # weights (here the same as the reference's: with_ref copies them).
+  slots = logps['prefill_slots']
+  np.testing.assert_array_equal(slots[3], start_LS)
+  canon = step_lib.canonical_experts(state.params, step_lib._moe_layers(
+      graphdef, state.params)[1])
+  for w, c in zip(slots[:3], canon):
+    np.testing.assert_array_equal(w, np.take_along_axis(
+        np.asarray(c), start_LS[:, :, None, None], axis=1).astype(w.dtype))
+  cached = rl_step.update._cache_size()
+  out = {}
+  for name, (lp, plan) in (('prefilled', (logps, delta)),
+                           ('own fill', (plain, own))):
+    s = step_lib.init_train_state(graphdef, jax.tree.map(jnp.copy, params),
+                                  rl_step.tx, mesh, with_ref=True)
+    new, m = rl_step.update(s, batch, lp, plan)
+    assert int(m['transfer_id_errors']) == 0, name
+    out[name] = (new.params, m)
+  assert rl_step.update._cache_size() - cached <= 2
+  (p_a, m_a), (p_b, m_b) = out['prefilled'], out['own fill']
+  np.testing.assert_allclose(m_a['loss'], m_b['loss'], rtol=1e-6,
+                             atol=1e-6 * float(m_b['adv_abs_mean']))
+  for a, b in zip(jax.tree.leaves(p_a), jax.tree.leaves(p_b)):
+    scale = float(jnp.abs(b).max())
+    assert float(jnp.abs(a - b).max()) <= 1e-6 * scale + 1e-9
+  # A prefill needs slots to fill and a single epoch.
+  with pytest.raises(ValueError, match='prefill'):
+    rl_step.recompute(state, batch, step_lib.CanonicalLayout(None),
+                      prefill=True)
+
+
+def test_compiled_prefill_sits_in_no_conditional(setup, monkeypatch):
+  """The recompute's prefill, as GPU/TPU run it (one exchange per layer,
+  here the engine's all_to_all stand-in 'a2a'), is issued in the scan over
+  micro-steps beside the forward and in no conditional, so XLA may overlap
+  it with the forward's compute."""
+  cfg, mesh, graphdef, params, rollout, rewards = setup
+  monkeypatch.setattr(engine, 'default_exchange', lambda: 'a2a')
+  tx = step_lib.make_optimizer(1e-3, 1.0)
+  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=True)
+  batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
+      rollout, rewards, np.split(np.arange(32), 4)))
+  level = random_plan(np.random.default_rng(3), 1, cfg.model.num_layers)
+  plan = _step_plan(placement_lib.stack_placements(
+      [jax.tree.map(lambda x: x[0], level)] * 4))
+  # A fresh function to trace (jax caches traces by function): the
+  # engine's exchange is read when the program is traced.
+  def recompute(*args, **kw):
+    return step_lib.recompute_logps(*args, **kw)
+  fn = jax.jit(recompute, static_argnames=('old', 'ref', 'prefill'))
+  a2a = {}
+  for prefill in (False, True):
+    text = fn.lower(state, batch, plan, old=False, ref=True,
+                    prefill=prefill).compile().as_text()
+    a2a[prefill] = [c for c in hlo.collectives(text)
+                    if c['kind'] == 'all-to-all']
+  assert len(a2a[True]) > len(a2a[False])  # The prefill's exchanges.
+  assert not any(c['in_conditional'] for c in a2a[True]), a2a[True]
+  assert all(c['in_loop'] for c in a2a[True])

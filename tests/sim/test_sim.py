@@ -405,3 +405,38 @@ def test_sender_floor_is_the_busiest_source_by_hand():
   for mp in (static, spread):
     r = simulate.time_step(mp, loads, MODEL, _work(), HW)
     assert r['sender_max_over_mean'] == pytest.approx(1.5)
+
+
+def test_prefill_moves_the_fill_under_the_recompute_by_hand():
+  """With the recompute prefilling the update's slots, the update's fill
+  moves only what micro-step 0 changes (here nothing: same placement), and
+  the whole fill runs under the recompute: hidden when the profile's
+  overlap allows it, else exposed there, second for second."""
+  topo = Topology(1, 2, 3)
+  loads, _, spread = _hot_expert_plans(topo)
+  spread.recompute_plan, spread.recompute_transfer = spread.plan, spread.transfer
+  budget = schedule.TransferBudget(step_rounds=4, microstep_rounds=2)
+  pre = dataclasses.replace(
+      spread, prefilled=True, transfer=schedule.build_step_transfer(
+          spread.plan.placement.slot_expert, 4, topo, budget,
+          start_LS=spread.plan.placement.slot_expert[0]))
+  for overlap in (1.0, 0.0):
+    hw = dataclasses.replace(HW, transfer_overlap=overlap)
+    a = simulate.time_step(spread, loads, MODEL, _work(), hw)
+    b = simulate.time_step(pre, loads, MODEL, _work(), hw)
+    fill = a['fill_s']  # One remote replica (+ its local copies).
+    assert fill > 0 and b['fill_s'] == 0.0
+    assert b['prefill_s'] == pytest.approx(fill)
+    assert b['update_s'] == pytest.approx(a['update_s'] - fill)
+    # The fill is one expert's bytes over a link: far longer than this toy
+    # forward's compute, so with full overlap only the compute hides it.
+    hidden = fill - b['prefill_exposed_s']
+    assert (hidden > 0) == (overlap > 0)
+    assert b['recompute_s'] == pytest.approx(
+        a['recompute_s'] + b['prefill_exposed_s'])
+    assert b['transfer_exposed_s'] == pytest.approx(
+        a['transfer_exposed_s'] - fill + b['prefill_exposed_s'])
+  assert b['prefill_exposed_s'] == pytest.approx(fill)  # overlap 0.
+  with pytest.raises(ValueError, match='prefill'):
+    simulate.time_step(pre, loads, MODEL, _work(recompute_forward_passes=0),
+                       HW)
