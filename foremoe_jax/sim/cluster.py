@@ -177,10 +177,23 @@ def transfer_summary(rows, mode: str = simulate.DEFAULT_MODE) -> dict:
     k = str(r['devices'])
     exposed[k] = max(exposed.get(k, 0.0),
                      r['transfer_exposed_s'] / r['update_s'])
+  # Where the worst row at the most devices loses its seconds.
+  most = max(r['devices'] for r in rows)
+  worst = max((r for r in rows if r['devices'] == most),
+              key=lambda r: r['transfer_exposed_s'] / r['update_s'])
+  parts = {k: worst.get(k, 0.0) for k in (
+      'update_s', 'transfer_exposed_s', 'fill_s', 'flush_s', 'prefill_s',
+      'prefill_exposed_s')}
+  parts['moves_exposed_s'] = max(0.0, worst['transfer_exposed_s']
+                                 - parts['fill_s'] - parts['flush_s']
+                                 - parts['prefill_exposed_s'])
   return dict(transfer_mode=rows[0].get('transfer_mode', 'exact'),
               wire_bytes_over_useful_max=max(r['wire_bytes_over_useful']
                                              for r in rows),
-              transfer_exposed_share_of_update_max=exposed)
+              transfer_exposed_share_of_update_max=exposed,
+              transfer_exposed_worst=dict(
+                  model=worst['model'], devices=most, method=worst['method'],
+                  profile=worst['profile'], **parts))
 
 
 def planning_summary(rows, method: str = 'foremoe',
