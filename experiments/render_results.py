@@ -534,10 +534,11 @@ def render_simulate_cluster(res: dict) -> str:
     out += [f"- Expert moves ({summ['transfer_mode']} transfers): experts on"
             f" the wire over experts that moved, worst row"
             f" {_f(summ['wire_bytes_over_useful_max'], 3)}; exposed transfer"
-            f" (the update's fill, the last flush of the replicas'"
-            f" gradients, moves beyond the overlap window, and what the"
-            f" recompute's forward does not hide of its prefill of the"
-            f" update's slots), worst method, as a share of the update: "
+            f" (the update's fill, what the last micro-step's backward"
+            f" does not hide of the flush of the replicas' gradients, moves"
+            f" beyond the overlap window, and what the recompute's forward"
+            f" does not hide of its prefill of the update's slots), worst"
+            f" method, as a share of the update: "
             + ', '.join(f"{100 * v:.1f}% at {d} devices"
                         for d, v in shares.items()) + '.']
     w = summ.get('transfer_exposed_worst')
@@ -546,10 +547,12 @@ def render_simulate_cluster(res: dict) -> str:
               f" {w['method']}, {w['profile']}):"
               f" {_f(w['transfer_exposed_s'])} s exposed of a"
               f" {_f(w['update_s'])} s update: the update's fill"
-              f" {_f(w['fill_s'])} s, the flush {_f(w['flush_s'])} s, moves"
-              f" {_f(w['moves_exposed_s'])} s, the prefill"
+              f" {_f(w['fill_s'])} s, the flush"
+              f" {_f(w.get('flush_exposed_s', w['flush_s']))} of"
+              f" {_f(w['flush_s'])} s (the rest under the last backward),"
+              f" moves {_f(w['moves_exposed_s'])} s, the prefill"
               f" {_f(w['prefill_exposed_s'])} of {_f(w['prefill_s'])} s"
-              f" (the rest hidden under the recompute's forward)."]
+              f" (the rest under the recompute's forward)."]
   largest = summ.get('planning_largest_ep') or {}
   if largest:
     workers = {p['planner_workers'] for p in largest.values()}

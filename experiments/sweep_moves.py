@@ -127,8 +127,7 @@ def sweep_row(model: str, devices: int, redundant: int, seqs: int,
         foremoe_wire_bytes_over_useful=fm['wire_bytes_over_useful'],
         # Seconds of moves between micro-steps (hidden or not): 0 when
         # ForeMoE made none.
-        foremoe_move_s=max(0.0, fm['transfer_s'] - fm['fill_s']
-                           - fm['flush_s']),
+        foremoe_move_s=fm['moves_s'],
         foremoe_capacity=fm['capacity'])
   if fm is not None and split is not None:
     row['foremoe_minus_split_s'] = {k: fm[k] - split[k] for k in DELTA_PARTS}

@@ -65,12 +65,16 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTM, *, slot_expert_S=None, slot_share_DS=None,
                capacity: int | None = None, replay_ids_BTK=None,
-               valid_BT=None, slot_weights=None):
+               valid_BT=None, slot_weights=None, slot_returns=None):
     """slot_weights: (w_gate [S, M, F], w_up [S, M, F], w_down [S, F, M])
     sharded over 'expert', holding the placement's experts. Given a
     placement without them, the slots are gathered from the canonical
     experts (`expert_parallel.routed_experts`: an all-gather, kept as the
-    reference path; the RL step always passes slot weights)."""
+    reference path; the RL step always passes slot weights).
+    slot_returns: per device, (accumulated slot gradients, one layer of a
+    device transition, active): the slots' gradients go home in this
+    layer's backward, arriving as the canonical weights' cotangent
+    (`transfer.engine.returns_in_backward`; the RL update's flush)."""
     b, t, m = x_BTM.shape
     n = b * t
     x_NM = x_BTM.reshape(n, m)
@@ -103,6 +107,11 @@ class MoE(nnx.Module):
             jnp.asarray(slot_expert_S, jnp.int32),
             jnp.asarray(slot_share_DS, jnp.float32))
     if slot_weights is not None:
+      if slot_returns is not None:
+        # pylint: disable-next=g-import-not-at-top
+        from foremoe_jax.transfer import engine
+        slot_weights = engine.returns_in_backward(
+            tuple(slot_weights), tuple(args[4:7]), *slot_returns)
       args = args[:4] + tuple(slot_weights) + args[7:]
     kw = dict(capacity=capacity, dispatch=self.dispatch)
     if self.dispatch == 'exact' and self.exchange:

@@ -176,12 +176,15 @@ class Transformer(nnx.Module):
                placement=None, replay_routes_LBTK=None,
                capacity: int | None = None, cache=None, cache_index=None,
                slot_weights=None, indexer_weight_BT=None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, slot_returns=None):
     """Returns (logits_BTV f32, ModelAux, new_cache or None).
 
     slot_weights: the MoE layers' slot weights (w_gate [L, S, M, F], w_up
     [L, S, M, F], w_down [L, S, F, M]) for `placement`; None with a
     placement gathers them from the canonical experts (the reference path).
+    slot_returns: per device, with slot_weights, (accumulated slot
+    gradients [L, S, ...] tuple, a device transition [L, ...] whose returns
+    run in each MoE layer's backward, active bool []): `MoE.__call__`.
     indexer_weight_BT: float weights of the query positions in each MSA
     layer's indexer KL (`pallas_kernels.msa.msa_indexer_kl_loss`), e.g. the
     loss mask over its sum, so padding and prompt positions do not count;
@@ -202,7 +205,7 @@ class Transformer(nnx.Module):
     new_cache = None if cache is None else []
     for seg, stack in zip(self.layer_segments, self.segments):
       layer_xs = self._moe_inputs(seg, placement, slot_weights,
-                                  replay_routes_LBTK)
+                                  replay_routes_LBTK, slot_returns)
       if cache is None:
         x, (index_loss_n, aux_n) = _scan_segment(
             stack, x, layer_xs, remat_policy=policy, **run_kw)
@@ -247,7 +250,8 @@ class Transformer(nnx.Module):
     return logits.astype(jnp.float32)
 
   @staticmethod
-  def _moe_inputs(seg, placement, slot_weights, replay_routes_LBTK) -> dict:
+  def _moe_inputs(seg, placement, slot_weights, replay_routes_LBTK,
+                  slot_returns=None) -> dict:
     """The per-layer MoE inputs of one segment ([n, ...] each)."""
     if not seg.moe:
       return {}
@@ -258,6 +262,12 @@ class Transformer(nnx.Module):
       xs['slot_share_DS'] = placement.slot_share[lo:hi]
       if slot_weights is not None:
         xs['slot_weights'] = tuple(w[lo:hi] for w in slot_weights)
+        if slot_returns is not None:
+          acc, t, active = slot_returns
+          xs['slot_returns'] = (
+              tuple(a[lo:hi] for a in acc),
+              {k: v[lo:hi] for k, v in t.items()},
+              jnp.broadcast_to(active, (hi - lo,)))
     if replay_routes_LBTK is not None:
       xs['replay_ids_BTK'] = replay_routes_LBTK[lo:hi]
     return xs

@@ -169,7 +169,8 @@ def target_logp(unembed, x_NM, targets_N, chunk: int = LOGP_CHUNK_TOKENS):
 
 
 def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
-               capacity, slot_weights=None, indexer_weight_bT=None):
+               capacity, slot_weights=None, indexer_weight_bT=None,
+               slot_returns=None):
   """Log-probs of tokens[:, 1:] given tokens[:, :-1], with replayed routes.
 
   routes_LbTK covers the T-1 input positions (None: route freshly).
@@ -177,7 +178,8 @@ def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
   transfer); else slot_weights holds the weights the placement's slots
   need (the transfer engine's buffers, three [L, S, ...] arrays).
   indexer_weight_bT: weights of the T-1 positions in the MSA indexer KL
-  (see `Transformer.__call__`); None: the plain mean.
+  (see `Transformer.__call__`); None: the plain mean. slot_returns: slot
+  gradients sent home in each MoE layer's backward (`Transformer.__call__`).
   The vocabulary's logits are never all materialised (`target_logp`).
   Returns (logp_bT1, ModelAux).
   """
@@ -187,7 +189,7 @@ def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
                          placement=placement, replay_routes_LBTK=routes_LbTK,
                          capacity=capacity, slot_weights=slot_weights,
                          indexer_weight_BT=indexer_weight_bT,
-                         return_hidden=True)
+                         return_hidden=True, slot_returns=slot_returns)
   b, t, m = hidden.shape
   logp = target_logp(model.unembed, hidden.reshape(b * t, m),
                      targets.reshape(b * t))
@@ -527,9 +529,12 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                 if k in logps})
   extra_specs = {k: P(None, rows) for k in extra}
 
-  def micro_loss(nonexp_l, slot_w, experts_l, toks, valid, routes, placement,
-                 mask, adv, old, ref, rollout, denoms):
-    params = nnx.merge_state(nonexp_l, jax.lax.stop_gradient(experts_l))
+  def micro_loss(nonexp_l, slot_w, experts_l, slot_returns, toks, valid,
+                 routes, placement, mask, adv, old, ref, rollout, denoms):
+    # The canonical experts reach the loss only through the slots'
+    # returns in the backward (`engine.returns_in_backward`): their
+    # gradient is exactly the slot gradients sent home.
+    params = nnx.merge_state(nonexp_l, experts_l)
     # The indexer KL over the loss's positions (completion tokens), each
     # sequence's token mean over num_total: aggregated like the policy loss.
     mask32 = mask.astype(jnp.float32)
@@ -537,7 +542,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                         * num_total)
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
                            routes, plan.capacity, slot_weights=slot_w,
-                           indexer_weight_bT=index_w)
+                           indexer_weight_bT=index_w,
+                           slot_returns=slot_returns)
     if old is None:  # One epoch: the old policy is this one.
       old = jax.lax.stop_gradient(logp)
     loss, metrics = grpo.policy_loss(
@@ -572,7 +578,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                        / mesh.size)
     return total, metrics
 
-  grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
+  grad_fn = jax.grad(micro_loss, argnums=(0, 1, 2), has_aux=True)
   share_M = mb.shape[1] / num_total  # Each micro-batch's share of sequences.
 
   def local(nonexp_l, experts_l, bt, ex, placement, transfer, denoms,
@@ -594,13 +600,24 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
     add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
+    # Per data row, like the slots: their gradients (the returned slot
+    # gradients) are summed over 'data' once, after the last micro-step.
+    experts_v = jax.tree.map(lambda x: ep_lib.vary(x, (DATA,)), experts_l)
+    num_micro = bt['tokens_MbT'].shape[0]
+
     def body(carry, xs):
       g_acc, slots, gslots, gcanon = carry
       (toks, valid, routes, mask, pl, moves, adv, old, ref,
-       rollout) = xs
-      (g, g_slots), metrics = grad_fn(
-          nonexp_l, slots[:3], experts_l, toks, valid, routes, pl, mask, adv,
-          old, ref, rollout, denoms)
+       rollout, m) = xs
+      # The flush: in the last micro-step every slot's gradient (the
+      # earlier ones' sum plus its own) goes home inside its layer's
+      # backward, so each layer's return travels while the layers before
+      # it still backpropagate.
+      flush = (tuple(gslots), transfer['flush'], m == num_micro - 1)
+      (g, g_slots, g_experts), metrics = grad_fn(
+          nonexp_l, slots[:3], experts_v, flush, toks, valid, routes, pl,
+          mask, adv, old, ref, rollout, denoms)
+      gcanon = add(gcanon, canonical_experts(g_experts, moe_segments))
       # Which micro-step went non-finite, so the host can name it.
       metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
                                 & all_finite((g, g_slots)))).astype(jnp.int32)
@@ -623,10 +640,10 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     xs = (bt['tokens_MbT'], bt['valid_MbT'], bt['routes_MLbTK'],
           bt['loss_mask_MbT'], placement, transfer['steps'], ex['adv_Mb'],
           ex.get('old_logp_MbT'), ex.get('ref_logp_MbT'),
-          bt.get('rollout_logp_MbT'))
-    (g_acc, _, gslots, gcanon), metrics_M = jax.lax.scan(body, carry, xs)
-    _, gcanon = transfer_engine.return_grads_local(
-        gslots, gcanon, transfer['flush'], num_devices=num_devices)
+          bt.get('rollout_logp_MbT'), jnp.arange(num_micro, dtype=jnp.int32))
+    # The last micro-step's backward flushed every slot (its gslots are
+    # spent): nothing more to return.
+    (g_acc, _, _, gcanon), metrics_M = jax.lax.scan(body, carry, xs)
     # The one reduction of the step: non-expert gradients over the mesh,
     # the experts' over 'data' (each data row moved its own copies).
     g_acc = jax.lax.psum(g_acc, rows)

@@ -182,10 +182,10 @@ def transfer_summary(rows, mode: str = simulate.DEFAULT_MODE) -> dict:
   worst = max((r for r in rows if r['devices'] == most),
               key=lambda r: r['transfer_exposed_s'] / r['update_s'])
   parts = {k: worst.get(k, 0.0) for k in (
-      'update_s', 'transfer_exposed_s', 'fill_s', 'flush_s', 'prefill_s',
-      'prefill_exposed_s')}
+      'update_s', 'transfer_exposed_s', 'fill_s', 'flush_s',
+      'flush_exposed_s', 'prefill_s', 'prefill_exposed_s')}
   parts['moves_exposed_s'] = max(0.0, worst['transfer_exposed_s']
-                                 - parts['fill_s'] - parts['flush_s']
+                                 - parts['fill_s'] - parts['flush_exposed_s']
                                  - parts['prefill_exposed_s'])
   return dict(transfer_mode=rows[0].get('transfer_mode', 'exact'),
               wire_bytes_over_useful_max=max(r['wire_bytes_over_useful']

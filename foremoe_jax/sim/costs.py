@@ -31,8 +31,10 @@ function states what it models; the module's assumptions, in one place:
   double-buffers); in ``exact`` mode they hide under `transfer_overlap` of
   m's compute and the rest is exposed; in ``rounds`` mode nothing hides
   them (each round's permute sits in a conditional,
-  `simulate.move_overlap`). The first fill and the last flush are
-  exposed.
+  `simulate.move_overlap`). The first fill runs under the recompute's
+  forward where the step prefills (`simulate.prefill_exposed`), else it
+  is exposed; the last flush runs inside the last micro-step's backward
+  (`simulate.flush_exposed`).
 """
 from __future__ import annotations
 

@@ -48,7 +48,9 @@ class MemoryBreakdown:
   nonexpert_grads: float  # float32 gradient sums of the step
   nonexpert_gathered: float  # FSDP: the whole parameters, gathered per step
   expert_state: float  # canonical experts: master + moments
-  expert_grads: float  # float32 canonical gradient sums
+  expert_grads: float  # float32 canonical gradient sums, and one micro-
+  #                      step's returned slot gradients (the canonical
+  #                      experts' cotangent, `engine.returns_in_backward`)
   slot_weights: float  # two copies of the slot buffers (moved dtype)
   slot_grads: float  # float32 slot gradient sums
   saved_activations: float  # what the backward keeps, all layers
@@ -116,7 +118,7 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
       nonexpert_state=nonexpert_state, nonexpert_grads=nonexpert_grads,
       nonexpert_gathered=gathered,
       expert_state=expert_params * _STATE_BYTES_PER_PARAM,
-      expert_grads=expert_params * F32,
+      expert_grads=2 * expert_params * F32,
       slot_weights=2 * slot_params * model.bytes_per_param,
       slot_grads=slot_params * F32,
       saved_activations=saved, layer_transient=layer_transient,

@@ -12,7 +12,7 @@ moves split into hidden and exposed; per step the recompute (the forwards
 the step needs, on the method's step-level placement, filled first, with
 the update's slots prefilled under it), the wait for the plan, the fill
 (of what micro-step 0 changes, when prefilled) and flush of the slot
-buffers, the
+buffers (the flush inside the last micro-step's backward), the
 gradient all-reduce (once per step) and the optimizer update; and the
 per-device memory (`memory.update_memory`). The rollout is the same for
 every method and is left out.
@@ -286,6 +286,25 @@ def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
   return float(chunk_M.sum()), float((chunk_M - hidden_M).sum())
 
 
+def flush_exposed(flush_L, last_compute_s: float,
+                  overlap: float) -> tuple[float, float]:
+  """(seconds, exposed seconds) of the flush of the replicas' gradients
+  home, which the update issues layer by layer inside the last
+  micro-step's backward (`transfer.engine.returns_in_backward`): layer l's
+  return travels while layers l-1 .. 0 still backpropagate, so the
+  backward after the first layer's (the last (L-1)/L of it, about 2/3 of
+  the micro-step's fwd + bwd compute) hides it up to the overlap the
+  engine's schedule allows; the first layer's return, issued last, hides
+  under nothing."""
+  flush_L = np.asarray(flush_L, np.float64)
+  num_layers = len(flush_L)
+  total = float(flush_L.sum())
+  if not total:
+    return 0.0, 0.0
+  window = overlap * (2.0 / 3.0) * last_compute_s * (num_layers - 1) / num_layers
+  return total, float(max(flush_L[0], total - window))
+
+
 def move_overlap(transfer: schedule.StepTransfer,
                  hw: HardwareProfile) -> float:
   """Share of micro-step m's compute that the moves into m + 1 may hide
@@ -325,7 +344,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   hidden_M = np.minimum(move_M, move_overlap(mp.transfer, hw) * compute_M)
   exposed_M = move_M - hidden_M
   fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
-  flush_s = _transition_s(mp.transfer.flush, model, hw, num_dev).sum()
+  flush_L = _transition_s(mp.transfer.flush, model, hw, num_dev)
+  flush_s, flush_exposed_s = flush_exposed(
+      flush_L, compute_M[-1], move_overlap(mp.transfer, hw))
   groups = work.num_devices // num_dev
   expert_params = (model.num_moe_layers * model.params_per_expert
                    * num_experts / num_dev)
@@ -340,8 +361,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
             * (1.5 if shards > 1 else 1.0)
             + (costs.allreduce_time(4.0 * expert_params, groups, hw)
                if groups > 1 else 0.0))
-  update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum() + flush_s
-                   + optimizer_s + sync_s)
+  update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum()
+                   + flush_exposed_s + optimizer_s + sync_s)
   # The recompute: the forwards the step needs, each on the method's
   # step-level placement (its weights filled first), or on the home layout.
   passes = work.recompute_forward_passes
@@ -400,11 +421,13 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       # The update's transfers and the recompute's prefill of its slots
       # (whose exposed part lengthens the recompute).
       transfer_s=float(move_M.sum() + fill_s + flush_s + prefill_s),
-      transfer_hidden_s=float(hidden_M.sum() + prefill_s
-                              - prefill_exposed_s),
-      transfer_exposed_s=float(exposed_M.sum() + fill_s + flush_s
+      transfer_hidden_s=float(hidden_M.sum() + prefill_s - prefill_exposed_s
+                              + flush_s - flush_exposed_s),
+      transfer_exposed_s=float(exposed_M.sum() + fill_s + flush_exposed_s
                                + prefill_exposed_s),
       fill_s=float(fill_s), flush_s=float(flush_s),
+      flush_exposed_s=float(flush_exposed_s),
+      moves_s=float(move_M.sum()),  # Between micro-steps, hidden or not.
       prefill_s=prefill_s, prefill_exposed_s=prefill_exposed_s,
       # Experts the transfer collectives carry over experts that moved.
       wire_bytes_over_useful=schedule.step_wire_over_useful(mp.transfer,

@@ -326,6 +326,69 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   return _zero_evicted(gslots, t, me, spd), gcanon
 
 
+def _returns_only_where(t_l, active):
+  """One layer's transition with its gradient returns switched off unless
+  `active` (a traced bool): no slot evicted, nothing sent or added."""
+  t_l = dict(t_l)
+  t_l['evict_LS'] = jnp.logical_and(active, t_l['evict_LS'])
+  t_l['ret_local_LS'] = jnp.where(active, t_l['ret_local_LS'], -1)
+  if _is_exact(t_l):
+    t_l['ret_count_LDD'] = jnp.where(active, t_l['ret_count_LDD'], 0)
+    t_l['ret_recv_LDR'] = jnp.where(active, t_l['ret_recv_LDR'], -1)
+  else:
+    t_l['ret_shift_LR'] = jnp.where(active, t_l['ret_shift_LR'], 0)
+    t_l['ret_recv_LRD'] = jnp.where(active, t_l['ret_recv_LRD'], -1)
+  return t_l
+
+
+@jax.custom_vjp
+def returns_in_backward(slot_w, canon_w, acc, t_l, active):
+  """Identity on one layer's slot weights (a tuple of [s, X...]), whose
+  backward sends the slots' gradients home: per device, inside the layer's
+  step of the model's scan, so the return of layer l is issued in the
+  backward of layer l and the backward of the layers before it runs on
+  while it travels (the final flush under the last micro-step's backward,
+  instead of after it).
+
+  canon_w: this device's canonical experts of the layer ([h, X...]): the
+  returned gradients arrive as their cotangent (so the caller must not
+  differentiate them any other way). acc: the slots' float32 gradients
+  accumulated over the earlier micro-steps; t_l: one layer of a device
+  transition whose returns run (`device_transition` of the flush);
+  active: a traced bool, False: nothing is sent, and the slots' gradient
+  flows on as usual. When active, each slot sends acc + its gradient home
+  and its own cotangent still flows (the caller drops it).
+  """
+  del canon_w, acc, t_l, active
+  return slot_w
+
+
+def _returns_fwd(slot_w, canon_w, acc, t_l, active):
+  return slot_w, (canon_w, acc, t_l, active)
+
+
+def _returns_bwd(res, ct_w):
+  canon_w, acc, t_l, active = res
+  me = jax.lax.axis_index(EXPERT)
+  spd = acc[0].shape[0]
+  total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
+  t_l = _returns_only_where(t_l, active)
+  zero = tuple(jnp.zeros(c.shape, a.dtype) for c, a in zip(canon_w, acc))
+  zero = tuple(vary(z, varying_axes(a) | varying_axes(z))
+               for z, a in zip(zero, total))
+  if _is_exact(t_l):
+    _, got = _layer_returns_exact(total, zero, t_l, me, spd,
+                                  default_exchange())
+  else:
+    _, got = _layer_returns(total, zero, t_l, me, spd,
+                            jax.lax.axis_size(EXPERT))
+  ct_canon = tuple(g.astype(c.dtype) for g, c in zip(got, canon_w))
+  return (ct_w, ct_canon, None, None, None)
+
+
+returns_in_backward.defvjp(_returns_fwd, _returns_bwd)
+
+
 def _specs(tree):
   return jax.tree.map(lambda _: P(None, EXPERT), tree)
 

@@ -460,11 +460,15 @@ def test_recompute_prefill_is_the_update_fill(setup):
                       prefill=True)
 
 
-def test_compiled_prefill_sits_in_no_conditional(setup, monkeypatch):
+def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
+                                                         monkeypatch):
   """The recompute's prefill, as GPU/TPU run it (one exchange per layer,
   here the engine's all_to_all stand-in 'a2a'), is issued in the scan over
   micro-steps beside the forward and in no conditional, so XLA may overlap
-  it with the forward's compute."""
+  it with the forward's compute; in the update, every exchange (the
+  fill, the moves, the returns, and the flush inside the last
+  micro-step's backward over layers) sits in a loop and in no
+  conditional too."""
   cfg, mesh, graphdef, params, rollout, rewards = setup
   monkeypatch.setattr(engine, 'default_exchange', lambda: 'a2a')
   tx = step_lib.make_optimizer(1e-3, 1.0)
@@ -488,3 +492,19 @@ def test_compiled_prefill_sits_in_no_conditional(setup, monkeypatch):
   assert len(a2a[True]) > len(a2a[False])  # The prefill's exchanges.
   assert not any(c['in_conditional'] for c in a2a[True]), a2a[True]
   assert all(c['in_loop'] for c in a2a[True])
+  rl_step = _rl_step(1e-3, num_generations=4, eps_low=0.2, eps_high=0.28,
+                     beta=0.05)
+
+  def update(*args):
+    return rl_step.update.__wrapped__(*args)
+  logps = step_lib.recompute_logps(state, batch, plan, old=False, ref=True)
+  moving = _step_plan(random_plan(np.random.default_rng(1), 4,
+                                  cfg.model.num_layers))
+  text = jax.jit(update).lower(state, batch, logps, moving).compile(
+      ).as_text()
+  found = [c for c in hlo.collectives(text) if c['kind'] == 'all-to-all']
+  # Fill, moves, returns and flush: four exchanges per layer's scan at
+  # least, beside the token dispatch's.
+  assert len(found) >= len(a2a[False]) + 4, found
+  assert not any(c['in_conditional'] for c in found), found
+  assert all(c['in_loop'] for c in found)

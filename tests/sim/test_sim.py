@@ -342,7 +342,8 @@ def test_memory_model_by_hand():
                              capacity_rows=16)
   ppe = 3 * 8 * 16
   assert mem.expert_state == 1 * 2 * ppe * 12  # 2 experts here, 12 B each.
-  assert mem.expert_grads == 2 * ppe * 4
+  # The step's sums and a micro-step's returned gradients, f32.
+  assert mem.expert_grads == 2 * 2 * ppe * 4
   assert mem.slot_weights == 2 * 3 * ppe * 4 and mem.slot_grads == 3 * ppe * 4
   assert mem.nonexpert_state == MODEL.nonexpert_params() * 12
   assert mem.saved_activations == 8 * 8 * 4  # One layer, 8 tokens x 8 f32.
@@ -440,3 +441,19 @@ def test_prefill_moves_the_fill_under_the_recompute_by_hand():
   with pytest.raises(ValueError, match='prefill'):
     simulate.time_step(pre, loads, MODEL, _work(recompute_forward_passes=0),
                        HW)
+
+
+def test_flush_inside_the_last_backward_by_hand():
+  """The flush is issued layer by layer in the last micro-step's backward:
+  it hides under the backward after the first layer's gradient (2/3 of a
+  micro-step's fwd + bwd compute, times (L-1)/L), up to the overlap; the
+  first layer's return, issued last, never hides."""
+  flush_L = np.array([0.5, 1.0, 1.5])  # Layer 0 first.
+  # 9 s of compute: 6 s of backward, 4 s of it after layer 2's gradients.
+  assert simulate.flush_exposed(flush_L, 9.0, 1.0) == (3.0, 0.5)
+  assert simulate.flush_exposed(flush_L, 9.0, 0.0) == (3.0, 3.0)
+  assert simulate.flush_exposed(flush_L, 3.0, 1.0) == pytest.approx(
+      (3.0, 3.0 - 2.0 * 2 / 3))
+  assert simulate.flush_exposed(flush_L, 3.0, 0.5) == pytest.approx(
+      (3.0, 3.0 - 0.5 * 2.0 * 2 / 3))
+  assert simulate.flush_exposed(np.zeros(3), 9.0, 1.0) == (0.0, 0.0)
