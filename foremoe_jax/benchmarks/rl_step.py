@@ -280,7 +280,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         placement_lib.device_loads(loads_MLDE[i], planned.plan.microstep(i)))
                           for i in range(num_micro)])
     med = lambda k: float(np.median(r[k]))
-    moved = trainer.transfer_metrics(ctx, planned)
+    moved = trainer.transfer_metrics(
+        ctx, planned, r['recompute_plan'][1] if r['prefilled'] else None)
+    extra = (r['recompute_plan'][1].fill,) if r['prefilled'] else ()
     out[method] = dict(
         update_s=med('update_s'), recompute_s=med('recompute_s'),
         step_s=med('step_s'), plan_s=med('plan_s'),
@@ -299,7 +301,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         wire_bytes_over_useful=moved['wire_bytes_over_useful'],
         wire_bytes_over_useful_cpu_emulation=(
             schedule.step_wire_over_useful(planned.transfer, 8,
-                                           emulated=True)),
+                                           emulated=True, extra=extra)),
         reverted_moves=planned.reverted,
         transfer_id_errors=r['id_errors'], dropped=r['dropped'],
         hlo_expert_all_gather_bytes=hlo_bytes[method])

@@ -495,13 +495,20 @@ def check_finite(step: int, m) -> None:
         f'state)')
 
 
-def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
-  """Weights moved (useful fills across devices) and gradients returned."""
+def transfer_metrics(ctx: RLContext, planned: PlannedStep,
+                     prefill: schedule.StepTransfer | None = None) -> dict:
+  """Weights moved (useful fills across devices) and gradients returned.
+  prefill: the recompute's transfer when it prefilled the update's slots
+  (`RecomputePlan.transfer`): its fill counts as the step's first."""
   num_micro = planned.plan.num_microsteps
   d = ctx.topo.num_devices
   per_expert = ctx.cost.bytes_per_expert
   st = planned.transfer
-  fills = st.remote_fills_M()
+  fills = np.array(st.remote_fills_M())
+  extra = ()
+  if prefill is not None:
+    fills[0] += prefill.fill.remote_fills_L.sum()
+    extra = (prefill.fill,)
   returns = (schedule.remote_returns(st.steps)
              + schedule.remote_returns(st.flush))
   return dict(
@@ -512,7 +519,8 @@ def transfer_metrics(ctx: RLContext, planned: PlannedStep) -> dict:
       remote_fills_M=fills.tolist(), reverted_moves=planned.reverted,
       # Experts on the wire over experts that had to move (1.0: exact;
       # the CPU emulation of the exact exchange pads, see transfer/engine).
-      wire_bytes_over_useful=schedule.step_wire_over_useful(st, d))
+      wire_bytes_over_useful=schedule.step_wire_over_useful(st, d,
+                                                            extra=extra))
 
 
 def load_metrics(ctx: RLContext, loads_MLDE, plan) -> dict:
@@ -616,7 +624,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       # layers was late or failed (all of them when the whole step was).
       plan_fallback_layers=planned.plan.layers_fell_back,
       moves_per_device_per_microstep=float(planned.plan.moves_MLD.mean()),
-      **transfer_metrics(ctx, planned),
+      **transfer_metrics(ctx, planned, rplan.transfer
+                         if rplan.prefill_LS is not None else None),
       transfer_id_errors=int(m['transfer_id_errors']),
       # Largest |sampler log-prob - training log-prob| at the policy that
       # sampled, on completion tokens (routes replayed: rounding only).

@@ -305,6 +305,21 @@ def flush_exposed(flush_L, last_compute_s: float,
   return total, float(max(flush_L[0], total - window))
 
 
+def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
+                    spd: int) -> float:
+  """Seconds per micro-step the flush's place in the backward costs when
+  it sends nothing (every micro-step but the last runs it switched off):
+  per layer, the slots' float32 gradient sum (read the accumulated and
+  the new gradient, write the sum) and, in ``exact`` mode, the gather of
+  the send buffer's R items and its zeroed receive buffer (R the flush
+  budget's degree)."""
+  num_layers = flush.local_src_LS.shape[0]
+  items = 3 * spd
+  if hasattr(flush, 'ret_count_LDD'):
+    items += 2 * flush.ret_send_LDR.shape[-1]
+  return num_layers * items * model.params_per_expert * 4 / hw.hbm_bw
+
+
 def move_overlap(transfer: schedule.StepTransfer,
                  hw: HardwareProfile) -> float:
   """Share of micro-step m's compute that the moves into m + 1 may hide
@@ -361,8 +376,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
             * (1.5 if shards > 1 else 1.0)
             + (costs.allreduce_time(4.0 * expert_params, groups, hw)
                if groups > 1 else 0.0))
+  hook_s = num_micro * flush_hook_time(mp.transfer.flush, model, hw, spd)
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum()
-                   + flush_exposed_s + optimizer_s + sync_s)
+                   + flush_exposed_s + hook_s + optimizer_s + sync_s)
   # The recompute: the forwards the step needs, each on the method's
   # step-level placement (its weights filled first), or on the home layout.
   passes = work.recompute_forward_passes
@@ -428,6 +444,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       fill_s=float(fill_s), flush_s=float(flush_s),
       flush_exposed_s=float(flush_exposed_s),
       moves_s=float(move_M.sum()),  # Between micro-steps, hidden or not.
+      flush_hook_s=float(hook_s),
       prefill_s=prefill_s, prefill_exposed_s=prefill_exposed_s,
       # Experts the transfer collectives carry over experts that moved.
       wire_bytes_over_useful=schedule.step_wire_over_useful(mp.transfer,

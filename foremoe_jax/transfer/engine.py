@@ -326,21 +326,6 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   return _zero_evicted(gslots, t, me, spd), gcanon
 
 
-def _returns_only_where(t_l, active):
-  """One layer's transition with its gradient returns switched off unless
-  `active` (a traced bool): no slot evicted, nothing sent or added."""
-  t_l = dict(t_l)
-  t_l['evict_LS'] = jnp.logical_and(active, t_l['evict_LS'])
-  t_l['ret_local_LS'] = jnp.where(active, t_l['ret_local_LS'], -1)
-  if _is_exact(t_l):
-    t_l['ret_count_LDD'] = jnp.where(active, t_l['ret_count_LDD'], 0)
-    t_l['ret_recv_LDR'] = jnp.where(active, t_l['ret_recv_LDR'], -1)
-  else:
-    t_l['ret_shift_LR'] = jnp.where(active, t_l['ret_shift_LR'], 0)
-    t_l['ret_recv_LRD'] = jnp.where(active, t_l['ret_recv_LRD'], -1)
-  return t_l
-
-
 @jax.custom_vjp
 def returns_in_backward(slot_w, canon_w, acc, t_l, active):
   """Identity on one layer's slot weights (a tuple of [s, X...]), whose
@@ -372,7 +357,7 @@ def _returns_bwd(res, ct_w):
   me = jax.lax.axis_index(EXPERT)
   spd = acc[0].shape[0]
   total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
-  t_l = _returns_only_where(t_l, active)
+  t_l = _only_where(t_l, active, 'returns')
   zero = tuple(jnp.zeros(c.shape, a.dtype) for c, a in zip(canon_w, acc))
   zero = tuple(vary(z, varying_axes(a) | varying_axes(z))
                for z, a in zip(zero, total))
@@ -405,18 +390,26 @@ def empty_slots(canon, num_slots: int):
                    jnp.full((canon[0].shape[0], num_slots), -1, jnp.int32),)
 
 
-def _fills_only_where(t_l, active):
-  """One layer's transition with its fills switched off unless `active`
-  (a traced bool): no local copy, nothing sent or received. Masked on
-  device, so one schedule serves every chunk of layers."""
+# The fields that switch off each half of a transition on device, and
+# their "nothing" value (both modes' names; a transition has one mode's).
+_OFF = {
+    'fills': (('local_src_LS', -1), ('count_LDD', 0), ('recv_LDR', -1),
+              ('shift_LR', 0), ('recv_LRD', -1)),
+    'returns': (('evict_LS', False), ('ret_local_LS', -1),
+                ('ret_count_LDD', 0), ('ret_recv_LDR', -1),
+                ('ret_shift_LR', 0), ('ret_recv_LRD', -1)),
+}
+
+
+def _only_where(t_l, active, half: str):
+  """One layer's transition with its fills or its returns (`half`)
+  switched off unless `active` (a traced bool): no local copy or return,
+  nothing sent, received or added. Masked on device, so one schedule
+  serves every chunk of layers and every micro-step."""
   t_l = dict(t_l)
-  t_l['local_src_LS'] = jnp.where(active, t_l['local_src_LS'], -1)
-  if _is_exact(t_l):
-    t_l['count_LDD'] = jnp.where(active, t_l['count_LDD'], 0)
-    t_l['recv_LDR'] = jnp.where(active, t_l['recv_LDR'], -1)
-  else:
-    t_l['shift_LR'] = jnp.where(active, t_l['shift_LR'], 0)
-    t_l['recv_LRD'] = jnp.where(active, t_l['recv_LRD'], -1)
+  for k, off in _OFF[half]:
+    if k in t_l:
+      t_l[k] = jnp.where(active, t_l[k], off)
   return t_l
 
 
@@ -457,7 +450,7 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   def layer(_, xs):
     slots_l, canon_l, t_l, active = xs
     canon_l = tuple(canon_l) + (ids_h,)
-    t_l = _fills_only_where(t_l, active)
+    t_l = _only_where(t_l, active, 'fills')
     if _is_exact(t_l):
       return None, tuple(_layer_fill_exact(slots_l, canon_l, t_l, me, spd,
                                            exchange))

@@ -495,32 +495,29 @@ def wire_items(t, num_devices: int, emulated: bool = False) -> tuple:
 
 
 def step_wire_over_useful(st: StepTransfer, num_devices: int,
-                          emulated: bool = False) -> float:
+                          emulated: bool = False, extra=()) -> float:
   """Items on the wire over useful items for a whole step (fill, moves,
-  flush); 1.0 when nothing moves."""
+  flush, and the `extra` transitions, e.g. the recompute's prefill of the
+  update's slots); 1.0 when nothing moves."""
   parts = [wire_items(t, num_devices, emulated)
-           for t in (st.fill, st.steps, st.flush)]
+           for t in (st.fill, st.steps, st.flush) + tuple(extra)]
   useful = sum(p[1] for p in parts)
   return sum(p[0] for p in parts) / useful if useful else 1.0
+
+
+# A transition's return fields (both modes' names) with nothing returned.
+_NO_RETURNS = (('evict_LS', False), ('ret_local_LS', -1), ('ret_send_LDR', 0),
+               ('ret_count_LDD', 0), ('ret_recv_LDR', -1), ('ret_shift_LR', 0),
+               ('ret_send_LRD', 0), ('ret_recv_LRD', -1),
+               ('ret_rounds_used_L', 0))
 
 
 def without_returns(t):
   """The Transition's fills only: no slot evicts a gradient. A fill into
   slot buffers that hold weights but no gradient yet (the update's first
   transition from slots the recompute filled) has nothing to send home."""
-  if isinstance(t, ExactTransition):
-    return t._replace(evict_LS=np.zeros_like(t.evict_LS),
-                      ret_local_LS=np.full_like(t.ret_local_LS, -1),
-                      ret_send_LDR=np.zeros_like(t.ret_send_LDR),
-                      ret_count_LDD=np.zeros_like(t.ret_count_LDD),
-                      ret_recv_LDR=np.full_like(t.ret_recv_LDR, -1),
-                      ret_rounds_used_L=np.zeros_like(t.ret_rounds_used_L))
-  return t._replace(evict_LS=np.zeros_like(t.evict_LS),
-                    ret_local_LS=np.full_like(t.ret_local_LS, -1),
-                    ret_shift_LR=np.zeros_like(t.ret_shift_LR),
-                    ret_send_LRD=np.zeros_like(t.ret_send_LRD),
-                    ret_recv_LRD=np.full_like(t.ret_recv_LRD, -1),
-                    ret_rounds_used_L=np.zeros_like(t.ret_rounds_used_L))
+  return t._replace(**{k: np.full_like(getattr(t, k), v)
+                       for k, v in _NO_RETURNS if k in t._fields})
 
 
 def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,

@@ -222,7 +222,8 @@ def test_grid_smoke_balanced_beats_static():
       fore['fill_s'] + fore['flush_s'] + fore['moe_compute_s']
       + fore['all_to_all_s'] + fore['nonexpert_s'] + fore['transfer_exposed_s']
       - fore['fill_s'] - fore['flush_s'] + fore['optimizer_s']
-      + fore['grad_sync_s'])
+      + fore['grad_sync_s'] + fore['flush_hook_s'] - fore['prefill_exposed_s'])
+  assert fore['flush_hook_s'] > 0
 
 
 def test_planner_processes_change_the_plan_time_only():
@@ -457,3 +458,10 @@ def test_flush_inside_the_last_backward_by_hand():
   assert simulate.flush_exposed(flush_L, 3.0, 0.5) == pytest.approx(
       (3.0, 3.0 - 0.5 * 2.0 * 2 / 3))
   assert simulate.flush_exposed(np.zeros(3), 9.0, 1.0) == (0.0, 0.0)
+  # Switched off, it still sums each layer's slot gradients (3 slots: read
+  # two, write one) and gathers its send buffer (R = 4 items, and a zeroed
+  # receive buffer), f32, once per micro-step.
+  _, _, spread = _hot_expert_plans(Topology(1, 2, 3))
+  assert spread.transfer.flush.ret_send_LDR.shape[-1] == 4
+  assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3) == (
+      pytest.approx(1 * (3 * 3 + 2 * 4) * MODEL.params_per_expert * 4 / 1e15))
