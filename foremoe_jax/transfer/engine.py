@@ -361,12 +361,22 @@ def _returns_bwd(res, ct_w):
   zero = tuple(jnp.zeros(c.shape, a.dtype) for c, a in zip(canon_w, acc))
   zero = tuple(vary(z, varying_axes(a) | varying_axes(z))
                for z, a in zip(zero, total))
-  if _is_exact(t_l):
-    _, got = _layer_returns_exact(total, zero, t_l, me, spd,
-                                  default_exchange())
+  exchange = default_exchange()
+
+  def send(total, zero):
+    if _is_exact(t_l):
+      return _layer_returns_exact(total, zero, t_l, me, spd, exchange)[1]
+    return _layer_returns(total, zero, t_l, me, spd,
+                          jax.lax.axis_size(EXPERT))[1]
+  if _is_exact(t_l) and exchange != 'emulated':
+    # Switched off by the masks: the exchange stays outside any
+    # conditional, where the scheduler may overlap it.
+    got = send(total, zero)
   else:
-    _, got = _layer_returns(total, zero, t_l, me, spd,
-                            jax.lax.axis_size(EXPERT))
+    # The CPU emulation's and the rounds engine's collectives sit in
+    # conditionals anyway (and CPU's are synchronous): skip the whole
+    # return, its buffers included, in the micro-steps that send nothing.
+    got = jax.lax.cond(active, send, lambda _, z: z, total, zero)
   ct_canon = tuple(g.astype(c.dtype) for g, c in zip(got, canon_w))
   return (ct_w, ct_canon, None, None, None)
 
@@ -444,18 +454,28 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   slots = tuple(vary(x, axes | varying_axes(x)) for x in slots)
 
   num_layers = canon[0].shape[0]
+  # The CPU emulation's and the rounds engine's collectives sit in
+  # conditionals anyway: there a switched-off layer skips its fill, send
+  # buffer included; else the masks switch it off outside any conditional.
+  skip = layers_L is not None and (exchange == 'emulated'
+                                   or not _is_exact(t))
   if layers_L is None:
     layers_L = jnp.ones((num_layers,), bool)
+
+  def fill(slots_l, canon_l, t_l):
+    if _is_exact(t_l):
+      return tuple(_layer_fill_exact(slots_l, canon_l, t_l, me, spd,
+                                     exchange))
+    return tuple(_layer_fill(slots_l, canon_l, t_l, me, spd, num_devices))
 
   def layer(_, xs):
     slots_l, canon_l, t_l, active = xs
     canon_l = tuple(canon_l) + (ids_h,)
     t_l = _only_where(t_l, active, 'fills')
-    if _is_exact(t_l):
-      return None, tuple(_layer_fill_exact(slots_l, canon_l, t_l, me, spd,
-                                           exchange))
-    return None, tuple(_layer_fill(slots_l, canon_l, t_l, me, spd,
-                                   num_devices))
+    if skip:
+      return None, jax.lax.cond(active, fill, lambda s, c, t: tuple(s),
+                                tuple(slots_l), canon_l, t_l)
+    return None, fill(slots_l, canon_l, t_l)
   return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t,
                                     layers_L))[1]
 
