@@ -361,22 +361,16 @@ def _returns_bwd(res, ct_w):
   zero = tuple(jnp.zeros(c.shape, a.dtype) for c, a in zip(canon_w, acc))
   zero = tuple(vary(z, varying_axes(a) | varying_axes(z))
                for z, a in zip(zero, total))
-  exchange = default_exchange()
-
-  def send(total, zero):
-    if _is_exact(t_l):
-      return _layer_returns_exact(total, zero, t_l, me, spd, exchange)[1]
-    return _layer_returns(total, zero, t_l, me, spd,
-                          jax.lax.axis_size(EXPERT))[1]
-  if _is_exact(t_l) and exchange != 'emulated':
-    # Switched off by the masks: the exchange stays outside any
-    # conditional, where the scheduler may overlap it.
-    got = send(total, zero)
+  # Switched off by the masks, so the exchange stays outside any
+  # conditional, where the scheduler may overlap it. (A lax.cond around
+  # the CPU emulation's return made tracing the bf16 update's backward
+  # run for tens of minutes.)
+  if _is_exact(t_l):
+    _, got = _layer_returns_exact(total, zero, t_l, me, spd,
+                                  default_exchange())
   else:
-    # The CPU emulation's and the rounds engine's collectives sit in
-    # conditionals anyway (and CPU's are synchronous): skip the whole
-    # return, its buffers included, in the micro-steps that send nothing.
-    got = jax.lax.cond(active, send, lambda _, z: z, total, zero)
+    _, got = _layer_returns(total, zero, t_l, me, spd,
+                            jax.lax.axis_size(EXPERT))
   ct_canon = tuple(g.astype(c.dtype) for g, c in zip(got, canon_w))
   return (ct_w, ct_canon, None, None, None)
 
