@@ -591,11 +591,12 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     canon = tuple(w.astype(slot_dtype)
                   for w in canonical_experts(params, moe_segments))
     spd = placement.slot_expert.shape[-1] // num_devices
-    if prefilled is None:
-      slots = _fill_local(canon, transfer['fill'], spd, num_devices)
-    else:  # The recompute filled them: the fill moves only what changed.
-      slots = transfer_engine.fill_slots_local(
-          prefilled, canon, transfer['fill'], num_devices=num_devices)
+    # From empty buffers, or from those the recompute filled (the fill
+    # then moves only what micro-step 0 changes).
+    start = (transfer_engine.empty_slots(canon, spd) if prefilled is None
+             else prefilled)
+    slots = transfer_engine.fill_slots_local(start, canon, transfer['fill'],
+                                             num_devices=num_devices)
     slots = tuple(ep_lib.vary(w, (DATA,)) for w in slots[:3]) + slots[3:]
     acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
     add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
