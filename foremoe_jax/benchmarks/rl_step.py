@@ -55,7 +55,7 @@ from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
 from foremoe_jax.tasks import task_from_config
-from foremoe_jax.transfer import engine, schedule
+from foremoe_jax.transfer import schedule
 from foremoe_jax.utils import compiles as compiles_lib
 from foremoe_jax.utils import hlo
 
@@ -212,7 +212,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         ctx.recompute_s = t_rec - t0
         plan = step_lib.StepPlan(
             step_lib.device_placement(planned.plan.placement, ctx.mesh),
-            engine.device_step_transfer(planned.transfer), planned.capacity)
+            step_lib.device_transfer(planned.transfer, ctx.mesh),
+            planned.capacity)
         new_state, m = rl.update(state, batch, logps, plan)
         jax.block_until_ready(new_state)
         t_done = time.perf_counter()

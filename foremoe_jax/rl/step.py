@@ -302,6 +302,13 @@ def _replicated_specs(tree):
   return jax.tree.map(lambda _: P(), tree)
 
 
+def _transfer_specs(transfer):
+  """in_specs of a device step transfer: each device its own rows
+  (`transfer.engine.step_transfer_specs`)."""
+  return (None if transfer is None
+          else transfer_engine.step_transfer_specs(transfer))
+
+
 def placement_specs(placement):
   """in_specs of a stacked placement ([M, L, S], [M, L, D, S]) in the step's
   shard_maps: slot_expert whole, slot_share this device's source row only
@@ -318,6 +325,15 @@ def device_placement(placement, mesh):
   return type(placement)(*(
       jax.device_put(x, NamedSharding(mesh, spec))
       for x, spec in zip(placement, placement_specs(placement))))
+
+
+def device_transfer(step_transfer, mesh):
+  """A host StepTransfer on the mesh as the step reads it: every [.., D, R]
+  and [.., D, D] array split over 'expert', each device sent its own row
+  (at 256 devices a replicated transfer would send every device 256 times
+  what it reads, every step)."""
+  return transfer_engine.device_step_transfer(
+      step_transfer, lambda spec: NamedSharding(mesh, spec))
 
 
 def _slots_per_device(placement, mesh) -> int:
@@ -433,7 +449,7 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
         mesh=mesh,
         in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
                   _batch_specs(fwd_batch), placement_specs(placement),
-                  _replicated_specs(transfer),
+                  _transfer_specs(transfer),
                   _expert_state_specs(pexperts)),
         out_specs=(P(None, (DATA, EXPERT)),
                    None if pexperts is None else (P(None, EXPERT),) * 4))
@@ -684,7 +700,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
                 _batch_specs(local_batch), extra_specs,
                 placement_specs(plan.placement),
-                _replicated_specs(plan.transfer), {k: P() for k in denoms},
+                _transfer_specs(plan.transfer), {k: P() for k in denoms},
                 None if prefilled is None else (P(None, EXPERT),) * 4),
       out_specs=(_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
                  {k: P() for k in metric_keys}))

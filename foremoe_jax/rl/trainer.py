@@ -47,7 +47,6 @@ from foremoe_jax.model import expert_parallel, sharding, transformer
 from foremoe_jax.rl import checkpoint, distill as distill_lib, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import task_from_config
-from foremoe_jax.transfer import engine as transfer_engine
 from foremoe_jax.transfer import schedule
 from foremoe_jax.utils import compiles as compiles_lib
 from foremoe_jax.utils import distributed
@@ -439,7 +438,7 @@ def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
                                           ctx.budget)
   device = step_lib.StepPlan(
       step_lib.device_placement(plan.placement, ctx.mesh),
-      transfer_engine.device_step_transfer(transfer), cap)
+      step_lib.device_transfer(transfer, ctx.mesh), cap)
   return RecomputePlan(device, cap, time.perf_counter() - t0, plan, transfer)
 
 
@@ -471,7 +470,7 @@ def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
   (blocking)."""
   plan = step_lib.StepPlan(
       step_lib.device_placement(planned.plan.placement, ctx.mesh),
-      transfer_engine.device_step_transfer(planned.transfer),
+      step_lib.device_transfer(planned.transfer, ctx.mesh),
       planned.capacity)
   state, m = ctx.rl_step.update(state, batch, logps, plan)
   return state, distributed.to_host(m)

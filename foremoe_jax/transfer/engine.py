@@ -66,10 +66,11 @@ leaf's trailing dims.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from foremoe_jax.model import dispatch_exact
@@ -81,28 +82,91 @@ from foremoe_jax.transfer import schedule
 DEVICE_FIELDS = ('local_src_LS', 'shift_LR', 'send_LRD', 'recv_LRD',
                  'evict_LS', 'ret_local_LS', 'ret_shift_LR', 'ret_send_LRD',
                  'ret_recv_LRD')
-EXACT_DEVICE_FIELDS = ('local_src_LS', 'send_LDR', 'count_LDD', 'recv_LDR',
-                       'evict_LS', 'ret_local_LS', 'ret_send_LDR',
-                       'ret_count_LDD', 'ret_recv_LDR')
+EXACT_DEVICE_FIELDS = ('local_src_LS', 'send_LDR', 'recv_LDR', 'evict_LS',
+                       'ret_local_LS', 'ret_send_LDR', 'ret_recv_LDR')
 
 
-def device_transition(transition) -> dict:
+def _exchange_fields(count_LDD, prefix: str) -> dict:
+  """What each device needs of an exchange's [L, src, dst] count matrix,
+  as rows it can hold alone: what it sends each device (`count_LDD`, row
+  c), what it receives from each (`recv_count_LDD`, row d: column d of
+  the counts), where its items land in each receiver's buffer
+  (`out_off_LDD`, row c: the items each receiver gets from the sources
+  before c), and, for the CPU emulation only, each cyclic shift's busiest
+  pair (`depth_LK`, [L, K], whole on every device: it is L x D, not
+  L x D x D)."""
+  c = np.asarray(count_LDD, np.int32)
+  num_devices = c.shape[-1]
+  d_D = np.arange(num_devices)
+  dst_DK = (d_D[:, None] + d_D[None, :]) % num_devices
+  return {
+      prefix + 'count_LDD': c,
+      prefix + 'recv_count_LDD': np.swapaxes(c, -1, -2).copy(),
+      prefix + 'out_off_LDD': (np.cumsum(c, axis=-2) - c).astype(np.int32),
+      prefix + 'depth_LK': np.take_along_axis(
+          c, np.broadcast_to(dst_DK, c.shape), axis=-1).max(axis=-2),
+  }
+
+
+def device_transition(transition, sharding=None) -> dict:
   """The device half of a schedule (Exact)Transition (numpy in, jnp arrays
-  out)."""
-  fields = (EXACT_DEVICE_FIELDS
-            if isinstance(transition, schedule.ExactTransition)
-            else DEVICE_FIELDS)
-  return {f: jnp.asarray(getattr(transition, f)) for f in fields}
+  out), each field with a device or slot axis split over 'expert' so a
+  device holds its own row only (`transition_specs`): a transition's
+  [L, D, R] and [L, D, D] arrays per device would be D times larger.
+
+  sharding: None (plain arrays; a shard_map splits them) or a function
+  from a field's PartitionSpec to its Sharding (`jax.device_put` then
+  sends each device its own row).
+  """
+  exact = isinstance(transition, schedule.ExactTransition)
+  fields = EXACT_DEVICE_FIELDS if exact else DEVICE_FIELDS
+  t = {f: np.asarray(getattr(transition, f)) for f in fields}
+  if exact:
+    t.update(_exchange_fields(transition.count_LDD, ''))
+    t.update(_exchange_fields(transition.ret_count_LDD, 'ret_'))
+  lead = np.ndim(t['local_src_LS']) - 2  # Stacked over micro-steps.
+  specs = transition_specs(t, lead)
+  if sharding is None:
+    return {k: jnp.asarray(v) for k, v in t.items()}
+  return {k: jax.device_put(v, sharding(specs[k])) for k, v in t.items()}
+
+
+def _device_axis(field: str):
+  """Where a device field's split axis sits (its first D or S), or None."""
+  letters = field.rsplit('_', 1)[1]
+  for i, c in enumerate(letters):
+    if c in 'DS':
+      return i
+  return None
+
+
+def transition_specs(t: dict, lead: int = 0) -> dict:
+  """shard_map in_specs of a device transition (`lead` stacking axes in
+  front): every field with a device (D) or slot (S) axis split over
+  'expert' on its first one, so each device receives its own row; the
+  rest (shifts, depths: [L, R], [L, K]) whole."""
+  out = {}
+  for k in t:
+    ax = _device_axis(k)
+    out[k] = P() if ax is None else P(*([None] * (lead + ax)), EXPERT)
+  return out
 
 
 def _is_exact(t: dict) -> bool:
   return 'count_LDD' in t
 
 
-def device_step_transfer(step_transfer) -> dict:
-  """fill / steps (stacked over micro-steps) / flush, device fields only."""
-  return {k: device_transition(getattr(step_transfer, k))
+def device_step_transfer(step_transfer, sharding=None) -> dict:
+  """fill / steps (stacked over micro-steps) / flush, device fields only
+  (`device_transition`)."""
+  return {k: device_transition(getattr(step_transfer, k), sharding)
           for k in ('fill', 'steps', 'flush')}
+
+
+def step_transfer_specs(st: dict) -> dict:
+  """shard_map in_specs of `device_step_transfer`'s dict."""
+  return {k: transition_specs(t, 1 if k == 'steps' else 0)
+          for k, t in st.items()}
 
 
 def _shifted(tree, shift, num_devices: int):
@@ -163,30 +227,47 @@ def default_exchange() -> str:
   return dispatch_exact.default_exchange()
 
 
-def _exchange(items, count_DD, me, exchange: str):
+class _Counts(NamedTuple):
+  """One layer's exchange as this device sees it (`_exchange_fields`):
+  items it sends each device, items it receives from each, where its
+  items land in each receiver's buffer; and each shift's busiest pair."""
+
+  send_D: jax.Array
+  recv_D: jax.Array
+  out_off_D: jax.Array
+  depth_K: jax.Array
+
+
+def _my_counts(t_l, prefix: str = '') -> _Counts:
+  """This device's rows of one layer's exchange (fills, or with prefix
+  'ret_' the returns); the split rows arrive as [1, D] blocks."""
+  return _Counts(t_l[prefix + 'count_LDD'][0],
+                 t_l[prefix + 'recv_count_LDD'][0],
+                 t_l[prefix + 'out_off_LDD'][0], t_l[prefix + 'depth_LK'])
+
+
+def _exchange(items, cnt: _Counts, me, exchange: str):
   """One ragged all-to-all of expert-sized items ([R, X...] leaves packed
-  by destination): this device sends count_DD[me, d] items to device d and
-  receives count_DD[c, me] from each c, sources laid out in ascending
+  by destination): this device sends cnt.send_D[d] items to device d and
+  receives cnt.recv_D[c] from each c, sources laid out in ascending
   order. Returns the received items, [R, X...] (unused rows zero)."""
-  send_D, recv_D = count_DD[me], count_DD[:, me]
-  in_off_D = jnp.cumsum(send_D) - send_D
-  # before[c, d]: items device d receives from sources before c.
-  before_DD = jnp.cumsum(count_DD, axis=0) - count_DD
-  out_off_D, recv_off_D = before_DD[me], before_DD[:, me]
+  in_off_D = jnp.cumsum(cnt.send_D) - cnt.send_D
+  recv_off_D = jnp.cumsum(cnt.recv_D) - cnt.recv_D
 
   if exchange == 'emulated':
-    return _exchange_by_rounds(items, count_DD, me, in_off_D, recv_off_D)
+    return _exchange_by_rounds(items, cnt, me, in_off_D, recv_off_D)
 
   def one(x):
     flat = x.reshape(x.shape[0], -1)
     out = jnp.zeros_like(flat)
     if exchange == 'ragged':
-      got = jax.lax.ragged_all_to_all(flat, out, in_off_D, send_D, out_off_D,
-                                      recv_D, axis_name=EXPERT)
+      got = jax.lax.ragged_all_to_all(flat, out, in_off_D, cnt.send_D,
+                                      cnt.out_off_D, cnt.recv_D,
+                                      axis_name=EXPERT)
     elif exchange == 'a2a':
       got = dispatch_exact.emulated_ragged_all_to_all(
-          flat, out, in_off_D, send_D, out_off_D, recv_D, axis_name=EXPERT,
-          chunk=x.shape[0], recv_offsets=recv_off_D)
+          flat, out, in_off_D, cnt.send_D, cnt.out_off_D, cnt.recv_D,
+          axis_name=EXPERT, chunk=x.shape[0], recv_offsets=recv_off_D)
     else:
       raise ValueError(f'exchange must be one of {EXCHANGES}, got '
                        f'{exchange!r}.')
@@ -194,19 +275,15 @@ def _exchange(items, count_DD, me, exchange: str):
   return jax.tree.map(one, items)
 
 
-def _exchange_by_rounds(items, count_DD, me, in_off_D, recv_off_D):
+def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D):
   """`_exchange` on CPU: the same result by cyclic-shift ppermute rounds,
   idle rounds skipped. Shift k takes as many rounds as its busiest pair
-  (c, c + k) has items, each carrying one expert per device; so a step
-  without moves costs nothing and one with few moves little, where an
-  all_to_all padded to R items per pair would copy D x R experts per
-  device every layer. (The rounds sit in conditionals, which on CPU costs
-  nothing: its collectives are synchronous anyway.)"""
-  num_devices = count_DD.shape[0]
-  d_D = jnp.arange(num_devices)
-  k_K = jnp.arange(num_devices)
-  depth_K = count_DD[d_D[:, None], (d_D[:, None] + k_K[None, :])
-                     % num_devices].max(axis=0)
+  (c, c + k) has items (cnt.depth_K), each carrying one expert per device;
+  so a step without moves costs nothing and one with few moves little,
+  where an all_to_all padded to R items per pair would copy D x R experts
+  per device every layer. (The rounds sit in conditionals, which on CPU
+  costs nothing: its collectives are synchronous anyway.)"""
+  num_devices = cnt.send_D.shape[0]
   num_rows = jax.tree.leaves(items)[0].shape[0]
 
   def one_round(k, r, out):
@@ -214,19 +291,19 @@ def _exchange_by_rounds(items, count_DD, me, in_off_D, recv_off_D):
     item = jax.tree.map(
         lambda x: x[jnp.clip(in_off_D[dst] + r, 0, num_rows - 1)], items)
     got = _shifted(item, k, num_devices)
-    at = jnp.where(r < count_DD[src, me], recv_off_D[src] + r, num_rows)
+    at = jnp.where(r < cnt.recv_D[src], recv_off_D[src] + r, num_rows)
     return jax.tree.map(lambda o, g: o.at[at].set(g, mode='drop'), out, got)
 
   def shift(k, out):
-    return jax.lax.fori_loop(0, depth_K[k], lambda r, o: one_round(k, r, o),
-                             out)
+    return jax.lax.fori_loop(0, cnt.depth_K[k],
+                             lambda r, o: one_round(k, r, o), out)
   out = jax.tree.map(jnp.zeros_like, items)
   return jax.lax.fori_loop(1, num_devices, shift, out)
 
 
 def _local_copies(slots, canon, t, me, spd: int):
   """Slots filled from this device's own buffers (no traffic)."""
-  local_s = jax.lax.dynamic_slice_in_dim(t['local_src_LS'], me * spd, spd)
+  local_s = t['local_src_LS']  # This device's slots only: [s].
   # Slot by slot, and only the slots that take a local copy: a transition
   # between micro-steps changes a few slots, and rewriting all of them
   # would copy every slot's weights every micro-step.
@@ -244,9 +321,9 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   """One layer's fills on this device: local copies, then one exchange.
   Sources are read from the buffers as they were before the transition."""
   new = _local_copies(slots, canon, t, me, spd)
-  got = _exchange(_pick(slots, canon, t['send_LDR'][me]), t['count_LDD'], me,
+  got = _exchange(_pick(slots, canon, t['send_LDR'][0]), _my_counts(t), me,
                   exchange)
-  dst_R = t['recv_LDR'][me]
+  dst_R = t['recv_LDR'][0]
   at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
   return jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
 
@@ -255,9 +332,9 @@ def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   """`_layer_returns` by one exchange of the evicted slots' gradients."""
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
   gcanon = _local_returns(gslots, gcanon, t, me, spd)
-  items = jax.tree.map(lambda g: g[t['ret_send_LDR'][me]], gslots)
-  got = _exchange(items, t['ret_count_LDD'], me, exchange)
-  dst_R = t['ret_recv_LDR'][me]
+  items = jax.tree.map(lambda g: g[t['ret_send_LDR'][0]], gslots)
+  got = _exchange(items, _my_counts(t, 'ret_'), me, exchange)
+  dst_R = t['ret_recv_LDR'][0]
   at_R = jnp.where(dst_R >= 0, dst_R, num_home)
   gcanon = jax.tree.map(lambda c, v: c.at[at_R].add(v, mode='drop'), gcanon,
                         got)
@@ -274,16 +351,16 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   new = _local_copies(slots, canon, t, me, spd)
 
   def one_round(r, new):
-    item = _pick(slots, canon, t['send_LRD'][r, me])
+    item = _pick(slots, canon, t['send_LRD'][r, 0])
     got = _shifted(item, t['shift_LR'][r], num_devices)
-    return _write(new, t['recv_LRD'][r, me], got)
+    return _write(new, t['recv_LRD'][r, 0], got)
   return _rounds(t['shift_LR'], one_round, new)
 
 
 def _local_returns(gslots, gcanon, t, me, spd: int):
   """Evicted slots' gradients added into this device's canonical gradient
   where it is their home."""
-  local_s = jax.lax.dynamic_slice_in_dim(t['ret_local_LS'], me * spd, spd)
+  local_s = t['ret_local_LS']  # [s], this device's.
   # Slot by slot, only the evicted slots that are home here: most slots
   # keep accumulating, and touching them would copy every slot's gradient
   # every micro-step.
@@ -299,7 +376,7 @@ def _local_returns(gslots, gcanon, t, me, spd: int):
 def _zero_evicted(gslots, t, me, spd: int):
   """Evicted slots' gradients zeroed: the slot starts accumulating for its
   new expert."""
-  evict_s = jax.lax.dynamic_slice_in_dim(t['evict_LS'], me * spd, spd)
+  evict_s = t['evict_LS']  # [s], this device's.
   for j in range(spd):
     gslots = jax.lax.cond(
         evict_s[j],
@@ -316,9 +393,9 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   gcanon = _local_returns(gslots, gcanon, t, me, spd)
 
   def one_round(r, gcanon):
-    item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, me]], gslots)
+    item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, 0]], gslots)
     got = _shifted(item, t['ret_shift_LR'][r], num_devices)
-    dst = t['ret_recv_LRD'][r, me]
+    dst = t['ret_recv_LRD'][r, 0]
     return jax.tree.map(
         lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
             v, mode='drop'), gcanon, got)
@@ -382,10 +459,6 @@ def _specs(tree):
   return jax.tree.map(lambda _: P(None, EXPERT), tree)
 
 
-def _replicated(tree):
-  return jax.tree.map(lambda _: P(), tree)
-
-
 def empty_slots(canon, num_slots: int):
   """Zero slot buffers [L, S, X...] and ids -1, like `canon`'s leaves
   (global or per device: num_slots is the leading slot count wanted)."""
@@ -397,10 +470,12 @@ def empty_slots(canon, num_slots: int):
 # The fields that switch off each half of a transition on device, and
 # their "nothing" value (both modes' names; a transition has one mode's).
 _OFF = {
-    'fills': (('local_src_LS', -1), ('count_LDD', 0), ('recv_LDR', -1),
-              ('shift_LR', 0), ('recv_LRD', -1)),
+    'fills': (('local_src_LS', -1), ('count_LDD', 0), ('recv_count_LDD', 0),
+              ('depth_LK', 0), ('recv_LDR', -1), ('shift_LR', 0),
+              ('recv_LRD', -1)),
     'returns': (('evict_LS', False), ('ret_local_LS', -1),
-                ('ret_count_LDD', 0), ('ret_recv_LDR', -1),
+                ('ret_count_LDD', 0), ('ret_recv_count_LDD', 0),
+                ('ret_depth_LK', 0), ('ret_recv_LDR', -1),
                 ('ret_shift_LR', 0), ('ret_recv_LRD', -1)),
 }
 
@@ -431,7 +506,8 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   transition, one scan over the layers.
 
   slots: (weight buffers [L, s, X...]..., ids [L, s]); canon: the home
-  experts [L, h, X...]; t: `device_transition(...)` (replicated);
+  experts [L, h, X...]; t: `device_transition(...)` (this device's rows:
+  `transition_specs`);
   exchange: ``exact`` mode's collective, 'ragged' or 'emulated' (default:
   the backend's, `default_exchange`); layers_L: bool [L]
   (traced is fine), the layers whose fills run (None: all); the others'
@@ -502,7 +578,7 @@ def fill_slots(slots, canon, transition: dict, *, mesh,
       lambda sl, ca, t: fill_slots_local(sl, ca, t, num_devices=num_devices,
                                          exchange=exchange),
       mesh=mesh, in_specs=(_specs(slots), _specs(canon),
-                           _replicated(transition)),
+                           transition_specs(transition)),
       out_specs=_specs(slots))
   return fn(slots, canon, transition)
 
@@ -539,7 +615,7 @@ def return_grads(gslots, gcanon, transition: dict, *, mesh,
       lambda gs, gc, t: return_grads_local(gs, gc, t, num_devices=num_devices,
                                            exchange=exchange),
       mesh=mesh, in_specs=(_specs(gslots), _specs(gcanon),
-                           _replicated(transition)),
+                           transition_specs(transition)),
       out_specs=(_specs(gslots), _specs(gcanon)))
   return fn(gslots, gcanon, transition)
 

@@ -10,7 +10,6 @@ import importlib
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -343,9 +342,8 @@ def test_gradients_are_reduced_once_per_step(dp_run, fsdp, fsdp_axes):
   state = _state(cfg, mesh, ctx)
   planned = dp_run['dp']['planned']
   plan = step_lib.StepPlan(
-      jax.tree.map(jnp.asarray, planned.plan.placement),
-      trainer.transfer_engine.device_step_transfer(planned.transfer),
-      planned.capacity)
+      step_lib.device_placement(planned.plan.placement, mesh),
+      step_lib.device_transfer(planned.transfer, mesh), planned.capacity)
   batch = dp_run['dp_batch']
   text = ctx.rl_step.update.lower(state, batch, {}, plan).compile().as_text()
   reduces = hlo.all_reduces(text)

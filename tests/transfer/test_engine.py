@@ -140,7 +140,10 @@ def test_exact_sends_only_the_counted_items(mesh):
   # The last receiver of the last sender: its last item no longer counted.
   c = int(np.flatnonzero(sent_D)[-1])
   d = int(np.flatnonzero(st.fill.count_LDD[0, c])[-1])
-  t['count_LDD'] = t['count_LDD'].at[0, c, d].add(-1)
+  count_LDD = st.fill.count_LDD.copy()
+  count_LDD[0, c, d] -= 1  # Both ends read it (sender's row, receiver's).
+  t = dict(engine.device_transition(st.fill._replace(count_LDD=count_LDD)),
+           send_LDR=t['send_LDR'])
   q = int(st.fill.count_LDD[0, :, d].sum()) - 1  # Its place at d.
   slot = d * 2 + int(st.fill.recv_LDR[0, d, q])
   slots = fill(t)
@@ -178,7 +181,7 @@ def test_fill_in_layer_chunks_equals_one_fill(mesh, mode):
   rep = jax.sharding.PartitionSpec()
   part = jax.jit(jax.shard_map(
       lambda c, t, a: local(c, t, a), mesh=mesh,
-      in_specs=((spec,), jax.tree.map(lambda _: rep, t), rep),
+      in_specs=((spec,), engine.transition_specs(t), rep),
       out_specs=(spec, spec)))
   whole = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))(
       canon, t)
@@ -194,7 +197,7 @@ def test_fill_in_layer_chunks_equals_one_fill(mesh, mode):
       lambda s, c, t, a: engine.fill_slots_local(s, c, t, num_devices=D,
                                                  layers_L=a),
       mesh=mesh, in_specs=((spec, spec), (spec,),
-                           jax.tree.map(lambda _: rep, t), rep),
+                           engine.transition_specs(t), rep),
       out_specs=(spec, spec)))
   slots = engine.empty_slots(canon, topo.num_slots)
   for k in range(chunks):
