@@ -139,7 +139,7 @@ def test_sigterm_saves_the_step_and_a_rerun_continues_there(preempted_run):
 def test_benchmark_writes_its_results_file_and_the_renderer_reads_it(tmp_path):
   cmd = [sys.executable, '-m', 'experiments.bench_planner', '--json',
          '--layers=1', '--no_milp', '--sampled_traces=false',
-         f'--results_dir={tmp_path}']
+         '--noalt_traces', f'--results_dir={tmp_path}']
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   assert out.returncode == 0, out.stderr[-3000:]
@@ -148,7 +148,7 @@ def test_benchmark_writes_its_results_file_and_the_renderer_reads_it(tmp_path):
   assert record['result'] == json.loads(out.stdout.strip().splitlines()[-1])
   assert record['command'] == ('python -m experiments.bench_planner --json '
                                f'--layers=1 --no_milp --sampled_traces=false '
-                               f'--results_dir={tmp_path}')
+                               f'--noalt_traces --results_dir={tmp_path}')
   assert record['run']['bench'] == 'planner'
   from experiments import render_results  # pylint: disable=g-import-not-at-top
   block = render_results.render_block('bench_planner', str(tmp_path))

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+import conftest
 import line_sink
 
 from foremoe_jax.utils import distributed, launcher
@@ -127,7 +128,8 @@ _FLAGS = ('--config=configs/tiny.py', '--config.warmstart.steps=10',
 def _run(cmd, devices):
   env = {k: v for k, v in os.environ.items() if not k.startswith('FOREMOE_')}
   env.update(PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
+             + conftest.CPU_TEST_XLA_FLAGS)
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        timeout=900, env=env)
   assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

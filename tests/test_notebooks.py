@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, 'notebooks', '*.ipynb')))
 
@@ -18,7 +20,8 @@ def test_notebook_runs_in_a_kernel_with_inline_plots(path, monkeypatch):
   # The kernel inherits this environment: the repository on its path and
   # 8 simulated devices before jax is imported.
   monkeypatch.setenv('PYTHONPATH', ROOT)
-  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8 '
+                     + conftest.CPU_TEST_XLA_FLAGS)
   # The quickstart's RL section on a small budget.
   monkeypatch.setenv('QUICKSTART_WARMSTART_STEPS', '20')
   monkeypatch.setenv('QUICKSTART_RL_STEPS', '2')

@@ -94,7 +94,9 @@ def modelled(report: MemoryReport, num_layers: int | None = None) -> dict:
       shape, work, ep=report.ep, slots_per_device=spd,
       capacity_rows=_capacity_rows(report, m),
       remat_policy=report.remat_policy,
-      fsdp_shards=report.ep if work.fsdp_all else 1).as_dict()
+      fsdp_shards=report.ep if work.fsdp_all else 1,
+      step_rounds=int(cfg.transfer.step_rounds),
+      microstep_rounds=int(cfg.transfer.microstep_rounds)).as_dict()
 
 
 def _modules(model):
@@ -159,10 +161,15 @@ def compiled_update(report: MemoryReport, num_layers: int):
   topo = Topology(1, report.ep, spd)
   ident = placement_lib.identity_placement(num_moe, m.num_experts, report.ep,
                                            spd)
-  plan = step_lib.make_step_plan(
-      placement_lib.stack_placements([ident] * mm), m.num_experts, topo,
-      schedule.TransferBudget(report.ep, 2), _capacity_rows(report, m))
-  plan = jax.tree.map(lambda x: jax.device_put(x, repl), plan)
+  stacked = placement_lib.stack_placements([ident] * mm)
+  # Laid out as the trainer lays them out: each device its own rows.
+  transfer = schedule.build_step_transfer(
+      stacked.slot_expert, m.num_experts, topo,
+      schedule.TransferBudget(int(cfg.transfer.step_rounds),
+                              int(cfg.transfer.microstep_rounds)))
+  plan = step_lib.StepPlan(step_lib.device_placement(stacked, mesh),
+                           step_lib.device_transfer(transfer, mesh),
+                           _capacity_rows(report, m))
   rl_step = step_lib.make_rl_step(tx, num_generations=8, eps_low=0.2,
                                   eps_high=0.28, beta=0.0)
   t0 = time.perf_counter()

@@ -24,7 +24,16 @@ Assumptions, each a property of the code as built:
   grouped GEMM's tiled copy of them as many again, and its hidden
   activations [rows, F] three times (gate, up, product);
 * target log-probs run `logp_chunk` tokens at a time (float32 logits and
-  their gradient).
+  their gradient);
+* the transfer engine's exchanges run one layer at a time (a scan), each
+  with a send and a receive buffer of R experts (the budget's degree,
+  `transfer.schedule.TransferBudget`): the flush's gradient return in
+  float32 with R = step_rounds (it sits in every micro-step's backward,
+  switched off but allocated in all but the last), and a fill between
+  micro-steps in the moved dtype with R = microstep_rounds beside it;
+* each device holds its own rows of the step's transitions
+  (`engine.transition_specs`): per layer and transition, sends and
+  receives [R] and count rows [D] each way, slot fields [s].
 
 Shape letters: L layers, E experts, D EP devices, s slots per device, T
 tokens, M model dim, F expert hidden dim, V vocab.
@@ -57,6 +66,8 @@ class MemoryBreakdown:
   layer_transient: float  # the largest layer's live intermediates
   logp_transient: float  # one chunk of float32 logits and their gradient
   batch: float  # the step's tokens, masks, routes, log-probs
+  exchange_buffers: float  # one layer's transfer send/receive buffers
+  transfer_schedule: float  # this device's rows of the step's transitions
 
   @property
   def total(self) -> float:
@@ -70,14 +81,17 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
                   slots_per_device: int, capacity_rows: int,
                   remat_policy: str = 'full', fsdp_shards: int = 1,
                   logp_chunk: int = 2048,
-                  compute_bytes: int | None = None) -> MemoryBreakdown:
+                  compute_bytes: int | None = None,
+                  step_rounds: int | None = None,
+                  microstep_rounds: int = 2) -> MemoryBreakdown:
   """Per-device bytes of the update (module docstring).
 
   ep: EP devices (experts per device E / ep). capacity_rows: the exact
   dispatch's receive bucket R (or D * C for padded cells). fsdp_shards:
   the 'data' axis size when FSDP shards the non-expert state (1: off).
   compute_bytes: the compute dtype's size (default: the model's param
-  dtype, bf16 in the real configs).
+  dtype, bf16 in the real configs). step_rounds, microstep_rounds: the
+  transfer budget (default: the trainer's, step_rounds = ep).
   """
   cb = model.bytes_per_param if compute_bytes is None else compute_bytes
   tokens = work.tokens_per_device
@@ -114,6 +128,17 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   m = work.num_microsteps
   batch = m * tokens * (4 + 1 + 4 + 4) + (
       m * model.num_moe_layers * tokens * model.top_k * 2)
+  r_step = ep if step_rounds is None else step_rounds
+  exchange = model.params_per_expert * (2 * r_step * F32 + 2 * microstep_rounds
+                                        * model.bytes_per_param)
+  # Per layer and transition: sends and receives [R] each way (int32), the
+  # count rows [D] (sent, received, output offsets) each way and the
+  # shift depths [K = D] each way (int32), and the slot fields [s] (two
+  # int32, one bool).
+  def rows(r):
+    return 4 * r * 4 + 8 * ep * 4 + 9 * slots_per_device
+  schedule = model.num_moe_layers * (2 * rows(r_step) + m * rows(
+      microstep_rounds))
   return MemoryBreakdown(
       nonexpert_state=nonexpert_state, nonexpert_grads=nonexpert_grads,
       nonexpert_gathered=gathered,
@@ -122,4 +147,5 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
       slot_weights=2 * slot_params * model.bytes_per_param,
       slot_grads=slot_params * F32,
       saved_activations=saved, layer_transient=layer_transient,
-      logp_transient=logp_transient, batch=batch)
+      logp_transient=logp_transient, batch=batch, exchange_buffers=exchange,
+      transfer_schedule=schedule)

@@ -305,6 +305,16 @@ def flush_exposed(flush_L, last_compute_s: float,
   return total, float(max(flush_L[0], total - window))
 
 
+def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
+  """The experts an exchange buffer holds (the memory model's budget):
+  ``exact`` mode's degree bound R of the flush and of the moves between
+  micro-steps; one in ``rounds`` mode (a round sends one expert)."""
+  if not hasattr(transfer.flush, 'ret_send_LDR'):
+    return dict(step_rounds=1, microstep_rounds=1)
+  return dict(step_rounds=transfer.flush.ret_send_LDR.shape[-1],
+              microstep_rounds=transfer.steps.send_LDR.shape[-1])
+
+
 def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
                     spd: int) -> float:
   """Seconds per micro-step the flush's place in the backward costs when
@@ -424,7 +434,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       model, work, ep=num_dev, slots_per_device=spd,
       capacity_rows=(mp.capacity[mode] if mode == 'exact'
                      else num_dev * mp.capacity[mode]),
-      remat_policy=work.remat_policy, fsdp_shards=shards)
+      remat_policy=work.remat_policy, fsdp_shards=shards,
+      **_exchange_rows(mp.transfer))
   return dict(
       update_s=update_s, recompute_s=recompute_s, plan_s=plan_s,
       recompute_plan_s=recompute_plan_s, plan_wait_s=plan_wait_s,

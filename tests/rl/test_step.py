@@ -497,7 +497,10 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
 
   def update(*args):
     return rl_step.update.__wrapped__(*args)
-  logps = step_lib.recompute_logps(state, batch, plan, old=False, ref=True)
+  # Shapes are all the lowering needs: no recompute is compiled or run.
+  logps = jax.eval_shape(
+      lambda s, b, p: step_lib.recompute_logps(s, b, p, old=False, ref=True),
+      state, batch, plan)
   moving = _step_plan(random_plan(np.random.default_rng(1), 4,
                                   cfg.model.num_layers))
   text = jax.jit(update).lower(state, batch, logps, moving).compile(

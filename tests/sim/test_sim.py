@@ -353,6 +353,13 @@ def test_memory_model_by_hand():
   moe = 2 * 16 * 8 * 4 + 3 * 16 * 16 * 4 + 4 * 8 * 1 * 8 * 4
   assert mem.layer_transient == max(3 * 64 * 4, moe) + 4 * 8 * 8 * 4
   assert mem.logp_transient == 2 * 8 * 16 * 4
+  # The flush's f32 send and receive buffers of R = ep = 2 experts, and a
+  # micro-step fill's of 2 (f32 toy weights).
+  assert mem.exchange_buffers == 2 * 2 * ppe * 4 + 2 * 2 * ppe * 4
+  # Per layer: fill and flush (R = 2), 2 micro-steps (R = 2): each
+  # 4 x R int32 indices, 8 x D int32 count rows and depths, 3 slots x 9 B.
+  per = 4 * 2 * 4 + 8 * 2 * 4 + 9 * 3
+  assert mem.transfer_schedule == 1 * (2 + work.num_microsteps) * per
   assert mem.total == pytest.approx(sum(
       v for k, v in mem.as_dict().items() if k != 'total'))
   sharded = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,

@@ -216,3 +216,46 @@ def test_fill_in_layer_chunks_equals_one_fill(mesh, mode):
   for l in range(num_layers):
     np.testing.assert_array_equal(moved[0][l],
                                   np.asarray(canon[0])[l][se_MLS[1, l]])
+
+
+@pytest.mark.parametrize('mode', ['exact', 'rounds'])
+def test_each_device_receives_only_its_own_rows(mesh, mode):
+  """A step's transfer on the mesh: every field with a device or slot axis
+  is split over 'expert' (each device holds 1/D of it), only the [L, R]
+  shifts and [L, K] depths are whole; the exchange's rows equal the host
+  counts read from the other side (column, offsets, shift depths by
+  loops), and a fill from the split fields holds the plan."""
+  rng = np.random.default_rng(5)
+  num_experts, spd = 16, 3
+  topo = Topology(2, D // 2, spd)
+  se_MLS = random_placements(rng, 3, 2, num_experts, topo.num_slots)
+  st = schedule.build_step_transfer(
+      se_MLS, num_experts, topo, schedule.TransferBudget(12, 12, mode))
+  dev = engine.device_step_transfer(
+      st, lambda spec: jax.sharding.NamedSharding(mesh, spec))
+  whole = {'shift_LR', 'ret_shift_LR', 'depth_LK', 'ret_depth_LK'}
+  for name, t in dev.items():
+    for k, x in t.items():
+      shard = x.sharding.shard_shape(x.shape)
+      split = [i for i, (a, b) in enumerate(zip(x.shape, shard)) if a != b]
+      if k in whole:
+        assert not split, (name, k)
+      else:
+        assert len(split) == 1 and shard[split[0]] * D == x.shape[split[0]], (
+            name, k, x.shape, shard)
+  if mode == 'exact':
+    for prefix in ('', 'ret_'):
+      c = getattr(st.steps, prefix + 'count_LDD')  # [M, L, D, D]
+      t = dev['steps']
+      np.testing.assert_array_equal(t[prefix + 'count_LDD'], c)
+      for m, l, src, dst in np.ndindex(c.shape):
+        assert t[prefix + 'recv_count_LDD'][m, l, dst, src] == c[m, l, src, dst]
+        assert (t[prefix + 'out_off_LDD'][m, l, src, dst]
+                == c[m, l, :src, dst].sum())
+      for m, l, k in np.ndindex(c.shape[:2] + (D,)):
+        assert t[prefix + 'depth_LK'][m, l, k] == max(
+            c[m, l, s, (s + k) % D] for s in range(D))
+  slots = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))(
+      (jnp.asarray(rng.standard_normal((2, num_experts, 4)), jnp.float32),),
+      dev['fill'])
+  np.testing.assert_array_equal(slots[-1], se_MLS[0])
