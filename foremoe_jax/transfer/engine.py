@@ -301,7 +301,7 @@ def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D):
   return jax.lax.fori_loop(1, num_devices, shift, out)
 
 
-def _local_copies(slots, canon, t, me, spd: int):
+def _local_copies(slots, canon, t, spd: int):
   """Slots filled from this device's own buffers (no traffic)."""
   local_s = t['local_src_LS']  # This device's slots only: [s].
   # Slot by slot, and only the slots that take a local copy: a transition
@@ -320,7 +320,7 @@ def _local_copies(slots, canon, t, me, spd: int):
 def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   """One layer's fills on this device: local copies, then one exchange.
   Sources are read from the buffers as they were before the transition."""
-  new = _local_copies(slots, canon, t, me, spd)
+  new = _local_copies(slots, canon, t, spd)
   got = _exchange(_pick(slots, canon, t['send_LDR'][0]), _my_counts(t), me,
                   exchange)
   dst_R = t['recv_LDR'][0]
@@ -331,14 +331,14 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
 def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   """`_layer_returns` by one exchange of the evicted slots' gradients."""
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
-  gcanon = _local_returns(gslots, gcanon, t, me, spd)
+  gcanon = _local_returns(gslots, gcanon, t, spd)
   items = jax.tree.map(lambda g: g[t['ret_send_LDR'][0]], gslots)
   got = _exchange(items, _my_counts(t, 'ret_'), me, exchange)
   dst_R = t['ret_recv_LDR'][0]
   at_R = jnp.where(dst_R >= 0, dst_R, num_home)
   gcanon = jax.tree.map(lambda c, v: c.at[at_R].add(v, mode='drop'), gcanon,
                         got)
-  return _zero_evicted(gslots, t, me, spd), gcanon
+  return _zero_evicted(gslots, t, spd), gcanon
 
 
 def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
@@ -348,7 +348,7 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   (within a step all copies of an expert are equal, so order is free). The
   rounds are a fori_loop, so compile time does not grow with the budget.
   """
-  new = _local_copies(slots, canon, t, me, spd)
+  new = _local_copies(slots, canon, t, spd)
 
   def one_round(r, new):
     item = _pick(slots, canon, t['send_LRD'][r, 0])
@@ -357,7 +357,7 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   return _rounds(t['shift_LR'], one_round, new)
 
 
-def _local_returns(gslots, gcanon, t, me, spd: int):
+def _local_returns(gslots, gcanon, t, spd: int):
   """Evicted slots' gradients added into this device's canonical gradient
   where it is their home."""
   local_s = t['ret_local_LS']  # [s], this device's.
@@ -373,7 +373,7 @@ def _local_returns(gslots, gcanon, t, me, spd: int):
   return gcanon
 
 
-def _zero_evicted(gslots, t, me, spd: int):
+def _zero_evicted(gslots, t, spd: int):
   """Evicted slots' gradients zeroed: the slot starts accumulating for its
   new expert."""
   evict_s = t['evict_LS']  # [s], this device's.
@@ -390,7 +390,7 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   """Evicted slots' gradients added into their home's canonical gradient,
   then zeroed (the slot starts accumulating for its new expert)."""
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
-  gcanon = _local_returns(gslots, gcanon, t, me, spd)
+  gcanon = _local_returns(gslots, gcanon, t, spd)
 
   def one_round(r, gcanon):
     item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, 0]], gslots)
@@ -400,7 +400,7 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
         lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
             v, mode='drop'), gcanon, got)
   gcanon = _rounds(t['ret_shift_LR'], one_round, gcanon)
-  return _zero_evicted(gslots, t, me, spd), gcanon
+  return _zero_evicted(gslots, t, spd), gcanon
 
 
 @jax.custom_vjp
