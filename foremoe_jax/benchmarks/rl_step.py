@@ -117,7 +117,7 @@ def _installed(transfer):
   expert locally (wrong weights, right cost without transfers)."""
   def idle(t):
     t = {k: jnp.zeros_like(v) for k, v in t.items()}
-    for k in ('recv_LRD', 'ret_recv_LRD', 'recv_LDR', 'ret_recv_LDR',
+    for k in ('recv_LRD', 'ret_recv_LRD', 'recv_LDR', 'ret_recv_LPDR',
               'ret_local_LS'):
       if k in t:
         t[k] = t[k] - 1

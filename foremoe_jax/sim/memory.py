@@ -26,14 +26,18 @@ Assumptions, each a property of the code as built:
 * target log-probs run `logp_chunk` tokens at a time (float32 logits and
   their gradient);
 * the transfer engine's exchanges run one layer at a time (a scan), each
-  with a send and a receive buffer of R experts (the budget's degree,
-  `transfer.schedule.TransferBudget`): the flush's gradient return in
-  float32 with R = step_rounds (it sits in every micro-step's backward,
-  switched off but allocated in all but the last), and a fill between
-  micro-steps in the moved dtype with R = microstep_rounds beside it;
+  with a send and a receive buffer sized by the budget's degree R
+  (`transfer.schedule.TransferBudget`) and the device's role
+  (`schedule.exchange_widths`, `schedule.flush_form`): the flush's
+  gradient return in float32 (it sits in every micro-step's backward,
+  switched off but allocated in all but the last), one stage of it live
+  at a time: s + (s + h) experts as a reduction tree once R = step_rounds
+  exceeds s + h, else min(s, R) + R; and a fill between micro-steps in
+  the moved dtype beside it (R + min(s, R) experts, R = microstep_rounds);
 * each device holds its own rows of the step's transitions
-  (`engine.transition_specs`): per layer and transition, sends and
-  receives [R] and count rows [D] each way, slot fields [s].
+  (`engine.transition_specs`): per layer and transition, its sends and
+  receives, count rows [D] and shift depths [D] per exchange (a flush
+  tree has one per stage), slot fields [s].
 
 Shape letters: L layers, E experts, D EP devices, s slots per device, T
 tokens, M model dim, F expert hidden dim, V vocab.
@@ -42,7 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from foremoe_jax.planner.topology import Topology
 from foremoe_jax.sim.workload import ModelShape, Workload
+from foremoe_jax.transfer import schedule as transfer_schedule
 
 F32 = 4
 # float32 master + AdamW's two float32 moments.
@@ -129,16 +135,26 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   batch = m * tokens * (4 + 1 + 4 + 4) + (
       m * model.num_moe_layers * tokens * model.top_k * 2)
   r_step = ep if step_rounds is None else step_rounds
-  exchange = model.params_per_expert * (2 * r_step * F32 + 2 * microstep_rounds
-                                        * model.bytes_per_param)
-  # Per layer and transition: sends and receives [R] each way (int32), the
-  # count rows [D] (sent, received, output offsets) each way and the
-  # shift depths [K = D] each way (int32), and the slot fields [s] (two
-  # int32, one bool).
-  def rows(r):
-    return 4 * r * 4 + 8 * ep * 4 + 9 * slots_per_device
-  schedule = model.num_moe_layers * (2 * rows(r_step) + m * rows(
-      microstep_rounds))
+  topo = Topology(1, ep, slots_per_device)
+  stages, flush_send, flush_recv = transfer_schedule.flush_form(
+      r_step, model.num_experts, topo)
+  move = transfer_schedule.exchange_widths(microstep_rounds, topo)
+  exchange = model.params_per_expert * (
+      (flush_send + flush_recv) * F32
+      + (move['send'] + move['recv']) * model.bytes_per_param)
+
+  # Per layer and transition (int32): the fills' sends and receives, the
+  # returns' per stage, per exchange the count rows [D] (sent, received,
+  # output offsets) and the shift depths [K = D], and the slot fields [s]
+  # (two int32, one bool).
+  def rows(r, flush=False):
+    w = transfer_schedule.exchange_widths(r, topo)
+    p, rs, rr = ((stages, flush_send, flush_recv) if flush
+                 else (1, w['ret_send'], w['ret_recv']))
+    return (4 * (w['send'] + w['recv'] + p * (rs + rr))
+            + 4 * 4 * ep * (1 + p) + 9 * slots_per_device)
+  schedule = model.num_moe_layers * (rows(r_step) + rows(r_step, True)
+                                     + m * rows(microstep_rounds))
   return MemoryBreakdown(
       nonexpert_state=nonexpert_state, nonexpert_grads=nonexpert_grads,
       nonexpert_gathered=gathered,

@@ -306,12 +306,13 @@ def flush_exposed(flush_L, last_compute_s: float,
 
 
 def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
-  """The experts an exchange buffer holds (the memory model's budget):
-  ``exact`` mode's degree bound R of the flush and of the moves between
-  micro-steps; one in ``rounds`` mode (a round sends one expert)."""
-  if not hasattr(transfer.flush, 'ret_send_LDR'):
+  """The budget the memory model sizes the exchange buffers by: ``exact``
+  mode's degree bound R of the fill and flush and of the moves between
+  micro-steps (a fill's send width); one in ``rounds`` mode (a round
+  sends one expert)."""
+  if not isinstance(transfer.flush, schedule.ExactTransition):
     return dict(step_rounds=1, microstep_rounds=1)
-  return dict(step_rounds=transfer.flush.ret_send_LDR.shape[-1],
+  return dict(step_rounds=transfer.fill.send_LDR.shape[-1],
               microstep_rounds=transfer.steps.send_LDR.shape[-1])
 
 
@@ -320,13 +321,15 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   """Seconds per micro-step the flush's place in the backward costs when
   it sends nothing (every micro-step but the last runs it switched off):
   per layer, the slots' float32 gradient sum (read the accumulated and
-  the new gradient, write the sum) and, in ``exact`` mode, the gather of
-  the send buffer's R items and its zeroed receive buffer (R the flush
-  budget's degree)."""
+  the new gradient, write the sum) and, in ``exact`` mode, per stage of
+  its returns the gather of the send buffer's items and the zeroed
+  receive buffer (`schedule.flush_form`)."""
   num_layers = flush.local_src_LS.shape[0]
   items = 3 * spd
-  if hasattr(flush, 'ret_count_LDD'):
-    items += 2 * flush.ret_send_LDR.shape[-1]
+  if isinstance(flush, schedule.ExactTransition):
+    stages, send_w, recv_w = flush.ret_send_LPDR.shape[1:2] + (
+        flush.ret_send_LPDR.shape[-1], flush.ret_recv_LPDR.shape[-1])
+    items += stages * (send_w + recv_w)
   return num_layers * items * model.params_per_expert * 4 / hw.hbm_bw
 
 

@@ -12,11 +12,13 @@ to the next:
   which; `schedule.MODES`):
 
   - ``exact`` (ExactTransition, the default): one ragged all-to-all per
-    layer. A device packs the (at most R) experts it sends into an
-    [R, X...] buffer grouped by destination, and `jax.lax.ragged_all_to_all`
-    sends each destination exactly its items, with offsets and sizes from
-    the schedule's [D, D] count matrix (data, so a new schedule never
-    recompiles). The receiver writes the items it got into their slots.
+    layer. A device packs the experts it sends into a buffer grouped by
+    destination, and `jax.lax.ragged_all_to_all` sends each destination
+    exactly its items, with offsets and sizes from the schedule's [D, D]
+    count matrix (data, so a new schedule never recompiles). The receiver
+    writes the items it got into their slots. The buffers' widths are
+    static and sized by role (`schedule.exchange_widths`): a fill receives
+    at most a device's s slots, a return sends at most them.
     Only experts that move cross the wire. XLA:CPU has no ragged
     all-to-all; there the same contract runs as cyclic-shift ppermute
     rounds derived on device from the counts, idle rounds skipped
@@ -34,7 +36,12 @@ Gradients go the other way. A slot accumulates the gradient of its weights
 while it keeps its expert; when a transition evicts the expert (or at the
 end of the step, the flush), the accumulated gradient goes to the expert's
 home device and is added into the canonical gradient: locally when the slot
-sits on the home device, else by rounds built like the fills.
+sits on the home device, else by rounds built like the fills. In ``exact``
+mode a flush whose budget would let a hot expert's home receive more than
+s + h gradients at once runs as a reduction tree instead
+(`schedule.flush_form`): a few exchanges one after another, each adding
+partial sums into slots (or, at the root, the canonical gradient), so a
+device's buffers hold s + (s + h) float32 experts, not 2R.
 
 Overlap. The update issues micro-step m+1's fills in the same scan
 iteration as micro-step m's compute, reading only the buffers m computes
@@ -83,27 +90,28 @@ DEVICE_FIELDS = ('local_src_LS', 'shift_LR', 'send_LRD', 'recv_LRD',
                  'evict_LS', 'ret_local_LS', 'ret_shift_LR', 'ret_send_LRD',
                  'ret_recv_LRD')
 EXACT_DEVICE_FIELDS = ('local_src_LS', 'send_LDR', 'recv_LDR', 'evict_LS',
-                       'ret_local_LS', 'ret_send_LDR', 'ret_recv_LDR')
+                       'ret_local_LS', 'ret_send_LPDR', 'ret_recv_LPDR')
 
 
-def _exchange_fields(count_LDD, prefix: str) -> dict:
-  """What each device needs of an exchange's [L, src, dst] count matrix,
-  as rows it can hold alone: what it sends each device (`count_LDD`, row
-  c), what it receives from each (`recv_count_LDD`, row d: column d of
-  the counts), where its items land in each receiver's buffer
-  (`out_off_LDD`, row c: the items each receiver gets from the sources
-  before c), and, for the CPU emulation only, each cyclic shift's busiest
-  pair (`depth_LK`, [L, K], whole on every device: it is L x D, not
-  L x D x D)."""
+def _exchange_fields(count_LDD, prefix: str, stages: str = '') -> dict:
+  """What each device needs of an exchange's [L, src, dst] count matrix
+  (stages 'P': [L, P, src, dst], one exchange per stage), as rows it can
+  hold alone: what it sends each device (`count_LDD`, row c), what it
+  receives from each (`recv_count_LDD`, row d: column d of the counts),
+  where its items land in each receiver's buffer (`out_off_LDD`, row c:
+  the items each receiver gets from the sources before c), and, for the
+  CPU emulation only, each cyclic shift's busiest pair (`depth_LK`,
+  [L, K], whole on every device: it is L x D, not L x D x D)."""
   c = np.asarray(count_LDD, np.int32)
   num_devices = c.shape[-1]
   d_D = np.arange(num_devices)
   dst_DK = (d_D[:, None] + d_D[None, :]) % num_devices
+  lp = 'L' + stages
   return {
-      prefix + 'count_LDD': c,
-      prefix + 'recv_count_LDD': np.swapaxes(c, -1, -2).copy(),
-      prefix + 'out_off_LDD': (np.cumsum(c, axis=-2) - c).astype(np.int32),
-      prefix + 'depth_LK': np.take_along_axis(
+      f'{prefix}count_{lp}DD': c,
+      f'{prefix}recv_count_{lp}DD': np.swapaxes(c, -1, -2).copy(),
+      f'{prefix}out_off_{lp}DD': (np.cumsum(c, axis=-2) - c).astype(np.int32),
+      f'{prefix}depth_{lp}K': np.take_along_axis(
           c, np.broadcast_to(dst_DK, c.shape), axis=-1).max(axis=-2),
   }
 
@@ -123,7 +131,7 @@ def device_transition(transition, sharding=None) -> dict:
   t = {f: np.asarray(getattr(transition, f)) for f in fields}
   if exact:
     t.update(_exchange_fields(transition.count_LDD, ''))
-    t.update(_exchange_fields(transition.ret_count_LDD, 'ret_'))
+    t.update(_exchange_fields(transition.ret_count_LPDD, 'ret_', 'P'))
   lead = np.ndim(t['local_src_LS']) - 2  # Stacked over micro-steps.
   specs = transition_specs(t, lead)
   if sharding is None:
@@ -238,28 +246,43 @@ class _Counts(NamedTuple):
   depth_K: jax.Array
 
 
-def _my_counts(t_l, prefix: str = '') -> _Counts:
-  """This device's rows of one layer's exchange (fills, or with prefix
-  'ret_' the returns); the split rows arrive as [1, D] blocks."""
-  return _Counts(t_l[prefix + 'count_LDD'][0],
-                 t_l[prefix + 'recv_count_LDD'][0],
-                 t_l[prefix + 'out_off_LDD'][0], t_l[prefix + 'depth_LK'])
+def _my_counts(t_l) -> _Counts:
+  """This device's rows of one layer's fill exchange; the split rows
+  arrive as [1, D] blocks."""
+  return _Counts(t_l['count_LDD'][0], t_l['recv_count_LDD'][0],
+                 t_l['out_off_LDD'][0], t_l['depth_LK'])
 
 
-def _exchange(items, cnt: _Counts, me, exchange: str):
-  """One ragged all-to-all of expert-sized items ([R, X...] leaves packed
+def _my_ret_counts(t_l, p: int) -> _Counts:
+  """This device's rows of stage p of one layer's return exchanges."""
+  return _Counts(t_l['ret_count_LPDD'][p, 0],
+                 t_l['ret_recv_count_LPDD'][p, 0],
+                 t_l['ret_out_off_LPDD'][p, 0], t_l['ret_depth_LPK'][p])
+
+
+def _zero_rows(x, rows: int):
+  """Zeros [rows, ...] shaped like x's rows, differing per device as what
+  an exchange writes into them does."""
+  z = jnp.zeros((rows,) + x.shape[1:], x.dtype)
+  return vary(z, varying_axes(x) | {EXPERT})
+
+
+def _exchange(items, cnt: _Counts, me, exchange: str, out_rows: int):
+  """One ragged all-to-all of expert-sized items ([Rs, X...] leaves packed
   by destination): this device sends cnt.send_D[d] items to device d and
   receives cnt.recv_D[c] from each c, sources laid out in ascending
-  order. Returns the received items, [R, X...] (unused rows zero)."""
+  order. Returns the received items, [out_rows, X...] (unused rows
+  zero)."""
   in_off_D = jnp.cumsum(cnt.send_D) - cnt.send_D
   recv_off_D = jnp.cumsum(cnt.recv_D) - cnt.recv_D
 
   if exchange == 'emulated':
-    return _exchange_by_rounds(items, cnt, me, in_off_D, recv_off_D)
+    return _exchange_by_rounds(items, cnt, me, in_off_D, recv_off_D,
+                               out_rows)
 
   def one(x):
     flat = x.reshape(x.shape[0], -1)
-    out = jnp.zeros_like(flat)
+    out = _zero_rows(flat, out_rows)
     if exchange == 'ragged':
       got = jax.lax.ragged_all_to_all(flat, out, in_off_D, cnt.send_D,
                                       cnt.out_off_D, cnt.recv_D,
@@ -267,15 +290,17 @@ def _exchange(items, cnt: _Counts, me, exchange: str):
     elif exchange == 'a2a':
       got = dispatch_exact.emulated_ragged_all_to_all(
           flat, out, in_off_D, cnt.send_D, cnt.out_off_D, cnt.recv_D,
-          axis_name=EXPERT, chunk=x.shape[0], recv_offsets=recv_off_D)
+          axis_name=EXPERT, chunk=min(x.shape[0], out_rows),
+          recv_offsets=recv_off_D)
     else:
       raise ValueError(f'exchange must be one of {EXCHANGES}, got '
                        f'{exchange!r}.')
-    return got.reshape(x.shape)
+    return got.reshape((out_rows,) + x.shape[1:])
   return jax.tree.map(one, items)
 
 
-def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D):
+def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D,
+                        out_rows: int):
   """`_exchange` on CPU: the same result by cyclic-shift ppermute rounds,
   idle rounds skipped. Shift k takes as many rounds as its busiest pair
   (c, c + k) has items (cnt.depth_K), each carrying one expert per device;
@@ -291,13 +316,13 @@ def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D):
     item = jax.tree.map(
         lambda x: x[jnp.clip(in_off_D[dst] + r, 0, num_rows - 1)], items)
     got = _shifted(item, k, num_devices)
-    at = jnp.where(r < cnt.recv_D[src], recv_off_D[src] + r, num_rows)
+    at = jnp.where(r < cnt.recv_D[src], recv_off_D[src] + r, out_rows)
     return jax.tree.map(lambda o, g: o.at[at].set(g, mode='drop'), out, got)
 
   def shift(k, out):
     return jax.lax.fori_loop(0, cnt.depth_K[k],
                              lambda r, o: one_round(k, r, o), out)
-  out = jax.tree.map(jnp.zeros_like, items)
+  out = jax.tree.map(lambda x: _zero_rows(x, out_rows), items)
   return jax.lax.fori_loop(1, num_devices, shift, out)
 
 
@@ -321,23 +346,39 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   """One layer's fills on this device: local copies, then one exchange.
   Sources are read from the buffers as they were before the transition."""
   new = _local_copies(slots, canon, t, spd)
-  got = _exchange(_pick(slots, canon, t['send_LDR'][0]), _my_counts(t), me,
-                  exchange)
   dst_R = t['recv_LDR'][0]
+  got = _exchange(_pick(slots, canon, t['send_LDR'][0]), _my_counts(t), me,
+                  exchange, dst_R.shape[0])
   at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
   return jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
 
 
-def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
-  """`_layer_returns` by one exchange of the evicted slots' gradients."""
+def _add_into(gslots, gcanon, index, value):
+  """gslots[index] += value where index < s, gcanon[index - s] += value
+  where index >= s (the local list's indexing), nothing where index < 0;
+  index scalar or [n] (value [n, X...] then)."""
+  spd = jax.tree.leaves(gslots)[0].shape[0]
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
-  gcanon = _local_returns(gslots, gcanon, t, spd)
-  items = jax.tree.map(lambda g: g[t['ret_send_LDR'][0]], gslots)
-  got = _exchange(items, _my_counts(t, 'ret_'), me, exchange)
-  dst_R = t['ret_recv_LDR'][0]
-  at_R = jnp.where(dst_R >= 0, dst_R, num_home)
-  gcanon = jax.tree.map(lambda c, v: c.at[at_R].add(v, mode='drop'), gcanon,
-                        got)
+  at_slot = jnp.where((index >= 0) & (index < spd), index, spd)
+  at_home = jnp.where(index >= spd, index - spd, num_home)
+  gslots = jax.tree.map(lambda g, v: g.at[at_slot].add(v, mode='drop'),
+                        gslots, value)
+  gcanon = jax.tree.map(lambda c, v: c.at[at_home].add(v, mode='drop'),
+                        gcanon, value)
+  return gslots, gcanon
+
+
+def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
+  """`_layer_returns` by exchanges of the evicted slots' gradients, one per
+  stage (a flush's reduction tree passes partial sums on through slots:
+  stage p sends what stages before it added in)."""
+  gslots, gcanon = _local_returns(gslots, gcanon, t, spd)
+  for p in range(t['ret_send_LPDR'].shape[0]):
+    items = jax.tree.map(lambda g: g[t['ret_send_LPDR'][p, 0]], gslots)
+    dst_R = t['ret_recv_LPDR'][p, 0]
+    got = _exchange(items, _my_ret_counts(t, p), me, exchange,
+                    dst_R.shape[0])
+    gslots, gcanon = _add_into(gslots, gcanon, dst_R, got)
   return _zero_evicted(gslots, t, spd), gcanon
 
 
@@ -358,19 +399,21 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
 
 
 def _local_returns(gslots, gcanon, t, spd: int):
-  """Evicted slots' gradients added into this device's canonical gradient
-  where it is their home."""
+  """Evicted slots' gradients added in on this device: into the canonical
+  gradient where it is their home, or (a flush tree's duplicate copy)
+  into the slot of the device's first copy. Returns (gslots, gcanon)."""
   local_s = t['ret_local_LS']  # [s], this device's.
-  # Slot by slot, only the evicted slots that are home here: most slots
+  src = gslots  # No slot that is added into adds itself anywhere.
+  # Slot by slot, only the evicted slots that return locally: most slots
   # keep accumulating, and touching them would copy every slot's gradient
   # every micro-step.
   for j in range(spd):
-    gcanon = jax.lax.cond(
+    gslots, gcanon = jax.lax.cond(
         local_s[j] >= 0,
-        lambda c, j=j: jax.tree.map(
-            lambda cc, g: cc.at[local_s[j]].add(g[j]), c, gslots),
-        lambda c: c, gcanon)
-  return gcanon
+        lambda sc, j=j: _add_into(*sc, local_s[j],
+                                  jax.tree.map(lambda g: g[j], src)),
+        lambda sc: sc, (gslots, gcanon))
+  return gslots, gcanon
 
 
 def _zero_evicted(gslots, t, spd: int):
@@ -390,14 +433,14 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   """Evicted slots' gradients added into their home's canonical gradient,
   then zeroed (the slot starts accumulating for its new expert)."""
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
-  gcanon = _local_returns(gslots, gcanon, t, spd)
+  gslots, gcanon = _local_returns(gslots, gcanon, t, spd)
 
   def one_round(r, gcanon):
     item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, 0]], gslots)
     got = _shifted(item, t['ret_shift_LR'][r], num_devices)
-    dst = t['ret_recv_LRD'][r, 0]
+    dst = t['ret_recv_LRD'][r, 0]  # s + the home index; -1 discard.
     return jax.tree.map(
-        lambda c, v: c.at[jnp.where(dst >= 0, dst, num_home)].add(
+        lambda c, v: c.at[jnp.where(dst >= 0, dst - spd, num_home)].add(
             v, mode='drop'), gcanon, got)
   gcanon = _rounds(t['ret_shift_LR'], one_round, gcanon)
   return _zero_evicted(gslots, t, spd), gcanon
@@ -474,8 +517,8 @@ _OFF = {
               ('depth_LK', 0), ('recv_LDR', -1), ('shift_LR', 0),
               ('recv_LRD', -1)),
     'returns': (('evict_LS', False), ('ret_local_LS', -1),
-                ('ret_count_LDD', 0), ('ret_recv_count_LDD', 0),
-                ('ret_depth_LK', 0), ('ret_recv_LDR', -1),
+                ('ret_count_LPDD', 0), ('ret_recv_count_LPDD', 0),
+                ('ret_depth_LPK', 0), ('ret_recv_LPDR', -1),
                 ('ret_shift_LR', 0), ('ret_recv_LRD', -1)),
 }
 

@@ -27,8 +27,20 @@ Two modes carry the remote copies (`TransferBudget.mode`):
   (foremoe_jax/model/dispatch_exact.py). A layer's "rounds" are then its
   degree: the most experts one device sends, or receives, in the
   transition. By Koenig's theorem that many matchings carry the edges;
-  the collective runs them as one. The budget R bounds the degree, so
-  the send and receive buffers hold R experts each.
+  the collective runs them as one. The budget R bounds the degree. A
+  device's buffers are sized by its role: a fill receives at most s
+  experts (its slots) and sends at most R; a return sends at most s
+  gradients (only slots hold replicas) and receives at most R.
+  The flush returns every replica at once, so a hot expert's home would
+  receive up to R float32 gradients in one collective (R = D by default:
+  about 90 GB a device at DeepSeek-V3 width on 256 devices). When R
+  exceeds s + h it runs as a binomial reduction tree instead
+  (`flush_form`): per expert, its home and the devices holding replicas
+  (ordered by node, the home's first) pass partial sums in ceil(log2(R +
+  1)) stages, one ragged all-to-all each, in which a device sends at most
+  s gradients and receives at most s + h. Every replica still crosses
+  the wire once, and a hot home receives one gradient per stage instead
+  of all of them at once.
 * ``rounds``: cyclic-shift rounds, one ppermute each (the first engine,
   kept for comparison). An edge c -> d has shift k = (d - c) % D; a round
   holds edges of one shift, at most one per sender (hence per receiver),
@@ -44,9 +56,15 @@ rounds budget fits the exact one.
 Shape letters: M micro-steps, L layers, S slots (S = D * s, slot j on device
 j // s), D devices, E experts (expert e's home is device e // h, h = E / D),
 R rounds, K shifts (K = D; shift 0 is an idle round), B rows (one layer of
-one transition each; batched), N fills or edges. In ``exact`` mode R is the
-budget's per-device bound and [..., D, R] lists a device's sends or
-receives in collective order.
+one transition each; batched), N fills or edges, P stages of a return (1
+but for a flush's reduction tree). In ``exact`` mode R is a send or
+receive buffer's width (`exchange_widths`) and [..., D, R] lists a
+device's sends or receives in collective order.
+
+A device's local list is [its slots 0..s-1, its canonical (home) experts
+s..s+h-1]: fills' sources and local copies index it, and so do the
+targets that returned gradients are added into (a slot only inside a
+flush's reduction tree).
 """
 from __future__ import annotations
 
@@ -95,11 +113,13 @@ class Transition(NamedTuple):
   send_LRD: np.ndarray  # int32: local source device d sends; 0 if nothing
   recv_LRD: np.ndarray  # int32: local slot the receiver writes; -1 discard
   evict_LS: np.ndarray  # bool: slot's gradient is returned, then zeroed
-  ret_local_LS: np.ndarray  # int32: home-local index added into on the
-  #                           slot's own device (it is the home); -1 otherwise
+  ret_local_LS: np.ndarray  # int32: local index (s + home index) added
+  #                           into on the slot's own device when it is the
+  #                           home; -1 otherwise
   ret_shift_LR: np.ndarray  # int32: return round's shift; 0 idle
   ret_send_LRD: np.ndarray  # int32: local slot whose gradient d sends
-  ret_recv_LRD: np.ndarray  # int32: home-local index added into; -1 discard
+  ret_recv_LRD: np.ndarray  # int32: local index (s + home index) added
+  #                           into; -1 discard
   remote_fills_L: np.ndarray  # int64: fills that cross devices
   local_fills_L: np.ndarray  # int64
   rounds_used_L: np.ndarray  # int64: fill rounds used (<= R)
@@ -113,7 +133,9 @@ class ExactTransition(NamedTuple):
   Device c's sends, in order, are send_LDR[l, c, :n] (local sources, as in
   Transition), n = count_LDD[l, c].sum(), grouped by destination in
   ascending order; device d writes its q-th received expert into local slot
-  recv_LDR[l, d, q], the sources laid out in ascending order.
+  recv_LDR[l, d, q], the sources laid out in ascending order. The returns
+  run the same way in P stages, one after another: stage p's sends read
+  the slots' gradients with everything added into them before it.
   """
 
   local_src_LS: np.ndarray  # int32: local source copied into the slot; -1 none
@@ -121,16 +143,22 @@ class ExactTransition(NamedTuple):
   count_LDD: np.ndarray  # int32 [L, src, dst]: experts src sends dst
   recv_LDR: np.ndarray  # int32: local slot the r-th received item fills; -1
   evict_LS: np.ndarray  # bool: slot's gradient is returned, then zeroed
-  ret_local_LS: np.ndarray  # int32: home-local index added into on the
-  #                           slot's own device (it is the home); -1 otherwise
-  ret_send_LDR: np.ndarray  # int32: local slot of the r-th gradient sent
-  ret_count_LDD: np.ndarray  # int32 [L, src, dst]: gradients src sends dst
-  ret_recv_LDR: np.ndarray  # int32: home-local index the r-th received
-  #                           gradient is added into; -1 none
+  ret_local_LS: np.ndarray  # int32: local index the slot's gradient is
+  #                           added into on its own device, before any
+  #                           stage (s + home index when the device is its
+  #                           home; in a flush tree, a duplicate copy's
+  #                           first slot); -1 otherwise
+  ret_send_LPDR: np.ndarray  # int32: local slot of the r-th gradient sent
+  #                            in stage p (its sum so far)
+  ret_count_LPDD: np.ndarray  # int32 [L, P, src, dst]: gradients src sends
+  #                             dst in stage p
+  ret_recv_LPDR: np.ndarray  # int32: local index the r-th gradient received
+  #                            in stage p is added into; -1 none
   remote_fills_L: np.ndarray  # int64: fills that cross devices
   local_fills_L: np.ndarray  # int64
   rounds_used_L: np.ndarray  # int64: fill degree (<= R)
-  ret_rounds_used_L: np.ndarray  # int64: return degree (<= R)
+  ret_rounds_used_L: np.ndarray  # int64: return degree as one collective
+  #                                (<= R: what the budget bounds)
 
 
 class StepTransfer(NamedTuple):
@@ -279,16 +307,91 @@ def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
 
 
 def _return_edges(prev_BS, next_BS, num_experts, topo: Topology):
-  """Evicted slots, local returns, and edges (b, src, slot, home, index)."""
+  """Evicted slots, local returns, and edges (b, src, slot, home, local
+  index s + home index): every replica straight to its home."""
   s, h = topo.slots_per_device, _homes(num_experts, topo)
   dev_S = topo.device_of_slot()
   evict_BS = (prev_BS >= 0) & (prev_BS != next_BS)
   e_BS = np.maximum(prev_BS, 0)
   at_home_BS = e_BS // h == dev_S
-  ret_local_BS = np.where(evict_BS & at_home_BS, e_BS % h, -1)
+  ret_local_BS = np.where(evict_BS & at_home_BS, s + e_BS % h, -1)
   b_N, j_N = np.nonzero(evict_BS & ~at_home_BS)
   e_N = prev_BS[b_N, j_N]
-  return evict_BS, ret_local_BS, (b_N, j_N // s, j_N % s, e_N // h, e_N % h)
+  return evict_BS, ret_local_BS, (b_N, j_N // s, j_N % s, e_N // h,
+                                  s + e_N % h)
+
+
+def flush_form(num_rounds: int, num_experts: int, topo: Topology
+               ) -> tuple[int, int, int]:
+  """(stages, send width, receive width) of a flush's gradient returns in
+  ``exact`` mode under a degree budget of `num_rounds`: one collective
+  (a home receives up to R) while R <= s + h, else the binomial reduction
+  tree (`_tree_returns`): each expert has at most R + 1 copies (the budget
+  bounds its home's receives), so ceil(log2(R + 1)) stages, in each of
+  which a device sends at most s gradients and receives at most one per
+  slot and one per home expert."""
+  s, h = topo.slots_per_device, _homes(num_experts, topo)
+  if num_rounds <= s + h:
+    return 1, min(s, num_rounds), num_rounds
+  return int(np.ceil(np.log2(num_rounds + 1))), s, s + h
+
+
+def exchange_widths(num_rounds: int, topo: Topology) -> dict:
+  """The buffers of one ``exact`` transition's fills and single-stage
+  returns under a degree budget R: a device receives at most its s slots'
+  fills and sends at most its s slots' gradients."""
+  s = topo.slots_per_device
+  return dict(send=num_rounds, recv=min(s, num_rounds),
+              ret_send=min(s, num_rounds), ret_recv=num_rounds)
+
+
+def _tree_returns(prev_BS, num_experts, topo: Topology):
+  """The flush as reduction trees: (evict, local returns, edges (b, src,
+  slot, dst, dst local index), stage of each edge [N]).
+
+  Per row and expert, the copies on devices other than its home are the
+  nodes 1..n of a binomial tree rooted at the home (node 0), ordered by
+  node (the home's own first, then by node and device) so most edges stay
+  inside a node: node i adds its sum into node i - lowbit(i) in stage
+  log2(lowbit(i)), after every child (i + 2^q, q < that stage) has added
+  into it. A second copy on the same device joins the first locally
+  before the tree runs, so no device sends to itself; a copy on the home
+  device joins the canonical gradient locally, as in every return.
+  """
+  s, h = topo.slots_per_device, _homes(num_experts, topo)
+  d = topo.num_devices
+  dev_S = topo.device_of_slot()
+  held_BS = prev_BS >= 0
+  e_BS = np.maximum(prev_BS, 0)
+  at_home_BS = held_BS & (e_BS // h == dev_S)
+  ret_local_BS = np.where(at_home_BS, s + e_BS % h, -1)
+  b_N, j_N = np.nonzero(held_BS & ~at_home_BS)
+  e_N, dev_N = prev_BS[b_N, j_N], j_N // s
+  node_D = topo.node_of_device()
+  home_N = e_N // h
+  far_N = node_D[dev_N] != node_D[home_N]
+  order = np.lexsort((j_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
+  b_N, j_N, e_N, dev_N, home_N = (x[order] for x in (b_N, j_N, e_N, dev_N,
+                                                      home_N))
+  # Duplicates: later copies of (row, expert, device) join the first.
+  key_N = (b_N * num_experts + e_N) * d + dev_N
+  first_N = np.r_[True, key_N[1:] != key_N[:-1]] if len(key_N) else (
+      np.zeros(0, bool))
+  rep_N = np.maximum.accumulate(np.where(first_N, np.arange(len(key_N)), 0))
+  dup = ~first_N
+  ret_local_BS[b_N[dup], j_N[dup]] = j_N[rep_N[dup]] % s
+  b_N, j_N, e_N, dev_N, home_N = (x[first_N] for x in (b_N, j_N, e_N, dev_N,
+                                                        home_N))
+  i_N = _rank_in_runs(b_N * num_experts + e_N) + 1
+  low_N = i_N & -i_N
+  parent_N = np.arange(len(i_N)) - low_N  # Node i - low, as an edge index.
+  to_home = i_N == low_N
+  p = np.maximum(parent_N, 0)
+  dst_N = np.where(to_home, home_N, dev_N[p])
+  dst_idx_N = np.where(to_home, s + e_N % h, j_N[p] % s)
+  stage_N = np.log2(low_N).astype(np.int64)
+  return held_BS, ret_local_BS, (b_N, dev_N, j_N % s, dst_N,
+                                 dst_idx_N), stage_N
 
 
 def _pack_rounds(b_N, src_N, dst_N, num_rows, num_devices):
@@ -328,8 +431,8 @@ def _rank_in_runs(key_N):
   return pos - np.maximum.accumulate(np.where(first, pos, 0))
 
 
-def _exact_arrays(edges, num_rows, num_devices, num_rounds):
-  """send [B, D, R] (0 none), count [B, D, D], recv [B, D, R] (-1 none):
+def _exact_arrays(edges, num_rows, num_devices, send_width, recv_width):
+  """send [B, D, Rs] (0 none), count [B, D, D], recv [B, D, Rr] (-1 none):
   the collective's order, sender-major then destination."""
   order = np.lexsort((edges[3], edges[1], edges[0]))
   b, src, src_idx, dst, dst_idx = (np.asarray(x)[order] for x in edges)
@@ -344,8 +447,8 @@ def _exact_arrays(edges, num_rows, num_devices, num_rounds):
   by_dst = np.lexsort((src, dst, b))  # Stable: a source keeps its order.
   recv_pos = np.empty(len(b), np.int64)
   recv_pos[by_dst] = _rank_in_runs((b * d + dst)[by_dst])
-  send_BDR = np.zeros((num_rows, d, num_rounds), np.int32)
-  recv_BDR = np.full((num_rows, d, num_rounds), -1, np.int32)
+  send_BDR = np.zeros((num_rows, d, send_width), np.int32)
+  recv_BDR = np.full((num_rows, d, recv_width), -1, np.int32)
   send_BDR[b, src, send_pos] = src_idx
   recv_BDR[b, dst, recv_pos] = dst_idx
   return send_BDR, count_BDD.astype(np.int32), recv_BDR
@@ -406,6 +509,27 @@ def _round_arrays(edges, round_N, depth_BK, num_rounds):
   return shift_BR, send_BRD, recv_BRD
 
 
+def _staged_returns(mv: _Moves, prev_BS, next_BS, num_experts, topo,
+                    num_rounds):
+  """``exact`` returns as P stages: (local returns [B, S], send [B, P, D,
+  Rs], count [B, P, D, D], recv [B, P, D, Rr]). A flush (next all empty)
+  whose budget calls for it runs as the reduction tree (`flush_form`),
+  any other return as one stage straight home."""
+  num_rows, d = len(next_BS), topo.num_devices
+  stages, send_w, recv_w = flush_form(num_rounds, num_experts, topo)
+  if stages > 1 and (next_BS < 0).all():
+    _, local_BS, edges, stage_N = _tree_returns(prev_BS, num_experts, topo)
+  else:
+    w = exchange_widths(num_rounds, topo)
+    stages, send_w, recv_w = 1, w['ret_send'], w['ret_recv']
+    local_BS, edges = mv.ret_local_BS, mv.ret
+    stage_N = np.zeros(len(edges[0]), np.int64)
+  parts = [_exact_arrays(tuple(np.asarray(x)[stage_N == p] for x in edges),
+                         num_rows, d, send_w, recv_w) for p in range(stages)]
+  return (local_BS.astype(np.int32),) + tuple(
+      np.stack([part[i] for part in parts], axis=1) for i in range(3))
+
+
 def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
               mode='exact'):
   """The (Exact)Transition of B rows; `where(b)` names row b in errors."""
@@ -420,12 +544,14 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
   counts = (np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
             (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
   if mode == 'exact':
-    d = topo.num_devices
+    w = exchange_widths(num_rounds, topo)
+    ret_local, *ret = _staged_returns(mv, prev_BS, next_BS, num_experts,
+                                      topo, num_rounds)
     return ExactTransition(
         mv.local_BS.astype(np.int32),
-        *_exact_arrays(mv.fill, len(next_BS), d, num_rounds),
-        mv.evict_BS, mv.ret_local_BS.astype(np.int32),
-        *_exact_arrays(mv.ret, len(next_BS), d, num_rounds), *counts)
+        *_exact_arrays(mv.fill, len(next_BS), topo.num_devices, w['send'],
+                       w['recv']),
+        mv.evict_BS, ret_local, *ret, *counts)
   return Transition(
       mv.local_BS.astype(np.int32),
       *_round_arrays(mv.fill, mv.fill_round_N, mv.fill_depth_BK, num_rounds),
@@ -462,7 +588,7 @@ def rounds_needed(prev_LS, next_LS, num_experts: int, topo: Topology,
 def remote_returns(t) -> int:
   """Gradients a transition sends to another device (all layers)."""
   if isinstance(t, ExactTransition):
-    return int(t.ret_count_LDD.sum())
+    return int(t.ret_count_LPDD.sum())
   return int((t.ret_recv_LRD >= 0).sum())
 
 
@@ -477,12 +603,12 @@ def wire_items(t, num_devices: int, emulated: bool = False) -> tuple:
   in each).
   """
   if isinstance(t, ExactTransition):
-    useful = int(t.count_LDD.sum() + t.ret_count_LDD.sum())
+    useful = int(t.count_LDD.sum() + t.ret_count_LPDD.sum())
     if not emulated:
       return useful, useful
     d = np.arange(num_devices)
     wire = 0
-    for count in (t.count_LDD, t.ret_count_LDD):
+    for count in (t.count_LDD, t.ret_count_LPDD):
       c = count.reshape(-1, num_devices, num_devices)
       depth_BK = c[:, d[:, None], (d[:, None] + d[None, :]) % num_devices
                    ].max(axis=1)
@@ -506,8 +632,8 @@ def step_wire_over_useful(st: StepTransfer, num_devices: int,
 
 
 # A transition's return fields (both modes' names) with nothing returned.
-_NO_RETURNS = (('evict_LS', False), ('ret_local_LS', -1), ('ret_send_LDR', 0),
-               ('ret_count_LDD', 0), ('ret_recv_LDR', -1), ('ret_shift_LR', 0),
+_NO_RETURNS = (('evict_LS', False), ('ret_local_LS', -1), ('ret_send_LPDR', 0),
+               ('ret_count_LPDD', 0), ('ret_recv_LPDR', -1), ('ret_shift_LR', 0),
                ('ret_send_LRD', 0), ('ret_recv_LRD', -1),
                ('ret_rounds_used_L', 0))
 

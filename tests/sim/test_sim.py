@@ -362,6 +362,16 @@ def test_memory_model_by_hand():
   assert mem.transfer_schedule == 1 * (2 + work.num_microsteps) * per
   assert mem.total == pytest.approx(sum(
       v for k, v in mem.as_dict().items() if k != 'total'))
+  # A budget of R = 8 > s + h = 3 + 2: the flush is a reduction tree of
+  # ceil(log2(9)) = 4 stages, one live at a time, sending at most s = 3
+  # and receiving at most s + h = 5 (where one collective would hold
+  # 3 + 8); the fill sends up to 8 and receives up to s = 3.
+  tree = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
+                              capacity_rows=16, step_rounds=8)
+  assert tree.exchange_buffers == (3 + 5) * ppe * 4 + 2 * 2 * ppe * 4
+  fill = 4 * (8 + 3 + (3 + 8)) + 4 * 4 * 2 * 2 + 9 * 3
+  flush = 4 * (8 + 3 + 4 * (3 + 5)) + 4 * 4 * 2 * 5 + 9 * 3
+  assert tree.transfer_schedule == fill + flush + work.num_microsteps * per
   sharded = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                                  capacity_rows=16, fsdp_shards=2)
   assert sharded.nonexpert_state == mem.nonexpert_state / 2
@@ -466,9 +476,10 @@ def test_flush_inside_the_last_backward_by_hand():
       (3.0, 3.0 - 0.5 * 2.0 * 2 / 3))
   assert simulate.flush_exposed(np.zeros(3), 9.0, 1.0) == (0.0, 0.0)
   # Switched off, it still sums each layer's slot gradients (3 slots: read
-  # two, write one) and gathers its send buffer (R = 4 items, and a zeroed
-  # receive buffer), f32, once per micro-step.
+  # two, write one) and gathers its send buffer (min(s, R) = 3 items: a
+  # device sends from its slots only) and zeroes its receive buffer (R = 4
+  # items: R <= s + h = 5, so one collective), f32, once per micro-step.
   _, _, spread = _hot_expert_plans(Topology(1, 2, 3))
-  assert spread.transfer.flush.ret_send_LDR.shape[-1] == 4
+  assert spread.transfer.fill.send_LDR.shape[-1] == 4
   assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3) == (
-      pytest.approx(1 * (3 * 3 + 2 * 4) * MODEL.params_per_expert * 4 / 1e15))
+      pytest.approx(1 * (3 * 3 + 3 + 4) * MODEL.params_per_expert * 4 / 1e15))

@@ -55,6 +55,9 @@ def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode, exchange,
                                    mode=mode)
   st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
   assert st.remote_fills_M()[1:].sum() > 0  # The sequence really moves experts.
+  if mode == 'exact':  # The flush runs as a reduction tree (R > s + h).
+    assert st.flush.ret_count_LPDD.shape[1] > 1
+    assert st.flush.ret_count_LPDD[:, 1:].sum() > 0
   # Two leaves of different shapes, stacked over the layers as the model
   # stores them: [L, E, ...].
   canon = (jnp.asarray(rng.standard_normal((num_layers, num_experts, 3, 2)),
@@ -233,7 +236,7 @@ def test_each_device_receives_only_its_own_rows(mesh, mode):
       se_MLS, num_experts, topo, schedule.TransferBudget(12, 12, mode))
   dev = engine.device_step_transfer(
       st, lambda spec: jax.sharding.NamedSharding(mesh, spec))
-  whole = {'shift_LR', 'ret_shift_LR', 'depth_LK', 'ret_depth_LK'}
+  whole = {'shift_LR', 'ret_shift_LR', 'depth_LK', 'ret_depth_LPK'}
   for name, t in dev.items():
     for k, x in t.items():
       shard = x.sharding.shard_shape(x.shape)
@@ -244,17 +247,22 @@ def test_each_device_receives_only_its_own_rows(mesh, mode):
         assert len(split) == 1 and shard[split[0]] * D == x.shape[split[0]], (
             name, k, x.shape, shard)
   if mode == 'exact':
-    for prefix in ('', 'ret_'):
-      c = getattr(st.steps, prefix + 'count_LDD')  # [M, L, D, D]
-      t = dev['steps']
-      np.testing.assert_array_equal(t[prefix + 'count_LDD'], c)
-      for m, l, src, dst in np.ndindex(c.shape):
-        assert t[prefix + 'recv_count_LDD'][m, l, dst, src] == c[m, l, src, dst]
-        assert (t[prefix + 'out_off_LDD'][m, l, src, dst]
-                == c[m, l, :src, dst].sum())
-      for m, l, k in np.ndindex(c.shape[:2] + (D,)):
-        assert t[prefix + 'depth_LK'][m, l, k] == max(
-            c[m, l, s, (s + k) % D] for s in range(D))
+    # The moves' fills ([M, L, D, D]) and the flush's staged returns (a
+    # tree here: budget 12 > s + h = 5; [L, P, D, D]).
+    assert st.flush.ret_count_LPDD.shape[1] > 1
+    for t, c, pre, lp in ((dev['steps'], st.steps.count_LDD, '', 'L'),
+                          (dev['flush'], st.flush.ret_count_LPDD, 'ret_',
+                           'LP')):
+      np.testing.assert_array_equal(t[f'{pre}count_{lp}DD'], c)
+      for i in np.ndindex(c.shape[:-2]):
+        for src, dst in np.ndindex(c.shape[-2:]):
+          assert t[f'{pre}recv_count_{lp}DD'][i + (dst, src)] == c[
+              i + (src, dst)]
+          assert (t[f'{pre}out_off_{lp}DD'][i + (src, dst)]
+                  == c[i][:src, dst].sum())
+        for k in range(D):
+          assert t[f'{pre}depth_{lp}K'][i + (k,)] == max(
+              c[i][s, (s + k) % D] for s in range(D))
   slots = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))(
       (jnp.asarray(rng.standard_normal((2, num_experts, 4)), jnp.float32),),
       dev['fill'])

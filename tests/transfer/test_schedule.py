@@ -101,29 +101,32 @@ def simulate_fill_exact(tr, l, prev_S, num_experts, topo):
 
 
 def simulate_returns(tr, l, grad_S, num_experts, topo):
-  """Canonical gradient sums [E] after the returns, and the slots zeroed."""
-  if isinstance(tr, schedule.ExactTransition):
-    d_, s = topo.num_devices, topo.slots_per_device
-    h = num_experts // d_
-    grad_Ds = np.asarray(grad_S, float).reshape(d_, s)
-    acc_Dh = np.zeros((d_, h))
-    for j in range(d_ * s):
-      if tr.ret_local_LS[l, j] >= 0:
-        acc_Dh[j // s, tr.ret_local_LS[l, j]] += grad_Ds[j // s, j % s]
-    got = exchange_exact(tr.ret_send_LDR[l], tr.ret_count_LDD[l])
-    for d in range(d_):
-      assert (tr.ret_recv_LDR[l, d, len(got[d]):] == -1).all()
-      for q, (c, pos) in enumerate(got[d]):
-        acc_Dh[d, tr.ret_recv_LDR[l, d, q]] += grad_Ds[
-            c, tr.ret_send_LDR[l, c, pos]]
-    return acc_Dh.ravel(), tr.evict_LS[l]
+  """Canonical gradient sums [E] after the returns, and the slots zeroed.
+
+  A device's local list is [slots..., home experts...]: local returns
+  and received gradients are added into a slot (a flush tree passes its
+  sum on in a later stage) or a home expert's gradient."""
   d_, s = topo.num_devices, topo.slots_per_device
   h = num_experts // d_
   grad_Ds = np.asarray(grad_S, float).reshape(d_, s)
-  acc_Dh = np.zeros((d_, h))
-  for j in range(d_ * s):
+  acc_Dx = np.concatenate([grad_Ds, np.zeros((d_, h))], axis=1)
+  for j in range(d_ * s):  # Reads the slots as they were (no chains).
     if tr.ret_local_LS[l, j] >= 0:
-      acc_Dh[j // s, tr.ret_local_LS[l, j]] += grad_Ds[j // s, j % s]
+      t = tr.ret_local_LS[l, j]
+      assert t >= s or tr.ret_local_LS[l, j // s * s + t] == -1, 'a chain'
+      acc_Dx[j // s, tr.ret_local_LS[l, j]] += grad_Ds[j // s, j % s]
+  if isinstance(tr, schedule.ExactTransition):
+    for p in range(tr.ret_send_LPDR.shape[1]):  # One stage after another.
+      send_DR, recv_DR = tr.ret_send_LPDR[l, p], tr.ret_recv_LPDR[l, p]
+      assert (np.diagonal(tr.ret_count_LPDD[l, p]) == 0).all(), 'self-send'
+      got = exchange_exact(send_DR, tr.ret_count_LPDD[l, p])
+      sent = acc_Dx.copy()  # A stage's sends read the sums before it.
+      for d in range(d_):
+        assert (recv_DR[d, len(got[d]):] == -1).all(), 'phantom receive'
+        for q, (c, pos) in enumerate(got[d]):
+          assert send_DR[c, pos] < s, 'sent a home expert'
+          acc_Dx[d, recv_DR[d, q]] += sent[c, send_DR[c, pos]]
+    return acc_Dx[:, s:].ravel(), tr.evict_LS[l]
   for r, k in enumerate(tr.ret_shift_LR[l]):
     if k == 0:
       assert (tr.ret_recv_LRD[l, r] == -1).all()
@@ -131,9 +134,10 @@ def simulate_returns(tr, l, grad_S, num_experts, topo):
     for d in range(d_):
       dst = (d + k) % d_
       if tr.ret_recv_LRD[l, r, dst] >= 0:
-        acc_Dh[dst, tr.ret_recv_LRD[l, r, dst]] += grad_Ds[
+        assert tr.ret_recv_LRD[l, r, dst] >= s, 'rounds return into a slot'
+        acc_Dx[dst, tr.ret_recv_LRD[l, r, dst]] += grad_Ds[
             d, tr.ret_send_LRD[l, r, d]]
-  return acc_Dh.ravel(), tr.evict_LS[l]
+  return acc_Dx[:, s:].ravel(), tr.evict_LS[l]
 
 
 def degree(count_LDD):
@@ -147,15 +151,28 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
   exact = isinstance(tr, schedule.ExactTransition)
   if exact:
     d_ = topo.num_devices
+    s, h = topo.slots_per_device, num_experts // d_
+    # Buffers by role: a device receives fills into its s slots only, and
+    # sends gradients from them only.
     assert tr.send_LDR.shape == (num_layers, d_, num_rounds)
+    assert tr.recv_LDR.shape == (num_layers, d_, min(s, num_rounds))
     assert tr.count_LDD.shape == (num_layers, d_, d_)
     # No device exchanges with itself; the degree is what was used.
     assert (np.diagonal(tr.count_LDD, axis1=1, axis2=2) == 0).all()
     np.testing.assert_array_equal(tr.rounds_used_L, degree(tr.count_LDD))
-    np.testing.assert_array_equal(tr.ret_rounds_used_L,
-                                  degree(tr.ret_count_LDD))
     assert (tr.rounds_used_L <= num_rounds).all()
     assert (tr.ret_rounds_used_L <= num_rounds).all()
+    stages = tr.ret_count_LPDD.shape[1]
+    if next_LS is None and num_rounds > s + h:  # The flush's tree.
+      assert stages == int(np.ceil(np.log2(num_rounds + 1)))
+      assert tr.ret_send_LPDR.shape[-1] == s
+      assert tr.ret_recv_LPDR.shape[-1] == s + h
+    else:  # One collective straight home: the degree is what was used.
+      assert stages == 1
+      assert tr.ret_send_LPDR.shape[-1] == min(s, num_rounds)
+      assert tr.ret_recv_LPDR.shape[-1] == num_rounds
+      np.testing.assert_array_equal(tr.ret_rounds_used_L,
+                                    degree(tr.ret_count_LPDD[:, 0]))
   else:
     assert tr.shift_LR.shape == (num_layers, num_rounds)
     assert tr.send_LRD.shape == (num_layers, num_rounds, topo.num_devices)
@@ -179,7 +196,7 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
       assert tr.ret_rounds_used_L[l] == (tr.ret_shift_LR[l] > 0).sum()
     if prev is None:
       assert not tr.evict_LS[l].any()
-      assert (tr.ret_count_LDD[l] == 0).all() if exact else (
+      assert (tr.ret_count_LPDD[l] == 0).all() if exact else (
           tr.ret_shift_LR[l] == 0).all()
       continue
     # Distinct powers of two: a sum names exactly which gradients arrived.
@@ -313,7 +330,7 @@ def test_exact_spreads_a_hot_expert_over_its_holders():
                                 [1, 1, 1, 1, 0, 0, 0, 0])
   assert tr.rounds_used_L[0] == 1
   # The returns of devices 4-7's evicted experts 4-7: each is home there.
-  assert tr.ret_count_LDD[0].sum() == 0 and tr.ret_rounds_used_L[0] == 0
+  assert tr.ret_count_LPDD[0].sum() == 0 and tr.ret_rounds_used_L[0] == 0
   wire, useful = schedule.wire_items(tr, topo.num_devices)
   assert wire == useful == 4
   rounds = schedule.transition(prev, nxt, num_experts, topo, 8, 'rounds')
@@ -407,3 +424,32 @@ def test_unflushable_tail_holds_the_last_flushable_placement():
   np.testing.assert_array_equal(out[3], se[2])
   assert reverted == (se[3] != se[2]).sum()
   schedule.build_step_transfer(out, e, topo, budget)
+
+
+def test_flush_tree_bounds_every_stage_and_keeps_edges_in_a_node():
+  """2 nodes x 4 devices, s = 2, h = 1 (expert d's home is device d).
+  Expert 0 is replicated on devices 1-7, twice on device 5; device 0
+  holds expert 5. Returned straight home, device 0 would receive 8
+  gradients in one collective (its degree). With a budget of 8 > s + h
+  the flush is a tree: ceil(log2(9)) = 4 stages, in each of which a
+  device sends at most s = 2 and receives at most s + h = 3; device 0
+  receives one of expert 0's sums per stage (from tree nodes 1, 2, 4);
+  device 5's second copy joins its first locally; and two sums cross
+  between the nodes (node 1's partial sum of expert 0, and expert 5)
+  where the one-shot return sends six."""
+  topo, e = Topology(2, 4, 2), 8
+  prev = np.array([[0, 5, 1, 0, 2, 0, 3, 0, 4, 0, 0, 0, 6, 0, 7, 0]])
+  assert schedule.rounds_needed(prev, None, e, topo)[0] == 8
+  tr = schedule.transition(prev, None, e, topo, 8)
+  check_transition(tr, prev, None, e, topo, 8)
+  count_PDD = tr.ret_count_LPDD[0]
+  assert count_PDD.shape[0] == 4 and count_PDD.sum() == 8
+  assert count_PDD.sum(2).max() <= 2 and count_PDD.sum(1).max() <= 3
+  np.testing.assert_array_equal(count_PDD[:, 1:, 0].sum(1), [1, 1, 1, 0])
+  assert tr.ret_local_LS[0, 11] == 0  # Device 5's second copy -> its first.
+  assert tr.ret_local_LS[0, 0] == 2  # Device 0's own expert: s + 0.
+  node = topo.node_of_device()
+  cross = node[:, None] != node[None, :]
+  assert (count_PDD * cross).sum() == 2
+  # The one-shot return: expert 0's five copies on node 1, and expert 5.
+  assert (node[np.nonzero(prev[0] == 0)[0] // 2] == 1).sum() + 1 == 6
