@@ -31,8 +31,9 @@ Assumptions, each a property of the code as built:
   (`schedule.exchange_widths`, `schedule.flush_form`): the flush's
   gradient return in float32 (it sits in every micro-step's backward,
   switched off but allocated in all but the last), one stage of it live
-  at a time: s + (s + h) experts as a reduction tree once R = step_rounds
-  exceeds s + h, else min(s, R) + R; and a fill between micro-steps in
+  at a time: s + (s + h) experts as a reduction tree where R = step_rounds
+  is large against s + h (`flush_form`), else min(s, R) + R; and a fill
+  between micro-steps in
   the moved dtype beside it (R + min(s, R) experts, R = microstep_rounds);
 * each device holds its own rows of the step's transitions
   (`engine.transition_specs`): per layer and transition, its sends and

@@ -37,11 +37,11 @@ while it keeps its expert; when a transition evicts the expert (or at the
 end of the step, the flush), the accumulated gradient goes to the expert's
 home device and is added into the canonical gradient: locally when the slot
 sits on the home device, else by rounds built like the fills. In ``exact``
-mode a flush whose budget would let a hot expert's home receive more than
-s + h gradients at once runs as a reduction tree instead
-(`schedule.flush_form`): a few exchanges one after another, each adding
-partial sums into slots (or, at the root, the canonical gradient), so a
-device's buffers hold s + (s + h) float32 experts, not 2R.
+mode a flush whose budget R is large against s + h runs as a reduction
+tree instead (`schedule.flush_form`): a few exchanges one after another,
+each adding partial sums into slots (or, at the root, the canonical
+gradient), so a device's buffers hold s + (s + h) float32 experts, not
+min(s, R) + R.
 
 Overlap. The update issues micro-step m+1's fills in the same scan
 iteration as micro-step m's compute, reading only the buffers m computes

@@ -33,8 +33,8 @@ Two modes carry the remote copies (`TransferBudget.mode`):
   gradients (only slots hold replicas) and receives at most R.
   The flush returns every replica at once, so a hot expert's home would
   receive up to R float32 gradients in one collective (R = D by default:
-  about 90 GB a device at DeepSeek-V3 width on 256 devices). When R
-  exceeds s + h it runs as a binomial reduction tree instead
+  about 90 GB a device at DeepSeek-V3 width on 256 devices). Where R is
+  large against s + h it runs as a binomial reduction tree instead
   (`flush_form`): per expert, its home and the devices holding replicas
   (ordered by node, the home's first) pass partial sums in ceil(log2(R +
   1)) stages, one ragged all-to-all each, in which a device sends at most
@@ -324,16 +324,26 @@ def _return_edges(prev_BS, next_BS, num_experts, topo: Topology):
 def flush_form(num_rounds: int, num_experts: int, topo: Topology
                ) -> tuple[int, int, int]:
   """(stages, send width, receive width) of a flush's gradient returns in
-  ``exact`` mode under a degree budget of `num_rounds`: one collective
-  (a home receives up to R) while R <= s + h, else the binomial reduction
-  tree (`_tree_returns`): each expert has at most R + 1 copies (the budget
+  ``exact`` mode under a degree budget of `num_rounds`.
+
+  Two forms. One collective straight home: a device sends at most
+  min(s, R) and a home receives up to R. Or the binomial reduction tree
+  (`_tree_returns`): each expert has at most R + 1 copies (the budget
   bounds its home's receives), so ceil(log2(R + 1)) stages, in each of
   which a device sends at most s gradients and receives at most one per
-  slot and one per home expert."""
+  slot and one per home expert, s + h. The flush sits in every
+  micro-step's backward, switched off but still gathering its send
+  buffers and zeroing its receive buffers, stage by stage; the tree is
+  taken when those buffers, summed over its stages, are fewer than the
+  one collective's, so it never costs more there, and its live buffers
+  (one stage's) are then smaller too. (At R = D = 256, s = 3, h = 1: 9
+  stages of 3 + 4 experts, 63 in all, against 3 + 256.)"""
   s, h = topo.slots_per_device, _homes(num_experts, topo)
-  if num_rounds <= s + h:
-    return 1, min(s, num_rounds), num_rounds
-  return int(np.ceil(np.log2(num_rounds + 1))), s, s + h
+  star = (1, min(s, num_rounds), num_rounds)
+  stages = int(np.ceil(np.log2(num_rounds + 1)))
+  if stages * (2 * s + h) < sum(star[1:]):
+    return stages, s, s + h
+  return star
 
 
 def exchange_widths(num_rounds: int, topo: Topology) -> dict:

@@ -38,7 +38,11 @@ def setup():
   return cfg, mesh, graphdef, params, rollout, rewards
 
 
-BUDGET = schedule.TransferBudget(step_rounds=8, microstep_rounds=8)
+# A fill/flush budget of 32 makes the flush a reduction tree
+# (schedule.flush_form: 6 stages of 2 + 3 experts against 2 + 32 at
+# s = 2, h = 1), so the update's backward runs the tree here; the other
+# RL tests' smaller budgets run it as one collective.
+BUDGET = schedule.TransferBudget(step_rounds=32, microstep_rounds=8)
 
 
 def _step_plan(placement, capacity=None, spd=2, budget=BUDGET):
@@ -187,6 +191,8 @@ def test_moving_experts_changes_no_number(setup):
   st = schedule.build_step_transfer(placement.slot_expert, 8,
                                     Topology(1, 8, 2), BUDGET)
   assert st.remote_fills_M()[1:].sum() > 0  # Experts really move mid-step.
+  # The flush in the last backward is a tree that passes sums on.
+  assert st.flush.ret_count_LPDD[:, 1:].sum() > 0
   still = _plan(4, num_layers)
   out = {}
   grads_fn = _grads_fn(**kw)

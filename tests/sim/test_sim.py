@@ -362,15 +362,18 @@ def test_memory_model_by_hand():
   assert mem.transfer_schedule == 1 * (2 + work.num_microsteps) * per
   assert mem.total == pytest.approx(sum(
       v for k, v in mem.as_dict().items() if k != 'total'))
-  # A budget of R = 8 > s + h = 3 + 2: the flush is a reduction tree of
-  # ceil(log2(9)) = 4 stages, one live at a time, sending at most s = 3
-  # and receiving at most s + h = 5 (where one collective would hold
-  # 3 + 8); the fill sends up to 8 and receives up to s = 3.
-  tree = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
+  # R = 8: one collective whose sends are at most s = 3 (the slots).
+  star = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                               capacity_rows=16, step_rounds=8)
+  assert star.exchange_buffers == (3 + 8) * ppe * 4 + 2 * 2 * ppe * 4
+  # R = 64: a reduction tree of ceil(log2(65)) = 7 stages, one live at a
+  # time, sending at most s = 3 and receiving at most s + h = 5 (7 x 8
+  # < 3 + 64); the fill sends up to 64 and receives up to s = 3.
+  tree = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
+                              capacity_rows=16, step_rounds=64)
   assert tree.exchange_buffers == (3 + 5) * ppe * 4 + 2 * 2 * ppe * 4
-  fill = 4 * (8 + 3 + (3 + 8)) + 4 * 4 * 2 * 2 + 9 * 3
-  flush = 4 * (8 + 3 + 4 * (3 + 5)) + 4 * 4 * 2 * 5 + 9 * 3
+  fill = 4 * (64 + 3 + (3 + 64)) + 4 * 4 * 2 * 2 + 9 * 3
+  flush = 4 * (64 + 3 + 7 * (3 + 5)) + 4 * 4 * 2 * 8 + 9 * 3
   assert tree.transfer_schedule == fill + flush + work.num_microsteps * per
   sharded = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                                  capacity_rows=16, fsdp_shards=2)

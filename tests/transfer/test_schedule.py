@@ -163,8 +163,11 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
     assert (tr.rounds_used_L <= num_rounds).all()
     assert (tr.ret_rounds_used_L <= num_rounds).all()
     stages = tr.ret_count_LPDD.shape[1]
-    if next_LS is None and num_rounds > s + h:  # The flush's tree.
-      assert stages == int(np.ceil(np.log2(num_rounds + 1)))
+    tree = int(np.ceil(np.log2(num_rounds + 1)))
+    # A flush is a tree where its stages' buffers, summed, are fewer than
+    # one collective's.
+    if next_LS is None and tree * (2 * s + h) < min(s, num_rounds) + num_rounds:
+      assert stages == tree
       assert tr.ret_send_LPDR.shape[-1] == s
       assert tr.ret_recv_LPDR.shape[-1] == s + h
     else:  # One collective straight home: the degree is what was used.
@@ -430,8 +433,8 @@ def test_flush_tree_bounds_every_stage_and_keeps_edges_in_a_node():
   """2 nodes x 4 devices, s = 2, h = 1 (expert d's home is device d).
   Expert 0 is replicated on devices 1-7, twice on device 5; device 0
   holds expert 5. Returned straight home, device 0 would receive 8
-  gradients in one collective (its degree). With a budget of 8 > s + h
-  the flush is a tree: ceil(log2(9)) = 4 stages, in each of which a
+  gradients in one collective (its degree). With a budget of 32 the flush
+  is a tree (6 stages of 2 + 3 buffers, 30 < 2 + 32): in each stage a
   device sends at most s = 2 and receives at most s + h = 3; device 0
   receives one of expert 0's sums per stage (from tree nodes 1, 2, 4);
   device 5's second copy joins its first locally; and two sums cross
@@ -440,12 +443,14 @@ def test_flush_tree_bounds_every_stage_and_keeps_edges_in_a_node():
   topo, e = Topology(2, 4, 2), 8
   prev = np.array([[0, 5, 1, 0, 2, 0, 3, 0, 4, 0, 0, 0, 6, 0, 7, 0]])
   assert schedule.rounds_needed(prev, None, e, topo)[0] == 8
-  tr = schedule.transition(prev, None, e, topo, 8)
-  check_transition(tr, prev, None, e, topo, 8)
+  assert schedule.flush_form(32, e, topo) == (6, 2, 3)
+  assert schedule.flush_form(16, e, topo) == (1, 2, 16)  # 5 x 5 > 2 + 16.
+  tr = schedule.transition(prev, None, e, topo, 32)
+  check_transition(tr, prev, None, e, topo, 32)
   count_PDD = tr.ret_count_LPDD[0]
-  assert count_PDD.shape[0] == 4 and count_PDD.sum() == 8
+  assert count_PDD.shape[0] == 6 and count_PDD.sum() == 8
   assert count_PDD.sum(2).max() <= 2 and count_PDD.sum(1).max() <= 3
-  np.testing.assert_array_equal(count_PDD[:, 1:, 0].sum(1), [1, 1, 1, 0])
+  np.testing.assert_array_equal(count_PDD[:, 1:, 0].sum(1), [1, 1, 1, 0, 0, 0])
   assert tr.ret_local_LS[0, 11] == 0  # Device 5's second copy -> its first.
   assert tr.ret_local_LS[0, 0] == 2  # Device 0's own expert: s + 0.
   node = topo.node_of_device()
