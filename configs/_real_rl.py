@@ -248,6 +248,11 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   # (num_expert - 1 sends), the trainer's and the simulator's default.
   t.step_rounds = num_expert
   t.microstep_rounds = 2  # Moves between micro-steps, under compute.
+  # The flush's form: 'auto' takes the reduction tree (stages of s + (s +
+  # h) float32 experts) where its buffers, summed over its stages, are
+  # fewer than one collective's (min(s, R) + R); 'tree' whenever memory
+  # is tighter than time; 'direct' never.
+  t.flush = 'auto'
   # The recompute fills the policy's experts into its step-level slots under
   # its forward, so the update opens with only micro-step 0's changes.
   t.prefill = True

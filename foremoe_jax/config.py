@@ -258,6 +258,9 @@ def validate_config(config) -> None:
                f'must be >= 1 (rounds of one expert per device), got {t[f]}')
     _require(t.get('mode', 'exact') in ('exact', 'rounds'), 'transfer.mode',
              f"must be 'exact' or 'rounds', got {t.get('mode')!r}")
+    _require(t.get('flush', 'auto') in ('auto', 'tree', 'direct'),
+             'transfer.flush', "must be 'auto', 'tree' (least memory) or "
+             f"'direct' (fewest collectives), got {t.get('flush')!r}")
   if 'planner' in config:
     _validate_planner(config.planner)
   if 'rl' in config:

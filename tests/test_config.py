@@ -42,6 +42,7 @@ BAD = [
     ('parallel.dispatch', lambda c: setattr(c.parallel, 'dispatch', 'ragged'), 'must be one of'),
     ('transfer.step_rounds', lambda c: setattr(c.transfer, 'step_rounds', 0), '>= 1'),
     ('transfer.microstep_rounds', lambda c: setattr(c.transfer, 'microstep_rounds', 0), '>= 1'),
+    ('transfer.flush', lambda c: setattr(c.transfer, 'flush', 'ring'), "'tree'"),
     ('planner.deadline_recompute_frac', lambda c: setattr(c.planner, 'deadline_recompute_frac', 0.0), '> 0'),
     ('rl.num_generations', lambda c: setattr(c.rl, 'num_generations', 1), 'group baseline'),
     ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 0), '>= 1'),

@@ -96,7 +96,8 @@ def modelled(report: MemoryReport, num_layers: int | None = None) -> dict:
       remat_policy=report.remat_policy,
       fsdp_shards=report.ep if work.fsdp_all else 1,
       step_rounds=int(cfg.transfer.step_rounds),
-      microstep_rounds=int(cfg.transfer.microstep_rounds)).as_dict()
+      microstep_rounds=int(cfg.transfer.microstep_rounds),
+      flush=str(cfg.transfer.get('flush', 'auto'))).as_dict()
 
 
 def _modules(model):
@@ -166,7 +167,8 @@ def compiled_update(report: MemoryReport, num_layers: int):
   transfer = schedule.build_step_transfer(
       stacked.slot_expert, m.num_experts, topo,
       schedule.TransferBudget(int(cfg.transfer.step_rounds),
-                              int(cfg.transfer.microstep_rounds)))
+                              int(cfg.transfer.microstep_rounds),
+                              flush=str(cfg.transfer.get('flush', 'auto'))))
   plan = step_lib.StepPlan(step_lib.device_placement(stacked, mesh),
                            step_lib.device_transfer(transfer, mesh),
                            _capacity_rows(report, m))

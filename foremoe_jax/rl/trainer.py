@@ -142,7 +142,7 @@ def transfer_budget(config) -> schedule.TransferBudget:
   return schedule.TransferBudget(
       step_rounds=int(t.get('step_rounds', config.parallel.num_expert)),
       microstep_rounds=int(t.get('microstep_rounds', 2)),
-      mode=str(t.get('mode', 'exact')))
+      mode=str(t.get('mode', 'exact')), flush=str(t.get('flush', 'auto')))
 
 
 @dataclasses.dataclass

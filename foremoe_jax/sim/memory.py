@@ -90,15 +90,17 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
                   logp_chunk: int = 2048,
                   compute_bytes: int | None = None,
                   step_rounds: int | None = None,
-                  microstep_rounds: int = 2) -> MemoryBreakdown:
+                  microstep_rounds: int = 2,
+                  flush: str = 'auto') -> MemoryBreakdown:
   """Per-device bytes of the update (module docstring).
 
   ep: EP devices (experts per device E / ep). capacity_rows: the exact
   dispatch's receive bucket R (or D * C for padded cells). fsdp_shards:
   the 'data' axis size when FSDP shards the non-expert state (1: off).
   compute_bytes: the compute dtype's size (default: the model's param
-  dtype, bf16 in the real configs). step_rounds, microstep_rounds: the
-  transfer budget (default: the trainer's, step_rounds = ep).
+  dtype, bf16 in the real configs). step_rounds, microstep_rounds, flush:
+  the transfer budget (default: the trainer's, step_rounds = ep) and the
+  flush's form (`transfer.schedule.flush_form`).
   """
   cb = model.bytes_per_param if compute_bytes is None else compute_bytes
   tokens = work.tokens_per_device
@@ -138,7 +140,7 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   r_step = ep if step_rounds is None else step_rounds
   topo = Topology(1, ep, slots_per_device)
   stages, flush_send, flush_recv = transfer_schedule.flush_form(
-      r_step, model.num_experts, topo)
+      r_step, model.num_experts, topo, flush)
   move = transfer_schedule.exchange_widths(microstep_rounds, topo)
   exchange = model.params_per_expert * (
       (flush_send + flush_recv) * F32
@@ -148,9 +150,9 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   # returns' per stage, per exchange the count rows [D] (sent, received,
   # output offsets) and the shift depths [K = D], and the slot fields [s]
   # (two int32, one bool).
-  def rows(r, flush=False):
+  def rows(r, is_flush=False):
     w = transfer_schedule.exchange_widths(r, topo)
-    p, rs, rr = ((stages, flush_send, flush_recv) if flush
+    p, rs, rr = ((stages, flush_send, flush_recv) if is_flush
                  else (1, w['ret_send'], w['ret_recv']))
     return (4 * (w['send'] + w['recv'] + p * (rs + rr))
             + 4 * 4 * ep * (1 + p) + 9 * slots_per_device)

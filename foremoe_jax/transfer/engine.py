@@ -353,18 +353,21 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   return jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
 
 
-def _add_into(gslots, gcanon, index, value):
+def _add_into(gslots, gcanon, index, value, into_slots: bool = True):
   """gslots[index] += value where index < s, gcanon[index - s] += value
   where index >= s (the local list's indexing), nothing where index < 0;
-  index scalar or [n] (value [n, X...] then)."""
+  index scalar or [n] (value [n, X...] then). into_slots False: the
+  targets are homes only (every return but a flush tree's), and the slots
+  are not touched."""
   spd = jax.tree.leaves(gslots)[0].shape[0]
   num_home = jax.tree.leaves(gcanon)[0].shape[0]
-  at_slot = jnp.where((index >= 0) & (index < spd), index, spd)
   at_home = jnp.where(index >= spd, index - spd, num_home)
-  gslots = jax.tree.map(lambda g, v: g.at[at_slot].add(v, mode='drop'),
-                        gslots, value)
   gcanon = jax.tree.map(lambda c, v: c.at[at_home].add(v, mode='drop'),
                         gcanon, value)
+  if into_slots:
+    at_slot = jnp.where((index >= 0) & (index < spd), index, spd)
+    gslots = jax.tree.map(lambda g, v: g.at[at_slot].add(v, mode='drop'),
+                          gslots, value)
   return gslots, gcanon
 
 
@@ -372,13 +375,15 @@ def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   """`_layer_returns` by exchanges of the evicted slots' gradients, one per
   stage (a flush's reduction tree passes partial sums on through slots:
   stage p sends what stages before it added in)."""
-  gslots, gcanon = _local_returns(gslots, gcanon, t, spd)
-  for p in range(t['ret_send_LPDR'].shape[0]):
+  stages = t['ret_send_LPDR'].shape[0]
+  tree = stages > 1  # Only a tree adds into slots.
+  gslots, gcanon = _local_returns(gslots, gcanon, t, spd, into_slots=tree)
+  for p in range(stages):
     items = jax.tree.map(lambda g: g[t['ret_send_LPDR'][p, 0]], gslots)
     dst_R = t['ret_recv_LPDR'][p, 0]
     got = _exchange(items, _my_ret_counts(t, p), me, exchange,
                     dst_R.shape[0])
-    gslots, gcanon = _add_into(gslots, gcanon, dst_R, got)
+    gslots, gcanon = _add_into(gslots, gcanon, dst_R, got, into_slots=tree)
   return _zero_evicted(gslots, t, spd), gcanon
 
 
@@ -398,21 +403,30 @@ def _layer_fill(slots, canon, t, me, spd: int, num_devices: int):
   return _rounds(t['shift_LR'], one_round, new)
 
 
-def _local_returns(gslots, gcanon, t, spd: int):
+def _local_returns(gslots, gcanon, t, spd: int, into_slots: bool = False):
   """Evicted slots' gradients added in on this device: into the canonical
-  gradient where it is their home, or (a flush tree's duplicate copy)
-  into the slot of the device's first copy. Returns (gslots, gcanon)."""
+  gradient where it is their home, or (a flush tree's duplicate copy,
+  into_slots True) into the slot of the device's first copy. Returns
+  (gslots, gcanon)."""
   local_s = t['ret_local_LS']  # [s], this device's.
   src = gslots  # No slot that is added into adds itself anywhere.
   # Slot by slot, only the evicted slots that return locally: most slots
   # keep accumulating, and touching them would copy every slot's gradient
-  # every micro-step.
+  # every micro-step. Without a tree only the canonical gradient passes
+  # through the conditionals.
   for j in range(spd):
-    gslots, gcanon = jax.lax.cond(
-        local_s[j] >= 0,
-        lambda sc, j=j: _add_into(*sc, local_s[j],
-                                  jax.tree.map(lambda g: g[j], src)),
-        lambda sc: sc, (gslots, gcanon))
+    one = lambda j=j: jax.tree.map(lambda g: g[j], src)
+    if into_slots:
+      gslots, gcanon = jax.lax.cond(
+          local_s[j] >= 0,
+          lambda sc, j=j: _add_into(*sc, local_s[j], one(j)),
+          lambda sc: sc, (gslots, gcanon))
+    else:
+      gcanon = jax.lax.cond(
+          local_s[j] >= 0,
+          lambda c, j=j: _add_into(gslots, c, local_s[j], one(j),
+                                   into_slots=False)[1],
+          lambda c: c, gcanon)
   return gslots, gcanon
 
 

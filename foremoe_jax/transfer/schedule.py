@@ -83,6 +83,11 @@ class BudgetExceeded(ValueError):
 
 
 MODES = ('exact', 'rounds')
+# How an ``exact`` flush returns the replicas' gradients (`flush_form`):
+# 'auto' picks by the switched-off buffers, 'tree' the reduction tree
+# wherever the budget allows more than one stage (least memory), 'direct'
+# one collective straight home (fewest collectives).
+FLUSH_FORMS = ('auto', 'tree', 'direct')
 
 
 class TransferBudget(NamedTuple):
@@ -93,6 +98,7 @@ class TransferBudget(NamedTuple):
   step_rounds: int  # Rounds for the fill (T_0) and the flush.
   microstep_rounds: int  # Rounds for each transition between micro-steps.
   mode: str = 'exact'
+  flush: str = 'auto'  # The exact flush's form (FLUSH_FORMS).
 
 
 def check_mode(mode: str) -> str:
@@ -321,8 +327,8 @@ def _return_edges(prev_BS, next_BS, num_experts, topo: Topology):
                                   s + e_N % h)
 
 
-def flush_form(num_rounds: int, num_experts: int, topo: Topology
-               ) -> tuple[int, int, int]:
+def flush_form(num_rounds: int, num_experts: int, topo: Topology,
+               form: str = 'auto') -> tuple[int, int, int]:
   """(stages, send width, receive width) of a flush's gradient returns in
   ``exact`` mode under a degree budget of `num_rounds`.
 
@@ -334,15 +340,23 @@ def flush_form(num_rounds: int, num_experts: int, topo: Topology
   slot and one per home expert, s + h. The flush sits in every
   micro-step's backward, switched off but still gathering its send
   buffers and zeroing its receive buffers, stage by stage; the tree is
-  taken when those buffers, summed over its stages, are fewer than the
-  one collective's, so it never costs more there, and its live buffers
-  (one stage's) are then smaller too. (At R = D = 256, s = 3, h = 1: 9
-  stages of 3 + 4 experts, 63 in all, against 3 + 256.)"""
+  taken ('auto') when those buffers, summed over its stages, are fewer
+  than the one collective's, so it never costs more there, and its live
+  buffers (one stage's) are then smaller too. (At R = D = 256, s = 3,
+  h = 1: 9 stages of 3 + 4 experts, 63 in all, against 3 + 256.) 'tree'
+  takes it wherever R allows more than one stage, for a device whose
+  memory is tighter than its time; 'direct' never."""
+  if form not in FLUSH_FORMS:
+    raise ValueError(f'flush form must be one of {FLUSH_FORMS}, got '
+                     f'{form!r}.')
   s, h = topo.slots_per_device, _homes(num_experts, topo)
   star = (1, min(s, num_rounds), num_rounds)
   stages = int(np.ceil(np.log2(num_rounds + 1)))
-  if stages * (2 * s + h) < sum(star[1:]):
-    return stages, s, s + h
+  tree = (stages, s, s + h)
+  if form == 'tree' and stages > 1:
+    return tree
+  if form == 'auto' and stages * (2 * s + h) < sum(star[1:]):
+    return tree
   return star
 
 
@@ -520,13 +534,13 @@ def _round_arrays(edges, round_N, depth_BK, num_rounds):
 
 
 def _staged_returns(mv: _Moves, prev_BS, next_BS, num_experts, topo,
-                    num_rounds):
+                    num_rounds, flush: str = 'auto'):
   """``exact`` returns as P stages: (local returns [B, S], send [B, P, D,
   Rs], count [B, P, D, D], recv [B, P, D, Rr]). A flush (next all empty)
   whose budget calls for it runs as the reduction tree (`flush_form`),
   any other return as one stage straight home."""
   num_rows, d = len(next_BS), topo.num_devices
-  stages, send_w, recv_w = flush_form(num_rounds, num_experts, topo)
+  stages, send_w, recv_w = flush_form(num_rounds, num_experts, topo, flush)
   if stages > 1 and (next_BS < 0).all():
     _, local_BS, edges, stage_N = _tree_returns(prev_BS, num_experts, topo)
   else:
@@ -541,8 +555,9 @@ def _staged_returns(mv: _Moves, prev_BS, next_BS, num_experts, topo,
 
 
 def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
-              mode='exact'):
-  """The (Exact)Transition of B rows; `where(b)` names row b in errors."""
+              mode='exact', flush='auto'):
+  """The (Exact)Transition of B rows; `where(b)` names row b in errors;
+  flush: a flush's form (`flush_form`)."""
   mv = _moves(prev_BS, next_BS, num_experts, topo, mode)
   fill_B, ret_B = mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1)
   over = np.flatnonzero(np.maximum(fill_B, ret_B) > num_rounds)
@@ -556,7 +571,7 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
   if mode == 'exact':
     w = exchange_widths(num_rounds, topo)
     ret_local, *ret = _staged_returns(mv, prev_BS, next_BS, num_experts,
-                                      topo, num_rounds)
+                                      topo, num_rounds, flush)
     return ExactTransition(
         mv.local_BS.astype(np.int32),
         *_exact_arrays(mv.fill, len(next_BS), topo.num_devices, w['send'],
@@ -578,12 +593,13 @@ def _rows(x_LS, like):
 
 
 def transition(prev_LS, next_LS, num_experts: int, topo: Topology,
-               num_rounds: int, mode: str = 'exact'):
-  """prev_LS None: fill from empty buffers; next_LS None: flush. A
-  Transition (``rounds``) or an ExactTransition (``exact``)."""
+               num_rounds: int, mode: str = 'exact', flush: str = 'auto'):
+  """prev_LS None: fill from empty buffers; next_LS None: flush (in the
+  form `flush`: `flush_form`). A Transition (``rounds``) or an
+  ExactTransition (``exact``)."""
   ref = next_LS if next_LS is not None else prev_LS
   return _schedule(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts,
-                   topo, num_rounds, lambda b: f'layer {b}', mode)
+                   topo, num_rounds, lambda b: f'layer {b}', mode, flush)
 
 
 def rounds_needed(prev_LS, next_LS, num_experts: int, topo: Topology,
@@ -683,7 +699,8 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
   if start_LS is not None:
     fill = without_returns(fill)
   flush = _schedule(se[-1], _rows(None, se[-1]), num_experts, topo,
-                    budget.step_rounds, lambda b: f'flush, layer {b}', mode)
+                    budget.step_rounds, lambda b: f'flush, layer {b}', mode,
+                    budget.flush)
   return StepTransfer(fill, steps, flush)
 
 

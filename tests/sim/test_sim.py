@@ -372,6 +372,10 @@ def test_memory_model_by_hand():
   tree = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                               capacity_rows=16, step_rounds=64)
   assert tree.exchange_buffers == (3 + 5) * ppe * 4 + 2 * 2 * ppe * 4
+  # The tree forced at R = 8 (4 stages): one stage's buffers.
+  forced = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
+                                capacity_rows=16, step_rounds=8, flush='tree')
+  assert forced.exchange_buffers == tree.exchange_buffers
   fill = 4 * (64 + 3 + (3 + 64)) + 4 * 4 * 2 * 2 + 9 * 3
   flush = 4 * (64 + 3 + 7 * (3 + 5)) + 4 * 4 * 2 * 8 + 9 * 3
   assert tree.transfer_schedule == fill + flush + work.num_microsteps * per

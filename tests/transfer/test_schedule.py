@@ -145,7 +145,8 @@ def degree(count_LDD):
   return np.maximum(count_LDD.sum(2).max(1), count_LDD.sum(1).max(1))
 
 
-def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
+def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds,
+                     flush='auto'):
   rng = np.random.default_rng(1)
   num_layers = tr.local_src_LS.shape[0]
   exact = isinstance(tr, schedule.ExactTransition)
@@ -165,8 +166,10 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds):
     stages = tr.ret_count_LPDD.shape[1]
     tree = int(np.ceil(np.log2(num_rounds + 1)))
     # A flush is a tree where its stages' buffers, summed, are fewer than
-    # one collective's.
-    if next_LS is None and tree * (2 * s + h) < min(s, num_rounds) + num_rounds:
+    # one collective's ('auto'), or wherever it has stages ('tree').
+    fewer = tree * (2 * s + h) < min(s, num_rounds) + num_rounds
+    if next_LS is None and tree > 1 and (
+        flush == 'tree' or flush == 'auto' and fewer):
       assert stages == tree
       assert tr.ret_send_LPDR.shape[-1] == s
       assert tr.ret_recv_LPDR.shape[-1] == s + h
@@ -445,6 +448,19 @@ def test_flush_tree_bounds_every_stage_and_keeps_edges_in_a_node():
   assert schedule.rounds_needed(prev, None, e, topo)[0] == 8
   assert schedule.flush_form(32, e, topo) == (6, 2, 3)
   assert schedule.flush_form(16, e, topo) == (1, 2, 16)  # 5 x 5 > 2 + 16.
+  assert schedule.flush_form(8, e, topo, 'tree') == (4, 2, 3)
+  assert schedule.flush_form(1, e, topo, 'tree') == (1, 1, 1)  # One stage.
+  assert schedule.flush_form(32, e, topo, 'direct') == (1, 2, 32)
+  with pytest.raises(ValueError, match='flush form'):
+    schedule.flush_form(8, e, topo, 'ring')
+  # Forced at a budget of 8 (where 'auto' sends home in one collective),
+  # the tree returns the same sums in 4 stages.
+  forced = schedule.transition(prev, None, e, topo, 8, flush='tree')
+  check_transition(forced, prev, None, e, topo, 8, flush='tree')
+  assert forced.ret_count_LPDD.shape[1] == 4
+  auto = schedule.transition(prev, None, e, topo, 8)
+  check_transition(auto, prev, None, e, topo, 8)
+  assert auto.ret_count_LPDD.shape[1] == 1
   tr = schedule.transition(prev, None, e, topo, 32)
   check_transition(tr, prev, None, e, topo, 32)
   count_PDD = tr.ret_count_LPDD[0]
