@@ -135,7 +135,7 @@ def test_summary_reports_the_constraint_cost():
   summary, series = evaluate.run_config(bc, lib.COST)
   assert summary['transfer_budget'] == {'step_rounds': 3,
                                         'microstep_rounds': 1,
-                                        'mode': 'exact'}
+                                        'mode': 'exact', 'flush': 'auto'}
   fm, con = (summary['methods'][m] for m in ('foremoe', evaluate.CONSTRAINED))
   assert set(fm) <= set(con) and evaluate.CONSTRAINED in series
   np.testing.assert_allclose(
