@@ -329,9 +329,8 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   num_layers = flush.local_src_LS.shape[0]
   items = 3 * spd
   if isinstance(flush, schedule.ExactTransition):
-    stages, send_w, recv_w = flush.ret_send_LPDR.shape[1:2] + (
-        flush.ret_send_LPDR.shape[-1], flush.ret_recv_LPDR.shape[-1])
-    items += stages * (send_w + recv_w)
+    _, stages, _, send_w = flush.ret_send_LPDR.shape
+    items += stages * (send_w + flush.ret_recv_LPDR.shape[-1])
   return num_layers * items * model.params_per_expert * 4 / hw.hbm_bw
 
 

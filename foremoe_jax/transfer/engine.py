@@ -246,18 +246,17 @@ class _Counts(NamedTuple):
   depth_K: jax.Array
 
 
-def _my_counts(t_l) -> _Counts:
-  """This device's rows of one layer's fill exchange; the split rows
-  arrive as [1, D] blocks."""
-  return _Counts(t_l['count_LDD'][0], t_l['recv_count_LDD'][0],
-                 t_l['out_off_LDD'][0], t_l['depth_LK'])
-
-
-def _my_ret_counts(t_l, p: int) -> _Counts:
-  """This device's rows of stage p of one layer's return exchanges."""
-  return _Counts(t_l['ret_count_LPDD'][p, 0],
-                 t_l['ret_recv_count_LPDD'][p, 0],
-                 t_l['ret_out_off_LPDD'][p, 0], t_l['ret_depth_LPK'][p])
+def _my_counts(t_l, stage: int | None = None) -> _Counts:
+  """This device's rows of one layer's fill exchange, or of stage `stage`
+  of its return exchanges; the split rows arrive as [1, D] blocks."""
+  if stage is None:
+    pre, lp, at = '', 'L', ()
+  else:
+    pre, lp, at = 'ret_', 'LP', (stage,)
+  return _Counts(t_l[f'{pre}count_{lp}DD'][at + (0,)],
+                 t_l[f'{pre}recv_count_{lp}DD'][at + (0,)],
+                 t_l[f'{pre}out_off_{lp}DD'][at + (0,)],
+                 t_l[f'{pre}depth_{lp}K'][at])
 
 
 def _zero_rows(x, rows: int):
@@ -381,7 +380,7 @@ def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   for p in range(stages):
     items = jax.tree.map(lambda g: g[t['ret_send_LPDR'][p, 0]], gslots)
     dst_R = t['ret_recv_LPDR'][p, 0]
-    got = _exchange(items, _my_ret_counts(t, p), me, exchange,
+    got = _exchange(items, _my_counts(t, p), me, exchange,
                     dst_R.shape[0])
     gslots, gcanon = _add_into(gslots, gcanon, dst_R, got, into_slots=tree)
   return _zero_evicted(gslots, t, spd), gcanon
@@ -410,24 +409,21 @@ def _local_returns(gslots, gcanon, t, spd: int, into_slots: bool = False):
   (gslots, gcanon)."""
   local_s = t['ret_local_LS']  # [s], this device's.
   src = gslots  # No slot that is added into adds itself anywhere.
+
+  def add(carry, j):
+    gs, gc = carry if into_slots else (gslots, carry)
+    out = _add_into(gs, gc, local_s[j], jax.tree.map(lambda g: g[j], src),
+                    into_slots)
+    return out if into_slots else out[1]
   # Slot by slot, only the evicted slots that return locally: most slots
   # keep accumulating, and touching them would copy every slot's gradient
   # every micro-step. Without a tree only the canonical gradient passes
   # through the conditionals.
+  carry = (gslots, gcanon) if into_slots else gcanon
   for j in range(spd):
-    one = lambda j=j: jax.tree.map(lambda g: g[j], src)
-    if into_slots:
-      gslots, gcanon = jax.lax.cond(
-          local_s[j] >= 0,
-          lambda sc, j=j: _add_into(*sc, local_s[j], one(j)),
-          lambda sc: sc, (gslots, gcanon))
-    else:
-      gcanon = jax.lax.cond(
-          local_s[j] >= 0,
-          lambda c, j=j: _add_into(gslots, c, local_s[j], one(j),
-                                   into_slots=False)[1],
-          lambda c: c, gcanon)
-  return gslots, gcanon
+    carry = jax.lax.cond(local_s[j] >= 0, lambda c, j=j: add(c, j),
+                         lambda c: c, carry)
+  return carry if into_slots else (gslots, carry)
 
 
 def _zero_evicted(gslots, t, spd: int):
@@ -446,16 +442,13 @@ def _zero_evicted(gslots, t, spd: int):
 def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   """Evicted slots' gradients added into their home's canonical gradient,
   then zeroed (the slot starts accumulating for its new expert)."""
-  num_home = jax.tree.leaves(gcanon)[0].shape[0]
   gslots, gcanon = _local_returns(gslots, gcanon, t, spd)
 
   def one_round(r, gcanon):
     item = jax.tree.map(lambda g: g[t['ret_send_LRD'][r, 0]], gslots)
     got = _shifted(item, t['ret_shift_LR'][r], num_devices)
     dst = t['ret_recv_LRD'][r, 0]  # s + the home index; -1 discard.
-    return jax.tree.map(
-        lambda c, v: c.at[jnp.where(dst >= 0, dst - spd, num_home)].add(
-            v, mode='drop'), gcanon, got)
+    return _add_into(gslots, gcanon, dst, got, into_slots=False)[1]
   gcanon = _rounds(t['ret_shift_LR'], one_round, gcanon)
   return _zero_evicted(gslots, t, spd), gcanon
 

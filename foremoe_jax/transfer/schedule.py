@@ -369,9 +369,11 @@ def exchange_widths(num_rounds: int, topo: Topology) -> dict:
               ret_send=min(s, num_rounds), ret_recv=num_rounds)
 
 
-def _tree_returns(prev_BS, num_experts, topo: Topology):
-  """The flush as reduction trees: (evict, local returns, edges (b, src,
-  slot, dst, dst local index), stage of each edge [N]).
+def _tree_returns(ret_local_BS, edges, num_experts, topo: Topology):
+  """The flush's returns (`_return_edges`: local returns, and one edge
+  straight home per copy away from home) rearranged as reduction trees:
+  (local returns, edges (b, src, slot, dst, dst local index), stage of
+  each edge [N]).
 
   Per row and expert, the copies on devices other than its home are the
   nodes 1..n of a binomial tree rooted at the home (node 0), ordered by
@@ -379,43 +381,33 @@ def _tree_returns(prev_BS, num_experts, topo: Topology):
   inside a node: node i adds its sum into node i - lowbit(i) in stage
   log2(lowbit(i)), after every child (i + 2^q, q < that stage) has added
   into it. A second copy on the same device joins the first locally
-  before the tree runs, so no device sends to itself; a copy on the home
-  device joins the canonical gradient locally, as in every return.
+  before the tree runs, so no device sends to itself.
   """
   s, h = topo.slots_per_device, _homes(num_experts, topo)
-  d = topo.num_devices
-  dev_S = topo.device_of_slot()
-  held_BS = prev_BS >= 0
-  e_BS = np.maximum(prev_BS, 0)
-  at_home_BS = held_BS & (e_BS // h == dev_S)
-  ret_local_BS = np.where(at_home_BS, s + e_BS % h, -1)
-  b_N, j_N = np.nonzero(held_BS & ~at_home_BS)
-  e_N, dev_N = prev_BS[b_N, j_N], j_N // s
+  b_N, dev_N, slot_N, home_N, idx_N = (np.asarray(x) for x in edges)
+  e_N = home_N * h + idx_N - s
   node_D = topo.node_of_device()
-  home_N = e_N // h
   far_N = node_D[dev_N] != node_D[home_N]
-  order = np.lexsort((j_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
-  b_N, j_N, e_N, dev_N, home_N = (x[order] for x in (b_N, j_N, e_N, dev_N,
-                                                      home_N))
+  order = np.lexsort((slot_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
+  b_N, slot_N, e_N, dev_N, home_N = (x[order] for x in (b_N, slot_N, e_N,
+                                                         dev_N, home_N))
   # Duplicates: later copies of (row, expert, device) join the first.
-  key_N = (b_N * num_experts + e_N) * d + dev_N
-  first_N = np.r_[True, key_N[1:] != key_N[:-1]] if len(key_N) else (
-      np.zeros(0, bool))
-  rep_N = np.maximum.accumulate(np.where(first_N, np.arange(len(key_N)), 0))
-  dup = ~first_N
-  ret_local_BS[b_N[dup], j_N[dup]] = j_N[rep_N[dup]] % s
-  b_N, j_N, e_N, dev_N, home_N = (x[first_N] for x in (b_N, j_N, e_N, dev_N,
-                                                        home_N))
+  key_N = (b_N * num_experts + e_N) * topo.num_devices + dev_N
+  rank_N = _rank_in_runs(key_N)
+  dup = rank_N > 0
+  ret_local_BS = ret_local_BS.copy()
+  ret_local_BS[b_N[dup], dev_N[dup] * s + slot_N[dup]] = slot_N[
+      np.flatnonzero(dup) - rank_N[dup]]
+  b_N, slot_N, e_N, dev_N, home_N = (x[~dup] for x in (b_N, slot_N, e_N,
+                                                        dev_N, home_N))
   i_N = _rank_in_runs(b_N * num_experts + e_N) + 1
   low_N = i_N & -i_N
-  parent_N = np.arange(len(i_N)) - low_N  # Node i - low, as an edge index.
   to_home = i_N == low_N
-  p = np.maximum(parent_N, 0)
+  p = np.maximum(np.arange(len(i_N)) - low_N, 0)  # Node i - low's edge.
   dst_N = np.where(to_home, home_N, dev_N[p])
-  dst_idx_N = np.where(to_home, s + e_N % h, j_N[p] % s)
+  dst_idx_N = np.where(to_home, s + e_N % h, slot_N[p])
   stage_N = np.log2(low_N).astype(np.int64)
-  return held_BS, ret_local_BS, (b_N, dev_N, j_N % s, dst_N,
-                                 dst_idx_N), stage_N
+  return ret_local_BS, (b_N, dev_N, slot_N, dst_N, dst_idx_N), stage_N
 
 
 def _pack_rounds(b_N, src_N, dst_N, num_rows, num_devices):
@@ -533,8 +525,8 @@ def _round_arrays(edges, round_N, depth_BK, num_rounds):
   return shift_BR, send_BRD, recv_BRD
 
 
-def _staged_returns(mv: _Moves, prev_BS, next_BS, num_experts, topo,
-                    num_rounds, flush: str = 'auto'):
+def _staged_returns(mv: _Moves, next_BS, num_experts, topo, num_rounds,
+                    flush: str = 'auto'):
   """``exact`` returns as P stages: (local returns [B, S], send [B, P, D,
   Rs], count [B, P, D, D], recv [B, P, D, Rr]). A flush (next all empty)
   whose budget calls for it runs as the reduction tree (`flush_form`),
@@ -542,7 +534,8 @@ def _staged_returns(mv: _Moves, prev_BS, next_BS, num_experts, topo,
   num_rows, d = len(next_BS), topo.num_devices
   stages, send_w, recv_w = flush_form(num_rounds, num_experts, topo, flush)
   if stages > 1 and (next_BS < 0).all():
-    _, local_BS, edges, stage_N = _tree_returns(prev_BS, num_experts, topo)
+    local_BS, edges, stage_N = _tree_returns(mv.ret_local_BS, mv.ret,
+                                             num_experts, topo)
   else:
     w = exchange_widths(num_rounds, topo)
     stages, send_w, recv_w = 1, w['ret_send'], w['ret_recv']
@@ -570,8 +563,8 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
             (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
   if mode == 'exact':
     w = exchange_widths(num_rounds, topo)
-    ret_local, *ret = _staged_returns(mv, prev_BS, next_BS, num_experts,
-                                      topo, num_rounds, flush)
+    ret_local, *ret = _staged_returns(mv, next_BS, num_experts, topo,
+                                      num_rounds, flush)
     return ExactTransition(
         mv.local_BS.astype(np.int32),
         *_exact_arrays(mv.fill, len(next_BS), topo.num_devices, w['send'],
