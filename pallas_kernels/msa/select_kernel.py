@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import kernel_common as kc
 
 NEG_INF = float('-inf')
@@ -230,13 +231,24 @@ def _select_gpu(qi_BGTI, ki_BSI, valid_BS, offset_B, *, block_size, top_k,
 def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
                        top_k: int, backend: str, interpret: bool,
                        q_tile: int | None = None,
-                       chunk_blocks: int = 4, kv_valid_BS=None) -> jax.Array:
+                       chunk_blocks: int = 4, kv_valid_BS=None,
+                       gpu_method: str = 'two_pass') -> jax.Array:
   """Selection [B, G, T, K] for queries at positions t + offset_B[b].
 
   Any T and S work: queries and keys are zero-padded to whole tiles and the
   padding is masked out (padded keys sit beyond every query's position).
   kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
+  gpu_method: on the GPU backend, 'two_pass' (index_kernel.py: a tensor-core
+  score launch, then a top-k launch; dots in bf16 when qi and ki are bf16)
+  or 'fused' (this module's running-table kernel, f32 dots: the oracle).
   """
+  if backend == 'gpu' and gpu_method == 'two_pass':
+    return index_kernel.select_blocks_BGTK(
+        qi_BTGI, ki_BSI, offset_B, kv_valid_BS, block_size=block_size,
+        top_k=top_k, interpret=interpret)
+  if gpu_method not in ('two_pass', 'fused'):
+    raise ValueError(f"gpu_method must be 'two_pass' or 'fused', got "
+                     f'{gpu_method!r}.')
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
   if backend == 'tpu':

@@ -96,3 +96,54 @@ def check_selection_invariants(sel_BGTK, block_size, q_offset):
 def as_sets(sel_BGTK):
   s = np.sort(np.asarray(sel_BGTK), axis=-1)
   return s
+
+
+def exact_index_inputs(b, t, s, g, di, *, seed=0):
+  """bf16 (qi_BTGI, ki_BSI) with entries in {-2..2}/2.
+
+  Every product and every partial sum of an index dot is then a multiple of
+  1/4 below 2^8, exact in bf16 products and f32 sums, so any summation order
+  gives the same scores, and ties are plentiful: the tie rule is tested.
+  """
+  kq, kk = jax.random.split(jax.random.key(seed))
+  draw = lambda key, shape: (jax.random.randint(key, shape, -2, 3) / 2).astype(
+      jnp.bfloat16)
+  return draw(kq, (b, t, g, di)), draw(kk, (b, s, di))
+
+
+def selection_margin_report(sel_BGTK, scores_BGTN, qi_BTGI, ki_BSI,
+                            block_size, top_k, q_offset, eps_scale=2.0**-7):
+  """(violations, flip_rate) of a selection against exact block scores.
+
+  For each row with tau its (K-1)-th best earlier score, a low-precision
+  selection may swap blocks only within eps of tau: every selected earlier
+  block scores >= tau - eps and every earlier block left out <= tau + eps,
+  eps = eps_scale * |qi_row| * max_j |ki_j| / sqrt(I) (2^-7 bounds the error
+  of bf16 operands). flip_rate: the share of rows whose selected set differs
+  from the exact top-(K-1).
+  """
+  sel = np.asarray(sel_BGTK)
+  scores = np.asarray(scores_BGTN, np.float64)
+  qn = np.linalg.norm(np.asarray(qi_BTGI, np.float64), axis=-1)  # [B, T, G]
+  kmax = np.linalg.norm(np.asarray(ki_BSI, np.float64), axis=-1).max(axis=1)
+  b, g, t, k = sel.shape
+  off = np.broadcast_to(np.asarray(q_offset), (b,))
+  violations, flips, rows = 0, 0, 0
+  for bb in range(b):
+    for tt in range(t):
+      local = (tt + off[bb]) // block_size
+      if local == 0:
+        continue
+      for gg in range(g):
+        row = scores[bb, gg, tt, :local]
+        eps = eps_scale * qn[bb, tt, gg] * kmax[bb] / np.sqrt(qi_BTGI.shape[-1])
+        n_e = min(local, top_k - 1)
+        picked = [x for x in sel[bb, gg, tt, :n_e] if x >= 0]
+        tau = np.sort(row)[::-1][n_e - 1]
+        left_out = np.setdiff1d(np.arange(local), picked)
+        violations += int(np.sum(row[picked] < tau - eps))
+        violations += int(np.sum(row[left_out] > tau + eps))
+        exact = set(np.argsort(-row, kind='stable')[:n_e].tolist())
+        flips += int(set(picked) != exact)
+        rows += 1
+  return violations, flips / max(rows, 1)

@@ -31,18 +31,52 @@ GPU_SHAPES = {
 DTYPES = [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)]
 
 
+@pytest.mark.parametrize('gpu_method', ['two_pass', 'fused'])
 @pytest.mark.parametrize('name', sorted(GPU_SHAPES))
-def test_selection_kernel_matches_reference(name):
+def test_selection_kernel_matches_reference(name, gpu_method):
+  # f32 index inputs: the two-pass kernel's dots are tf32x3, the fused
+  # kernel's IEEE f32.
   b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
   _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
   sel = jax.jit(functools.partial(
       select_kernel.select_blocks_BGTK, block_size=c, top_k=k, backend='gpu',
-      interpret=False))(qi, ki, jnp.full((b,), o, jnp.int32))
+      interpret=False, gpu_method=gpu_method))(
+          qi, ki, jnp.full((b,), o, jnp.int32))
   want = jax.jit(functools.partial(ref.selection_BGTK, block_size=c, top_k=k,
                                    q_offset=o))(qi, ki)
   np.testing.assert_array_equal(lib.as_sets(sel), lib.as_sets(want))
   if t <= 128:  # the invariant check loops in Python over every row
     lib.check_selection_invariants(sel, c, o)
+
+
+@pytest.mark.parametrize('name', sorted(GPU_SHAPES))
+def test_bf16_index_on_exact_inputs_equals_reference_slot_for_slot(name):
+  # Scores exact in bf16 products and f32 sums: tensor-core summation order
+  # cannot matter, and the many ties check the lower-id rule.
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=1)
+  sel = jax.jit(functools.partial(
+      select_kernel.select_blocks_BGTK, block_size=c, top_k=k, backend='gpu',
+      interpret=False))(qi, ki, jnp.full((b,), o, jnp.int32))
+  want = jax.jit(functools.partial(ref.selection_BGTK, block_size=c, top_k=k,
+                                   q_offset=o))(qi.astype(jnp.float32),
+                                                ki.astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(sel), np.asarray(want))
+
+
+def test_bf16_index_on_random_inputs_keeps_the_margin_rule():
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES['real_heads_2k']
+  _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, seed=2)
+  sel = jax.jit(functools.partial(
+      select_kernel.select_blocks_BGTK, block_size=c, top_k=k, backend='gpu',
+      interpret=False))(qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16),
+                        jnp.full((b,), o, jnp.int32))
+  scores = jax.jit(lambda qi, ki: ref.block_scores_BGTN(
+      ref.index_logits_BGTS(qi, ki, o), c))(qi, ki)
+  violations, flip_rate = lib.selection_margin_report(sel, scores, qi, ki, c,
+                                                      k, o)
+  print(f'bf16 index on the GPU: flip rate {flip_rate:.4f}')
+  assert violations == 0
 
 
 def _loss(attn, w):
@@ -80,17 +114,22 @@ def test_forward_and_gradients_match_reference(name, dtype, tol):
 
 @pytest.mark.parametrize('dtype,tol', DTYPES)
 def test_end_to_end_matches_reference(dtype, tol):
+  # Index inputs in the model's dtype. The selection is judged by the margin
+  # rule, and the main branch on the kernel's own selection.
   b, t, s, g, r, d, di, c, k, o = GPU_SHAPES['real_heads_chunk']
   q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, dtype=dtype)
+  qi_x, ki_x = qi.astype(dtype), ki.astype(dtype)
   out, aux = jax.jit(functools.partial(
       pallas_path.msa_attention, block_size=c, top_k=k, q_offset=o,
-      backend='gpu', interpret=False))(q, kk, v, qi, ki)
-  want, want_aux = jax.jit(functools.partial(
-      ref.msa_attention, block_size=c, top_k=k, q_offset=o))(
-          q.astype(jnp.float32), kk.astype(jnp.float32),
-          v.astype(jnp.float32), qi, ki)
-  np.testing.assert_array_equal(lib.as_sets(aux['sel_BGTK']),
-                                lib.as_sets(want_aux['sel_BGTK']))
+      backend='gpu', interpret=False))(q, kk, v, qi_x, ki_x)
+  sel = aux['sel_BGTK']
+  scores = jax.jit(lambda qi, ki: ref.block_scores_BGTN(
+      ref.index_logits_BGTS(qi, ki, o), c))(qi, ki)
+  assert lib.selection_margin_report(sel, scores, qi, ki, c, k, o)[0] == 0
+  f32 = lambda x: x.astype(jnp.float32)
+  want, _ = jax.jit(functools.partial(
+      ref.sparse_attention, block_size=c, q_offset=o))(f32(q), f32(kk),
+                                                       f32(v), sel)
   lib.assert_close(out, want, tol, 'out')
 
 

@@ -20,14 +20,19 @@ from pallas_kernels.msa import select_kernel
 BACKENDS = ['tpu', 'gpu']
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
+# The GPU backend's default selector is the two-launch one
+# (test_msa_index_kernel.py); its fused running-table kernel stays as the
+# oracle and is checked here too.
+@pytest.mark.parametrize('backend,gpu_method', [
+    ('tpu', 'two_pass'), ('gpu', 'two_pass'), ('gpu', 'fused')])
 @pytest.mark.parametrize('name', sorted(lib.SHAPES))
-def test_selection_kernel_matches_reference(backend, name):
+def test_selection_kernel_matches_reference(backend, gpu_method, name):
   b, t, s, g, r, d, di, c, k, o = lib.SHAPES[name]
   _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
   sel = jax.jit(functools.partial(
       select_kernel.select_blocks_BGTK, block_size=c, top_k=k,
-      backend=backend, interpret=True))(qi, ki, jnp.full((b,), o, jnp.int32))
+      backend=backend, interpret=True, gpu_method=gpu_method))(
+          qi, ki, jnp.full((b,), o, jnp.int32))
   want = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
   np.testing.assert_array_equal(lib.as_sets(sel), lib.as_sets(want))
   lib.check_selection_invariants(sel, c, o)

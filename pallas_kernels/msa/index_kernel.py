@@ -1,0 +1,233 @@
+"""Pallas kernels (a) for GPUs: the index branch in two launches.
+
+The fused selector (select_kernel.py) keeps a running top-(K-1) table per
+query while it streams key blocks: a loop-carried insertion per block, f32
+dots, one (query tile, group) per program. On an H100 that ran at 0.56
+TFLOP/s. Here the two halves of the index branch are separate launches,
+each shaped for what it does:
+
+1. **Scores** (`_scores_kernel`): S[b, n, row] = scale * max over the
+   visible keys j of block n of <qi_row, ki_j>. A row is one (token, group)
+   pair: all groups share the one index key head, so qi [B, T, G, I] is
+   read as [B, T*G, I] (a free reshape) and a 128-row tile of it meets each
+   key block in one tensor-core dot (bf16 in, f32 accumulated). The max
+   needs no exponent; the scale is positive, so it is applied after the max.
+   A program takes `blocks_per_program` key blocks, loading its query tile
+   once; blocks past the tile's causal diagonal are skipped. Scores are
+   written block-major, [B, N, rows], as f32.
+2. **Top-k** (`_topk_kernel`): per row, K-1 rounds of argmax over the
+   earlier blocks (id < the local block), ties to the lower id (`lax.top_k`
+   order), written most-important first; then the local block; then -1.
+   A block whose score is -inf (only padding keys) is never taken: its slot
+   is -1, as in the reference (docs/design.md §6.3, §6.9).
+
+Precision follows the inputs: bf16 qi and ki give bf16 dots (exact products,
+f32 sums: the scores differ from an f32 reference only in summation order);
+anything else runs in f32 (three TF32 passes on the GPU, exact in
+interpret mode). The queries are processed in row chunks so the score
+buffer stays bounded (`max_score_bytes`).
+
+Letter key: B batch, T query tokens, S key tokens, G groups, I index head
+dim (padded: Ip), N key blocks (padded to a power of two: Np), C block
+size, K selected blocks (padded: Kp), M rows of a score tile, W rows of a
+top-k tile, Q rows (tokens x groups).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.msa import kernel_common as kc
+
+NEG_INF = float('-inf')
+
+
+def _row_positions(offset, row0, n_rows: int, groups: int, axis: int):
+  """Absolute position of each row's token: offset + (row // G)."""
+  shape = (n_rows, 1) if axis == 0 else (1, n_rows)
+  rows = row0 + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+  return offset + kc.div(rows, groups)
+
+
+def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
+                   block_size: int, groups: int, row_base: int, scale: float,
+                   precision):
+  i, j = pl.program_id(1), pl.program_id(2)
+  m = qi_ref.shape[0]
+  nb = out_ref.shape[0]
+  row0 = row_base + i * m
+  qpos_M1 = _row_positions(offset_ref[0], row0, m, groups, axis=0)
+  # The tile's last row sees the most blocks; later blocks are all masked.
+  last_block = kc.div(offset_ref[0] + kc.div(row0 + m - 1, groups),
+                      block_size)
+  n_vis = jnp.clip(last_block - j * nb + 1, 0, nb)
+  qi_MI = qi_ref[...]
+  blk_iota = jax.lax.broadcasted_iota(jnp.int32, (nb, m), 0)
+
+  def body(jb, tile_NM):
+    k_CI = ki_ref[pl.ds(jb * block_size, block_size), :]
+    logits_MC = kc.dot_nt(qi_MI, k_CI, precision)
+    kpos_1C = (j * nb + jb) * block_size + jax.lax.broadcasted_iota(
+        jnp.int32, (1, block_size), 1)
+    ok_1C = valid_ref[pl.ds(jb * block_size, block_size)][None, :] > 0
+    logits_MC = jnp.where((kpos_1C <= qpos_M1) & ok_1C, logits_MC, NEG_INF)
+    best_1M = jnp.max(logits_MC, axis=1)[None, :] * scale
+    return jnp.where(blk_iota == jb, best_1M, tile_NM)
+
+  out_ref[...] = jax.lax.fori_loop(
+      0, n_vis, body, jnp.full((nb, m), NEG_INF, jnp.float32))
+
+
+def _topk_kernel(offset_ref, scores_ref, sel_ref, *, block_size: int,
+                 groups: int, row_base: int, top_k: int):
+  i = pl.program_id(1)
+  n, w = scores_ref.shape
+  kp = sel_ref.shape[0]
+  local_1W = kc.div(
+      _row_positions(offset_ref[0], row_base + i * w, w, groups, axis=1),
+      block_size)
+  ids_NW = jax.lax.broadcasted_iota(jnp.int32, (n, w), 0)
+  slot_KW = jax.lax.broadcasted_iota(jnp.int32, (kp, w), 0)
+  scores_NW = scores_ref[...]
+  avail_NW = ids_NW < local_1W
+  big = jnp.int32(2**30)
+  sel_KW = jnp.full((kp, w), -1, jnp.int32)
+  for kk in range(top_k - 1):
+    best_1W = jnp.max(jnp.where(avail_NW, scores_NW, NEG_INF), axis=0,
+                      keepdims=True)
+    # Lowest id among the maxima: lax.top_k's order, whatever the lowering's
+    # own argmax tie rule.
+    best_id_1W = jnp.min(
+        jnp.where(avail_NW & (scores_NW == best_1W), ids_NW, big), axis=0,
+        keepdims=True)
+    taken_1W = jnp.where(best_1W > NEG_INF, best_id_1W, -1)
+    sel_KW = jnp.where(slot_KW == kk, taken_1W, sel_KW)
+    avail_NW = avail_NW & (ids_NW != best_id_1W)
+  n_earlier_1W = jnp.minimum(local_1W, top_k - 1)
+  sel_ref[...] = jnp.where(
+      slot_KW < n_earlier_1W, sel_KW,
+      jnp.where(slot_KW == n_earlier_1W, local_1W, -1)).astype(jnp.int32)
+
+
+def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
+                 block_size: int, groups: int, row_base: int, row_tile: int,
+                 blocks_per_program: int, scale: float, precision,
+                 interpret: bool):
+  b, q, ip = qi_BQI.shape
+  nb = blocks_per_program
+  span = nb * block_size
+  n_key_chunks = ki_BSI.shape[1] // span
+  # Programs past the keys are past every diagonal too: they only write
+  # -inf, so they may reread the last chunk.
+  key_chunk = lambda jj: jnp.minimum(jj, n_key_chunks - 1)
+  kernel = functools.partial(_scores_kernel, block_size=block_size,
+                             groups=groups, row_base=row_base, scale=scale,
+                             precision=precision)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, q // row_tile, n_blocks_p // nb),
+      in_specs=[
+          pl.BlockSpec((1,), lambda bb, ii, jj: (bb,)),
+          pl.BlockSpec((None, row_tile, ip), lambda bb, ii, jj: (bb, ii, 0)),
+          pl.BlockSpec((None, span, ip),
+                       lambda bb, ii, jj: (bb, key_chunk(jj), 0)),
+          pl.BlockSpec((None, span), lambda bb, ii, jj: (bb, key_chunk(jj))),
+      ],
+      out_specs=pl.BlockSpec((None, nb, row_tile),
+                             lambda bb, ii, jj: (bb, jj, ii)),
+      out_shape=jax.ShapeDtypeStruct((b, n_blocks_p, q), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name='msa_index_scores',
+  )(offset_B, qi_BQI, ki_BSI, valid_BS)
+
+
+def _topk_call(offset_B, scores_BNQ, *, block_size: int, groups: int,
+               row_base: int, top_k: int, topk_rows: int, interpret: bool):
+  b, n_p, q = scores_BNQ.shape
+  kp = kc.next_pow2(top_k)
+  kernel = functools.partial(_topk_kernel, block_size=block_size,
+                             groups=groups, row_base=row_base, top_k=top_k)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, q // topk_rows),
+      in_specs=[
+          pl.BlockSpec((1,), lambda bb, ii: (bb,)),
+          pl.BlockSpec((None, n_p, topk_rows), lambda bb, ii: (bb, 0, ii)),
+      ],
+      out_specs=pl.BlockSpec((None, kp, topk_rows), lambda bb, ii: (bb, 0, ii)),
+      out_shape=jax.ShapeDtypeStruct((b, kp, q), jnp.int32),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=8 if n_p * topk_rows > 8192 else 4, num_stages=1),
+      interpret=interpret,
+      name='msa_index_topk',
+  )(offset_B, scores_BNQ)
+
+
+def index_dtype(qi_dtype, ki_dtype):
+  """bf16 dots when both index inputs are bf16, else f32."""
+  both_bf16 = (jnp.dtype(qi_dtype) == jnp.bfloat16 and
+               jnp.dtype(ki_dtype) == jnp.bfloat16)
+  return jnp.bfloat16 if both_bf16 else jnp.float32
+
+
+def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
+                       block_size: int, top_k: int, interpret: bool,
+                       row_tile: int = 128, blocks_per_program: int | None = None,
+                       topk_rows: int | None = None,
+                       max_score_bytes: int = 2**28) -> jax.Array:
+  """Selection int32 [B, G, T, K] for queries at positions t + offset_B[b].
+
+  Equal to reference.selection_BGTK up to the summation order of the index
+  dots (bit for bit when those sums are exact).
+  kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
+  row_tile, blocks_per_program, topk_rows: tile sizes (powers of two);
+  max_score_bytes bounds one row chunk's f32 score buffer.
+  """
+  b, t, g, di = qi_BTGI.shape
+  s = ki_BSI.shape[1]
+  if top_k < 1:
+    raise ValueError(f'top_k must be >= 1, got {top_k}.')
+  dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
+  precision = kc.gpu_precision_for(dtype, interpret)
+  ip = max(16, kc.next_pow2(di))
+  n_blocks = -(-s // block_size)
+  n_p = kc.next_pow2(n_blocks)
+  nb = min(blocks_per_program or max(1, 2048 // block_size), n_p)
+  sp = kc.round_up(s, nb * block_size)
+  # Keys: padded only where the shape needs it (a decode cache whose length
+  # is a multiple of the span is used in place, in its own dtype).
+  ki = ki_BSI.astype(dtype)
+  if sp != s or ip != di:
+    ki = jnp.pad(ki, ((0, 0), (0, sp - s), (0, ip - di)))
+  valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
+           else jnp.asarray(kv_valid_BS).astype(jnp.int32))
+  valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
+  offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
+
+  rows = t * g
+  m = min(row_tile, max(16, kc.next_pow2(rows)))
+  w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))), m)
+  chunk = max(m, (max_score_bytes // (4 * n_p)) // m * m)
+  rp = kc.round_up(rows, m)
+  qi = jnp.pad(qi_BTGI.astype(dtype).reshape(b, rows, di),
+               ((0, 0), (0, rp - rows), (0, ip - di)))
+  scale = 1.0 / math.sqrt(di)
+  parts = []
+  for r0 in range(0, rp, chunk):
+    qi_c = qi[:, r0:r0 + chunk]
+    scores = _scores_call(offset_B, qi_c, ki, valid, n_blocks_p=n_p,
+                          block_size=block_size, groups=g, row_base=r0,
+                          row_tile=m, blocks_per_program=nb, scale=scale,
+                          precision=precision, interpret=interpret)
+    parts.append(_topk_call(offset_B, scores, block_size=block_size,
+                            groups=g, row_base=r0, top_k=top_k, topk_rows=w,
+                            interpret=interpret))
+  sel_BKQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+  sel_BKTG = sel_BKQ[:, :top_k, :rows].reshape(b, top_k, t, g)
+  return sel_BKTG.transpose(0, 3, 2, 1)
