@@ -2,7 +2,7 @@
 
   python -m experiments.bench_msa --json                # CPU, 4k to 32k
   JAX_PLATFORMS=cuda python -m experiments.bench_msa --device=gpu --json \
-      --seq_lens=8192,16384,32768,65536,131072           # vs cuDNN
+      --deadline_s=300                                  # vs cuDNN, 8k-128k
 
 Prints the setup, one row per length (unless --json), then one JSON line,
 also written to results/bench_msa.json (results/bench_msa_gpu.json on GPU):
@@ -11,17 +11,23 @@ speedup_vs_causal_dense, speedup, flop_ratio, index_fraction, ...}],
 "decode": [{cache_len, batch, dense_s, msa_s, speedup, flop_ratio}] (longest
 cache last), the targets and how far each is met, ...}; causal_dense is
 flash-style (chunks above the diagonal skipped), dense is the masked square.
-GPU {"bench": "msa_gpu", "results": [{seq_len, dense_s, msa_s, speedup,
-flop_ratio, dense_tflops, msa_tflops, decode_*, ...}], ...}. The logic lives
-in pallas_kernels/msa/benchmark.py and benchmark_gpu.py.
+GPU {"bench": "msa_gpu", "ceilings": {...}, "reference_check": {...},
+"results": [{seq_len, dense_s, msa_s, index_s, index_fused_s, main_s,
+speedup, flop_ratio, *_tflops, *_train_s, spread}], "decode": [{cache_len,
+decode_dense_s, decode_msa_s, decode_speedup, ...}], "complete", ...}; a
+phase cut by --deadline_s reads {"skipped": "deadline"}. The logic lives in
+pallas_kernels/msa/benchmark.py and benchmark_gpu.py.
 """
 import dataclasses
+import time
 
 from absl import app, flags
 
 from experiments import common
 from foremoe_jax.utils.run_info import print_run_info
 from pallas_kernels.msa import benchmark
+
+START = time.monotonic()  # the soft deadline counts from the import
 
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
 _DEVICE = flags.DEFINE_enum(
@@ -36,6 +42,13 @@ _BLOCK = flags.DEFINE_integer('block_size', 128, 'Key block size B.')
 _TOP_K = flags.DEFINE_integer('top_k', 16, 'Blocks kept per query K.')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Interleaved repetitions '
                                 '(default 3 on CPU, 5 on GPU).')
+_DECODE_LENS = flags.DEFINE_list('decode_lens', None,
+                                 'GPU: decode cache lengths (default 32k, '
+                                 '128k).')
+_DEADLINE = flags.DEFINE_float(
+    'deadline_s', None, 'GPU: a soft time limit in seconds from the start. '
+    'No measurement starts past it; the rest is recorded as skipped and the '
+    'JSON is still written.')
 
 
 def main(argv):
@@ -47,6 +60,8 @@ def main(argv):
     kw['repeats'] = _REPEATS.value
   if _DEVICE.value == 'gpu':
     from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
+    if _DECODE_LENS.value:
+      kw['decode_lens'] = tuple(int(x) for x in _DECODE_LENS.value)
     cfg = benchmark_gpu.GPUBench(**kw)
     lib = benchmark_gpu
   else:
@@ -55,6 +70,10 @@ def main(argv):
   run = print_run_info({'bench': f'msa_{_DEVICE.value}',
                         **dataclasses.asdict(cfg)})
   kw = {'log': lambda row: None} if _JSON.value else {}
+  if _DEADLINE.value is not None:
+    if _DEVICE.value != 'gpu':
+      raise app.UsageError('--deadline_s applies to --device=gpu only.')
+    kw['deadline'] = START + _DEADLINE.value
   result = lib.run(cfg, **kw)
   common.finish('bench_msa' if _DEVICE.value == 'cpu' else 'bench_msa_gpu',
                 run, result)

@@ -19,6 +19,7 @@ check.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import sys
@@ -780,6 +781,89 @@ def render_demo(res: dict) -> str:
 _DETAILS = 'docs/results.md'
 
 
+def _ms(seconds) -> str:
+  return '-' if seconds is None else _f(1e3 * seconds)
+
+
+def render_gpu_check(results_dir: str, name: str) -> str:
+  """A `make gpu-check` summary (results/gpu_check*.json, written by
+  scripts/gpu_check_summary.py, not by results.save): setup, tests, and
+  the bench's rows, whole or as far as a cut-off run got."""
+  path = os.path.join(results_dir, f'{name}.json')
+  with open(path) as f:
+    rec = json.load(f)
+  setup, tests, bench = rec['setup'], rec['tests'], rec['bench_msa']
+  pk = setup.get('packages', {})
+  lines = [f"`{rec.get('command', 'make gpu-check')}` · {rec.get('date', '?')}"
+           f" · {setup.get('device_kind', '?')} · jax {setup.get('jax', '?')},"
+           f" triton {pk.get('triton', '?')} · file `results/{name}.json`", '',
+           f"gpu tests: {tests.get('passed', 0)} passed,"
+           f" {tests.get('failed', 0)} failed,"
+           f" {tests.get('skipped', 0)} skipped · gpu-check:"
+           f" **{rec.get('gpu_check', '?')}**"]
+  # The final JSON, or the per-phase rows of a run cut short (older runs
+  # wrote per-length rows with decode fields and no 'phase').
+  rows = bench.get('results') or [
+      r for r in bench.get('partial', []) if 'seq_len' in r]
+  decode = bench.get('decode') or [
+      {**r, 'cache_len': r['seq_len']} for r in rows
+      if 'decode_msa_s' in r and 'phase' not in r]
+  if 'error' in bench:
+    lines += ['', f"The bench did not finish ({bench['error']}); the rows it"
+              ' wrote before it stopped:']
+  ceil = bench.get('ceilings') or {}
+  if 'matmul_tflops' in ceil:
+    lines += ['', f"Ceilings: bf16 {ceil['matmul_n']}^3 matmul"
+              f" {_f(ceil['matmul_tflops'])} TFLOP/s; copy"
+              f" {_f(ceil['copy_gbps'])} GB/s (read + write)."]
+  chk = bench.get('reference_check') or next(
+      (r['reference_check'] for r in bench.get('partial', [])
+       if 'reference_check' in r), {})
+  if 'selection_flip_rate' in chk:
+    lines += ['', f"Check at {chk.get('check_len', '?')} tokens: selection"
+              f" margin violations {chk['selection_margin_violations']},"
+              f" flip rate {_f(chk['selection_flip_rate'])}; main branch max"
+              f" abs error {_f(chk['max_abs_err'], 2)}."]
+  elif 'selection_equal' in chk:
+    lines += ['', f"Check at 2,048 tokens: selection equal to the reference:"
+              f" {_f(chk['selection_equal'])}; max abs error"
+              f" {_f(chk['max_abs_err'], 2)}."]
+  done = [r for r in rows if 'speedup' in r]
+  if done:
+    cols = [('dense prefill ms (cuDNN)', lambda r: _ms(r['dense_s'])),
+            ('MSA prefill ms', lambda r: _ms(r['msa_s'])),
+            # Runs before the two-launch selector timed only the fused one,
+            # as index_s, in rows without a phase.
+            ('index ms', lambda r: _ms(r['index_s']) if 'phase' in r else '-'),
+            ('index TFLOP/s', lambda r: _f(r.get('index_tflops'))),
+            ('fused index ms', lambda r: _ms(
+                r.get('index_fused_s') if 'phase' in r else r['index_s'])),
+            ('main ms', lambda r: _ms(r['main_s'])),
+            ('**speedup**', lambda r: f"**{_f(r['speedup'])}**"),
+            ('FLOP ratio', lambda r: _f(r['flop_ratio'])),
+            ('fwd+bwd ms: dense / MSA main',
+             lambda r: (f"{_ms(r['dense_train_s'])} / {_ms(r['msa_train_s'])}"
+                        if 'msa_train_s' in r else '-'))]
+    lines += ['', _table(['seq_len', *[c[0] for c in cols]],
+                         [[_f(r['seq_len']), *[c[1](r) for c in cols]]
+                          for r in done])]
+  ddone = [r for r in decode if 'decode_speedup' in r]
+  if ddone:
+    lines += ['', _table(
+        ['decode cache', 'batch', 'dense ms', 'MSA ms', '**speedup**',
+         'FLOP ratio'],
+        [[_f(r['cache_len']), _f(r.get('batch', 8)), _ms(r['decode_dense_s']),
+          _ms(r['decode_msa_s']), f"**{_f(r['decode_speedup'])}**",
+          _f(r['decode_flop_ratio'])] for r in ddone])]
+  cut = [r for r in [*rows, *decode] if 'skipped' in r or 'error' in r]
+  if cut:
+    lines += ['', 'Not measured: ' + '; '.join(
+        f"{r.get('phase', '?')} {r.get('seq_len', r.get('cache_len', ''))}"
+        f" ({r.get('skipped') or r.get('error', '')[:80]})" for r in cut)
+        + '.']
+  return '\n'.join(lines)
+
+
 def _link(section: str, bench: str) -> str:
   return (f'[{section}]({_DETAILS}#{section.lower().replace(" ", "-")}),'
           f' [`{bench}.json`](results/{bench}.json)')
@@ -918,6 +1002,10 @@ COMPOSITES = {
 def render_block(bench: str, results_dir: str = results.DEFAULT_DIR) -> str:
   if bench in COMPOSITES:
     return COMPOSITES[bench](results_dir)
+  if bench.startswith('gpu_check'):
+    return (f'<!-- generated by `python -m experiments.render_results` from '
+            f'results/{bench}.json: do not edit by hand -->\n'
+            f'{render_gpu_check(results_dir, bench)}\n')
   if bench not in RENDERERS:
     raise KeyError(f'a file names results:{bench}, which has no renderer; '
                    f'known: {sorted([*RENDERERS, *COMPOSITES])}.')

@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 sys.path.insert(0, '.')
 from foremoe_jax.utils.run_info import run_info  # pylint: disable=g-import-not-at-top
 
-ROW = '# row '  # benchmark_gpu.run's per-length lines
+ROW = '# row '  # benchmark_gpu.run's per-phase lines
 PACKAGES = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'jax-cuda13-pjrt',
             'jax-cuda12-plugin', 'jax-cuda12-pjrt', 'flax', 'optax',
             'orbax-checkpoint', 'chex', 'nvidia-cudnn-cu13', 'triton')
@@ -71,8 +71,10 @@ def main():
     except metadata.PackageNotFoundError:
       pass
   tests, bench = _tests(a.junit), _bench(a.bench_log)
+  # A bench cut by its soft deadline still returns, but is not a pass.
   ok = (a.tests_rc == 0 and a.bench_rc == 0 and not tests.get('failed')
-        and 'error' not in bench and tests.get('passed', 0) > 0)
+        and 'error' not in bench and bench.get('complete', False)
+        and tests.get('passed', 0) > 0)
   summary = {'gpu_check': 'pass' if ok else 'fail', 'setup': info,
              'tests': tests, 'tests_rc': a.tests_rc, 'bench_rc': a.bench_rc,
              'bench_msa': bench}

@@ -231,10 +231,11 @@ def time_calls(fn, args, n_calls: int) -> float:
 
 
 def measure(fns: dict, repeats: int, budget_s: float = 0.05,
-            max_calls: int = 200) -> dict:
+            max_calls: int = 200, spread: dict | None = None) -> dict:
   """Median seconds per call of each {name: (fn, args)}: compiled and run
   once first, then `repeats` interleaved timings of enough back-to-back
-  calls (about budget_s each) that dispatch overhead is amortised."""
+  calls (about budget_s each) that dispatch overhead is amortised.
+  spread: when given, filled with (max - min) / median per name."""
   compiled = {}
   for name, (fn, args) in fns.items():
     compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
@@ -246,7 +247,11 @@ def measure(fns: dict, repeats: int, budget_s: float = 0.05,
   for _ in range(repeats):
     for name, (fn, args) in compiled.items():
       times[name].append(time_calls(fn, args, n_calls[name]))
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  med = {name: statistics.median(ts) for name, ts in times.items()}
+  if spread is not None:
+    spread.update({name: (max(ts) - min(ts)) / max(med[name], 1e-12)
+                   for name, ts in times.items()})
+  return med
 
 
 def run_decode(cfg: MSABench, s: int) -> dict:

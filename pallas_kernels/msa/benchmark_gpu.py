@@ -1,15 +1,27 @@
 """MSA Pallas kernels vs cuDNN flash attention on one NVIDIA GPU.
 
 The library behind `experiments.bench_msa --device=gpu` (`make gpu-check`).
-Per sequence length, in interleaved repetitions within one process:
+Phases, in this order, each timed in interleaved repetitions in one process
+(median, and the spread (max - min) / median):
 
-  prefill  dense: jax.nn.dot_product_attention(implementation='cudnn'),
-           causal GQA; msa: kernels (a) selection + (b) sparse forward, end
-           to end, plus each alone.
-  train    the same with the gradient of sum(out) w.r.t. q, k, v
-           (msa: kernel (c), the atomics backward).
-  decode   one new token per sequence against a full cache of the same
-           length: dense attention over the cache vs kernels (a) + (d).
+  ceilings  a large bf16 matmul and a large copy: what the card gives here.
+  check     at check_len, the kernels' selection against the f32 reference
+            scores (margin rule, flip rate) and the main branch on the
+            kernels' own selection against the reference.
+  prefill   per seq_len: dense: jax.nn.dot_product_attention(
+            implementation='cudnn'), causal GQA; msa: selection + sparse
+            forward end to end; each kernel alone: index (the two-launch
+            selector) and index_fused (the running-table oracle, up to
+            fused_max_len), main (the sparse forward).
+  train     up to train_max_len: the gradient of sum(out) w.r.t. q, k, v,
+            dense vs the main branch on a fixed selection.
+  decode    per decode_len: one new token for each of decode_batch
+            sequences against full caches: dense vs selection + kernel (d).
+
+A soft deadline (`deadline`, a time.monotonic() value) is checked before
+every measurement: past it, the rest is recorded as skipped and run()
+still returns, so the summary is always written. Index inputs are in the
+model dtype (bf16), as a bf16 model's index branch emits them.
 
 Achieved TFLOP/s counts the formula's FLOPs (docs/design.md §6.6: dense
 causal 4*r*D*N/2 per query and group, MSA 2*dI*N/2 + 4*r*D*K*B), so it is
@@ -25,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +54,8 @@ PAPER_DECODE_SPEEDUP = 7.6
 
 @dataclasses.dataclass(frozen=True)
 class GPUBench:
-  seq_lens: tuple[int, ...] = (8192, 16384, 32768, 65536, 131072)
+  seq_lens: tuple[int, ...] = (8192, 32768, 131072)
+  decode_lens: tuple[int, ...] = (32768, 131072)
   groups: int = 4             # G
   heads_per_group: int = 16   # r (the paper's ratio uses r = 16)
   head_dim: int = 128         # D
@@ -51,8 +65,11 @@ class GPUBench:
   dtype: str = 'bfloat16'     # cuDNN flash attention needs bf16 / f16
   decode_batch: int = 8
   train_max_len: int = 32768  # fwd+bwd timed up to here
+  fused_max_len: int = 32768  # the fused selector is timed up to here
   repeats: int = 5            # interleaved
   check_len: int = 2048       # end-to-end error vs the dense reference
+  matmul_n: int = 8192        # ceilings: an n^3 bf16 matmul
+  copy_bytes: int = 2 << 30   # ceilings: a copy of this many bytes
   seed: int = 0
   dense_impl: str = 'cudnn'   # 'xla' and interpret=True: a CPU dry run
   interpret: bool = False
@@ -80,8 +97,8 @@ def _inputs(cfg: GPUBench, b: int, t: int, s: int):
   dt = jnp.dtype(cfg.dtype)
   n = jax.random.normal
   return (n(ks[0], (b, t, g * r, d), dt), n(ks[1], (b, s, g, d), dt),
-          n(ks[2], (b, s, g, d), dt), n(ks[3], (b, t, g, di), jnp.float32),
-          n(ks[4], (b, s, di), jnp.float32))
+          n(ks[2], (b, s, g, d), dt), n(ks[3], (b, t, g, di), dt),
+          n(ks[4], (b, s, di), dt))
 
 
 def dense_prefill(q_BTHD, k_BTGD, v_BTGD, implementation='cudnn'):
@@ -111,7 +128,111 @@ def _decode_impl(cfg: GPUBench) -> str:
     return 'xla'
 
 
-def run_length(cfg: GPUBench, t: int, decode_impl: str) -> dict:
+class _Clock:
+  """The soft deadline: measurements start only while time is left."""
+
+  def __init__(self, deadline: float | None):
+    self.deadline = deadline
+
+  def left(self) -> float:
+    return (float('inf') if self.deadline is None
+            else self.deadline - time.monotonic())
+
+  def ok(self) -> bool:
+    return self.left() > 0
+
+
+def _measure(cfg: GPUBench, fns: dict, **kw) -> tuple[dict, dict]:
+  spread = {}
+  med = benchmark.measure(fns, cfg.repeats, spread=spread, **kw)
+  return med, spread
+
+
+def ceilings(cfg: GPUBench) -> dict:
+  """What this card gives here: bf16 matmul TFLOP/s and copy GB/s (read +
+  write counted)."""
+  n = cfg.matmul_n
+  a = jnp.ones((n, n), jnp.bfloat16)
+  x = jnp.ones((cfg.copy_bytes // 4,), jnp.float32)
+  med, spread = _measure(cfg, {
+      'matmul': (lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32),
+                 (a,)),
+      'copy': (lambda x: x + 1.0, (x,))})
+  return {'matmul_n': n, 'matmul_tflops': 2 * n**3 / med['matmul'] / 1e12,
+          'copy_bytes': cfg.copy_bytes,
+          'copy_gbps': 2 * cfg.copy_bytes / med['copy'] / 1e9,
+          'spread': spread}
+
+
+def check(cfg: GPUBench) -> dict:
+  """The kernels at check_len against the f32 reference.
+
+  Selection: the margin rule of docs/design.md §6.8 (violations, flip rate)
+  against the f32 block scores of the same bf16 index inputs. Main branch:
+  max |out - reference| on the kernels' own selection.
+  """
+  c, k = cfg.block_size, cfg.top_k
+  q, kk, v, qi, ki = _inputs(cfg, 1, cfg.check_len, cfg.check_len)
+  out, aux = jax.jit(functools.partial(
+      pallas_path.msa_attention, q_offset=0, backend='gpu',
+      interpret=cfg.interpret, block_size=c, top_k=k))(q, kk, v, qi, ki)
+  f32 = lambda x: x.astype(jnp.float32)
+  sel = aux['sel_BGTK']
+  want, _ = jax.jit(functools.partial(reference.sparse_attention,
+                                      block_size=c))(f32(q), f32(kk), f32(v),
+                                                     sel)
+  scores = np.asarray(jax.jit(lambda qi, ki: reference.block_scores_BGTN(
+      reference.index_logits_BGTS(qi, ki), c))(f32(qi), f32(ki)), np.float64)
+  violations, flip_rate = selection_margin(np.asarray(sel), scores,
+                                           np.asarray(f32(qi)),
+                                           np.asarray(f32(ki)), c, k)
+  return {'selection_margin_violations': violations,
+          'selection_flip_rate': flip_rate,
+          'max_abs_err': float(jnp.max(jnp.abs(f32(out) - want)))}
+
+
+def selection_margin(sel_BGTK, scores_BGTN, qi_BTGI, ki_BSI, block_size: int,
+                     top_k: int, eps_scale: float = 2.0**-7):
+  """(violations, flip_rate) of a prefill selection (offset 0), vectorised.
+
+  With tau a row's (K-1)-th best earlier score: kept blocks must score >=
+  tau - eps, earlier blocks left out <= tau + eps, eps = eps_scale * |qi| *
+  max|ki| / sqrt(I). flip_rate: rows whose kept set differs from the exact
+  top-(K-1) (rows with fewer earlier blocks than K-1 cannot differ).
+  """
+  b, g, t, n = scores_BGTN.shape
+  di = qi_BTGI.shape[-1]
+  local_T = np.arange(t) // block_size
+  earlier_TN = np.arange(n)[None, :] < local_T[:, None]
+  ranked = np.where(earlier_TN, scores_BGTN, -np.inf)
+  n_e_T = np.minimum(local_T, top_k - 1)
+  order = np.argsort(-ranked, axis=-1, kind='stable')
+  best_BGTN = np.take_along_axis(ranked, order, -1)
+  tau = np.take_along_axis(
+      best_BGTN, np.broadcast_to(np.maximum(n_e_T - 1, 0)[None, None, :, None],
+                                 (b, g, t, 1)), -1)[..., 0]
+  kept = np.zeros((b, g, t, n + 1), bool)
+  slot_K = np.arange(sel_BGTK.shape[-1])
+  earlier_slot = slot_K[None, None, None, :] < n_e_T[None, None, :, None]
+  ids = np.where(earlier_slot & (sel_BGTK >= 0), sel_BGTK, n)
+  np.put_along_axis(kept, ids, True, -1)
+  kept = kept[..., :n]
+  eps = (eps_scale * np.linalg.norm(qi_BTGI, axis=-1).transpose(0, 2, 1) *
+         np.linalg.norm(ki_BSI, axis=-1).max(axis=1)[:, None, None] /
+         np.sqrt(di))
+  has = (n_e_T > 0)[None, None, :]
+  low = kept & (scores_BGTN < (tau - eps)[..., None])
+  high = earlier_TN & ~kept & (scores_BGTN > (tau + eps)[..., None])
+  violations = int(np.sum((low | high) & has[..., None]))
+  exact = np.zeros((b, g, t, n + 1), bool)
+  top_ids = np.where(np.arange(n)[None, None, None, :] <
+                     n_e_T[None, None, :, None], order, n)
+  np.put_along_axis(exact, top_ids, True, -1)
+  differ = np.any(exact[..., :n] != kept, axis=-1) & has
+  return violations, float(differ.sum() / max(has.sum() * b * g, 1))
+
+
+def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
   q, k, v, qi, ki = _inputs(cfg, 1, t, t)
   off = jnp.zeros((1,), jnp.int32)
@@ -127,12 +248,12 @@ def run_length(cfg: GPUBench, t: int, decode_impl: str) -> dict:
          'msa': (msa, (q, k, v, qi, ki)),
          'index': (select, (qi, ki, off)),
          'main': (main, (q, k, v, sel))}
-  if t <= cfg.train_max_len:
-    fns['dense_train'] = (_grad_of_sum(dense), (q, k, v))
-    fns['msa_train'] = (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
-                        (q, k, v))
-  med = benchmark.measure(fns, cfg.repeats)
+  if t <= cfg.fused_max_len:
+    fns['index_fused'] = (functools.partial(select, gpu_method='fused'),
+                          (qi, ki, off))
+  med, spread = _measure(cfg, fns)
   dense_f, msa_f = prefill_flops(cfg, t)
+  index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
   row = {
       'seq_len': t,
       'dense_s': med['dense'], 'msa_s': med['msa'],
@@ -141,20 +262,27 @@ def run_length(cfg: GPUBench, t: int, decode_impl: str) -> dict:
       'flop_ratio': dense_f / msa_f,
       'dense_tflops': dense_f / med['dense'] / 1e12,
       'msa_tflops': msa_f / med['msa'] / 1e12,
+      'index_tflops': index_f / med['index'] / 1e12,
+      'spread': spread,
   }
-  if 'msa_train' in med:
-    row.update(dense_train_s=med['dense_train'], msa_train_s=med['msa_train'],
-               train_speedup_main_only=med['dense_train'] / med['msa_train'])
-  del q, k, v, qi, ki, sel
-  try:
-    row.update(run_decode(cfg, t, decode_impl))
-  except Exception as e:  # pylint: disable=broad-except
-    row['decode_error'] = f'{type(e).__name__}: {e}'[:2000]
-  return {key: (round(val, 6) if isinstance(val, float) else val)
-          for key, val in row.items()}
+  if 'index_fused' in med:
+    row.update(index_fused_s=med['index_fused'],
+               index_speedup_vs_fused=med['index_fused'] / med['index'])
+  if t <= cfg.train_max_len and clock.ok():
+    tmed, tspread = _measure(cfg, {
+        'dense_train': (_grad_of_sum(dense), (q, k, v)),
+        'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
+                      (q, k, v))})
+    row.update(dense_train_s=tmed['dense_train'],
+               msa_train_s=tmed['msa_train'],
+               train_speedup_main_only=tmed['dense_train'] / tmed['msa_train'])
+    row['spread'].update(tspread)
+  elif t <= cfg.train_max_len:
+    row['train_skipped'] = 'deadline'
+  return row
 
 
-def run_decode(cfg: GPUBench, s: int, impl: str) -> dict:
+def decode(cfg: GPUBench, s: int, impl: str) -> dict:
   b = cfg.decode_batch
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
   q, k, v, qi, ki = _inputs(cfg, b, 1, s)
@@ -162,57 +290,70 @@ def run_decode(cfg: GPUBench, s: int, impl: str) -> dict:
   dense = functools.partial(benchmark.dense_decode, implementation=impl)
   msa = functools.partial(pallas_path.msa_decode, backend='gpu',
                           interpret=cfg.interpret, **kw)
-  med = benchmark.measure(
-      {'dense': (dense, (q[:, 0], k, v, lengths)),
-       'msa': (msa, (q[:, 0], k, v, qi[:, 0], ki, lengths))}, cfg.repeats)
+  med, spread = _measure(
+      cfg, {'dense': (dense, (q[:, 0], k, v, lengths)),
+            'msa': (msa, (q[:, 0], k, v, qi[:, 0], ki, lengths))},
+      budget_s=0.2, max_calls=100)
   dense_f, msa_f = decode_flops(cfg, s)
-  return {'decode_dense_s': med['dense'], 'decode_msa_s': med['msa'],
+  return {'cache_len': s, 'batch': b,
+          'decode_dense_s': med['dense'], 'decode_msa_s': med['msa'],
           'decode_speedup': med['dense'] / med['msa'],
-          'decode_flop_ratio': dense_f / msa_f}
-
-
-def reference_error(cfg: GPUBench) -> dict:
-  """max |msa kernels - dense reference| at check_len, f32 reference."""
-  kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
-  q, k, v, qi, ki = _inputs(cfg, 1, cfg.check_len, cfg.check_len)
-  out, aux = jax.jit(functools.partial(
-      pallas_path.msa_attention, q_offset=0, backend='gpu', interpret=cfg.interpret,
-      **kw))(q, k, v, qi, ki)
-  f32 = lambda x: x.astype(jnp.float32)
-  want, want_aux = jax.jit(functools.partial(reference.msa_attention, **kw))(
-      f32(q), f32(k), f32(v), qi, ki)
-  same = bool(np.array_equal(np.sort(aux['sel_BGTK'], -1),
-                             np.sort(want_aux['sel_BGTK'], -1)))
-  return {'selection_equal': same,
-          'max_abs_err': float(jnp.max(jnp.abs(f32(out) - want)))}
+          'decode_flop_ratio': dense_f / msa_f, 'spread': spread}
 
 
 def _log_row(row: dict):
   print('# row ' + json.dumps(row), flush=True)
 
 
-def run(cfg: GPUBench, log=_log_row) -> dict:
-  decode_impl = _decode_impl(cfg)
-  try:
-    check = reference_error(cfg)
-  except Exception as e:  # pylint: disable=broad-except
-    check = {'error': f'{type(e).__name__}: {e}'[:2000]}
-  log({'reference_check': check, 'decode_dense_impl': decode_impl})
-  rows = []
-  for t in cfg.seq_lens:
+def _rounded(row: dict) -> dict:
+  def r(x):
+    if isinstance(x, float):
+      return round(x, 6)
+    if isinstance(x, dict):
+      return {key: r(val) for key, val in x.items()}
+    return x
+  return r(row)
+
+
+def _phase(name: str, fn, clock: _Clock, log, **key) -> dict:
+  """One measurement: its row, or why it has none (error, deadline)."""
+  if not clock.ok():
+    row = {**key, 'skipped': 'deadline'}
+  else:
     try:
-      rows.append(run_length(cfg, t, decode_impl))
+      row = {**key, **fn()}
     except Exception as e:  # pylint: disable=broad-except
-      # Keep the lengths that ran; say why this one did not.
-      rows.append({'seq_len': t, 'error': f'{type(e).__name__}: {e}'[:2000]})
-    log(rows[-1])
-  ok = [row for row in rows if 'error' not in row]
+      # Keep what ran; say why this one did not.
+      row = {**key, 'error': f'{type(e).__name__}: {e}'[:2000]}
+  row = _rounded({'phase': name, **row})
+  log(row)
+  return row
+
+
+def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
+  """Every phase, in order; `deadline` (time.monotonic()) is soft."""
+  clock = _Clock(deadline)
+  ceil = _phase('ceilings', lambda: ceilings(cfg), clock, log)
+  decode_impl = _decode_impl(cfg) if clock.ok() else cfg.dense_impl
+  chk = _phase('check', lambda: check(cfg), clock, log,
+               check_len=cfg.check_len, decode_dense_impl=decode_impl)
+  rows = [_phase('prefill', lambda t=t: prefill(cfg, t, clock), clock, log,
+                 seq_len=t) for t in cfg.seq_lens]
+  dec = [_phase('decode', lambda s=s: decode(cfg, s, decode_impl), clock, log,
+                cache_len=s) for s in cfg.decode_lens]
+  done = lambda rs, key: [r for r in rs if key in r]
+  ok = done(rows, 'speedup')
   last = ok[-1] if ok else {}
+  dok = done(dec, 'decode_speedup')
+  dlast = dok[-1] if dok else {}
   return {
       'bench': 'msa_gpu',
+      'ceilings': ceil,
+      'reference_check': chk,
       'results': rows,
-      'reference_check_len': cfg.check_len,
-      'reference_check': check,
+      'decode': dec,
+      'complete': all('skipped' not in r and 'error' not in r
+                      for r in [ceil, chk, *rows, *dec]),
       'dense_prefill_impl': cfg.dense_impl,
       'dense_decode_impl': decode_impl,
       'paper_prefill_speedup': PAPER_PREFILL_SPEEDUP,
@@ -220,6 +361,7 @@ def run(cfg: GPUBench, log=_log_row) -> dict:
       'max_len': last.get('seq_len'),
       'prefill_speedup_at_max_len': last.get('speedup'),
       'prefill_flop_ratio_at_max_len': last.get('flop_ratio'),
-      'decode_speedup_at_max_len': last.get('decode_speedup'),
-      'decode_flop_ratio_at_max_len': last.get('decode_flop_ratio'),
+      'decode_len': dlast.get('cache_len'),
+      'decode_speedup_at_max_len': dlast.get('decode_speedup'),
+      'decode_flop_ratio_at_max_len': dlast.get('decode_flop_ratio'),
   }

@@ -1,0 +1,89 @@
+"""The GPU benchmark's own code, dry-run on CPU (kernels in interpret mode,
+XLA dense attention), so `make gpu-check` does not meet its first Python
+error on a rented GPU: every phase runs and reports, the soft deadline
+skips what is left yet still returns a summary that the docs' table
+renders, and the benchmark's vectorised margin rule equals the tests' loop.
+"""
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import render_results
+import msa_testlib as lib
+from pallas_kernels.msa import benchmark_gpu as bg
+from pallas_kernels.msa import reference as ref
+
+TINY = bg.GPUBench(seq_lens=(128,), decode_lens=(128,), groups=2,
+                   heads_per_group=2, head_dim=16, index_dim=16,
+                   block_size=16, top_k=3, decode_batch=2, repeats=1,
+                   check_len=128, matmul_n=128, copy_bytes=1 << 20,
+                   train_max_len=128, fused_max_len=128, dense_impl='xla',
+                   interpret=True)
+
+
+def test_every_phase_runs_and_reports(tmp_path):
+  rows = []
+  out = bg.run(TINY, log=rows.append)
+  assert out['complete'], json.dumps(out)[:2000]
+  assert [r['phase'] for r in rows] == ['ceilings', 'check', 'prefill',
+                                        'decode']
+  assert out['reference_check']['selection_margin_violations'] == 0
+  assert out['reference_check']['max_abs_err'] < 2e-2  # bf16 inputs
+  pre = out['results'][0]
+  for key in ('dense_s', 'msa_s', 'index_s', 'index_fused_s', 'main_s',
+              'dense_train_s', 'msa_train_s'):
+    assert pre[key] > 0, key
+  assert out['decode'][0]['decode_msa_s'] > 0
+  # The docs' GPU table renders from the summary gpu_check_summary.py
+  # would write around it.
+  summary = {'command': 'make gpu-check', 'date': 'dry run',
+             'gpu_check': 'pass', 'setup': {'device_kind': 'cpu'},
+             'tests': {'passed': 1}, 'bench_msa': out}
+  (tmp_path / 'gpu_check_dry.json').write_text(json.dumps(summary))
+  text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_dry')
+  assert '| 128 |' in text and 'flip rate 0' in text, text
+  assert 'Not measured' not in text
+
+
+def test_past_the_deadline_everything_is_skipped_but_summarised(tmp_path):
+  rows = []
+  out = bg.run(TINY, log=rows.append, deadline=time.monotonic() - 1.0)
+  assert not out['complete']
+  assert all(r.get('skipped') == 'deadline' for r in rows), rows
+  assert out['max_len'] is None and out['decode_len'] is None
+  summary = {'gpu_check': 'fail', 'setup': {}, 'tests': {},
+             'bench_msa': out}
+  (tmp_path / 'gpu_check_cut.json').write_text(json.dumps(summary))
+  text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_cut')
+  assert 'Not measured: prefill 128 (deadline); decode 128 (deadline)' in text
+
+
+def test_vectorised_margin_rule_equals_the_loop():
+  b, t, s, g, di, c, k = 2, 96, 96, 2, 8, 16, 4
+  _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, 1, 8, di, seed=4)
+  scores = ref.block_scores_BGTN(ref.index_logits_BGTS(qi, ki), c)
+  exact = ref.select_blocks_BGTK(scores, block_size=c, top_k=k)
+  rng = np.random.default_rng(0)
+  for eps_scale in (2.0**-7, 0.05):
+    sels = [np.asarray(exact)]
+    # Rows perturbed: a kept earlier block swapped for one left out.
+    bad = np.array(exact)
+    for _ in range(40):
+      bb, gg, tt = rng.integers(b), rng.integers(g), rng.integers(2 * c, t)
+      local, row = tt // c, bad[bb, gg, tt]
+      out = np.setdiff1d(np.arange(local), row)
+      if out.size:
+        row[rng.integers(min(local, k - 1))] = rng.choice(out)
+    sels.append(bad)
+    for sel in sels:
+      want = lib.selection_margin_report(sel, scores, qi, ki, c, k, 0,
+                                         eps_scale=eps_scale)
+      got = bg.selection_margin(sel, np.asarray(scores, np.float64),
+                                np.asarray(qi), np.asarray(ki), c, k,
+                                eps_scale=eps_scale)
+      assert got[0] == want[0], (eps_scale, got, want)
+      np.testing.assert_allclose(got[1], want[1], rtol=1e-12)
+  assert lib.selection_margin_report(bad, scores, qi, ki, c, k, 0)[0] > 0
