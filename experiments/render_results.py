@@ -839,11 +839,14 @@ def render_gpu_check(results_dir: str, name: str) -> str:
             ('fused index ms', lambda r: _ms(
                 r.get('index_fused_s') if 'phase' in r else r['index_s'])),
             ('main ms', lambda r: _ms(r['main_s'])),
+            ('per-token main ms', lambda r: _ms(r.get('main_token_s'))),
             ('**speedup**', lambda r: f"**{_f(r['speedup'])}**"),
             ('FLOP ratio', lambda r: _f(r['flop_ratio'])),
             ('fwd+bwd ms: dense / MSA main',
              lambda r: (f"{_ms(r['dense_train_s'])} / {_ms(r['msa_train_s'])}"
-                        if 'msa_train_s' in r else '-'))]
+                        if 'msa_train_s' in r else '-')),
+            ('fwd+bwd ms, per-token atomics',
+             lambda r: _ms(r.get('msa_train_token_s')))]
     lines += ['', _table(['seq_len', *[c[0] for c in cols]],
                          [[_f(r['seq_len']), *[c[1](r) for c in cols]]
                           for r in done])]

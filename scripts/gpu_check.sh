@@ -60,16 +60,21 @@ PY
 # none may preallocate most of its memory.
 pytest_args=(-q -p no:cacheprovider -m gpu --junitxml="$LOGDIR/gpu_tests.xml")
 if "$PY" -c 'import xdist' 2>/dev/null; then
-  pytest_args+=(-n "${TEST_WORKERS:-4}")
+  # Tests, not whole files, spread over the workers (the CPU suite's
+  # file-per-worker scheduler would put every MSA test on one).
+  pytest_args+=(-n "${TEST_WORKERS:-4}" --dist worksteal)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
+# Tests not started 40 s before the limit are skipped (tests/conftest.py),
+# so pytest ends by itself and writes its report.
+export FOREMOE_TEST_DEADLINE=$(( $(date +%s) + ${TESTS_TIME_LIMIT:-240} - 40 ))
 if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
   pytest_args+=(--timeout="${TEST_TIMEOUT:-300}")
 fi
 timeout "${TESTS_TIME_LIMIT:-240}" \
     "$PY" -m pytest "${pytest_args[@]}" tests 2>&1 | tee "$LOGDIR/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-unset XLA_PYTHON_CLIENT_PREALLOCATE
+unset XLA_PYTHON_CLIENT_PREALLOCATE FOREMOE_TEST_DEADLINE
 
 # What is left of the budget: the bench starts no measurement in its last
 # 60 s (one 128k measurement can take that long), and is killed 15 s before

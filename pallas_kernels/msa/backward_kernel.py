@@ -16,7 +16,9 @@ honoured too (d lse / d s = p).
   [B, N, C, 1]; GPU: [B, S]), so padding keys get p = ds = 0.
 * GPU (Triton): one program per (token, batch, group) as in the forward; dq
   is accumulated in registers, dk/dv blocks are added with f32 atomics
-  (several tokens select the same block).
+  (several tokens select the same block). The default GPU backward
+  (kv_outer.py) runs this kernel for dq alone and computes dK/dV KV-outer,
+  without atomics.
 
 Letter key: B batch, T query tokens, S key tokens, G groups, R heads per
 group, D head dim, K selected blocks, C block size, X = R*D, Q query tiles,
@@ -226,9 +228,15 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, valid_BS, do_BGTX,
 
 
 def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, valid_ref, sel_ref, do_ref,
-                lse_ref, delta_ref, dk_in_ref, dv_in_ref, dq_ref, dk_ref, dv_ref, *,
-                block_size: int, top_k: int, scale: float, precision):
-  del dk_in_ref, dv_in_ref  # aliased to dk_ref / dv_ref (zero-initialised)
+                lse_ref, delta_ref, *refs, block_size: int, top_k: int,
+                scale: float, precision, with_dkv: bool = True):
+  """dq of one (token, group); with_dkv: also add dK/dV by atomics, else
+  (the KV-outer backward computes them) dq alone."""
+  if with_dkv:
+    # dk_in / dv_in are aliased to dk / dv (zero-initialised).
+    _, _, dq_ref, dk_ref, dv_ref = refs
+  else:
+    (dq_ref,) = refs
   t = pl.program_id(0)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
@@ -245,12 +253,13 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, valid_ref, sel_ref, do_ref,
     mask = (kpos <= qpos) & (blk >= 0) & ok
     p = _probs(kc.dot_nt(q, k, precision) * scale, mask, lse)
     ds = p * (kc.dot_nt(do, v, precision) - delta)
-    # A -1 slot has p = ds = 0, so it adds exact zeros to block 0; no atomic
-    # mask (interpret mode cannot discharge masked atomics).
-    plgpu.atomic_add(dv_ref, (rows, slice(None)),
-                     kc.dot_tn(p.astype(do.dtype), do, precision))
-    plgpu.atomic_add(dk_ref, (rows, slice(None)),
-                     kc.dot_tn(ds.astype(q.dtype), q, precision) * scale)
+    if with_dkv:
+      # A -1 slot has p = ds = 0, so it adds exact zeros to block 0; no
+      # atomic mask (interpret mode cannot discharge masked atomics).
+      plgpu.atomic_add(dv_ref, (rows, slice(None)),
+                       kc.dot_tn(p.astype(do.dtype), do, precision))
+      plgpu.atomic_add(dk_ref, (rows, slice(None)),
+                       kc.dot_tn(ds.astype(q.dtype), q, precision) * scale)
     return dq + kc.dot_nn(ds.astype(k.dtype), k, precision) * scale
 
   dq = jax.lax.fori_loop(0, top_k, visit, jnp.zeros(q.shape, jnp.float32))
@@ -259,8 +268,9 @@ def _gpu_kernel(off_ref, q_ref, k_ref, v_ref, valid_ref, sel_ref, do_ref,
 
 def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
                  lse_BTGR, delta_BTGR, *, block_size: int, scale: float, interpret: bool,
-                 num_warps: int = 8, num_stages: int = 1):
-  """Padded operands in; (dq_BTGRD, dk_BSGD f32, dv_BSGD f32) out."""
+                 num_warps: int = 8, num_stages: int = 1, with_dkv: bool = True):
+  """Padded operands in; (dq_BTGRD, dk_BSGD f32, dv_BSGD f32) out, or
+  dq_BTGRD alone when not with_dkv."""
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
   kp = sel_BGTK.shape[-1]
@@ -273,18 +283,28 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   # at C = D = 128) would spill from the registers of 4.
   kernel = functools.partial(
       _gpu_kernel, block_size=block_size, top_k=kp, scale=scale,
-      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret),
+      with_dkv=with_dkv)
+  in_specs = [
+      pl.BlockSpec((1,), lambda tt, bb, gg: (bb,)),
+      q_spec, kv_spec, kv_spec,
+      pl.BlockSpec((None, sp), lambda tt, bb, gg: (bb, 0)),
+      pl.BlockSpec((None, None, None, kp),
+                   lambda tt, bb, gg: (bb, gg, tt, 0)),
+      q_spec, row_spec, row_spec]
+  args = (off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK, do_BTGRD,
+          lse_BTGR, delta_BTGR)
+  if not with_dkv:
+    return pl.pallas_call(
+        kernel, grid=(t, b, g), in_specs=in_specs, out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q_BTGRD.shape, q_BTGRD.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                             num_stages=num_stages),
+        interpret=interpret, name='msa_backward_dq_gpu')(*args)
   return pl.pallas_call(
       kernel,
       grid=(t, b, g),
-      in_specs=[
-          pl.BlockSpec((1,), lambda tt, bb, gg: (bb,)),
-          q_spec, kv_spec, kv_spec,
-          pl.BlockSpec((None, sp), lambda tt, bb, gg: (bb, 0)),
-          pl.BlockSpec((None, None, None, kp),
-                       lambda tt, bb, gg: (bb, gg, tt, 0)),
-          q_spec, row_spec, row_spec, kv_spec, kv_spec,
-      ],
+      in_specs=[*in_specs, kv_spec, kv_spec],
       out_specs=[q_spec, kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(q_BTGRD.shape, q_BTGRD.dtype),
                  jax.ShapeDtypeStruct(k_BSGD.shape, jnp.float32),
@@ -294,6 +314,5 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
                                            num_stages=num_stages),
       interpret=interpret,
       name='msa_backward_gpu',
-  )(off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK, do_BTGRD, lse_BTGR,
-    delta_BTGR,
-    jnp.zeros(k_BSGD.shape, jnp.float32), jnp.zeros(v_BSGD.shape, jnp.float32))
+  )(*args, jnp.zeros(k_BSGD.shape, jnp.float32),
+    jnp.zeros(v_BSGD.shape, jnp.float32))

@@ -11,12 +11,15 @@ Phases, in this order, each timed in interleaved repetitions in one process
   prefill   per seq_len: dense: jax.nn.dot_product_attention(
             implementation='cudnn'), causal GQA; msa: selection + sparse
             forward end to end; each kernel alone: index (the two-launch
-            selector) and index_fused (the running-table oracle, up to
-            fused_max_len), main (the sparse forward).
+            selector), main (the KV-outer sparse forward), and up to
+            fused_max_len the kernels they replace: index_fused (the
+            running-table selector), main_token (a program per token).
   train     up to train_max_len: the gradient of sum(out) w.r.t. q, k, v,
-            dense vs the main branch on a fixed selection.
+            dense vs the main branch on a fixed selection (KV-outer dK/dV
+            without atomics; and the per-token atomics backward).
   decode    per decode_len: one new token for each of decode_batch
-            sequences against full caches: dense vs selection + kernel (d).
+            sequences against full caches: dense vs selection + split-K
+            attention.
 
 A soft deadline (`deadline`, a time.monotonic() value) is checked before
 every measurement: past it, the rest is recorded as skipped and run()
@@ -248,9 +251,14 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
          'msa': (msa, (q, k, v, qi, ki)),
          'index': (select, (qi, ki, off)),
          'main': (main, (q, k, v, sel))}
+  main_token = lambda q, k, v, sel: pallas_path.sparse_attention(
+      q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
+      gpu_kernels='token')
   if t <= cfg.fused_max_len:
+    # The previous kernels, side by side, where they finish in time.
     fns['index_fused'] = (functools.partial(select, gpu_method='fused'),
                           (qi, ki, off))
+    fns['main_token'] = (main_token, (q, k, v, sel))
   med, spread = _measure(cfg, fns)
   dense_f, msa_f = prefill_flops(cfg, t)
   index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
@@ -267,14 +275,19 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
   }
   if 'index_fused' in med:
     row.update(index_fused_s=med['index_fused'],
-               index_speedup_vs_fused=med['index_fused'] / med['index'])
+               index_speedup_vs_fused=med['index_fused'] / med['index'],
+               main_token_s=med['main_token'],
+               main_speedup_vs_token=med['main_token'] / med['main'])
   if t <= cfg.train_max_len and clock.ok():
     tmed, tspread = _measure(cfg, {
         'dense_train': (_grad_of_sum(dense), (q, k, v)),
         'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
-                      (q, k, v))})
+                      (q, k, v)),
+        'msa_train_token': (_grad_of_sum(
+            lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))})
     row.update(dense_train_s=tmed['dense_train'],
                msa_train_s=tmed['msa_train'],
+               msa_train_token_s=tmed['msa_train_token'],
                train_speedup_main_only=tmed['dense_train'] / tmed['msa_train'])
     row['spread'].update(tspread)
   elif t <= cfg.train_max_len:

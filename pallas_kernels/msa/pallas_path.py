@@ -31,6 +31,7 @@ from pallas_kernels.msa import backward_kernel
 from pallas_kernels.msa import decode_kernel
 from pallas_kernels.msa import forward_kernel
 from pallas_kernels.msa import kernel_common as kc
+from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import select_kernel
 
 
@@ -109,9 +110,20 @@ def _valid_mask(valid_BS, b: int, s: int, sp: int):
 # Forward / backward
 
 
+def _kv_outer_heads(r: int, t: int) -> int:
+  """Padded heads per group of the KV-outer layout: a power of two, and at
+  least 16 when a tile holds one query (decode), tl.dot's minimum rows."""
+  return kc.next_pow2(r) if t > 1 else max(16, kc.next_pow2(r))
+
+
 def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
-                   block_size, backend, interpret):
-  """(out_BTHD, lse_BTH f32) from the kernel of the chosen backend."""
+                   block_size, backend, interpret, gpu_kernels='kv_outer'):
+  """(out_BTHD, lse_BTH f32) from the kernel of the chosen backend.
+
+  gpu_kernels: 'kv_outer' (kv_outer.py: tiles of queries per key block,
+  split-K at one query) or 'token' (forward_kernel.py: a program per token
+  and group).
+  """
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
@@ -127,19 +139,38 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
         valid, block_size=block_size, n_heads=r, q_tile=tq, scale=scale,
         interpret=interpret)
     return _from_group_major_q(o, t, h), _rows_BTH(lse, t)
+  _check_gpu_kernels(gpu_kernels)
   rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
-  o, lse = forward_kernel.forward_gpu(
-      _to_gpu_q(q_BTHD, g, rp, dp), _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp),
-      _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp), _pad_axis(sel_BGTK, 3, kp, -1),
-      off_B, valid, block_size=block_size, scale=scale, interpret=interpret)
+  k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
+  v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
+  if gpu_kernels == 'kv_outer':
+    rp = _kv_outer_heads(r, t)
+    o, lse = kv_outer.forward(
+        _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p, sel_BGTK, off_B, valid,
+        block_size=block_size, scale=scale, interpret=interpret)
+  else:
+    o, lse = forward_kernel.forward_gpu(
+        _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p,
+        _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid, block_size=block_size,
+        scale=scale, interpret=interpret)
   return (o[:, :, :, :r, :d].reshape(b, t, h, d),
           lse[..., :r].reshape(b, t, h))
 
 
+def _check_gpu_kernels(gpu_kernels: str):
+  if gpu_kernels not in ('kv_outer', 'token'):
+    raise ValueError(f"gpu_kernels must be 'kv_outer' or 'token', got "
+                     f'{gpu_kernels!r}.')
+
+
 def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                     out_BTHD, lse_BTH, dout_BTHD, dlse_BTH, *, block_size,
-                    backend, interpret):
-  """(dq, dk, dv) in the input dtypes."""
+                    backend, interpret, gpu_kernels='kv_outer'):
+  """(dq, dk, dv) in the input dtypes.
+
+  GPU, gpu_kernels='kv_outer': dq per token, dK/dV KV-outer, no atomics
+  (deterministic); 'token': one kernel, dK/dV by float32 atomics.
+  """
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
@@ -166,53 +197,67 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
         interpret=interpret)
     return (_from_group_major_q(dq, t, h),
             dk.transpose(0, 2, 1, 3)[:, :s], dv.transpose(0, 2, 1, 3)[:, :s])
+  _check_gpu_kernels(gpu_kernels)
   rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
-  rows = lambda x: _pad_axis(x.reshape(b, t, g, r), 3, rp)
-  dq, dk, dv = backward_kernel.backward_gpu(
-      _to_gpu_q(q_BTHD, g, rp, dp), _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp),
-      _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp),
-      _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid, _to_gpu_q(dout, g, rp, dp),
-      rows(lse_BTH), rows(delta_BTH), block_size=block_size, scale=scale,
-      interpret=interpret)
+  rows = lambda x, rp: _pad_axis(x.reshape(b, t, g, r), 3, rp)
+  k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
+  v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
+  out = backward_kernel.backward_gpu(
+      _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p, _pad_axis(sel_BGTK, 3, kp, -1),
+      off_B, valid, _to_gpu_q(dout, g, rp, dp), rows(lse_BTH, rp),
+      rows(delta_BTH, rp), block_size=block_size, scale=scale,
+      interpret=interpret, with_dkv=gpu_kernels == 'token')
+  if gpu_kernels == 'token':
+    dq, dk, dv = out
+  else:
+    dq, rk = out, _kv_outer_heads(r, t)
+    dk, dv = kv_outer.dkv(
+        _to_gpu_q(q_BTHD, g, rk, dp), k_p, v_p, sel_BGTK, off_B, valid,
+        _to_gpu_q(dout, g, rk, dp), rows(lse_BTH, rk), rows(delta_BTH, rk),
+        block_size=block_size, scale=scale, interpret=interpret)
   return (dq[:, :, :, :r, :d].reshape(b, t, h, d),
           dk[:, :s, :, :d].astype(k_BSGD.dtype),
           dv[:, :s, :, :d].astype(v_BSGD.dtype))
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, block_size,
-                     backend, interpret, kv_valid_BS=None):
+                     backend, interpret, kv_valid_BS=None,
+                     gpu_kernels='kv_outer'):
   """Main branch on the kernels: (out_BTHD, lse_BTH), differentiable.
 
   kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
+  gpu_kernels: see sparse_forward / sparse_backward.
   """
   b, s = k_BSGD.shape[:2]
   valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
            else jnp.asarray(kv_valid_BS).astype(jnp.int32))
   return _sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid,
-                           block_size, backend, interpret)
+                           block_size, backend, interpret, gpu_kernels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
-                      block_size, backend, interpret):
+                      block_size, backend, interpret, gpu_kernels):
   return sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                         block_size=block_size, backend=backend,
-                        interpret=interpret)
+                        interpret=interpret, gpu_kernels=gpu_kernels)
 
 
 def _sparse_attention_fwd(q, k, v, sel, off, valid, block_size, backend,
-                          interpret):
+                          interpret, gpu_kernels):
   out, lse = sparse_forward(q, k, v, sel, off, valid, block_size=block_size,
-                            backend=backend, interpret=interpret)
+                            backend=backend, interpret=interpret,
+                            gpu_kernels=gpu_kernels)
   return (out, lse), (q, k, v, sel, off, valid, out, lse)
 
 
-def _sparse_attention_bwd(block_size, backend, interpret, res, cts):
+def _sparse_attention_bwd(block_size, backend, interpret, gpu_kernels, res,
+                          cts):
   q, k, v, sel, off, valid, out, lse = res
   dout, dlse = cts
   dq, dk, dv = sparse_backward(q, k, v, sel, off, valid, out, lse, dout, dlse,
                                block_size=block_size, backend=backend,
-                               interpret=interpret)
+                               interpret=interpret, gpu_kernels=gpu_kernels)
   return dq, dk, dv, None, None, None
 
 
@@ -224,7 +269,8 @@ _sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
-                  top_k, q_offset, backend, interpret, kv_valid_BS=None):
+                  top_k, q_offset, backend, interpret, kv_valid_BS=None,
+                  gpu_kernels='kv_outer'):
   """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'})."""
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
@@ -234,14 +280,19 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
       block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
       kv_valid_BS=kv_valid_BS)
   out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
-                              backend, interpret, kv_valid_BS)
+                              backend, interpret, kv_valid_BS, gpu_kernels)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
                lengths_B, *, block_size, top_k, backend, interpret,
-               kv_valid_BS=None):
-  """Kernel (a) at T = 1 then kernel (d): (out_BHD, {'sel_BGK', 'lse_BH'})."""
+               kv_valid_BS=None, gpu_kernels='kv_outer'):
+  """Kernel (a) at T = 1 then kernel (d): (out_BHD, {'sel_BGK', 'lse_BH'}).
+
+  GPU: kernel (d) is the KV-outer forward at one query, split-K (a program
+  per sequence, group and slot, then the log-sum-exp combine), or with
+  gpu_kernels='token' the per-token forward.
+  """
   check_block_size(block_size, backend)
   b, h, d = q_BHD.shape
   s, g = k_cache_BSGD.shape[1:3]
@@ -259,6 +310,6 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
     return out.reshape(b, h, d), {'sel_BGK': sel, 'lse_BH': lse.reshape(b, h)}
   out, lse = sparse_forward(q_BHD[:, None], k_cache_BSGD, v_cache_BSGD,
                             sel[:, :, None], off_B, kv_valid_BS,
-                            block_size=block_size,
-                            backend=backend, interpret=interpret)
+                            block_size=block_size, backend=backend,
+                            interpret=interpret, gpu_kernels=gpu_kernels)
   return out[:, 0], {'sel_BGK': sel, 'lse_BH': lse[:, 0]}

@@ -150,3 +150,19 @@ def test_decode_equals_last_row_of_prefill(shape, dtype, tol):
   np.testing.assert_array_equal(aux['sel_BGK'], want_aux['sel_BGTK'][:, :, 0])
   lib.assert_close(out, want[:, 0], tol, 'out')
   lib.assert_close(aux['lse_BH'], want_aux['lse_BTH'][:, 0], tol, 'lse')
+
+
+def test_backward_is_deterministic():
+  # KV-outer dK/dV and per-token dQ: no atomics, so the same bits twice.
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES['real_heads_2k']
+  q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di,
+                                        dtype=jnp.bfloat16)
+  sel = jax.jit(functools.partial(ref.selection_BGTK, block_size=c, top_k=k,
+                                  q_offset=o))(qi, ki)
+  off = jnp.full((b,), o, jnp.int32)
+  kern = lambda q, k, v: pallas_path.sparse_attention(q, k, v, sel, off, c,
+                                                      'gpu', False)
+  grad = jax.jit(jax.grad(_loss(kern, w), argnums=(0, 1, 2)))
+  first, second = grad(q, kk, v), grad(q, kk, v)
+  for name, a, e in zip('qkv', first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)

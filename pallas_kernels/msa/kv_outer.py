@@ -1,0 +1,418 @@
+"""Pallas kernels (b'), (c'), (d') for GPUs: block-sparse attention KV-outer.
+
+The per-token kernels (forward_kernel.py, backward_kernel.py) run one
+program per (token, group): a selected key block is read for one token's
+16 head rows, so the forward is bound by L2 traffic, and the backward adds
+each block's dK/dV with float32 atomics. Here the loop is turned inside
+out, as the MSA paper's "KV-outer" sparse attention does:
+
+1. **Tiles** (XLA, `build_tiles`): the selection is inverted into, per
+   (sequence, group, key block), the list of queries that selected the
+   block (a stable sort of the T*K (token, slot) pairs by block), cut into
+   tiles of `q_per_tile` queries. A tile's rows are its queries x the
+   group's heads (128 rows at 8 queries x 16 heads), so one K/V block
+   serves 128 rows instead of 16.
+2. **Forward** (`_forward_kernel`): one program per tile gathers its query
+   rows, attends the one block (the causal mask matters only on the
+   diagonal block; key padding is masked everywhere) and writes a per-slot
+   partial: the block-local output and its log-sum-exp.
+3. **Combine** (XLA): a token's K partials merge by the log-sum-exp rule,
+   O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j.
+4. **Backward** without atomics: dK/dV KV-outer (`_dkv_kernel`): a program
+   owns one key block's float32 accumulators and walks up to
+   `tiles_per_program` of its tiles (heavy early blocks, which most queries
+   select, are split over several programs); the programs' partial sums of
+   one block are added in XLA in a fixed order. dQ per token
+   (backward_kernel's per-token kernel with its atomics taken out). No
+   atomic anywhere: two runs give the same bits.
+5. **Decode** (`decode`): one query per sequence, so the tiles are the
+   selection itself: split-K, one program per (sequence, group, slot), then
+   the same combine.
+
+Queries are processed in chunks of `query_chunk` tokens so the partial
+outputs stay bounded (at 128k tokens, 16 heads per group and K = 16 they
+would be 34 GB at once).
+
+Letter key: B batch, T query tokens (Tc in a chunk), S key tokens, G
+groups, R heads per group (padded: Rp), D head dim (padded: Dp), K selected
+blocks, C block size, N key blocks, J tiles, Q queries per tile, W rows of
+a tile (Q * Rp), P (token, slot) pairs, U work items of the dK/dV kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.msa import kernel_common as kc
+
+NEG_INF = float('-inf')
+
+
+# ----------------------------------------------------------------------------
+# Tiles: the selection inverted (XLA)
+
+
+def build_tiles(sel_BGTK, *, n_blocks: int, q_per_tile: int, t0: int = 0):
+  """Query tiles per (sequence, group, key block).
+
+  Returns (tile_blk_BGJ, tile_q_BGJQ, pair_BGP): the block each tile
+  reads (-1: unused tile), the tokens of its lanes (absolute index t0 + t;
+  -1: empty lane), and for each (token, slot) pair p = t * K + k the flat
+  lane j * Q + q that holds it (-1: a -1 slot). J is a static bound: every
+  block's list ends in at most one part-filled tile, so J <= P / Q + N.
+  """
+  b, g, t, k = sel_BGTK.shape
+  p = t * k
+  q = q_per_tile
+  n_tiles = -(-p // q) + n_blocks
+  blk_BGP = sel_BGTK.reshape(b, g, p)
+  key_BGP = jnp.where(blk_BGP >= 0, blk_BGP, n_blocks)
+  order_BGP = jnp.argsort(key_BGP, axis=-1, stable=True)
+  sorted_blk = jnp.take_along_axis(key_BGP, order_BGP, axis=-1)
+  count_BGN = jax.vmap(jax.vmap(
+      lambda x: jnp.bincount(x, length=n_blocks + 1)))(key_BGP)[..., :n_blocks]
+  first_pair_BGN = jnp.cumsum(count_BGN, axis=-1) - count_BGN
+  tiles_BGN = -(-count_BGN // q)
+  first_tile_BGN = jnp.cumsum(tiles_BGN, axis=-1) - tiles_BGN
+  live = sorted_blk < n_blocks
+  blk_c = jnp.minimum(sorted_blk, n_blocks - 1)
+  rank = (jnp.arange(p)[None, None, :] -
+          jnp.take_along_axis(first_pair_BGN, blk_c, axis=-1))
+  tile = jnp.take_along_axis(first_tile_BGN, blk_c, axis=-1) + rank // q
+  lane = jnp.where(live, tile * q + rank % q, n_tiles * q)  # dead: dropped
+  token = t0 + order_BGP // k
+  bi = jnp.arange(b)[:, None, None]
+  gi = jnp.arange(g)[None, :, None]
+  tile_q = jnp.full((b, g, n_tiles * q), -1, jnp.int32).at[bi, gi, lane].set(
+      token.astype(jnp.int32), mode='drop')
+  tile_blk = jnp.full((b, g, n_tiles), -1, jnp.int32).at[
+      bi, gi, jnp.where(live, tile, n_tiles)].set(
+          sorted_blk.astype(jnp.int32), mode='drop')
+  pair = jnp.full((b, g, p), -1, jnp.int32).at[bi, gi, order_BGP].set(
+      jnp.where(live, lane, -1).astype(jnp.int32))
+  return tile_blk, tile_q.reshape(b, g, n_tiles, q), pair
+
+
+def decode_tiles(sel_BGK):
+  """One query per sequence: tile k is slot k (split-K), lane 0."""
+  b, g, k = sel_BGK.shape
+  tile_q = jnp.where(sel_BGK >= 0, 0, -1).astype(jnp.int32)[..., None]
+  pair = jnp.where(sel_BGK >= 0, jnp.arange(k)[None, None, :], -1)
+  return sel_BGK.astype(jnp.int32), tile_q, pair.astype(jnp.int32)
+
+
+def tile_rows(tile_q_BGJQ, *, groups: int, heads_p: int):
+  """Row index of every tile row in the [T*G*Rp] query view (-1: empty)."""
+  b, g, j, q = tile_q_BGJQ.shape
+  gi = jnp.arange(g, dtype=jnp.int32)[None, :, None, None, None]
+  r = jnp.arange(heads_p, dtype=jnp.int32)[None, None, None, None, :]
+  t = tile_q_BGJQ[..., None]
+  rows = jnp.where(t >= 0, (t * groups + gi) * heads_p + r, -1)
+  return rows.reshape(b, g, j, q * heads_p)
+
+
+# ----------------------------------------------------------------------------
+# Kernels (Triton; interpret mode on CPU)
+
+
+def _tile_scores(off_ref, blk, rows_W, q_ref, k_ref, valid_ref, *,
+                 block_size: int, tokens_per_row: int, scale: float,
+                 precision):
+  """(s_WC scaled, mask_WC, q_WD, k_CD) of one tile against block blk."""
+  live_W = rows_W >= 0
+  rows_c = jnp.maximum(rows_W, 0)
+  q_WD = q_ref[rows_c, :]
+  start = jnp.maximum(blk, 0) * block_size
+  k_CD = k_ref[pl.ds(start, block_size), :]
+  qpos_W1 = (off_ref[0] + kc.div(rows_c, tokens_per_row))[:, None]
+  kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+  ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
+  mask_WC = (kpos_1C <= qpos_W1) & ok_1C & live_W[:, None] & (blk >= 0)
+  s_WC = kc.dot_nt(q_WD, k_CD, precision) * scale
+  return s_WC, mask_WC, q_WD, start
+
+
+def _forward_kernel(off_ref, blk_ref, rows_ref, q_ref, k_ref, v_ref,
+                    valid_ref, o_ref, lse_ref, *, block_size: int,
+                    tokens_per_row: int, scale: float, precision):
+  blk = blk_ref[0]
+
+  @pl.when(blk >= 0)
+  def _attend():
+    s_WC, mask_WC, _, start = _tile_scores(
+        off_ref, blk, rows_ref[...], q_ref, k_ref, valid_ref,
+        block_size=block_size, tokens_per_row=tokens_per_row, scale=scale,
+        precision=precision)
+    v_CD = v_ref[pl.ds(start, block_size), :]
+    m_W1 = jnp.max(jnp.where(mask_WC, s_WC, kc.MASK_VALUE), axis=1,
+                   keepdims=True)
+    p_WC = jnp.where(mask_WC, jnp.exp(s_WC - m_W1), 0.0)
+    l_W1 = jnp.sum(p_WC, axis=1, keepdims=True)
+    acc_WD = kc.dot_nn(p_WC.astype(v_CD.dtype), v_CD, precision)
+    out_WD, lse_W1 = kc.finish_softmax(m_W1, l_W1, acc_WD)
+    o_ref[...] = out_WD.astype(o_ref.dtype)
+    lse_ref[...] = lse_W1[:, 0]
+
+
+def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
+                k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, *, block_size: int, tokens_per_row: int, scale: float,
+                precision):
+  blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
+  dp = k_ref.shape[-1]
+
+  def visit(i, carry):
+    dk_CD, dv_CD = carry
+    rows_W = rows_ref[first + i, :]
+    s_WC, mask_WC, q_WD, start = _tile_scores(
+        off_ref, blk, rows_W, q_ref, k_ref, valid_ref,
+        block_size=block_size, tokens_per_row=tokens_per_row, scale=scale,
+        precision=precision)
+    rows_c = jnp.maximum(rows_W, 0)
+    do_WD = do_ref[rows_c, :]
+    lse_W1 = lse_ref[rows_c][:, None]
+    delta_W1 = delta_ref[rows_c][:, None]
+    v_CD = v_ref[pl.ds(start, block_size), :]
+    p_WC = jnp.where(mask_WC, jnp.exp(s_WC - lse_W1), 0.0)
+    ds_WC = p_WC * (kc.dot_nt(do_WD, v_CD, precision) - delta_W1)
+    dv_CD = dv_CD + kc.dot_tn(p_WC.astype(do_WD.dtype), do_WD, precision)
+    dk_CD = dk_CD + kc.dot_tn(ds_WC.astype(q_WD.dtype), q_WD,
+                              precision) * scale
+    return dk_CD, dv_CD
+
+  zeros = jnp.zeros((block_size, dp), jnp.float32)
+  dk_CD, dv_CD = jax.lax.fori_loop(0, jnp.where(blk >= 0, count, 0), visit,
+                                   (zeros, zeros))
+  dk_ref[...] = dk_CD
+  dv_ref[...] = dv_CD
+
+
+# ----------------------------------------------------------------------------
+# Calls
+
+
+def _params(rows: int, dtype) -> plgpu.CompilerParams:
+  # 8 warps for 128-row tiles: the [W, C] f32 scores and the [C, D] f32
+  # dK/dV accumulators spill from the registers of 4.
+  return plgpu.CompilerParams(num_warps=8 if rows >= 128 else 4,
+                              num_stages=2 if jnp.dtype(dtype).itemsize <= 2
+                              else 1)
+
+
+def _forward_call(off_B, tile_blk_BGJ, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
+                  valid_BS, *, block_size, tokens_per_row, scale, interpret):
+  b, g, n_tiles, w = rows_BGJW.shape
+  x, dp = q_BXD.shape[1:]
+  sp = k_BSGD.shape[1]
+  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, jj: (bb, 0, gg, 0))
+  kernel = functools.partial(
+      _forward_kernel, block_size=block_size, tokens_per_row=tokens_per_row,
+      scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret))
+  return pl.pallas_call(
+      kernel,
+      grid=(b, g, n_tiles),
+      in_specs=[
+          pl.BlockSpec((1,), lambda bb, gg, jj: (bb,)),
+          pl.BlockSpec((1,), lambda bb, gg, jj: ((bb * g + gg) * n_tiles + jj,)),
+          pl.BlockSpec((None, None, None, w), lambda bb, gg, jj: (bb, gg, jj, 0)),
+          pl.BlockSpec((None, x, dp), lambda bb, gg, jj: (bb, 0, 0)),
+          kv_spec, kv_spec,
+          pl.BlockSpec((None, sp), lambda bb, gg, jj: (bb, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, w, dp),
+                       lambda bb, gg, jj: (bb, gg, jj, 0, 0)),
+          pl.BlockSpec((None, None, None, w), lambda bb, gg, jj: (bb, gg, jj, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, g, n_tiles, w, dp), q_BXD.dtype),
+                 jax.ShapeDtypeStruct((b, g, n_tiles, w), jnp.float32)],
+      compiler_params=_params(w, q_BXD.dtype),
+      interpret=interpret,
+      name='msa_kv_outer_forward',
+  )(off_B, tile_blk_BGJ.reshape(-1), rows_BGJW, q_BXD, k_BSGD, v_BSGD,
+    valid_BS)
+
+
+def combine(o_BGJWD, lse_BGJW, pair_BGP, *, top_k: int, heads_p: int):
+  """Merge each token's per-slot partials: (out_BGTRD f32, lse_BGTR)."""
+  b, g, n_tiles, w, dp = o_BGJWD.shape
+  q = w // heads_p
+  p = pair_BGP.shape[-1]
+  t = p // top_k
+  o = o_BGJWD.reshape(b, g, n_tiles * q, heads_p, dp)
+  lse = lse_BGJW.reshape(b, g, n_tiles * q, heads_p)
+  idx = jnp.maximum(pair_BGP, 0)
+  # Unused tiles are never written: a -1 pair must not read one, even
+  # times a zero weight (garbage may be NaN).
+  o_P = jnp.where((pair_BGP >= 0)[..., None, None],
+                  jnp.take_along_axis(o, idx[..., None, None], axis=2), 0)
+  lse_P = jnp.where((pair_BGP >= 0)[..., None],
+                    jnp.take_along_axis(lse, idx[..., None], axis=2), NEG_INF)
+  o_P = o_P.reshape(b, g, t, top_k, heads_p, dp).astype(jnp.float32)
+  lse_P = lse_P.reshape(b, g, t, top_k, heads_p)
+  lse_T = jax.nn.logsumexp(lse_P, axis=3)
+  safe = jnp.where(jnp.isfinite(lse_T), lse_T, 0.0)
+  w_P = jnp.where(jnp.isfinite(lse_P), jnp.exp(lse_P - safe[:, :, :, None]),
+                  0.0)
+  # A sum, not a dot: f32 dots on the GPU default to TF32.
+  out = jnp.sum(w_P[..., None] * o_P, axis=3)
+  return out, lse_T
+
+
+def _query_view(q_BTGRD):
+  b, t, g, rp, dp = q_BTGRD.shape
+  return q_BTGRD.reshape(b, t * g * rp, dp)
+
+
+def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
+            block_size: int, scale: float, interpret: bool,
+            q_per_tile: int | None = None, query_chunk: int | None = None):
+  """Padded operands in (R, D powers of two); (o_BTGRD, lse_BTGR f32) out.
+
+  Same contract as forward_kernel.forward_gpu. One query per sequence
+  (T = 1, decode) takes the split-K tiles; longer inputs the sorted ones,
+  `query_chunk` tokens at a time.
+  """
+  b, t, g, rp, dp = q_BTGRD.shape
+  n_blocks = k_BSGD.shape[1] // block_size
+  k = sel_BGTK.shape[-1]
+  q = q_per_tile or max(1, 128 // rp)
+  qv = _query_view(q_BTGRD)
+  call = functools.partial(_forward_call, off_B=off_B, q_BXD=qv,
+                           k_BSGD=k_BSGD, v_BSGD=v_BSGD, valid_BS=valid_BS,
+                           block_size=block_size, tokens_per_row=g * rp,
+                           scale=scale, interpret=interpret)
+  if t == 1:
+    tile_blk, tile_q, pair = decode_tiles(sel_BGTK[:, :, 0])
+    rows = tile_rows(tile_q, groups=g, heads_p=rp)
+    o, lse = call(tile_blk_BGJ=tile_blk, rows_BGJW=rows)
+    out, lse_t = combine(o, lse, pair, top_k=k, heads_p=rp)
+  else:
+    chunk = query_chunk or max(q, (2**30 // (g * k * rp * dp * 2)) // q * q)
+    outs, lses = [], []
+    for t0 in range(0, t, chunk):
+      sel_c = sel_BGTK[:, :, t0:t0 + chunk]
+      tile_blk, tile_q, pair = build_tiles(sel_c, n_blocks=n_blocks,
+                                           q_per_tile=q, t0=t0)
+      rows = tile_rows(tile_q, groups=g, heads_p=rp)
+      o, lse = call(tile_blk_BGJ=tile_blk, rows_BGJW=rows)
+      out_c, lse_c = combine(o, lse, pair, top_k=k, heads_p=rp)
+      outs.append(out_c)
+      lses.append(lse_c)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    lse_t = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
+  return (out.transpose(0, 2, 1, 3, 4).astype(q_BTGRD.dtype),
+          lse_t.transpose(0, 2, 1, 3))
+
+
+def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):
+  """dK/dV work: (blk, first tile, tile count, owner block) per item [B, G, U].
+
+  Block n's tiles are contiguous (build_tiles sorts by block); they are cut
+  into items of at most `per_program` tiles. U is a static bound:
+  J / per_program + N.
+  """
+  b, g, n_tiles = tile_blk_BGJ.shape
+  n_items = -(-n_tiles // per_program) + n_blocks
+  key = jnp.where(tile_blk_BGJ >= 0, tile_blk_BGJ, n_blocks)
+  tiles_BGN = jax.vmap(jax.vmap(
+      lambda x: jnp.bincount(x, length=n_blocks + 1)))(key)[..., :n_blocks]
+  first_tile_BGN = jnp.cumsum(tiles_BGN, axis=-1) - tiles_BGN
+  items_BGN = -(-tiles_BGN // per_program)
+  last_item_BGN = jnp.cumsum(items_BGN, axis=-1)
+  first_item_BGN = last_item_BGN - items_BGN
+  # Item u belongs to the first block whose items end past u (blocks with
+  # no tile end where the one before them does, so they own nothing).
+  u = jnp.arange(n_items)
+  owner = jax.vmap(jax.vmap(
+      lambda ends: jnp.searchsorted(ends, u, side='right')))(last_item_BGN)
+  live = owner < n_blocks
+  owner_c = jnp.minimum(owner, n_blocks - 1)
+  part = u[None, None, :] - jnp.take_along_axis(first_item_BGN, owner_c, -1)
+  n_in_block = jnp.take_along_axis(tiles_BGN, owner_c, -1)
+  first = jnp.take_along_axis(first_tile_BGN, owner_c, -1) + part * per_program
+  count = jnp.clip(n_in_block - part * per_program, 0, per_program)
+  blk = jnp.where(live, owner_c, -1).astype(jnp.int32)
+  return (blk, jnp.where(live, first, 0).astype(jnp.int32),
+          jnp.where(live, count, 0).astype(jnp.int32), first_item_BGN,
+          items_BGN)
+
+
+def _sum_items(part_BGUCD, first_item_BGN, items_BGN):
+  """Each block's items summed in item order (deterministic), [B, G, N, C, D]."""
+  b, g, n = first_item_BGN.shape
+
+  def add(i, acc):
+    idx = jnp.minimum(first_item_BGN + i, part_BGUCD.shape[2] - 1)
+    x = jnp.take_along_axis(part_BGUCD, idx[..., None, None], axis=2)
+    return acc + jnp.where((i < items_BGN)[..., None, None], x, 0.0)
+
+  zeros = jnp.zeros((b, g, n, *part_BGUCD.shape[3:]), jnp.float32)
+  return jax.lax.fori_loop(0, jnp.max(items_BGN), add, zeros)
+
+
+def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
+        lse_BTGR, delta_BTGR, *, block_size: int, scale: float,
+        interpret: bool, q_per_tile: int | None = None,
+        tiles_per_program: int | None = None):
+  """(dk_BSGD f32, dv_BSGD f32), KV-outer, without atomics.
+
+  tiles_per_program: by default twice a block's mean tile count, so most
+  blocks are one program and the partial sums stay near 1.5x dK's size;
+  a block most queries select is split over several programs.
+  """
+  b, t, g, rp, dp = q_BTGRD.shape
+  sp = k_BSGD.shape[1]
+  n_blocks = sp // block_size
+  q = q_per_tile or max(1, 128 // rp)
+  if t == 1:
+    tile_blk, tile_q, _ = decode_tiles(sel_BGTK[:, :, 0])
+  else:
+    tile_blk, tile_q, _ = build_tiles(sel_BGTK, n_blocks=n_blocks,
+                                      q_per_tile=q)
+  rows = tile_rows(tile_q, groups=g, heads_p=rp)
+  n_tiles, w = rows.shape[2:]
+  per_program = tiles_per_program or max(
+      4, 2 * -(-(n_tiles - n_blocks) // n_blocks))
+  blk, first, count, first_item, items = _work_items(tile_blk, n_blocks,
+                                                     per_program)
+  n_items = blk.shape[-1]
+  x = t * g * rp
+  flat = lambda a: a.reshape(b, x)
+  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, uu: (bb, 0, gg, 0))
+  item = pl.BlockSpec((1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu,))
+  row_spec = pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0))
+  vec_spec = pl.BlockSpec((None, x), lambda bb, gg, uu: (bb, 0))
+  out_spec = pl.BlockSpec((None, None, None, block_size, dp),
+                          lambda bb, gg, uu: (bb, gg, uu, 0, 0))
+  kernel = functools.partial(
+      _dkv_kernel, block_size=block_size, tokens_per_row=g * rp, scale=scale,
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
+  dk_u, dv_u = pl.pallas_call(
+      kernel,
+      grid=(b, g, n_items),
+      in_specs=[
+          pl.BlockSpec((1,), lambda bb, gg, uu: (bb,)),
+          item, item, item,
+          pl.BlockSpec((None, None, n_tiles, w),
+                       lambda bb, gg, uu: (bb, gg, 0, 0)),
+          row_spec, kv_spec, kv_spec,
+          pl.BlockSpec((None, sp), lambda bb, gg, uu: (bb, 0)),
+          row_spec, vec_spec, vec_spec,
+      ],
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, g, n_items, block_size, dp),
+                                      jnp.float32)] * 2,
+      compiler_params=_params(w, q_BTGRD.dtype),
+      interpret=interpret,
+      name='msa_kv_outer_dkv',
+  )(off_B, blk.reshape(-1), first.reshape(-1), count.reshape(-1), rows,
+    _query_view(q_BTGRD), k_BSGD, v_BSGD, valid_BS, _query_view(do_BTGRD),
+    flat(lse_BTGR), flat(delta_BTGR))
+  to_bsgd = lambda a: a.reshape(b, g, sp, dp).transpose(0, 2, 1, 3)
+  return (to_bsgd(_sum_items(dk_u, first_item, items)),
+          to_bsgd(_sum_items(dv_u, first_item, items)))

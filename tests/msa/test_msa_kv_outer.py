@@ -1,0 +1,204 @@
+"""The KV-outer GPU kernels (kv_outer.py) in interpret mode.
+
+The tiles against a numpy loop over the selection; the forward, its
+gradients and split-K decode against the dense reference (and the
+per-token kernels they replace); the dK/dV work split against the unsplit
+one, bit for bit; Triton lowering at real shapes (compiles nothing).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import msa_testlib as lib
+from pallas_kernels.msa import kv_outer
+from pallas_kernels.msa import pallas_path
+from pallas_kernels.msa import reference as ref
+
+
+def _selection(name, seed=0):
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES[name]
+  q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di, seed=seed)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  return (q, kk, v, w, sel), (b, t, s, g, r, d, c, k, o)
+
+
+@pytest.mark.parametrize('q_per_tile', [1, 3, 8])
+def test_tiles_hold_every_selected_pair_once(q_per_tile):
+  (_, _, _, _, sel), (b, t, s, g, _, _, c, k, _) = _selection('ragged_chunk')
+  # Some -1 slots too (a selection may hold fewer than K blocks).
+  sel = np.array(sel)
+  sel[:, :, ::5, 0] = -1
+  n_blocks = -(-s // c)
+  t0 = 7
+  tile_blk, tile_q, pair = jax.jit(functools.partial(
+      kv_outer.build_tiles, n_blocks=n_blocks, q_per_tile=q_per_tile,
+      t0=t0))(jnp.asarray(sel))
+  tile_blk, tile_q, pair = map(np.asarray, (tile_blk, tile_q, pair))
+  n_tiles = tile_blk.shape[-1]
+  assert n_tiles == -(-t * k // q_per_tile) + n_blocks
+  lanes = tile_q.reshape(b, g, -1)
+  for bb in range(b):
+    for gg in range(g):
+      seen = np.zeros(n_tiles * q_per_tile, int)
+      for tt in range(t):
+        for kk in range(k):
+          lane = pair[bb, gg, tt * k + kk]
+          if sel[bb, gg, tt, kk] < 0:
+            assert lane == -1
+            continue
+          # The lane holds this token, in a tile reading this block.
+          assert lanes[bb, gg, lane] == t0 + tt
+          assert tile_blk[bb, gg, lane // q_per_tile] == sel[bb, gg, tt, kk]
+          seen[lane] += 1
+      # No lane holds two pairs; filled lanes are exactly the pairs.
+      assert seen.max() <= 1
+      np.testing.assert_array_equal(seen > 0, lanes[bb, gg] >= 0)
+      # A block's tiles are contiguous and all but its last are full.
+      used = tile_blk[bb, gg] >= 0
+      blocks = tile_blk[bb, gg][used]
+      assert np.all(np.diff(blocks) >= 0)
+      fill = (tile_q[bb, gg] >= 0).sum(-1)[used]
+      last = np.append(blocks[1:] != blocks[:-1], True)
+      assert np.all(fill[~last] == q_per_tile)
+
+
+def _kernel_attention(gpu_kernels, off, c, valid=None):
+  return lambda q, k, v, sel: pallas_path.sparse_attention(
+      q, k, v, sel, off, c, 'gpu', True, valid, gpu_kernels)
+
+
+def _loss(attn, w, sel):
+  def loss(q, k, v):
+    out, lse = attn(q, k, v, sel)
+    return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.sin(lse))
+  return loss
+
+
+@pytest.mark.parametrize('gpu_kernels', ['kv_outer', 'token'])
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5),
+                                       (jnp.bfloat16, 2e-2)])
+def test_forward_and_gradients_match_reference(gpu_kernels, dtype, tol):
+  (q, kk, v, w, sel), (b, _, _, _, _, _, c, _, o) = _selection('ragged_chunk')
+  q, kk, v = (x.astype(dtype) for x in (q, kk, v))
+  off = jnp.full((b,), o, jnp.int32)
+  kern = _kernel_attention(gpu_kernels, off, c)
+  slow = lambda q, k, v, sel: ref.sparse_attention(
+      q, k, v, sel, block_size=c, q_offset=o)
+  f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
+  got = jax.jit(kern)(q, kk, v, sel)
+  want = slow(*f32(q, kk, v), sel)
+  assert got[0].dtype == dtype
+  lib.assert_close(got[0], want[0], tol, 'out')
+  lib.assert_close(got[1], want[1], tol, 'lse')
+  g_got = jax.jit(jax.grad(_loss(kern, w, sel), argnums=(0, 1, 2)))(q, kk, v)
+  g_want = jax.grad(_loss(slow, w, sel), argnums=(0, 1, 2))(*f32(q, kk, v))
+  for name, a, e in zip('qkv', g_got, g_want):
+    assert a.dtype == dtype, (name, a.dtype)
+    lib.assert_close(a, e, tol, f'd{name}')
+
+
+def test_query_chunks_and_padding_keys():
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['gqa']
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, seed=2)
+  valid = np.ones((b, s), bool)
+  valid[0, :19] = False  # a whole padding block and part of the next
+  valid = jnp.asarray(valid)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o,
+                           kv_valid_BS=valid)
+  want = ref.sparse_attention(q, kk, v, sel, block_size=c, q_offset=o,
+                              kv_valid_BS=valid)
+  rp, dp = 2, 16
+  qg = pallas_path._to_gpu_q(q, g, rp, dp)
+  pad = lambda x: pallas_path._pad_axis(x, 3, dp)
+  vmask = valid.astype(jnp.int32)
+  for chunk in (None, 16, 40):
+    out, lse = kv_outer.forward(
+        qg, pad(kk), pad(v), sel, jnp.full((b,), o, jnp.int32), vmask,
+        block_size=c, scale=1 / math.sqrt(d), interpret=True,
+        query_chunk=chunk)
+    lib.assert_close(out[..., :r, :d].reshape(b, t, g * r, d), want[0], 1e-5,
+                     f'out chunk {chunk}')
+    got_lse = lse[..., :r].reshape(b, t, g * r)
+    finite = np.isfinite(np.asarray(want[1]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), finite)
+    lib.assert_close(jnp.where(finite, got_lse, 0),
+                     jnp.where(finite, want[1], 0), 1e-5, 'lse')
+
+
+def test_split_dkv_work_is_bit_identical_to_one_program_per_block():
+  (q, kk, v, w, sel), (b, t, s, g, r, d, c, k, o) = _selection('gqa', seed=3)
+  rp, dp = 2, 16
+  out, lse = ref.sparse_attention(q, kk, v, sel, block_size=c, q_offset=o)
+  delta = jnp.sum(w * out, -1)
+  rows = lambda x: x.reshape(b, t, g, r)
+  args = (pallas_path._to_gpu_q(q, g, rp, dp), pallas_path._pad_axis(kk, 3, dp),
+          pallas_path._pad_axis(v, 3, dp), sel, jnp.full((b,), o, jnp.int32),
+          jnp.ones((b, s), jnp.int32), pallas_path._to_gpu_q(w, g, rp, dp),
+          rows(lse), rows(delta))
+  run = lambda n: jax.jit(functools.partial(
+      kv_outer.dkv, block_size=c, scale=1 / math.sqrt(d), interpret=True,
+      tiles_per_program=n))(*args)
+  whole, split = run(1000), run(1)
+  for a, e in zip(split, whole):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  # And they are the reference's gradients.
+  _, vjp = jax.vjp(lambda k, v: ref.sparse_attention(
+      q, k, v, sel, block_size=c, q_offset=o)[0], kk, v)
+  dk, dv = vjp(w)
+  lib.assert_close(whole[0][..., :d], dk, 1e-5, 'dk')
+  lib.assert_close(whole[1][..., :d], dv, 1e-5, 'dv')
+
+
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5),
+                                       (jnp.bfloat16, 2e-2)])
+def test_split_k_decode_equals_reference(dtype, tol):
+  b, s, g, r, d, di, c, k = 3, 120, 2, 3, 16, 8, 16, 4
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, 1, s, g, r, d, di, dtype=dtype)
+  lengths = jnp.array([s, 61, 9])
+  out, aux = jax.jit(functools.partial(
+      pallas_path.msa_decode, block_size=c, top_k=k, backend='gpu',
+      interpret=True))(q[:, 0], kk, v, qi[:, 0], ki, lengths)
+  f32 = lambda x: x.astype(jnp.float32)
+  want, want_aux = ref.msa_attention(f32(q), f32(kk), f32(v), qi, ki,
+                                     block_size=c, top_k=k,
+                                     q_offset=lengths - 1)
+  np.testing.assert_array_equal(aux['sel_BGK'], want_aux['sel_BGTK'][:, :, 0])
+  lib.assert_close(out, want[:, 0], tol, 'out')
+  lib.assert_close(aux['lse_BH'], want_aux['lse_BTH'][:, 0], tol, 'lse')
+
+
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_for_cuda(dtype):
+  b, t, g, r, d, c, k = 1, 2048, 4, 16, 128, 128, 16
+  shape = jax.ShapeDtypeStruct
+  q = shape((b, t, g * r, d), dtype)
+  kv = shape((b, t, g, d), dtype)
+  sel = shape((b, g, t, k), jnp.int32)
+  off = shape((b,), jnp.int32)
+
+  def train(q, keys, values, sel, off):
+    def loss(q, keys, values):
+      out, _ = pallas_path.sparse_attention(q, keys, values, sel, off, c,
+                                            'gpu', False)
+      return out.astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, keys, values)
+
+  text = jax.jit(train).trace(q, kv, kv, sel, off).lower(
+      lowering_platforms=('cuda',)).as_text()
+  for name in ('msa_kv_outer_forward', 'msa_kv_outer_dkv',
+               'msa_backward_dq_gpu'):
+    assert name in text, name
+  assert 'msa_backward_gpu' not in text  # no atomics kernel
+  decode = functools.partial(pallas_path.msa_decode, block_size=c, top_k=k,
+                             backend='gpu', interpret=False)
+  text = jax.jit(decode).trace(
+      shape((8, g * r, d), dtype), shape((8, 32768, g, d), dtype),
+      shape((8, 32768, g, d), dtype), shape((8, g, 128), dtype),
+      shape((8, 32768, 128), dtype), shape((8,), jnp.int32)).lower(
+          lowering_platforms=('cuda',)).as_text()
+  for name in ('msa_index_scores', 'msa_index_topk', 'msa_kv_outer_forward'):
+    assert name in text, name
