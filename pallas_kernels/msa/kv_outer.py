@@ -12,10 +12,13 @@ out, as the MSA paper's "KV-outer" sparse attention does:
    tiles of `q_per_tile` queries. A tile's rows are its queries x the
    group's heads (128 rows at 8 queries x 16 heads), so one K/V block
    serves 128 rows instead of 16.
-2. **Forward** (`_forward_kernel`): one program per tile gathers its query
-   rows, attends the one block (the causal mask matters only on the
-   diagonal block; key padding is masked everywhere) and writes a per-slot
-   partial: the block-local output and its log-sum-exp.
+2. **Forward** (`_forward_kernel`): a program loads one key block and
+   streams that block's tiles past it (up to `tiles_per_program`: twice a
+   block's mean, so a block most queries select is split over several
+   programs); per tile it gathers the query rows, attends the block (the
+   causal mask matters only on the diagonal block; key padding is masked
+   everywhere) and writes a per-slot partial: the block-local output and
+   its log-sum-exp.
 3. **Combine** (XLA): a token's K partials merge by the log-sum-exp rule,
    O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j.
 4. **Backward** without atomics: dK/dV KV-outer (`_dkv_kernel`): a program
@@ -25,9 +28,9 @@ out, as the MSA paper's "KV-outer" sparse attention does:
    one block are added in XLA in a fixed order. dQ per token
    (backward_kernel's per-token kernel with its atomics taken out). No
    atomic anywhere: two runs give the same bits.
-5. **Decode** (`decode`): one query per sequence, so the tiles are the
-   selection itself: split-K, one program per (sequence, group, slot), then
-   the same combine.
+5. **Decode** (`forward` at T = 1): one query per sequence, so the tiles
+   are the selection itself: split-K, one program per (sequence, group,
+   slot), then the same combine.
 
 Queries are processed in chunks of `query_chunk` tokens so the partial
 outputs stay bounded (at 128k tokens, 16 heads per group and K = 16 they
@@ -136,26 +139,31 @@ def _tile_scores(off_ref, blk, rows_W, q_ref, k_ref, valid_ref, *,
   return s_WC, mask_WC, q_WD, start
 
 
-def _forward_kernel(off_ref, blk_ref, rows_ref, q_ref, k_ref, v_ref,
-                    valid_ref, o_ref, lse_ref, *, block_size: int,
-                    tokens_per_row: int, scale: float, precision):
-  blk = blk_ref[0]
+def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
+                    k_ref, v_ref, valid_ref, o_ref, lse_ref, *,
+                    block_size: int, tokens_per_row: int, scale: float,
+                    precision):
+  """One key block, loaded once, against `count` of its tiles."""
+  blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
+  start = jnp.maximum(blk, 0) * block_size
+  v_CD = v_ref[pl.ds(start, block_size), :]
 
-  @pl.when(blk >= 0)
-  def _attend():
-    s_WC, mask_WC, _, start = _tile_scores(
-        off_ref, blk, rows_ref[...], q_ref, k_ref, valid_ref,
+  def visit(i, carry):
+    s_WC, mask_WC, _, _ = _tile_scores(
+        off_ref, blk, rows_ref[first + i, :], q_ref, k_ref, valid_ref,
         block_size=block_size, tokens_per_row=tokens_per_row, scale=scale,
         precision=precision)
-    v_CD = v_ref[pl.ds(start, block_size), :]
     m_W1 = jnp.max(jnp.where(mask_WC, s_WC, kc.MASK_VALUE), axis=1,
                    keepdims=True)
     p_WC = jnp.where(mask_WC, jnp.exp(s_WC - m_W1), 0.0)
     l_W1 = jnp.sum(p_WC, axis=1, keepdims=True)
     acc_WD = kc.dot_nn(p_WC.astype(v_CD.dtype), v_CD, precision)
     out_WD, lse_W1 = kc.finish_softmax(m_W1, l_W1, acc_WD)
-    o_ref[...] = out_WD.astype(o_ref.dtype)
-    lse_ref[...] = lse_W1[:, 0]
+    o_ref[first + i, :, :] = out_WD.astype(o_ref.dtype)
+    lse_ref[first + i, :] = lse_W1[:, 0]
+    return carry
+
+  jax.lax.fori_loop(0, jnp.where(blk >= 0, count, 0), visit, 0)
 
 
 def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
@@ -203,38 +211,44 @@ def _params(rows: int, dtype) -> plgpu.CompilerParams:
                               else 1)
 
 
-def _forward_call(off_B, tile_blk_BGJ, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
+def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
                   valid_BS, *, block_size, tokens_per_row, scale, interpret):
   b, g, n_tiles, w = rows_BGJW.shape
+  blk, first, count = items
+  n_items = blk.shape[-1]
   x, dp = q_BXD.shape[1:]
   sp = k_BSGD.shape[1]
-  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, jj: (bb, 0, gg, 0))
+  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, uu: (bb, 0, gg, 0))
+  item = pl.BlockSpec((1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu,))
   kernel = functools.partial(
       _forward_kernel, block_size=block_size, tokens_per_row=tokens_per_row,
       scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret))
+  # Each program writes only its own tiles of the (sequence, group) slab.
   return pl.pallas_call(
       kernel,
-      grid=(b, g, n_tiles),
+      grid=(b, g, n_items),
       in_specs=[
-          pl.BlockSpec((1,), lambda bb, gg, jj: (bb,)),
-          pl.BlockSpec((1,), lambda bb, gg, jj: ((bb * g + gg) * n_tiles + jj,)),
-          pl.BlockSpec((None, None, None, w), lambda bb, gg, jj: (bb, gg, jj, 0)),
-          pl.BlockSpec((None, x, dp), lambda bb, gg, jj: (bb, 0, 0)),
+          pl.BlockSpec((1,), lambda bb, gg, uu: (bb,)),
+          item, item, item,
+          pl.BlockSpec((None, None, n_tiles, w),
+                       lambda bb, gg, uu: (bb, gg, 0, 0)),
+          pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0)),
           kv_spec, kv_spec,
-          pl.BlockSpec((None, sp), lambda bb, gg, jj: (bb, 0)),
+          pl.BlockSpec((None, sp), lambda bb, gg, uu: (bb, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, w, dp),
-                       lambda bb, gg, jj: (bb, gg, jj, 0, 0)),
-          pl.BlockSpec((None, None, None, w), lambda bb, gg, jj: (bb, gg, jj, 0)),
+          pl.BlockSpec((None, None, n_tiles, w, dp),
+                       lambda bb, gg, uu: (bb, gg, 0, 0, 0)),
+          pl.BlockSpec((None, None, n_tiles, w),
+                       lambda bb, gg, uu: (bb, gg, 0, 0)),
       ],
       out_shape=[jax.ShapeDtypeStruct((b, g, n_tiles, w, dp), q_BXD.dtype),
                  jax.ShapeDtypeStruct((b, g, n_tiles, w), jnp.float32)],
       compiler_params=_params(w, q_BXD.dtype),
       interpret=interpret,
       name='msa_kv_outer_forward',
-  )(off_B, tile_blk_BGJ.reshape(-1), rows_BGJW, q_BXD, k_BSGD, v_BSGD,
-    valid_BS)
+  )(off_B, blk.reshape(-1), first.reshape(-1), count.reshape(-1), rows_BGJW,
+    q_BXD, k_BSGD, v_BSGD, valid_BS)
 
 
 def combine(o_BGJWD, lse_BGJW, pair_BGP, *, top_k: int, heads_p: int):
@@ -268,14 +282,22 @@ def _query_view(q_BTGRD):
   return q_BTGRD.reshape(b, t * g * rp, dp)
 
 
+def _per_program(n_tiles: int, n_blocks: int) -> int:
+  """Tiles per program: twice a block's mean, so most blocks are one
+  program and a block most queries select is split over several."""
+  return max(4, 2 * -(-max(n_tiles - n_blocks, 1) // n_blocks))
+
+
 def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
             block_size: int, scale: float, interpret: bool,
-            q_per_tile: int | None = None, query_chunk: int | None = None):
+            q_per_tile: int | None = None, query_chunk: int | None = None,
+            tiles_per_program: int | None = None):
   """Padded operands in (R, D powers of two); (o_BTGRD, lse_BTGR f32) out.
 
   Same contract as forward_kernel.forward_gpu. One query per sequence
-  (T = 1, decode) takes the split-K tiles; longer inputs the sorted ones,
-  `query_chunk` tokens at a time.
+  (T = 1, decode) is split-K: a program per selected slot. Longer inputs
+  take the sorted tiles, `query_chunk` tokens at a time, a program per key
+  block (or per part of a heavy one: `tiles_per_program`).
   """
   b, t, g, rp, dp = q_BTGRD.shape
   n_blocks = k_BSGD.shape[1] // block_size
@@ -289,7 +311,10 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   if t == 1:
     tile_blk, tile_q, pair = decode_tiles(sel_BGTK[:, :, 0])
     rows = tile_rows(tile_q, groups=g, heads_p=rp)
-    o, lse = call(tile_blk_BGJ=tile_blk, rows_BGJW=rows)
+    direct = (tile_blk, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
+                                         tile_blk.shape),
+              (tile_blk >= 0).astype(jnp.int32))
+    o, lse = call(items=direct, rows_BGJW=rows)
     out, lse_t = combine(o, lse, pair, top_k=k, heads_p=rp)
   else:
     chunk = query_chunk or max(q, (2**30 // (g * k * rp * dp * 2)) // q * q)
@@ -299,7 +324,10 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
       tile_blk, tile_q, pair = build_tiles(sel_c, n_blocks=n_blocks,
                                            q_per_tile=q, t0=t0)
       rows = tile_rows(tile_q, groups=g, heads_p=rp)
-      o, lse = call(tile_blk_BGJ=tile_blk, rows_BGJW=rows)
+      items = _work_items(
+          tile_blk, n_blocks,
+          tiles_per_program or _per_program(tile_blk.shape[-1], n_blocks))
+      o, lse = call(items=items[:3], rows_BGJW=rows)
       out_c, lse_c = combine(o, lse, pair, top_k=k, heads_p=rp)
       outs.append(out_c)
       lses.append(lse_c)
@@ -369,15 +397,13 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   sp = k_BSGD.shape[1]
   n_blocks = sp // block_size
   q = q_per_tile or max(1, 128 // rp)
-  if t == 1:
-    tile_blk, tile_q, _ = decode_tiles(sel_BGTK[:, :, 0])
-  else:
-    tile_blk, tile_q, _ = build_tiles(sel_BGTK, n_blocks=n_blocks,
-                                      q_per_tile=q)
+  # Sorted tiles even at T = 1: the work items need a block's tiles
+  # contiguous.
+  tile_blk, tile_q, _ = build_tiles(sel_BGTK, n_blocks=n_blocks,
+                                    q_per_tile=q)
   rows = tile_rows(tile_q, groups=g, heads_p=rp)
   n_tiles, w = rows.shape[2:]
-  per_program = tiles_per_program or max(
-      4, 2 * -(-(n_tiles - n_blocks) // n_blocks))
+  per_program = tiles_per_program or _per_program(n_tiles, n_blocks)
   blk, first, count, first_item, items = _work_items(tile_blk, n_blocks,
                                                      per_program)
   n_items = blk.shape[-1]

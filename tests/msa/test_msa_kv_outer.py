@@ -129,7 +129,7 @@ def test_query_chunks_and_padding_keys():
                      jnp.where(finite, want[1], 0), 1e-5, 'lse')
 
 
-def test_split_dkv_work_is_bit_identical_to_one_program_per_block():
+def test_split_work_is_bit_identical_to_one_program_per_block():
   (q, kk, v, w, sel), (b, t, s, g, r, d, c, k, o) = _selection('gqa', seed=3)
   rp, dp = 2, 16
   out, lse = ref.sparse_attention(q, kk, v, sel, block_size=c, q_offset=o)
@@ -144,6 +144,12 @@ def test_split_dkv_work_is_bit_identical_to_one_program_per_block():
       tiles_per_program=n))(*args)
   whole, split = run(1000), run(1)
   for a, e in zip(split, whole):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  # The forward's programs split the same way, with the same result.
+  fwd = lambda n: jax.jit(functools.partial(
+      kv_outer.forward, block_size=c, scale=1 / math.sqrt(d), interpret=True,
+      tiles_per_program=n))(*args[:6])
+  for a, e in zip(fwd(1), fwd(1000)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
   # And they are the reference's gradients.
   _, vjp = jax.vjp(lambda k, v: ref.sparse_attention(
