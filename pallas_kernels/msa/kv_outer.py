@@ -211,15 +211,27 @@ def _params(rows: int, dtype) -> plgpu.CompilerParams:
                               else 1)
 
 
+def _work_specs(b: int, g: int, n_items: int, rows_shape, x: int, dp: int,
+                sp: int):
+  """In-specs both work-item kernels open with: offsets, an item's block,
+  first tile and tile count, the (sequence, group) tile rows, the query
+  view, K, V and the key-valid mask. Grid (B, G, U)."""
+  n_tiles, w = rows_shape
+  item = pl.BlockSpec((1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu,))
+  kv = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, uu: (bb, 0, gg, 0))
+  return [pl.BlockSpec((1,), lambda bb, gg, uu: (bb,)), item, item, item,
+          pl.BlockSpec((None, None, n_tiles, w),
+                       lambda bb, gg, uu: (bb, gg, 0, 0)),
+          pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0)), kv, kv,
+          pl.BlockSpec((None, sp), lambda bb, gg, uu: (bb, 0))]
+
+
 def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
                   valid_BS, *, block_size, tokens_per_row, scale, interpret):
   b, g, n_tiles, w = rows_BGJW.shape
   blk, first, count = items
   n_items = blk.shape[-1]
   x, dp = q_BXD.shape[1:]
-  sp = k_BSGD.shape[1]
-  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, uu: (bb, 0, gg, 0))
-  item = pl.BlockSpec((1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu,))
   kernel = functools.partial(
       _forward_kernel, block_size=block_size, tokens_per_row=tokens_per_row,
       scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret))
@@ -227,15 +239,8 @@ def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
   return pl.pallas_call(
       kernel,
       grid=(b, g, n_items),
-      in_specs=[
-          pl.BlockSpec((1,), lambda bb, gg, uu: (bb,)),
-          item, item, item,
-          pl.BlockSpec((None, None, n_tiles, w),
-                       lambda bb, gg, uu: (bb, gg, 0, 0)),
-          pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0)),
-          kv_spec, kv_spec,
-          pl.BlockSpec((None, sp), lambda bb, gg, uu: (bb, 0)),
-      ],
+      in_specs=_work_specs(b, g, n_items, (n_tiles, w), x, dp,
+                           k_BSGD.shape[1]),
       out_specs=[
           pl.BlockSpec((None, None, n_tiles, w, dp),
                        lambda bb, gg, uu: (bb, gg, 0, 0, 0)),
@@ -409,10 +414,6 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   n_items = blk.shape[-1]
   x = t * g * rp
   flat = lambda a: a.reshape(b, x)
-  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, uu: (bb, 0, gg, 0))
-  item = pl.BlockSpec((1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu,))
-  row_spec = pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0))
-  vec_spec = pl.BlockSpec((None, x), lambda bb, gg, uu: (bb, 0))
   out_spec = pl.BlockSpec((None, None, None, block_size, dp),
                           lambda bb, gg, uu: (bb, gg, uu, 0, 0))
   kernel = functools.partial(
@@ -422,13 +423,10 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
       kernel,
       grid=(b, g, n_items),
       in_specs=[
-          pl.BlockSpec((1,), lambda bb, gg, uu: (bb,)),
-          item, item, item,
-          pl.BlockSpec((None, None, n_tiles, w),
-                       lambda bb, gg, uu: (bb, gg, 0, 0)),
-          row_spec, kv_spec, kv_spec,
-          pl.BlockSpec((None, sp), lambda bb, gg, uu: (bb, 0)),
-          row_spec, vec_spec, vec_spec,
+          *_work_specs(b, g, n_items, (n_tiles, w), x, dp, sp),
+          pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0)),
+          pl.BlockSpec((None, x), lambda bb, gg, uu: (bb, 0)),
+          pl.BlockSpec((None, x), lambda bb, gg, uu: (bb, 0)),
       ],
       out_specs=[out_spec, out_spec],
       out_shape=[jax.ShapeDtypeStruct((b, g, n_items, block_size, dp),
