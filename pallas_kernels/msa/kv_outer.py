@@ -10,8 +10,8 @@ out, as the MSA paper's "KV-outer" sparse attention does:
    (sequence, group, key block), the list of queries that selected the
    block (a stable sort of the T*K (token, slot) pairs by block), cut into
    tiles of `q_per_tile` queries. A tile's rows are its queries x the
-   group's heads (128 rows at 8 queries x 16 heads), so one K/V block
-   serves 128 rows instead of 16.
+   group's heads (128 rows at 8 queries x 16 heads in bf16, 64 in f32),
+   so one K/V block serves 128 rows instead of 16.
 2. **Forward** (`_forward_kernel`): a program loads one key block and
    streams that block's tiles past it (up to `tiles_per_program`: twice a
    block's mean, so a block most queries select is split over several
@@ -287,6 +287,14 @@ def _query_view(q_BTGRD):
   return q_BTGRD.reshape(b, t * g * rp, dp)
 
 
+def _queries_per_tile(heads_p: int, dtype) -> int:
+  """Queries per tile: 128 rows in 16-bit dtypes, 64 in f32, whose
+  [rows, D] operands and [rows, C] scores take twice the registers and
+  shared memory."""
+  rows = 128 if jnp.dtype(dtype).itemsize <= 2 else 64
+  return max(1, rows // heads_p)
+
+
 def _per_program(n_tiles: int, n_blocks: int) -> int:
   """Tiles per program: twice a block's mean, so most blocks are one
   program and a block most queries select is split over several."""
@@ -307,7 +315,7 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   b, t, g, rp, dp = q_BTGRD.shape
   n_blocks = k_BSGD.shape[1] // block_size
   k = sel_BGTK.shape[-1]
-  q = q_per_tile or max(1, 128 // rp)
+  q = q_per_tile or _queries_per_tile(rp, q_BTGRD.dtype)
   qv = _query_view(q_BTGRD)
   call = functools.partial(_forward_call, off_B=off_B, q_BXD=qv,
                            k_BSGD=k_BSGD, v_BSGD=v_BSGD, valid_BS=valid_BS,
@@ -401,7 +409,7 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
   n_blocks = sp // block_size
-  q = q_per_tile or max(1, 128 // rp)
+  q = q_per_tile or _queries_per_tile(rp, q_BTGRD.dtype)
   # Sorted tiles even at T = 1: the work items need a block's tiles
   # contiguous.
   tile_blk, tile_q, _ = build_tiles(sel_BGTK, n_blocks=n_blocks,
