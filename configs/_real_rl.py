@@ -251,7 +251,8 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   # The flush's form: 'auto' takes the reduction tree (stages of s + (s +
   # h) float32 experts) where its buffers, summed over its stages, are
   # fewer than one collective's (min(s, R) + R); 'tree' whenever memory
-  # is tighter than time; 'direct' never.
+  # is tighter than time; 'direct' never. The step's first fill from empty
+  # buffers follows it (a broadcast tree, stages of (s + h) + s experts).
   t.flush = 'auto'
   # The recompute fills the policy's experts into its step-level slots under
   # its forward, so the update opens with only micro-step 0's changes.

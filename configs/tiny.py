@@ -160,9 +160,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.transfer.mode = 'exact'
   c.transfer.step_rounds = 8  # A hot expert copied to every device: D - 1 sends.
   c.transfer.microstep_rounds = 2
-  # The flush's form: 'auto' takes the reduction tree where its buffers,
-  # summed over its stages, are fewer than one collective's; 'tree' always
-  # (least memory); 'direct' never (fewest collectives).
+  # The flush's form, and the first fill's from empty buffers: 'auto' takes
+  # the reduction (broadcast) tree where its buffers, summed over its
+  # stages, are fewer than one collective's; 'tree' always (least memory);
+  # 'direct' never (fewest collectives).
   c.transfer.flush = 'auto'
   # The recompute (the reference forward, when beta > 0) also fills the
   # policy's experts into its step-level placement's slots, a chunk of

@@ -127,8 +127,9 @@ def transition_time(t, layer_index, model: ModelShape, hw: HardwareProfile,
   """Fills and gradient returns of one layer of one schedule Transition
   (its arrays indexed by `layer_index`, a tuple), all devices at once."""
   grad_bytes = model.params_per_expert * grad_bytes_per_param
-  if hasattr(t, 'count_LDD'):  # An ExactTransition; returns in stages.
-    return (exchange_time(t.count_LDD[layer_index], model.bytes_per_expert, hw)
+  if hasattr(t, 'count_LPDD'):  # An ExactTransition: exchanges in stages.
+    return (sum(exchange_time(c_DD, model.bytes_per_expert, hw)
+                for c_DD in t.count_LPDD[layer_index])
             + sum(exchange_time(c_DD, grad_bytes, hw)
                   for c_DD in t.ret_count_LPDD[layer_index]))
   fills = rounds_time(t.shift_LR[layer_index], t.recv_LRD[layer_index],

@@ -34,7 +34,11 @@ Assumptions, each a property of the code as built:
   at a time: s + (s + h) experts as a reduction tree where R = step_rounds
   is large against s + h (`flush_form`), else min(s, R) + R; and a fill
   between micro-steps in
-  the moved dtype beside it (R + min(s, R) experts, R = microstep_rounds);
+  the moved dtype beside it (R + min(s, R) experts, R = microstep_rounds).
+  The step's first fill (one collective of R + min(s, R) experts, or a
+  broadcast tree of (s + h) + s a stage: `fill_form`) runs before the
+  update's first forward, or under the recompute, and is gone by the
+  backward's peak, so it is not counted;
 * each device holds its own rows of the step's transitions
   (`engine.transition_specs`): per layer and transition, its sends and
   receives, count rows [D] and shift depths [D] per exchange (a flush
@@ -146,17 +150,22 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
       (flush_send + flush_recv) * F32
       + (move['send'] + move['recv']) * model.bytes_per_param)
 
-  # Per layer and transition (int32): the fills' sends and receives, the
-  # returns' per stage, per exchange the count rows [D] (sent, received,
-  # output offsets) and the shift depths [K = D], and the slot fields [s]
-  # (two int32, one bool).
-  def rows(r, is_flush=False):
+  # Per layer and transition (int32): the fills' sends and receives and
+  # the returns', per stage, per exchange the count rows [D] (sent,
+  # received, output offsets) and the shift depths [K = D], and the slot
+  # fields [s] (two int32, one bool). The first fill's stages follow
+  # `fill_form` (a broadcast tree or one collective), the flush's
+  # `flush_form`; every other exchange is one collective.
+  def rows(r, kind='move'):
     w = transfer_schedule.exchange_widths(r, topo)
-    p, rs, rr = ((stages, flush_send, flush_recv) if is_flush
-                 else (1, w['ret_send'], w['ret_recv']))
-    return (4 * (w['send'] + w['recv'] + p * (rs + rr))
-            + 4 * 4 * ep * (1 + p) + 9 * slots_per_device)
-  schedule = model.num_moe_layers * (rows(r_step) + rows(r_step, True)
+    f = ((1, w['send'], w['recv']) if kind != 'fill' else
+         transfer_schedule.fill_form(r, model.num_experts, topo, flush))
+    g = ((stages, flush_send, flush_recv) if kind == 'flush'
+         else (1, w['ret_send'], w['ret_recv']))
+    return (4 * (f[0] * (f[1] + f[2]) + g[0] * (g[1] + g[2]))
+            + 4 * 4 * ep * (f[0] + g[0]) + 9 * slots_per_device)
+  schedule = model.num_moe_layers * (rows(r_step, 'fill')
+                                     + rows(r_step, 'flush')
                                      + m * rows(microstep_rounds))
   return MemoryBreakdown(
       nonexpert_state=nonexpert_state, nonexpert_grads=nonexpert_grads,

@@ -308,13 +308,13 @@ def flush_exposed(flush_L, last_compute_s: float,
 def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
   """The budget the memory model sizes the exchange buffers by: ``exact``
   mode's degree bound R of the fill and flush and of the moves between
-  micro-steps (a fill's send width) and the flush's form; one in
-  ``rounds`` mode (a round sends one expert)."""
+  micro-steps, and the flush's form as built; one in ``rounds`` mode (a
+  round sends one expert)."""
   if not isinstance(transfer.flush, schedule.ExactTransition):
     return dict(step_rounds=1, microstep_rounds=1)
   tree = transfer.flush.ret_send_LPDR.shape[1] > 1
-  return dict(step_rounds=transfer.fill.send_LDR.shape[-1],
-              microstep_rounds=transfer.steps.send_LDR.shape[-1],
+  return dict(step_rounds=transfer.budget.step_rounds,
+              microstep_rounds=transfer.budget.microstep_rounds,
               flush='tree' if tree else 'direct')
 
 

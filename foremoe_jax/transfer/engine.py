@@ -89,29 +89,29 @@ from foremoe_jax.transfer import schedule
 DEVICE_FIELDS = ('local_src_LS', 'shift_LR', 'send_LRD', 'recv_LRD',
                  'evict_LS', 'ret_local_LS', 'ret_shift_LR', 'ret_send_LRD',
                  'ret_recv_LRD')
-EXACT_DEVICE_FIELDS = ('local_src_LS', 'send_LDR', 'recv_LDR', 'evict_LS',
+EXACT_DEVICE_FIELDS = ('local_src_LS', 'send_LPDR', 'recv_LPDR', 'evict_LS',
                        'ret_local_LS', 'ret_send_LPDR', 'ret_recv_LPDR')
 
 
-def _exchange_fields(count_LDD, prefix: str, stages: str = '') -> dict:
-  """What each device needs of an exchange's [L, src, dst] count matrix
-  (stages 'P': [L, P, src, dst], one exchange per stage), as rows it can
-  hold alone: what it sends each device (`count_LDD`, row c), what it
-  receives from each (`recv_count_LDD`, row d: column d of the counts),
-  where its items land in each receiver's buffer (`out_off_LDD`, row c:
+def _exchange_fields(count_LPDD, prefix: str) -> dict:
+  """What each device needs of a transition's staged exchanges, whose
+  [L, P, src, dst] counts hold one exchange per stage, as rows it can
+  hold alone: what it sends each device (`count_LPDD`, row c), what it
+  receives from each (`recv_count_LPDD`, row d: column d of the counts),
+  where its items land in each receiver's buffer (`out_off_LPDD`, row c:
   the items each receiver gets from the sources before c), and, for the
-  CPU emulation only, each cyclic shift's busiest pair (`depth_LK`,
-  [L, K], whole on every device: it is L x D, not L x D x D)."""
-  c = np.asarray(count_LDD, np.int32)
+  CPU emulation only, each cyclic shift's busiest pair (`depth_LPK`,
+  [L, P, K], whole on every device: it is L x P x D, not L x P x D x D).
+  prefix: '' (fills) or 'ret_' (returns)."""
+  c = np.asarray(count_LPDD, np.int32)
   num_devices = c.shape[-1]
   d_D = np.arange(num_devices)
   dst_DK = (d_D[:, None] + d_D[None, :]) % num_devices
-  lp = 'L' + stages
   return {
-      f'{prefix}count_{lp}DD': c,
-      f'{prefix}recv_count_{lp}DD': np.swapaxes(c, -1, -2).copy(),
-      f'{prefix}out_off_{lp}DD': (np.cumsum(c, axis=-2) - c).astype(np.int32),
-      f'{prefix}depth_{lp}K': np.take_along_axis(
+      f'{prefix}count_LPDD': c,
+      f'{prefix}recv_count_LPDD': np.swapaxes(c, -1, -2).copy(),
+      f'{prefix}out_off_LPDD': (np.cumsum(c, axis=-2) - c).astype(np.int32),
+      f'{prefix}depth_LPK': np.take_along_axis(
           c, np.broadcast_to(dst_DK, c.shape), axis=-1).max(axis=-2),
   }
 
@@ -130,8 +130,8 @@ def device_transition(transition, sharding=None) -> dict:
   fields = EXACT_DEVICE_FIELDS if exact else DEVICE_FIELDS
   t = {f: np.asarray(getattr(transition, f)) for f in fields}
   if exact:
-    t.update(_exchange_fields(transition.count_LDD, ''))
-    t.update(_exchange_fields(transition.ret_count_LPDD, 'ret_', 'P'))
+    t.update(_exchange_fields(transition.count_LPDD, ''))
+    t.update(_exchange_fields(transition.ret_count_LPDD, 'ret_'))
   lead = np.ndim(t['local_src_LS']) - 2  # Stacked over micro-steps.
   specs = transition_specs(t, lead)
   if sharding is None:
@@ -161,7 +161,7 @@ def transition_specs(t: dict, lead: int = 0) -> dict:
 
 
 def _is_exact(t: dict) -> bool:
-  return 'count_LDD' in t
+  return 'count_LPDD' in t
 
 
 def device_step_transfer(step_transfer, sharding=None) -> dict:
@@ -246,17 +246,14 @@ class _Counts(NamedTuple):
   depth_K: jax.Array
 
 
-def _my_counts(t_l, stage: int | None = None) -> _Counts:
-  """This device's rows of one layer's fill exchange, or of stage `stage`
-  of its return exchanges; the split rows arrive as [1, D] blocks."""
-  if stage is None:
-    pre, lp, at = '', 'L', ()
-  else:
-    pre, lp, at = 'ret_', 'LP', (stage,)
-  return _Counts(t_l[f'{pre}count_{lp}DD'][at + (0,)],
-                 t_l[f'{pre}recv_count_{lp}DD'][at + (0,)],
-                 t_l[f'{pre}out_off_{lp}DD'][at + (0,)],
-                 t_l[f'{pre}depth_{lp}K'][at])
+def _my_counts(t_l, stage: int, pre: str = '') -> _Counts:
+  """This device's rows of stage `stage` of one layer's fill exchanges
+  (pre '') or return exchanges (pre 'ret_'); the split rows arrive as
+  [1, D] blocks."""
+  return _Counts(t_l[f'{pre}count_LPDD'][stage, 0],
+                 t_l[f'{pre}recv_count_LPDD'][stage, 0],
+                 t_l[f'{pre}out_off_LPDD'][stage, 0],
+                 t_l[f'{pre}depth_LPK'][stage])
 
 
 def _zero_rows(x, rows: int):
@@ -342,14 +339,21 @@ def _local_copies(slots, canon, t, spd: int):
 
 
 def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
-  """One layer's fills on this device: local copies, then one exchange.
-  Sources are read from the buffers as they were before the transition."""
-  new = _local_copies(slots, canon, t, spd)
-  dst_R = t['recv_LDR'][0]
-  got = _exchange(_pick(slots, canon, t['send_LDR'][0]), _my_counts(t), me,
-                  exchange, dst_R.shape[0])
-  at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
-  return jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
+  """One layer's fills on this device: local copies, then one exchange per
+  stage. With one stage every source is read as the buffers were before
+  the transition. A first fill's broadcast tree (several stages) sends on
+  what the stages before filled, and its local copies run last (a second
+  slot of an expert is copied from the first)."""
+  stages = t['send_LPDR'].shape[0]
+  new = slots if stages > 1 else _local_copies(slots, canon, t, spd)
+  for p in range(stages):
+    dst_R = t['recv_LPDR'][p, 0]
+    got = _exchange(_pick(new if stages > 1 else slots, canon,
+                          t['send_LPDR'][p, 0]),
+                    _my_counts(t, p), me, exchange, dst_R.shape[0])
+    at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
+    new = jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
+  return _local_copies(new, canon, t, spd) if stages > 1 else new
 
 
 def _add_into(gslots, gcanon, index, value, into_slots: bool = True):
@@ -380,7 +384,7 @@ def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   for p in range(stages):
     items = jax.tree.map(lambda g: g[t['ret_send_LPDR'][p, 0]], gslots)
     dst_R = t['ret_recv_LPDR'][p, 0]
-    got = _exchange(items, _my_counts(t, p), me, exchange,
+    got = _exchange(items, _my_counts(t, p, 'ret_'), me, exchange,
                     dst_R.shape[0])
     gslots, gcanon = _add_into(gslots, gcanon, dst_R, got, into_slots=tree)
   return _zero_evicted(gslots, t, spd), gcanon
@@ -520,9 +524,9 @@ def empty_slots(canon, num_slots: int):
 # The fields that switch off each half of a transition on device, and
 # their "nothing" value (both modes' names; a transition has one mode's).
 _OFF = {
-    'fills': (('local_src_LS', -1), ('count_LDD', 0), ('recv_count_LDD', 0),
-              ('depth_LK', 0), ('recv_LDR', -1), ('shift_LR', 0),
-              ('recv_LRD', -1)),
+    'fills': (('local_src_LS', -1), ('count_LPDD', 0),
+              ('recv_count_LPDD', 0), ('depth_LPK', 0), ('recv_LPDR', -1),
+              ('shift_LR', 0), ('recv_LRD', -1)),
     'returns': (('evict_LS', False), ('ret_local_LS', -1),
                 ('ret_count_LPDD', 0), ('ret_recv_count_LPDD', 0),
                 ('ret_depth_LPK', 0), ('ret_recv_LPDR', -1),

@@ -40,7 +40,11 @@ Two modes carry the remote copies (`TransferBudget.mode`):
   1)) stages, one ragged all-to-all each, in which a device sends at most
   s gradients and receives at most s + h. Every replica still crosses
   the wire once, and a hot home receives one gradient per stage instead
-  of all of them at once.
+  of all of them at once. The step's first fill, from empty buffers, is
+  the same problem reversed (a hot home would send R experts in one
+  collective) and takes the same form: a binomial broadcast tree
+  (`fill_form`, `_tree_fills`) in which a device sends at most s + h
+  experts and receives at most s per stage.
 * ``rounds``: cyclic-shift rounds, one ppermute each (the first engine,
   kept for comparison). An edge c -> d has shift k = (d - c) % D; a round
   holds edges of one shift, at most one per sender (hence per receiver),
@@ -83,10 +87,11 @@ class BudgetExceeded(ValueError):
 
 
 MODES = ('exact', 'rounds')
-# How an ``exact`` flush returns the replicas' gradients (`flush_form`):
-# 'auto' picks by the switched-off buffers, 'tree' the reduction tree
+# How an ``exact`` flush returns the replicas' gradients (`flush_form`),
+# and the step's first fill from empty buffers sends them (`fill_form`):
+# 'auto' picks by the buffers, 'tree' the reduction (broadcast) tree
 # wherever the budget allows more than one stage (least memory), 'direct'
-# one collective straight home (fewest collectives).
+# one collective (fewest collectives).
 FLUSH_FORMS = ('auto', 'tree', 'direct')
 
 
@@ -98,7 +103,8 @@ class TransferBudget(NamedTuple):
   step_rounds: int  # Rounds for the fill (T_0) and the flush.
   microstep_rounds: int  # Rounds for each transition between micro-steps.
   mode: str = 'exact'
-  flush: str = 'auto'  # The exact flush's form (FLUSH_FORMS).
+  flush: str = 'auto'  # The exact flush's and first fill's form
+  #                     (FLUSH_FORMS).
 
 
 def check_mode(mode: str) -> str:
@@ -133,21 +139,30 @@ class Transition(NamedTuple):
 
 
 class ExactTransition(NamedTuple):
-  """One transition of all layers in ``exact`` mode: one ragged all-to-all
-  per layer for the fills and one for the gradient returns.
+  """One transition of all layers in ``exact`` mode: the fills as ragged
+  all-to-alls in P stages (P = 1 but for a first fill's broadcast tree),
+  and the gradient returns likewise (P = 1 but for a flush's reduction
+  tree).
 
-  Device c's sends, in order, are send_LDR[l, c, :n] (local sources, as in
-  Transition), n = count_LDD[l, c].sum(), grouped by destination in
-  ascending order; device d writes its q-th received expert into local slot
-  recv_LDR[l, d, q], the sources laid out in ascending order. The returns
-  run the same way in P stages, one after another: stage p's sends read
-  the slots' gradients with everything added into them before it.
+  In fill stage p, device c's sends, in order, are send_LPDR[l, p, c, :n]
+  (local sources, as in Transition), n = count_LPDD[l, p, c].sum(),
+  grouped by destination in ascending order; device d writes its q-th
+  received expert into local slot recv_LPDR[l, p, d, q], the sources laid
+  out in ascending order. A stage's sources are the buffers as the stages
+  before it left them. With one stage, the local copies run first and
+  every source is read as it was before the transition; in a broadcast
+  tree they run after the stages (a second copy of an expert on one
+  device is copied from the first). The returns run the same way: stage
+  p's sends read the slots' gradients with everything added into them
+  before it.
   """
 
   local_src_LS: np.ndarray  # int32: local source copied into the slot; -1 none
-  send_LDR: np.ndarray  # int32: local source of the sender's r-th item; 0 none
-  count_LDD: np.ndarray  # int32 [L, src, dst]: experts src sends dst
-  recv_LDR: np.ndarray  # int32: local slot the r-th received item fills; -1
+  send_LPDR: np.ndarray  # int32: local source of the r-th item sent in
+  #                        stage p; 0 none
+  count_LPDD: np.ndarray  # int32 [L, P, src, dst]: experts src sends dst
+  recv_LPDR: np.ndarray  # int32: local slot the r-th item received in
+  #                        stage p fills; -1 none
   evict_LS: np.ndarray  # bool: slot's gradient is returned, then zeroed
   ret_local_LS: np.ndarray  # int32: local index the slot's gradient is
   #                           added into on its own device, before any
@@ -162,7 +177,7 @@ class ExactTransition(NamedTuple):
   #                            in stage p is added into; -1 none
   remote_fills_L: np.ndarray  # int64: fills that cross devices
   local_fills_L: np.ndarray  # int64
-  rounds_used_L: np.ndarray  # int64: fill degree (<= R)
+  rounds_used_L: np.ndarray  # int64: fill degree as one collective (<= R)
   ret_rounds_used_L: np.ndarray  # int64: return degree as one collective
   #                                (<= R: what the budget bounds)
 
@@ -176,6 +191,7 @@ class StepTransfer(NamedTuple):
   steps: Transition  # [M, ...]: entry m moves P_m -> P_{m+1}; the last is a
   #                    no-op. R = microstep_rounds
   flush: Transition  # returns every slot's gradient; R = step_rounds
+  budget: TransferBudget | None = None  # what it was built under
 
   def remote_fills_M(self) -> np.ndarray:
     """Remote fills before micro-step m (m = 0: the fill), all layers: [M]."""
@@ -360,6 +376,18 @@ def flush_form(num_rounds: int, num_experts: int, topo: Topology,
   return star
 
 
+def fill_form(num_rounds: int, num_experts: int, topo: Topology,
+              form: str = 'auto') -> tuple[int, int, int]:
+  """(stages, send width, receive width) of a first fill (from empty
+  buffers) in ``exact`` mode: the flush's problem reversed, by the same
+  rule (`flush_form`). One collective: a hot home sends up to R experts,
+  a device receives at most min(s, R). The binomial broadcast tree
+  (`_tree_fills`): ceil(log2(R + 1)) stages in which a device sends at
+  most one expert per item it holds, s + h, and receives at most s."""
+  stages, send_w, recv_w = flush_form(num_rounds, num_experts, topo, form)
+  return stages, recv_w, send_w
+
+
 def exchange_widths(num_rounds: int, topo: Topology) -> dict:
   """The buffers of one ``exact`` transition's fills and single-stage
   returns under a degree budget R: a device receives at most its s slots'
@@ -408,6 +436,53 @@ def _tree_returns(ret_local_BS, edges, num_experts, topo: Topology):
   dst_idx_N = np.where(to_home, s + e_N % h, slot_N[p])
   stage_N = np.log2(low_N).astype(np.int64)
   return ret_local_BS, (b_N, dev_N, slot_N, dst_N, dst_idx_N), stage_N
+
+
+def _tree_fills(local_BS, edges, num_experts, topo: Topology):
+  """A first fill's edges (`_fill_edges` from empty buffers: every remote
+  slot straight from its expert's home) rearranged as broadcast trees:
+  (local copies [B, S], edges (b, src, src local index, dst, dst slot),
+  stage of each edge [N]).
+
+  The reduction tree of `_tree_returns` run backwards: per row and
+  expert, the home is node 0 and the devices to fill are nodes 1..n,
+  ordered by node (the home's own first), so most edges stay inside a
+  node. Node i receives from node i - lowbit(i) in stage
+  P - 1 - log2(lowbit(i)), P = ceil(log2(n + 1)): its parent has the
+  expert by then (the parent's lowbit is larger, or it is the home) and
+  sends it on from the slot it filled. A second slot of the same expert
+  on one device is copied from the first after the stages (local_BS then
+  names that slot)."""
+  s, h = topo.slots_per_device, _homes(num_experts, topo)
+  b_N, home_N, _, dev_N, slot_N = (np.asarray(x) for x in edges)
+  e_N = home_N * h + np.asarray(edges[2]) - s
+  node_D = topo.node_of_device()
+  far_N = node_D[dev_N] != node_D[home_N]
+  order = np.lexsort((slot_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
+  b_N, slot_N, e_N, dev_N, home_N = (x[order] for x in (b_N, slot_N, e_N,
+                                                         dev_N, home_N))
+  key_N = (b_N * num_experts + e_N) * topo.num_devices + dev_N
+  rank_N = _rank_in_runs(key_N)
+  dup = rank_N > 0
+  local_BS = local_BS.copy()
+  local_BS[b_N[dup], dev_N[dup] * s + slot_N[dup]] = slot_N[
+      np.flatnonzero(dup) - rank_N[dup]]
+  b_N, slot_N, e_N, dev_N, home_N = (x[~dup] for x in (b_N, slot_N, e_N,
+                                                        dev_N, home_N))
+  run_N = b_N * num_experts + e_N
+  i_N = _rank_in_runs(run_N) + 1
+  n_N = np.zeros(len(i_N), np.int64)
+  if len(i_N):  # Nodes per tree, on each of its edges.
+    last = np.r_[run_N[1:] != run_N[:-1], True]
+    n_N = np.repeat(i_N[last], np.diff(np.r_[0, np.flatnonzero(last) + 1]))
+  low_N = i_N & -i_N
+  from_home = i_N == low_N
+  p = np.maximum(np.arange(len(i_N)) - low_N, 0)  # Node i - low's edge.
+  src_N = np.where(from_home, home_N, dev_N[p])
+  src_idx_N = np.where(from_home, s + e_N % h, slot_N[p])
+  depth_N = np.ceil(np.log2(n_N + 1)).astype(np.int64)
+  stage_N = depth_N - 1 - np.log2(np.maximum(low_N, 1)).astype(np.int64)
+  return local_BS, (b_N, src_N, src_idx_N, dev_N, slot_N), stage_N
 
 
 def _pack_rounds(b_N, src_N, dst_N, num_rows, num_devices):
@@ -525,6 +600,37 @@ def _round_arrays(edges, round_N, depth_BK, num_rounds):
   return shift_BR, send_BRD, recv_BRD
 
 
+def _staged_fills(mv: _Moves, prev_BS, num_experts, topo, num_rounds,
+                  form: str = 'auto'):
+  """``exact`` fills as P stages: (local copies [B, S], send [B, P, D, Rs],
+  count [B, P, D, D], recv [B, P, D, Rr]). A fill from empty buffers
+  whose budget calls for it runs as the broadcast tree (`fill_form`),
+  any other fill as one collective."""
+  num_rows, d = len(prev_BS), topo.num_devices
+  stages, send_w, recv_w = fill_form(num_rounds, num_experts, topo, form)
+  if stages > 1 and (prev_BS < 0).all():
+    local_BS, edges, stage_N = _tree_fills(mv.local_BS, mv.fill,
+                                           num_experts, topo)
+  else:
+    w = exchange_widths(num_rounds, topo)
+    stages, send_w, recv_w = 1, w['send'], w['recv']
+    local_BS, edges = mv.local_BS, mv.fill
+    stage_N = np.zeros(len(edges[0]), np.int64)
+  return (local_BS.astype(np.int32),) + _stage_arrays(
+      edges, stage_N, stages, num_rows, d, send_w, recv_w)
+
+
+def _stage_arrays(edges, stage_N, stages, num_rows, num_devices, send_w,
+                  recv_w):
+  """(send [B, P, D, Rs], count [B, P, D, D], recv [B, P, D, Rr]): each
+  stage's edges as one collective's arrays."""
+  parts = [_exact_arrays(tuple(np.asarray(x)[stage_N == p] for x in edges),
+                         num_rows, num_devices, send_w, recv_w)
+           for p in range(stages)]
+  return tuple(np.stack([part[i] for part in parts], axis=1)
+               for i in range(3))
+
+
 def _staged_returns(mv: _Moves, next_BS, num_experts, topo, num_rounds,
                     flush: str = 'auto'):
   """``exact`` returns as P stages: (local returns [B, S], send [B, P, D,
@@ -541,16 +647,15 @@ def _staged_returns(mv: _Moves, next_BS, num_experts, topo, num_rounds,
     stages, send_w, recv_w = 1, w['ret_send'], w['ret_recv']
     local_BS, edges = mv.ret_local_BS, mv.ret
     stage_N = np.zeros(len(edges[0]), np.int64)
-  parts = [_exact_arrays(tuple(np.asarray(x)[stage_N == p] for x in edges),
-                         num_rows, d, send_w, recv_w) for p in range(stages)]
-  return (local_BS.astype(np.int32),) + tuple(
-      np.stack([part[i] for part in parts], axis=1) for i in range(3))
+  return (local_BS.astype(np.int32),) + _stage_arrays(
+      edges, stage_N, stages, num_rows, d, send_w, recv_w)
 
 
 def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
               mode='exact', flush='auto'):
   """The (Exact)Transition of B rows; `where(b)` names row b in errors;
-  flush: a flush's form (`flush_form`)."""
+  flush: the form of a flush and of a fill from empty buffers
+  (`flush_form`, `fill_form`)."""
   mv = _moves(prev_BS, next_BS, num_experts, topo, mode)
   fill_B, ret_B = mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1)
   over = np.flatnonzero(np.maximum(fill_B, ret_B) > num_rounds)
@@ -562,14 +667,12 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
   counts = (np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
             (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
   if mode == 'exact':
-    w = exchange_widths(num_rounds, topo)
+    fill_local, *fills = _staged_fills(mv, prev_BS, num_experts, topo,
+                                       num_rounds, flush)
     ret_local, *ret = _staged_returns(mv, next_BS, num_experts, topo,
                                       num_rounds, flush)
-    return ExactTransition(
-        mv.local_BS.astype(np.int32),
-        *_exact_arrays(mv.fill, len(next_BS), topo.num_devices, w['send'],
-                       w['recv']),
-        mv.evict_BS, ret_local, *ret, *counts)
+    return ExactTransition(fill_local, *fills, mv.evict_BS, ret_local, *ret,
+                           *counts)
   return Transition(
       mv.local_BS.astype(np.int32),
       *_round_arrays(mv.fill, mv.fill_round_N, mv.fill_depth_BK, num_rounds),
@@ -587,9 +690,9 @@ def _rows(x_LS, like):
 
 def transition(prev_LS, next_LS, num_experts: int, topo: Topology,
                num_rounds: int, mode: str = 'exact', flush: str = 'auto'):
-  """prev_LS None: fill from empty buffers; next_LS None: flush (in the
-  form `flush`: `flush_form`). A Transition (``rounds``) or an
-  ExactTransition (``exact``)."""
+  """prev_LS None: fill from empty buffers; next_LS None: flush (both in
+  the form `flush`: `fill_form`, `flush_form`). A Transition (``rounds``)
+  or an ExactTransition (``exact``)."""
   ref = next_LS if next_LS is not None else prev_LS
   return _schedule(_rows(prev_LS, ref), _rows(next_LS, ref), num_experts,
                    topo, num_rounds, lambda b: f'layer {b}', mode, flush)
@@ -622,12 +725,12 @@ def wire_items(t, num_devices: int, emulated: bool = False) -> tuple:
   in each).
   """
   if isinstance(t, ExactTransition):
-    useful = int(t.count_LDD.sum() + t.ret_count_LPDD.sum())
+    useful = int(t.count_LPDD.sum() + t.ret_count_LPDD.sum())
     if not emulated:
       return useful, useful
     d = np.arange(num_devices)
     wire = 0
-    for count in (t.count_LDD, t.ret_count_LPDD):
+    for count in (t.count_LPDD, t.ret_count_LPDD):
       c = count.reshape(-1, num_devices, num_devices)
       depth_BK = c[:, d[:, None], (d[:, None] + d[None, :]) % num_devices
                    ].max(axis=1)
@@ -688,13 +791,13 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
                         for x in steps))
   fill = _schedule(_rows(start_LS, se[0]), se[0], num_experts, topo,
                    budget.step_rounds, lambda b: f'fill (T_0), layer {b}',
-                   mode)
+                   mode, budget.flush)
   if start_LS is not None:
     fill = without_returns(fill)
   flush = _schedule(se[-1], _rows(None, se[-1]), num_experts, topo,
                     budget.step_rounds, lambda b: f'flush, layer {b}', mode,
                     budget.flush)
-  return StepTransfer(fill, steps, flush)
+  return StepTransfer(fill, steps, flush, budget)
 
 
 def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,

@@ -368,7 +368,7 @@ def test_memory_model_by_hand():
   assert star.exchange_buffers == (3 + 8) * ppe * 4 + 2 * 2 * ppe * 4
   # R = 64: a reduction tree of ceil(log2(65)) = 7 stages, one live at a
   # time, sending at most s = 3 and receiving at most s + h = 5 (7 x 8
-  # < 3 + 64); the fill sends up to 64 and receives up to s = 3.
+  # < 3 + 64).
   tree = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                               capacity_rows=16, step_rounds=64)
   assert tree.exchange_buffers == (3 + 5) * ppe * 4 + 2 * 2 * ppe * 4
@@ -376,7 +376,9 @@ def test_memory_model_by_hand():
   forced = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                                 capacity_rows=16, step_rounds=8, flush='tree')
   assert forced.exchange_buffers == tree.exchange_buffers
-  fill = 4 * (64 + 3 + (3 + 64)) + 4 * 4 * 2 * 2 + 9 * 3
+  # The first fill is the broadcast tree (7 stages sending at most
+  # s + h = 5, receiving at most s = 3), its returns one collective.
+  fill = 4 * (7 * (5 + 3) + (3 + 64)) + 4 * 4 * 2 * 8 + 9 * 3
   flush = 4 * (64 + 3 + 7 * (3 + 5)) + 4 * 4 * 2 * 8 + 9 * 3
   assert tree.transfer_schedule == fill + flush + work.num_microsteps * per
   sharded = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
@@ -487,6 +489,6 @@ def test_flush_inside_the_last_backward_by_hand():
   # device sends from its slots only) and zeroes its receive buffer (R = 4
   # items: R <= s + h = 5, so one collective), f32, once per micro-step.
   _, _, spread = _hot_expert_plans(Topology(1, 2, 3))
-  assert spread.transfer.fill.send_LDR.shape[-1] == 4
+  assert spread.transfer.fill.send_LPDR.shape[-1] == 4
   assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3) == (
       pytest.approx(1 * (3 * 3 + 3 + 4) * MODEL.params_per_expert * 4 / 1e15))

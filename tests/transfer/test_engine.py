@@ -52,14 +52,18 @@ def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode, exchange,
   se_MLS = random_placements(rng, num_micro, num_layers, num_experts,
                              topo.num_slots)
   # A fill/flush budget large enough for the flush to be a reduction tree
-  # (schedule.flush_form): 32 or 48 against s + h = 3 or 5.
+  # and the first fill a broadcast tree (schedule.flush_form, fill_form):
+  # 32 or 48 against s + h = 3 or 5.
   budget = schedule.TransferBudget(step_rounds=16 * spd,
                                    microstep_rounds=4 * spd, mode=mode)
   st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
   assert st.remote_fills_M()[1:].sum() > 0  # The sequence really moves experts.
-  if mode == 'exact':  # The flush runs as a reduction tree.
+  if mode == 'exact':  # The flush runs as a reduction tree, the first
+    # fill as a broadcast tree.
     assert st.flush.ret_count_LPDD.shape[1] > 1
     assert st.flush.ret_count_LPDD[:, 1:].sum() > 0
+    assert st.fill.count_LPDD.shape[1] > 1
+    assert st.fill.count_LPDD[:, 1:].sum() > 0
   # Two leaves of different shapes, stacked over the layers as the model
   # stores them: [L, E, ...].
   canon = (jnp.asarray(rng.standard_normal((num_layers, num_experts, 3, 2)),
@@ -136,21 +140,23 @@ def test_exact_sends_only_the_counted_items(mesh):
   fill = jax.jit(lambda t: engine.fill_slots(None, canon, t, mesh=mesh))
   slots = fill(t)
   np.testing.assert_array_equal(slots[0][0], want)
-  sent_D = st.fill.count_LDD[0].sum(1)
+  assert st.fill.count_LPDD.shape[1] == 1  # One collective (no tree).
+  sent_D = st.fill.count_LPDD[0, 0].sum(1)
   past = np.arange(8)[None, :] >= sent_D[:, None]  # [D, R]
-  t['send_LDR'] = jnp.where(past[None], 2 + np.arange(8) % 2, t['send_LDR'])
+  t['send_LPDR'] = jnp.where(past[None, None], 2 + np.arange(8) % 2,
+                             t['send_LPDR'])
   slots = fill(t)
   np.testing.assert_array_equal(slots[0][0], want)
   np.testing.assert_array_equal(slots[-1], se_MLS[0])
   # The last receiver of the last sender: its last item no longer counted.
   c = int(np.flatnonzero(sent_D)[-1])
-  d = int(np.flatnonzero(st.fill.count_LDD[0, c])[-1])
-  count_LDD = st.fill.count_LDD.copy()
-  count_LDD[0, c, d] -= 1  # Both ends read it (sender's row, receiver's).
-  t = dict(engine.device_transition(st.fill._replace(count_LDD=count_LDD)),
-           send_LDR=t['send_LDR'])
-  q = int(st.fill.count_LDD[0, :, d].sum()) - 1  # Its place at d.
-  slot = d * 2 + int(st.fill.recv_LDR[0, d, q])
+  d = int(np.flatnonzero(st.fill.count_LPDD[0, 0, c])[-1])
+  count_LPDD = st.fill.count_LPDD.copy()
+  count_LPDD[0, 0, c, d] -= 1  # Both ends read it (sender's row, receiver's).
+  t = dict(engine.device_transition(st.fill._replace(count_LPDD=count_LPDD)),
+           send_LPDR=t['send_LPDR'])
+  q = int(st.fill.count_LPDD[0, 0, :, d].sum()) - 1  # Its place at d.
+  slot = d * 2 + int(st.fill.recv_LPDR[0, 0, d, q])
   slots = fill(t)
   got_ids = np.asarray(slots[-1])[0]
   assert got_ids[slot] != se_MLS[0, 0, slot]
@@ -238,7 +244,7 @@ def test_each_device_receives_only_its_own_rows(mesh, mode):
       se_MLS, num_experts, topo, schedule.TransferBudget(48, 12, mode))
   dev = engine.device_step_transfer(
       st, lambda spec: jax.sharding.NamedSharding(mesh, spec))
-  whole = {'shift_LR', 'ret_shift_LR', 'depth_LK', 'ret_depth_LPK'}
+  whole = {'shift_LR', 'ret_shift_LR', 'depth_LPK', 'ret_depth_LPK'}
   for name, t in dev.items():
     for k, x in t.items():
       shard = x.sharding.shard_shape(x.shape)
@@ -252,7 +258,7 @@ def test_each_device_receives_only_its_own_rows(mesh, mode):
     # The moves' fills ([M, L, D, D]) and the flush's staged returns (a
     # tree here: 6 stages of 3 + 5 buffers against 3 + 48; [L, P, D, D]).
     assert st.flush.ret_count_LPDD.shape[1] > 1
-    for t, c, pre, lp in ((dev['steps'], st.steps.count_LDD, '', 'L'),
+    for t, c, pre, lp in ((dev['steps'], st.steps.count_LPDD, '', 'LP'),
                           (dev['flush'], st.flush.ret_count_LPDD, 'ret_',
                            'LP')):
       np.testing.assert_array_equal(t[f'{pre}count_{lp}DD'], c)

@@ -75,28 +75,46 @@ def _sources(prev_S, num_experts, topo):
 
 
 def simulate_fill_exact(tr, l, prev_S, num_experts, topo):
+  """The fills of one layer, stage by stage. One stage: local copies and
+  sends both read the buffers as they were. A broadcast tree: each stage
+  reads what the stages before it filled, and the local copies run last
+  (a duplicate copies its device's first copy)."""
   d_, s = topo.num_devices, topo.slots_per_device
   old_Ds, src_Dx = _sources(prev_S, num_experts, topo)
   new_Ds = old_Ds.copy()
   writes_Ds = np.zeros((d_, s), int)
   sender_Ds = np.full((d_, s), -1)
-  for j in range(d_ * s):
-    i = tr.local_src_LS[l, j]
-    if i >= 0:
-      assert src_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
-      new_Ds[j // s, j % s] = src_Dx[j // s, i]
-      writes_Ds[j // s, j % s] += 1
-  got = exchange_exact(tr.send_LDR[l], tr.count_LDD[l])
-  for d in range(d_):
-    assert (tr.recv_LDR[l, d, len(got[d]):] == -1).all(), 'phantom receive'
-    for q, (c, pos) in enumerate(got[d]):
-      slot = tr.recv_LDR[l, d, q]
-      assert slot >= 0, 'a received expert is dropped'
-      item = src_Dx[c, tr.send_LDR[l, c, pos]]
-      assert item >= 0, 'sent an empty buffer'
-      new_Ds[d, slot] = item
-      writes_Ds[d, slot] += 1
-      sender_Ds[d, slot] = c
+  stages = tr.send_LPDR.shape[1]
+
+  def local_copies(from_Dx):
+    for j in range(d_ * s):
+      i = tr.local_src_LS[l, j]
+      if i >= 0:
+        assert from_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
+        new_Ds[j // s, j % s] = from_Dx[j // s, i]
+        writes_Ds[j // s, j % s] += 1
+
+  if stages == 1:
+    local_copies(src_Dx)
+  for p in range(stages):
+    # Stage p's sources: the slots as the stages before left them.
+    now_Dx = src_Dx if stages == 1 else np.concatenate(
+        [new_Ds, src_Dx[:, s:]], axis=1)
+    assert (np.diagonal(tr.count_LPDD[l, p]) == 0).all(), 'self-send'
+    got = exchange_exact(tr.send_LPDR[l, p], tr.count_LPDD[l, p])
+    for d in range(d_):
+      assert (tr.recv_LPDR[l, p, d, len(got[d]):] == -1).all(), (
+          'phantom receive')
+      for q, (c, pos) in enumerate(got[d]):
+        slot = tr.recv_LPDR[l, p, d, q]
+        assert slot >= 0, 'a received expert is dropped'
+        item = now_Dx[c, tr.send_LPDR[l, p, c, pos]]
+        assert item >= 0, 'sent an empty buffer'
+        new_Ds[d, slot] = item
+        writes_Ds[d, slot] += 1
+        sender_Ds[d, slot] = c
+  if stages > 1:
+    local_copies(np.concatenate([new_Ds, src_Dx[:, s:]], axis=1))
   return new_Ds.ravel(), writes_Ds.ravel(), sender_Ds.ravel()
 
 
@@ -145,6 +163,15 @@ def degree(count_LDD):
   return np.maximum(count_LDD.sum(2).max(1), count_LDD.sum(1).max(1))
 
 
+def _tree_form(num_rounds, s, h, form):
+  """Stages of a tree over at most num_rounds copies where `form` takes
+  it (the rule of schedule.flush_form, by hand): 0 when it does not."""
+  tree = int(np.ceil(np.log2(num_rounds + 1)))
+  fewer = tree * (2 * s + h) < min(s, num_rounds) + num_rounds
+  return tree if tree > 1 and (form == 'tree' or form == 'auto' and fewer
+                               ) else 0
+
+
 def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds,
                      flush='auto'):
   rng = np.random.default_rng(1)
@@ -153,23 +180,28 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds,
   if exact:
     d_ = topo.num_devices
     s, h = topo.slots_per_device, num_experts // d_
-    # Buffers by role: a device receives fills into its s slots only, and
-    # sends gradients from them only.
-    assert tr.send_LDR.shape == (num_layers, d_, num_rounds)
-    assert tr.recv_LDR.shape == (num_layers, d_, min(s, num_rounds))
-    assert tr.count_LDD.shape == (num_layers, d_, d_)
-    # No device exchanges with itself; the degree is what was used.
-    assert (np.diagonal(tr.count_LDD, axis1=1, axis2=2) == 0).all()
-    np.testing.assert_array_equal(tr.rounds_used_L, degree(tr.count_LDD))
+    # A first fill is a broadcast tree, and a flush a reduction tree,
+    # where their stages' buffers, summed, are fewer than one collective's
+    # ('auto'), or wherever they have stages ('tree').
+    tree = _tree_form(num_rounds, s, h, flush)
+    fill_stages = tr.count_LPDD.shape[1]
+    if prev_LS is None and tree:
+      assert fill_stages == tree
+      assert tr.send_LPDR.shape[-1] == s + h
+      assert tr.recv_LPDR.shape[-1] == s
+    else:
+      # Buffers by role: a device receives fills into its s slots only.
+      assert fill_stages == 1
+      assert tr.send_LPDR.shape[-1] == num_rounds
+      assert tr.recv_LPDR.shape[-1] == min(s, num_rounds)
+      # The degree is what was used.
+      np.testing.assert_array_equal(tr.rounds_used_L,
+                                    degree(tr.count_LPDD[:, 0]))
+    assert tr.count_LPDD.shape == (num_layers, fill_stages, d_, d_)
     assert (tr.rounds_used_L <= num_rounds).all()
     assert (tr.ret_rounds_used_L <= num_rounds).all()
     stages = tr.ret_count_LPDD.shape[1]
-    tree = int(np.ceil(np.log2(num_rounds + 1)))
-    # A flush is a tree where its stages' buffers, summed, are fewer than
-    # one collective's ('auto'), or wherever it has stages ('tree').
-    fewer = tree * (2 * s + h) < min(s, num_rounds) + num_rounds
-    if next_LS is None and tree > 1 and (
-        flush == 'tree' or flush == 'auto' and fewer):
+    if next_LS is None and tree:
       assert stages == tree
       assert tr.ret_send_LPDR.shape[-1] == s
       assert tr.ret_recv_LPDR.shape[-1] == s + h
@@ -195,7 +227,7 @@ def check_transition(tr, prev_LS, next_LS, num_experts, topo, num_rounds,
       assert tr.remote_fills_L[l] + tr.local_fills_L[l] == changed.sum()
     else:
       assert (tr.local_src_LS[l] == -1).all()
-      assert (tr.count_LDD[l] == 0).all() if exact else (
+      assert (tr.count_LPDD[l] == 0).all() if exact else (
           tr.shift_LR[l] == 0).all()
     if not exact:
       assert tr.rounds_used_L[l] == (tr.shift_LR[l] > 0).sum() <= num_rounds
@@ -332,7 +364,7 @@ def test_exact_spreads_a_hot_expert_over_its_holders():
   nxt[0, 9::2] = 0  # Devices 4-7's second slot: expert 0.
   tr = schedule.transition(prev, nxt, num_experts, topo, 4, 'exact')
   check_transition(tr, prev, nxt, num_experts, topo, 4)
-  np.testing.assert_array_equal(tr.count_LDD[0].sum(1),
+  np.testing.assert_array_equal(tr.count_LPDD[0, 0].sum(1),
                                 [1, 1, 1, 1, 0, 0, 0, 0])
   assert tr.rounds_used_L[0] == 1
   # The returns of devices 4-7's evicted experts 4-7: each is home there.
@@ -346,7 +378,7 @@ def test_exact_spreads_a_hot_expert_over_its_holders():
   # every device sending in each (counted here pair by pair).
   rounds = 0
   for k in range(1, 8):
-    rounds += max(tr.count_LDD[0, c, (c + k) % 8] for c in range(8))
+    rounds += max(tr.count_LPDD[0, 0, c, (c + k) % 8] for c in range(8))
   assert schedule.wire_items(tr, 8, emulated=True) == (8 * rounds, 4)
 
 
@@ -474,3 +506,45 @@ def test_flush_tree_bounds_every_stage_and_keeps_edges_in_a_node():
   assert (count_PDD * cross).sum() == 2
   # The one-shot return: expert 0's five copies on node 1, and expert 5.
   assert (node[np.nonzero(prev[0] == 0)[0] // 2] == 1).sum() + 1 == 6
+
+
+def test_first_fill_tree_bounds_every_stage_and_keeps_edges_in_a_node():
+  """The flush test's placement filled from empty buffers: the broadcast
+  tree is the reduction tree reversed. Expert 0 (home device 0) goes to
+  devices 1-7, twice to device 5; expert 5 to device 0. In one collective
+  device 0 would send 8 experts. With a budget of 32 the fill is a tree
+  (6 stages of 3 + 2 buffers): expert 0's nodes 1..7 are devices 1..7
+  (the home's node first), node i fed by node i - lowbit(i) in stage
+  2 - log2(lowbit(i)), so device 0 sends one copy of expert 0 per stage
+  (to devices 4, 2, 1) and device 4 passes it on to 6 and 5; device 5's
+  second slot is copied from its first after the stages; and two experts
+  cross between the nodes (expert 0 to device 4, expert 5 to device 0)
+  where the one collective sends six."""
+  topo, e = Topology(2, 4, 2), 8
+  nxt = np.array([[0, 5, 1, 0, 2, 0, 3, 0, 4, 0, 0, 0, 6, 0, 7, 0]])
+  assert schedule.rounds_needed(None, nxt, e, topo)[0] == 8
+  assert schedule.fill_form(32, e, topo) == (6, 3, 2)
+  assert schedule.fill_form(16, e, topo) == (1, 16, 2)
+  assert schedule.fill_form(32, e, topo, 'direct') == (1, 32, 2)
+  forced = schedule.transition(None, nxt, e, topo, 8, flush='tree')
+  check_transition(forced, None, nxt, e, topo, 8, flush='tree')
+  assert forced.count_LPDD.shape[1] == 4
+  tr = schedule.transition(None, nxt, e, topo, 32)
+  check_transition(tr, None, nxt, e, topo, 32)
+  count_PDD = tr.count_LPDD[0]
+  assert count_PDD.shape[0] == 6 and count_PDD.sum() == 8
+  assert count_PDD.sum(2).max() <= 3 and count_PDD.sum(1).max() <= 2
+  # Device 0's sends of expert 0, stage by stage: devices 4, 2, 1.
+  np.testing.assert_array_equal(count_PDD[:3, 0, [4, 2, 1]], np.eye(3))
+  np.testing.assert_array_equal(count_PDD[1:3, 4, [6, 5]], np.eye(2))
+  assert tr.local_src_LS[0, 11] == 0  # Device 5's second copy <- its first.
+  assert tr.local_src_LS[0, 0] == 2  # Device 0's own expert: s + 0.
+  node = topo.node_of_device()
+  cross = node[:, None] != node[None, :]
+  assert (count_PDD * cross).sum() == 2
+  direct = schedule.transition(None, nxt, e, topo, 32, flush='direct')
+  check_transition(direct, None, nxt, e, topo, 32, flush='direct')
+  assert (direct.count_LPDD[0, 0] * cross).sum() == 6
+  # A fill from a previous placement is never a tree.
+  moved = schedule.transition(nxt, nxt[:, ::-1].copy(), e, topo, 32)
+  assert moved.count_LPDD.shape[1] == 1
