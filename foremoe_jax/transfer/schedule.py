@@ -671,6 +671,9 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
                                        num_rounds, flush)
     ret_local, *ret = _staged_returns(mv, next_BS, num_experts, topo,
                                       num_rounds, flush)
+    # As sent: in a broadcast tree a second copy on one device is local.
+    counts = (fills[1].sum(axis=(1, 2, 3)).astype(np.int64),
+              (fill_local >= 0).sum(1).astype(np.int64)) + counts[2:]
     return ExactTransition(fill_local, *fills, mv.evict_BS, ret_local, *ret,
                            *counts)
   return Transition(

@@ -539,12 +539,16 @@ def test_first_fill_tree_bounds_every_stage_and_keeps_edges_in_a_node():
   np.testing.assert_array_equal(count_PDD[1:3, 4, [6, 5]], np.eye(2))
   assert tr.local_src_LS[0, 11] == 0  # Device 5's second copy <- its first.
   assert tr.local_src_LS[0, 0] == 2  # Device 0's own expert: s + 0.
+  # 8 experts cross devices and 8 slots copy locally (7 home experts, the
+  # duplicate), where one collective sends 9 and copies 7.
+  assert (tr.remote_fills_L[0], tr.local_fills_L[0]) == (8, 8)
   node = topo.node_of_device()
   cross = node[:, None] != node[None, :]
   assert (count_PDD * cross).sum() == 2
   direct = schedule.transition(None, nxt, e, topo, 32, flush='direct')
   check_transition(direct, None, nxt, e, topo, 32, flush='direct')
   assert (direct.count_LPDD[0, 0] * cross).sum() == 6
+  assert (direct.remote_fills_L[0], direct.local_fills_L[0]) == (9, 7)
   # A fill from a previous placement is never a tree.
   moved = schedule.transition(nxt, nxt[:, ::-1].copy(), e, topo, 32)
   assert moved.count_LPDD.shape[1] == 1
