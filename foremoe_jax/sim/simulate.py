@@ -312,7 +312,12 @@ def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
   round sends one expert)."""
   if not isinstance(transfer.flush, schedule.ExactTransition):
     return dict(step_rounds=1, microstep_rounds=1)
-  tree = transfer.flush.ret_send_LPDR.shape[1] > 1
+  tree = transfer.flush.ret_send_LPDR.shape[-3] > 1
+  if transfer.budget is None:  # Built before transfers kept their budget:
+    # one-stage fills, whose send width is R.
+    return dict(step_rounds=transfer.fill.send_LPDR.shape[-1],
+                microstep_rounds=transfer.steps.send_LPDR.shape[-1],
+                flush='tree' if tree else 'direct')
   return dict(step_rounds=transfer.budget.step_rounds,
               microstep_rounds=transfer.budget.microstep_rounds,
               flush='tree' if tree else 'direct')

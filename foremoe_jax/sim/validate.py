@@ -34,6 +34,7 @@ from foremoe_jax.sim import calibrate, simulate
 from foremoe_jax.sim.hardware import HardwareProfile, describe
 from foremoe_jax.sim.workload import ModelShape, Workload
 from foremoe_jax.tasks import task_from_config
+from foremoe_jax.transfer import schedule
 
 CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 
@@ -108,6 +109,22 @@ def _fit_phase(runs, fast, count, total, parts, topo, cost, model, work):
   return max(float(slope), 1e-30), max(float(fixed), 0.0)
 
 
+def _staged(st):
+  """A cached StepTransfer in the current layout: measurements cached
+  before ``exact`` fills and returns were staged hold them without the
+  stage axis ([.., D, R] for [.., P, D, R]); one stage is what they ran."""
+  if st is None or not isinstance(st.flush, schedule.ExactTransition):
+    return st
+
+  def up(t, lead):
+    return t._replace(**{
+        f: np.expand_dims(getattr(t, f), lead + 1)
+        for f in t._fields if f.endswith(('LPDR', 'LPDD'))
+        and getattr(t, f).ndim == lead + 3})
+  return st._replace(fill=up(st.fill, 0), steps=up(st.steps, 1),
+                     flush=up(st.flush, 0))
+
+
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
   """Everything the validation measures on this machine (the slow part)."""
   kernels, raw = calibrate.cpu_profile(
@@ -167,6 +184,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   loads = extras['loads_MLDE']
   plans = {}
   for method, p in extras['planned'].items():
+    p = dataclasses.replace(p, transfer=_staged(p.transfer))
     cap = {mode: p.capacity for mode in simulate.MODES}
     rcap = {mode: extras['recompute_capacity'][method]
             for mode in simulate.MODES}
@@ -175,7 +193,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
         p.plan, p.transfer, cap, {m: extras['static_capacity']
                                   for m in simulate.MODES}, p.reverted,
         p.plan_s, recompute_plan=None if rplan is None else rplan[0],
-        recompute_transfer=None if rplan is None else rplan[1],
+        recompute_transfer=None if rplan is None else _staged(rplan[1]),
         recompute_capacity=rcap,
         recompute_plan_s=measured['methods'][method]['recompute_plan_s'],
         # Whether the bench's recompute prefilled the update's slots (its

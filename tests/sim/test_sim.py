@@ -492,3 +492,27 @@ def test_flush_inside_the_last_backward_by_hand():
   assert spread.transfer.fill.send_LPDR.shape[-1] == 4
   assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3) == (
       pytest.approx(1 * (3 * 3 + 3 + 4) * MODEL.params_per_expert * 4 / 1e15))
+
+
+def test_cached_transfers_without_stage_axes_are_read_as_one_stage():
+  """Validation measurements cached before ``exact`` fills and returns
+  were staged: their transfers, stage axis squeezed out, are read back as
+  the one-stage transfers they were, and simulate the same."""
+  from foremoe_jax.sim import validate  # pylint: disable=import-outside-toplevel
+  loads, _, spread = _hot_expert_plans(Topology(1, 2, 3))
+  st = spread.transfer
+  assert st.fill.count_LPDD.shape[1] == st.flush.ret_count_LPDD.shape[1] == 1
+
+  def squeeze(t, lead):
+    return t._replace(**{f: np.squeeze(getattr(t, f), lead + 1)
+                         for f in t._fields if f.endswith(('LPDR', 'LPDD'))})
+  old = schedule.StepTransfer(squeeze(st.fill, 0), squeeze(st.steps, 1),
+                              squeeze(st.flush, 0))
+  assert old.budget is None and old.fill.send_LPDR.ndim == 3
+  back = validate._staged(old)  # pylint: disable=protected-access
+  for name in ('fill', 'steps', 'flush'):
+    for f, a in getattr(st, name)._asdict().items():
+      np.testing.assert_array_equal(getattr(getattr(back, name), f), a)
+  spread_old = dataclasses.replace(spread, transfer=back)
+  assert simulate.time_step(spread_old, loads, MODEL, _work(), HW) == (
+      simulate.time_step(spread, loads, MODEL, _work(), HW))
