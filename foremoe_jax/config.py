@@ -66,6 +66,11 @@ def model_defaults() -> ml_collections.ConfigDict:
   # kept dense, recall reported: the distillation phase, config.msa_distill,
   # sets it on its own copy of the model; docs/design.md §6.11).
   m.msa_indexer_kl = 'selected'
+  # The MSA Pallas kernels on a GPU: 'kv_outer' (a two-launch tensor-core
+  # selection, query tiles per key block, dK/dV without atomics, split-K
+  # decode) or 'token' (the first kernels: fused selection, a program per
+  # token, atomic dK/dV), the fallback. CPU and TPU ignore it.
+  m.msa_gpu_kernels = 'kv_outer'
   # Mixed precision (WORKSPACE.md): dtype is the compute dtype (every weight
   # is cast to it where used); param_dtype is the dtype the model is built,
   # checkpointed for serving and moved between slots in. Training always
@@ -208,6 +213,9 @@ def validate_config(config) -> None:
   _require(m.get('remat_policy', 'none') in REMAT_POLICIES,
            'model.remat_policy', f'must be one of {", ".join(REMAT_POLICIES)}, '
            f"got {m.get('remat_policy')!r}")
+  _require(m.get('msa_gpu_kernels', 'kv_outer') in ('kv_outer', 'token'),
+           'model.msa_gpu_kernels', "must be 'kv_outer' or 'token', got "
+           f"{m.get('msa_gpu_kernels')!r}")
   _require(m.get('msa_indexer_kl', 'selected') in ('selected', 'dense'),
            'model.msa_indexer_kl', f"must be 'selected' or 'dense', got "
            f"{m.get('msa_indexer_kl')!r}")

@@ -138,6 +138,8 @@ class Attention(nnx.Module):
       # stays dense and the indexer's KL targets every causal key; the layer
       # reports the selection's recall with it.
       self.indexer_kl = cfg.get('msa_indexer_kl', 'selected')
+      # The Pallas GPU kernel set (pallas_kernels/msa/api.py GPU_KERNELS).
+      self.gpu_kernels = cfg.get('msa_gpu_kernels', 'kv_outer')
     self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
     self.rope_theta = cfg.rope_theta
 
@@ -252,7 +254,8 @@ class Attention(nnx.Module):
         mask = mask & valid_BT[:, None, :]
       return dense_attention(q, k, v, mask), None, stats
     out, aux = msa.msa_attention(qs, ks, vs, qis, kis, top_k=self.top_k,
-                                 kv_valid_BS=kv_valid_BS, **kw)
+                                 kv_valid_BS=kv_valid_BS,
+                                 gpu_kernels=self.gpu_kernels, **kw)
     sg = jax.lax.stop_gradient
     index_loss = msa.msa_indexer_kl_loss(sg(qs), sg(ks), qis, kis,
                                          jax.tree.map(sg, aux),
@@ -295,5 +298,6 @@ class Attention(nnx.Module):
     out, _ = msa.msa_decode(q[:, 0], k_all, v_all, qi[:, 0], new_cache.ki_BSI,
                             lengths_B, top_k=self.top_k,
                             block_size=self.block_size,
-                            kv_valid_BS=new_cache.valid_BS)
+                            kv_valid_BS=new_cache.valid_BS,
+                            gpu_kernels=self.gpu_kernels)
     return out[:, None], new_cache, 0.0

@@ -36,6 +36,11 @@ from pallas_kernels.msa import reference
 from pallas_kernels.msa import xla
 
 IMPLS = ('auto', 'xla', 'pallas', 'reference')
+# The GPU kernel set (impl 'pallas' on a GPU): 'kv_outer', the two-launch
+# selection with the KV-outer forward, dK/dV and split-K decode; 'token',
+# the first kernels (fused selection, a program per token, atomic dK/dV),
+# kept as the oracle and the fallback.
+GPU_KERNELS = ('kv_outer', 'token')
 
 
 def resolve_impl(impl: str, pallas_backend: str | None = None):
@@ -87,7 +92,8 @@ def _check_budget(block_size, top_k):
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
                   top_k: int, q_offset: int = 0, impl: str = 'auto',
-                  pallas_backend: str | None = None, kv_valid_BS=None):
+                  pallas_backend: str | None = None, kv_valid_BS=None,
+                  gpu_kernels: str = 'kv_outer'):
   """MSA prefill / training attention (docs/design.md §6.1-6.4, 6.9).
 
   Args:
@@ -102,6 +108,7 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
     kv_valid_BS: bool [B, S], False at padding keys: they score -inf in the
       index branch (an all-padding block is never selected) and are never
       attended. A query that sees no valid key gets out 0, lse -inf.
+    gpu_kernels: the Pallas GPU kernel set (`GPU_KERNELS`).
 
   Returns:
     out_BTHD in q's dtype, and aux = {'sel_BGTK': int32 [B, G, T, K] (block
@@ -121,7 +128,15 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size: int,
   if impl == 'xla':
     return xla.msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, **kw)
   return pallas_path.msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI,
-                                   backend=backend, interpret=interpret, **kw)
+                                   backend=backend, interpret=interpret,
+                                   gpu_kernels=_gpu_kernels(gpu_kernels), **kw)
+
+
+def _gpu_kernels(gpu_kernels: str) -> str:
+  if gpu_kernels not in GPU_KERNELS:
+    raise ValueError(f'gpu_kernels must be one of {GPU_KERNELS}, got '
+                     f'{gpu_kernels!r}.')
+  return gpu_kernels
 
 
 def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
@@ -160,7 +175,8 @@ def msa_indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, aux, *,
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
                lengths_B, *, block_size: int, top_k: int, impl: str = 'auto',
-               pallas_backend: str | None = None, kv_valid_BS=None):
+               pallas_backend: str | None = None, kv_valid_BS=None,
+               gpu_kernels: str = 'kv_outer'):
   """MSA for one new token per sequence against a KV cache.
 
   Args:
@@ -207,4 +223,5 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
                           ki_cache_BSI, jnp.asarray(lengths_B), **kw)
   return pallas_path.msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI,
                                 ki_cache_BSI, jnp.asarray(lengths_B),
-                                backend=backend, interpret=interpret, **kw)
+                                backend=backend, interpret=interpret,
+                                gpu_kernels=_gpu_kernels(gpu_kernels), **kw)

@@ -157,6 +157,12 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
           lse[..., :r].reshape(b, t, h))
 
 
+def _selector(gpu_kernels: str) -> str:
+  """The GPU selection kernel of a kernel set: the two-launch one with the
+  KV-outer kernels, the fused one with the per-token kernels."""
+  return 'two_pass' if gpu_kernels == 'kv_outer' else 'fused'
+
+
 def _check_gpu_kernels(gpu_kernels: str):
   if gpu_kernels not in ('kv_outer', 'token'):
     raise ValueError(f"gpu_kernels must be 'kv_outer' or 'token', got "
@@ -271,14 +277,18 @@ _sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
                   top_k, q_offset, backend, interpret, kv_valid_BS=None,
                   gpu_kernels='kv_outer'):
-  """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'})."""
+  """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'}).
+
+  gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
+  kv_outer.py) or 'token' (the fused selection and per-token kernels).
+  """
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
   off_B = jnp.full((b,), q_offset, jnp.int32)
   sel = select_kernel.select_blocks_BGTK(
       jax.lax.stop_gradient(qi_BTGI), jax.lax.stop_gradient(ki_BSI), off_B,
       block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
-      kv_valid_BS=kv_valid_BS)
+      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels))
   out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
                               backend, interpret, kv_valid_BS, gpu_kernels)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
@@ -290,8 +300,9 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   """Kernel (a) at T = 1 then kernel (d): (out_BHD, {'sel_BGK', 'lse_BH'}).
 
   GPU: kernel (d) is the KV-outer forward at one query, split-K (a program
-  per sequence, group and slot, then the log-sum-exp combine), or with
-  gpu_kernels='token' the per-token forward.
+  per sequence, group and slot, then the log-sum-exp combine), after the
+  two-launch selection; with gpu_kernels='token' the fused selection and
+  the per-token forward.
   """
   check_block_size(block_size, backend)
   b, h, d = q_BHD.shape
@@ -300,7 +311,7 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   sel = select_kernel.select_blocks_BGTK(
       qi_BGI[:, None], ki_cache_BSI, off_B, block_size=block_size,
       top_k=top_k, backend=backend, interpret=interpret,
-      kv_valid_BS=kv_valid_BS)[:, :, 0]
+      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels))[:, :, 0]
   if backend == 'tpu':
     sp = kc.round_up(s, block_size)
     out, lse = decode_kernel.decode_tpu(

@@ -41,6 +41,28 @@ def test_all_impls_agree_through_the_api():
   lib.assert_close(dec['xla'][0], dec['reference'][0], 1e-5, 'decode')
 
 
+@pytest.mark.parametrize('gpu_kernels', ['kv_outer', 'token'])
+def test_both_gpu_kernel_sets_through_the_api(gpu_kernels):
+  # Prefill and decode on the GPU backend (interpret mode here) with each
+  # kernel set, against the reference.
+  b, t, s, g, r, d, di, c, k, o = 1, 24, 48, 2, 2, 16, 8, 16, 2, 24
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  kw = dict(block_size=c, top_k=k)
+  out, aux = msa.msa_attention(q, kk, v, qi, ki, q_offset=o, impl='pallas',
+                               pallas_backend='gpu', gpu_kernels=gpu_kernels,
+                               **kw)
+  want, want_aux = msa.msa_attention(q, kk, v, qi, ki, q_offset=o,
+                                     impl='reference', **kw)
+  lib.assert_close(out, want, 1e-5, gpu_kernels)
+  np.testing.assert_array_equal(aux['sel_BGTK'], want_aux['sel_BGTK'])
+  lengths = jnp.array([37])
+  dec = msa.msa_decode(q[:, 0], kk, v, qi[:, 0], ki, lengths, impl='pallas',
+                       pallas_backend='gpu', gpu_kernels=gpu_kernels, **kw)
+  dec_want = msa.msa_decode(q[:, 0], kk, v, qi[:, 0], ki, lengths,
+                            impl='reference', **kw)
+  lib.assert_close(dec[0], dec_want[0], 1e-5, f'{gpu_kernels} decode')
+
+
 def _inputs():
   return lib.make_inputs(1, 16, 16, 2, 2, 16, 8)[:5]
 
@@ -52,6 +74,8 @@ def _inputs():
     (dict(block_size=0), 'block_size'),
     (dict(impl='cuda'), 'impl'),
     (dict(impl='pallas', pallas_backend='gpu', block_size=24), 'power-of-two'),
+    (dict(impl='pallas', pallas_backend='gpu', block_size=16,
+          gpu_kernels='flash'), 'gpu_kernels'),
 ])
 def test_bad_arguments_are_rejected_clearly(kwargs, match):
   args = dict(block_size=8, top_k=2)
