@@ -6,6 +6,7 @@ held to the loop reference in outputs and gradients; capacities, drops and
 row counts are re-derived on the host token by token.
 """
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core in a test below)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -519,7 +520,7 @@ def test_exact_compute_loops_over_the_tiles_that_arrived():
     def walk(j):
       for eqn in j.eqns:
         names.add(eqn.primitive.name)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
           walk(sub)
     walk(jaxpr.jaxpr)
     return names
