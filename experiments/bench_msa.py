@@ -45,6 +45,9 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Interleaved repetitions '
 _DECODE_LENS = flags.DEFINE_list('decode_lens', None,
                                  'GPU: decode cache lengths (default 32k, '
                                  '128k).')
+_DRY_RUN = flags.DEFINE_bool(
+    'dry_run', False, 'GPU bench on CPU at toy shapes: the kernels in '
+    'interpret mode, XLA dense attention (tests the bench, measures nothing).')
 _DEADLINE = flags.DEFINE_float(
     'deadline_s', None, 'GPU: a soft time limit in seconds from the start. '
     'No measurement starts past it; the rest is recorded as skipped and the '
@@ -62,6 +65,8 @@ def main(argv):
     from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
     if _DECODE_LENS.value:
       kw['decode_lens'] = tuple(int(x) for x in _DECODE_LENS.value)
+    if _DRY_RUN.value:
+      kw.update(benchmark_gpu.DRY_RUN)
     cfg = benchmark_gpu.GPUBench(**kw)
     lib = benchmark_gpu
   else:

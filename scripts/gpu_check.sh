@@ -13,6 +13,8 @@
 #      decode 32k/128k at batch 8, vs cuDNN. Its soft deadline is what is
 #      left of BUDGET minus a margin; a hard timeout backs it up;
 #   3. one JSON summary line, also written to $RESULTS, whatever happened.
+# DRY_RUN=1 runs the same plumbing on CPU (no GPU asserted, the gpu tests
+# skip, the bench at toy shapes in interpret mode: tests/test_gpu_check.py).
 # Environment: PYTHON (python3), WHEELS (.whl), SITE (/tmp/foremoe_site),
 # BUDGET (570 s for the whole call), SEQ_LENS (8192,32768,131072),
 # DECODE_LENS (32768,131072), BENCH_REPEATS (5), RESULTS
@@ -31,10 +33,12 @@ RESULTS=${RESULTS:-results/gpu_check.json}
 LOGDIR=${LOGDIR:-/tmp/foremoe_gpu_check}
 mkdir -p "$LOGDIR" "$(dirname "$RESULTS")"
 
+DRY_RUN=${DRY_RUN:-0}
+
 # The package runs from the checkout (no install); the conftest default
 # (JAX_PLATFORMS=cpu) must not win, so the platform is set here.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export JAX_PLATFORMS=cuda
+if [ "$DRY_RUN" = 1 ]; then export JAX_PLATFORMS=cpu; else export JAX_PLATFORMS=cuda; fi
 export PYTHONUNBUFFERED=1
 
 if ! "$PY" -c 'import ml_collections' 2>/dev/null; then
@@ -49,17 +53,19 @@ if ! "$PY" -c 'import ml_collections' 2>/dev/null; then
   export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
 
+if [ "$DRY_RUN" != 1 ]; then
 "$PY" - <<'PY' || { echo 'gpu-check: no CUDA device visible to JAX' >&2; exit 2; }
 import jax
 assert jax.default_backend() == 'gpu', jax.default_backend()
 print('# gpu-check on', jax.devices(), 'jax', jax.__version__)
 PY
+fi
 
 # Triton compiles dominate the test time and run on the host's cores:
 # several pytest workers (pytest-xdist, when present) share the one GPU, so
 # none may preallocate most of its memory.
 pytest_args=(-q -p no:cacheprovider -m gpu --junitxml="$LOGDIR/gpu_tests.xml")
-if "$PY" -c 'import xdist' 2>/dev/null; then
+if [ "$DRY_RUN" != 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
   # Tests, not whole files, spread over the workers (the CPU suite's
   # file-per-worker scheduler would put every MSA test on one).
   pytest_args+=(-n "${TEST_WORKERS:-4}" --dist worksteal)
@@ -80,9 +86,10 @@ unset XLA_PYTHON_CLIENT_PREALLOCATE FOREMOE_TEST_DEADLINE
 # 60 s (one 128k measurement can take that long), and is killed 15 s before
 # the end, so the summary below always runs.
 left=$(( BUDGET - (SECONDS - START) ))
-timeout $(( left > 30 ? left - 15 : 15 )) \
+timeout $(( left > 20 ? left - 15 : 5 )) \
     "$PY" -m experiments.bench_msa --device=gpu --seq_lens="$SEQ_LENS" \
-    --decode_lens="$DECODE_LENS" --deadline_s=$(( left > 90 ? left - 75 : 10 )) \
+    --decode_lens="$DECODE_LENS" --deadline_s=$(( left > 75 ? left - 75 : 0 )) \
+    $( [ "$DRY_RUN" = 1 ] && echo --dry_run ) \
     ${BENCH_REPEATS:+--repeats="$BENCH_REPEATS"} 2>&1 | tee "$LOGDIR/bench_msa.log"
 bench_rc=${PIPESTATUS[0]}
 

@@ -78,6 +78,16 @@ class GPUBench:
   interpret: bool = False
 
 
+# A CPU dry run (bench_msa --dry_run, DRY_RUN=1 make gpu-check): toy
+# shapes, the kernels in interpret mode and XLA's dense attention, so the
+# bench's code runs end to end without a GPU; it measures nothing.
+DRY_RUN = dict(seq_lens=(128,), decode_lens=(128,), groups=2,
+               heads_per_group=2, head_dim=16, index_dim=16, block_size=16,
+               top_k=3, decode_batch=2, repeats=1, check_len=128,
+               matmul_n=128, copy_bytes=1 << 20, train_max_len=128,
+               fused_max_len=128, dense_impl='xla', interpret=True)
+
+
 def prefill_flops(cfg: GPUBench, n: int) -> tuple[float, float]:
   """(dense, msa) forward FLOPs of one length-n sequence, all groups."""
   r, d, di = cfg.heads_per_group, cfg.head_dim, cfg.index_dim

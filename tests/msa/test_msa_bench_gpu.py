@@ -16,12 +16,7 @@ import msa_testlib as lib
 from pallas_kernels.msa import benchmark_gpu as bg
 from pallas_kernels.msa import reference as ref
 
-TINY = bg.GPUBench(seq_lens=(128,), decode_lens=(128,), groups=2,
-                   heads_per_group=2, head_dim=16, index_dim=16,
-                   block_size=16, top_k=3, decode_batch=2, repeats=1,
-                   check_len=128, matmul_n=128, copy_bytes=1 << 20,
-                   train_max_len=128, fused_max_len=128, dense_impl='xla',
-                   interpret=True)
+TINY = bg.GPUBench(**bg.DRY_RUN)
 
 
 def test_every_phase_runs_and_reports(tmp_path):
