@@ -57,6 +57,9 @@ def _row_positions(offset, row0, n_rows: int, groups: int, axis: int):
 def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
                    block_size: int, groups: int, row_base: int, scale: float,
                    precision):
+  """Block maxima of one tile of m rows against nb key blocks (grid (B,
+  row tiles, key chunks)), written [nb, m]; blocks past the tile's last
+  row's diagonal stay -inf without a dot."""
   i, j = pl.program_id(1), pl.program_id(2)
   m = qi_ref.shape[0]
   nb = out_ref.shape[0]
@@ -85,6 +88,8 @@ def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
 
 def _topk_kernel(offset_ref, scores_ref, sel_ref, *, block_size: int,
                  groups: int, row_base: int, top_k: int):
+  """The selection of w rows from their [N, w] block-major scores,
+  written slot-major [Kp, w]."""
   i = pl.program_id(1)
   n, w = scores_ref.shape
   kp = sel_ref.shape[0]

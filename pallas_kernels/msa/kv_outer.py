@@ -122,37 +122,43 @@ def tile_rows(tile_q_BGJQ, *, groups: int, heads_p: int):
 # Kernels (Triton; interpret mode on CPU)
 
 
-def _tile_scores(off_ref, blk, rows_W, q_ref, k_ref, valid_ref, *,
-                 block_size: int, tokens_per_row: int, scale: float,
-                 precision):
-  """(s_WC scaled, mask_WC, q_WD, k_CD) of one tile against block blk."""
+def _key_block(blk, k_ref, valid_ref, block_size: int):
+  """Block blk's keys k_CD, the position of its first key, and its
+  key-valid row ok_1C: read once per program."""
+  start = jnp.maximum(blk, 0) * block_size
+  return (k_ref[pl.ds(start, block_size), :], start,
+          valid_ref[pl.ds(start, block_size)][None, :] > 0)
+
+
+def _tile_scores(off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C, *,
+                 rows_per_token: int, scale: float, precision):
+  """(scaled scores s_WC, mask_WC, gathered queries q_WD) of one tile
+  against block blk. A row's token is its row in the query view over
+  rows_per_token (= G * Rp)."""
+  block_size = k_CD.shape[0]
   live_W = rows_W >= 0
   rows_c = jnp.maximum(rows_W, 0)
   q_WD = q_ref[rows_c, :]
-  start = jnp.maximum(blk, 0) * block_size
-  k_CD = k_ref[pl.ds(start, block_size), :]
-  qpos_W1 = (off_ref[0] + kc.div(rows_c, tokens_per_row))[:, None]
+  qpos_W1 = (off_ref[0] + kc.div(rows_c, rows_per_token))[:, None]
   kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-  ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
   mask_WC = (kpos_1C <= qpos_W1) & ok_1C & live_W[:, None] & (blk >= 0)
   s_WC = kc.dot_nt(q_WD, k_CD, precision) * scale
-  return s_WC, mask_WC, q_WD, start
+  return s_WC, mask_WC, q_WD
 
 
 def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                     k_ref, v_ref, valid_ref, o_ref, lse_ref, *,
-                    block_size: int, tokens_per_row: int, scale: float,
+                    block_size: int, rows_per_token: int, scale: float,
                     precision):
   """One key block, loaded once, against `count` of its tiles."""
   blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
-  start = jnp.maximum(blk, 0) * block_size
+  k_CD, start, ok_1C = _key_block(blk, k_ref, valid_ref, block_size)
   v_CD = v_ref[pl.ds(start, block_size), :]
 
   def visit(i, carry):
-    s_WC, mask_WC, _, _ = _tile_scores(
-        off_ref, blk, rows_ref[first + i, :], q_ref, k_ref, valid_ref,
-        block_size=block_size, tokens_per_row=tokens_per_row, scale=scale,
-        precision=precision)
+    s_WC, mask_WC, _ = _tile_scores(
+        off_ref, blk, rows_ref[first + i, :], q_ref, k_CD, start, ok_1C,
+        rows_per_token=rows_per_token, scale=scale, precision=precision)
     m_W1 = jnp.max(jnp.where(mask_WC, s_WC, kc.MASK_VALUE), axis=1,
                    keepdims=True)
     p_WC = jnp.where(mask_WC, jnp.exp(s_WC - m_W1), 0.0)
@@ -168,23 +174,26 @@ def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
 
 def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                 k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, block_size: int, tokens_per_row: int, scale: float,
+                dv_ref, *, block_size: int, rows_per_token: int, scale: float,
                 precision):
+  """One key block's partial dK, dV (float32, in registers) over `count`
+  of its tiles: p recomputed from the forward's LSE, ds = p (dO V^T -
+  delta)."""
   blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
   dp = k_ref.shape[-1]
+  k_CD, start, ok_1C = _key_block(blk, k_ref, valid_ref, block_size)
+  v_CD = v_ref[pl.ds(start, block_size), :]
 
   def visit(i, carry):
     dk_CD, dv_CD = carry
     rows_W = rows_ref[first + i, :]
-    s_WC, mask_WC, q_WD, start = _tile_scores(
-        off_ref, blk, rows_W, q_ref, k_ref, valid_ref,
-        block_size=block_size, tokens_per_row=tokens_per_row, scale=scale,
-        precision=precision)
+    s_WC, mask_WC, q_WD = _tile_scores(
+        off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C,
+        rows_per_token=rows_per_token, scale=scale, precision=precision)
     rows_c = jnp.maximum(rows_W, 0)
     do_WD = do_ref[rows_c, :]
     lse_W1 = lse_ref[rows_c][:, None]
     delta_W1 = delta_ref[rows_c][:, None]
-    v_CD = v_ref[pl.ds(start, block_size), :]
     p_WC = jnp.where(mask_WC, jnp.exp(s_WC - lse_W1), 0.0)
     ds_WC = p_WC * (kc.dot_nt(do_WD, v_CD, precision) - delta_W1)
     dv_CD = dv_CD + kc.dot_tn(p_WC.astype(do_WD.dtype), do_WD, precision)
@@ -227,13 +236,13 @@ def _work_specs(b: int, g: int, n_items: int, rows_shape, x: int, dp: int,
 
 
 def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
-                  valid_BS, *, block_size, tokens_per_row, scale, interpret):
+                  valid_BS, *, block_size, rows_per_token, scale, interpret):
   b, g, n_tiles, w = rows_BGJW.shape
   blk, first, count = items
   n_items = blk.shape[-1]
   x, dp = q_BXD.shape[1:]
   kernel = functools.partial(
-      _forward_kernel, block_size=block_size, tokens_per_row=tokens_per_row,
+      _forward_kernel, block_size=block_size, rows_per_token=rows_per_token,
       scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret))
   # Each program writes only its own tiles of the (sequence, group) slab.
   return pl.pallas_call(
@@ -319,7 +328,7 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   qv = _query_view(q_BTGRD)
   call = functools.partial(_forward_call, off_B=off_B, q_BXD=qv,
                            k_BSGD=k_BSGD, v_BSGD=v_BSGD, valid_BS=valid_BS,
-                           block_size=block_size, tokens_per_row=g * rp,
+                           block_size=block_size, rows_per_token=g * rp,
                            scale=scale, interpret=interpret)
   if t == 1:
     tile_blk, tile_q, pair = decode_tiles(sel_BGTK[:, :, 0])
@@ -425,7 +434,7 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   out_spec = pl.BlockSpec((None, None, None, block_size, dp),
                           lambda bb, gg, uu: (bb, gg, uu, 0, 0))
   kernel = functools.partial(
-      _dkv_kernel, block_size=block_size, tokens_per_row=g * rp, scale=scale,
+      _dkv_kernel, block_size=block_size, rows_per_token=g * rp, scale=scale,
       precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
   dk_u, dv_u = pl.pallas_call(
       kernel,
