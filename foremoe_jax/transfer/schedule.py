@@ -397,6 +397,33 @@ def exchange_widths(num_rounds: int, topo: Topology) -> dict:
               ret_send=min(s, num_rounds), ret_recv=num_rounds)
 
 
+def _tree_nodes(local_BS, b_N, dev_N, slot_N, home_N, e_N, num_experts,
+                topo: Topology):
+  """The nodes of every (row, expert) tree, one per device away from the
+  home: (local list [B, S], and b, device, slot, home, expert, node i
+  (1..n) [N], sorted by tree then node). Nodes are ordered by node of
+  the cluster, the home's own first, so most edges stay inside a node. A
+  second copy on a device is no node: local_BS names the first copy's
+  slot for it (the flush adds it there first, the fill copies it from
+  there last)."""
+  s = topo.slots_per_device
+  node_D = topo.node_of_device()
+  far_N = node_D[dev_N] != node_D[home_N]
+  order = np.lexsort((slot_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
+  b_N, dev_N, slot_N, home_N, e_N = (x[order] for x in (b_N, dev_N, slot_N,
+                                                         home_N, e_N))
+  key_N = (b_N * num_experts + e_N) * topo.num_devices + dev_N
+  rank_N = _rank_in_runs(key_N)
+  dup = rank_N > 0
+  local_BS = local_BS.copy()
+  local_BS[b_N[dup], dev_N[dup] * s + slot_N[dup]] = slot_N[
+      np.flatnonzero(dup) - rank_N[dup]]
+  b_N, dev_N, slot_N, home_N, e_N = (x[~dup] for x in (b_N, dev_N, slot_N,
+                                                        home_N, e_N))
+  i_N = _rank_in_runs(b_N * num_experts + e_N) + 1
+  return local_BS, b_N, dev_N, slot_N, home_N, e_N, i_N
+
+
 def _tree_returns(ret_local_BS, edges, num_experts, topo: Topology):
   """The flush's returns (`_return_edges`: local returns, and one edge
   straight home per copy away from home) rearranged as reduction trees:
@@ -404,31 +431,17 @@ def _tree_returns(ret_local_BS, edges, num_experts, topo: Topology):
   each edge [N]).
 
   Per row and expert, the copies on devices other than its home are the
-  nodes 1..n of a binomial tree rooted at the home (node 0), ordered by
-  node (the home's own first, then by node and device) so most edges stay
-  inside a node: node i adds its sum into node i - lowbit(i) in stage
-  log2(lowbit(i)), after every child (i + 2^q, q < that stage) has added
-  into it. A second copy on the same device joins the first locally
-  before the tree runs, so no device sends to itself.
+  nodes 1..n of a binomial tree rooted at the home (node 0; `_tree_nodes`):
+  node i adds its sum into node i - lowbit(i) in stage log2(lowbit(i)),
+  after every child (i + 2^q, q < that stage) has added into it. A second
+  copy on the same device joins the first locally before the tree runs,
+  so no device sends to itself.
   """
   s, h = topo.slots_per_device, _homes(num_experts, topo)
   b_N, dev_N, slot_N, home_N, idx_N = (np.asarray(x) for x in edges)
-  e_N = home_N * h + idx_N - s
-  node_D = topo.node_of_device()
-  far_N = node_D[dev_N] != node_D[home_N]
-  order = np.lexsort((slot_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
-  b_N, slot_N, e_N, dev_N, home_N = (x[order] for x in (b_N, slot_N, e_N,
-                                                         dev_N, home_N))
-  # Duplicates: later copies of (row, expert, device) join the first.
-  key_N = (b_N * num_experts + e_N) * topo.num_devices + dev_N
-  rank_N = _rank_in_runs(key_N)
-  dup = rank_N > 0
-  ret_local_BS = ret_local_BS.copy()
-  ret_local_BS[b_N[dup], dev_N[dup] * s + slot_N[dup]] = slot_N[
-      np.flatnonzero(dup) - rank_N[dup]]
-  b_N, slot_N, e_N, dev_N, home_N = (x[~dup] for x in (b_N, slot_N, e_N,
-                                                        dev_N, home_N))
-  i_N = _rank_in_runs(b_N * num_experts + e_N) + 1
+  ret_local_BS, b_N, dev_N, slot_N, home_N, e_N, i_N = _tree_nodes(
+      ret_local_BS, b_N, dev_N, slot_N, home_N, home_N * h + idx_N - s,
+      num_experts, topo)
   low_N = i_N & -i_N
   to_home = i_N == low_N
   p = np.maximum(np.arange(len(i_N)) - low_N, 0)  # Node i - low's edge.
@@ -444,33 +457,18 @@ def _tree_fills(local_BS, edges, num_experts, topo: Topology):
   (local copies [B, S], edges (b, src, src local index, dst, dst slot),
   stage of each edge [N]).
 
-  The reduction tree of `_tree_returns` run backwards: per row and
-  expert, the home is node 0 and the devices to fill are nodes 1..n,
-  ordered by node (the home's own first), so most edges stay inside a
-  node. Node i receives from node i - lowbit(i) in stage
+  The reduction tree of `_tree_returns` run backwards, on the same nodes
+  (`_tree_nodes`): node i receives from node i - lowbit(i) in stage
   P - 1 - log2(lowbit(i)), P = ceil(log2(n + 1)): its parent has the
   expert by then (the parent's lowbit is larger, or it is the home) and
   sends it on from the slot it filled. A second slot of the same expert
-  on one device is copied from the first after the stages (local_BS then
-  names that slot)."""
+  on one device is copied from the first after the stages."""
   s, h = topo.slots_per_device, _homes(num_experts, topo)
-  b_N, home_N, _, dev_N, slot_N = (np.asarray(x) for x in edges)
-  e_N = home_N * h + np.asarray(edges[2]) - s
-  node_D = topo.node_of_device()
-  far_N = node_D[dev_N] != node_D[home_N]
-  order = np.lexsort((slot_N, dev_N, node_D[dev_N], far_N, e_N, b_N))
-  b_N, slot_N, e_N, dev_N, home_N = (x[order] for x in (b_N, slot_N, e_N,
-                                                         dev_N, home_N))
-  key_N = (b_N * num_experts + e_N) * topo.num_devices + dev_N
-  rank_N = _rank_in_runs(key_N)
-  dup = rank_N > 0
-  local_BS = local_BS.copy()
-  local_BS[b_N[dup], dev_N[dup] * s + slot_N[dup]] = slot_N[
-      np.flatnonzero(dup) - rank_N[dup]]
-  b_N, slot_N, e_N, dev_N, home_N = (x[~dup] for x in (b_N, slot_N, e_N,
-                                                        dev_N, home_N))
+  b_N, home_N, idx_N, dev_N, slot_N = (np.asarray(x) for x in edges)
+  local_BS, b_N, dev_N, slot_N, home_N, e_N, i_N = _tree_nodes(
+      local_BS, b_N, dev_N, slot_N, home_N, home_N * h + idx_N - s,
+      num_experts, topo)
   run_N = b_N * num_experts + e_N
-  i_N = _rank_in_runs(run_N) + 1
   n_N = np.zeros(len(i_N), np.int64)
   if len(i_N):  # Nodes per tree, on each of its edges.
     last = np.r_[run_N[1:] != run_N[:-1], True]
@@ -600,55 +598,34 @@ def _round_arrays(edges, round_N, depth_BK, num_rounds):
   return shift_BR, send_BRD, recv_BRD
 
 
-def _staged_fills(mv: _Moves, prev_BS, num_experts, topo, num_rounds,
-                  form: str = 'auto'):
-  """``exact`` fills as P stages: (local copies [B, S], send [B, P, D, Rs],
-  count [B, P, D, D], recv [B, P, D, Rr]). A fill from empty buffers
-  whose budget calls for it runs as the broadcast tree (`fill_form`),
-  any other fill as one collective."""
-  num_rows, d = len(prev_BS), topo.num_devices
-  stages, send_w, recv_w = fill_form(num_rounds, num_experts, topo, form)
-  if stages > 1 and (prev_BS < 0).all():
-    local_BS, edges, stage_N = _tree_fills(mv.local_BS, mv.fill,
-                                           num_experts, topo)
+def _staged(mv: _Moves, empty_BS, num_experts, topo, num_rounds,
+            form: str = 'auto', returns: bool = False):
+  """``exact`` fills (or returns) as P stages: (local copies (returns)
+  [B, S], send [B, P, D, Rs], count [B, P, D, D], recv [B, P, D, Rr]).
+  empty_BS: the side that must be all empty for a tree, the previous
+  placement of a fill (a first fill: the broadcast tree, `fill_form`) or
+  the next one of a return (a flush: the reduction tree, `flush_form`),
+  taken where the budget calls for it; anything else is one collective,
+  straight from (to) the sources (homes)."""
+  if returns:
+    form_of, tree, local_BS, edges = (flush_form, _tree_returns,
+                                      mv.ret_local_BS, mv.ret)
+  else:
+    form_of, tree, local_BS, edges = (fill_form, _tree_fills, mv.local_BS,
+                                      mv.fill)
+  stages, send_w, recv_w = form_of(num_rounds, num_experts, topo, form)
+  if stages > 1 and (empty_BS < 0).all():
+    local_BS, edges, stage_N = tree(local_BS, edges, num_experts, topo)
   else:
     w = exchange_widths(num_rounds, topo)
-    stages, send_w, recv_w = 1, w['send'], w['recv']
-    local_BS, edges = mv.local_BS, mv.fill
+    pre = 'ret_' if returns else ''
+    stages, send_w, recv_w = 1, w[pre + 'send'], w[pre + 'recv']
     stage_N = np.zeros(len(edges[0]), np.int64)
-  return (local_BS.astype(np.int32),) + _stage_arrays(
-      edges, stage_N, stages, num_rows, d, send_w, recv_w)
-
-
-def _stage_arrays(edges, stage_N, stages, num_rows, num_devices, send_w,
-                  recv_w):
-  """(send [B, P, D, Rs], count [B, P, D, D], recv [B, P, D, Rr]): each
-  stage's edges as one collective's arrays."""
   parts = [_exact_arrays(tuple(np.asarray(x)[stage_N == p] for x in edges),
-                         num_rows, num_devices, send_w, recv_w)
+                         len(empty_BS), topo.num_devices, send_w, recv_w)
            for p in range(stages)]
-  return tuple(np.stack([part[i] for part in parts], axis=1)
-               for i in range(3))
-
-
-def _staged_returns(mv: _Moves, next_BS, num_experts, topo, num_rounds,
-                    flush: str = 'auto'):
-  """``exact`` returns as P stages: (local returns [B, S], send [B, P, D,
-  Rs], count [B, P, D, D], recv [B, P, D, Rr]). A flush (next all empty)
-  whose budget calls for it runs as the reduction tree (`flush_form`),
-  any other return as one stage straight home."""
-  num_rows, d = len(next_BS), topo.num_devices
-  stages, send_w, recv_w = flush_form(num_rounds, num_experts, topo, flush)
-  if stages > 1 and (next_BS < 0).all():
-    local_BS, edges, stage_N = _tree_returns(mv.ret_local_BS, mv.ret,
-                                             num_experts, topo)
-  else:
-    w = exchange_widths(num_rounds, topo)
-    stages, send_w, recv_w = 1, w['ret_send'], w['ret_recv']
-    local_BS, edges = mv.ret_local_BS, mv.ret
-    stage_N = np.zeros(len(edges[0]), np.int64)
-  return (local_BS.astype(np.int32),) + _stage_arrays(
-      edges, stage_N, stages, num_rows, d, send_w, recv_w)
+  return (local_BS.astype(np.int32),) + tuple(
+      np.stack([part[i] for part in parts], axis=1) for i in range(3))
 
 
 def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
@@ -667,10 +644,10 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
   counts = (np.bincount(mv.fill[0], minlength=len(next_BS)).astype(np.int64),
             (mv.local_BS >= 0).sum(1).astype(np.int64), fill_B, ret_B)
   if mode == 'exact':
-    fill_local, *fills = _staged_fills(mv, prev_BS, num_experts, topo,
-                                       num_rounds, flush)
-    ret_local, *ret = _staged_returns(mv, next_BS, num_experts, topo,
-                                      num_rounds, flush)
+    fill_local, *fills = _staged(mv, prev_BS, num_experts, topo,
+                                 num_rounds, flush)
+    ret_local, *ret = _staged(mv, next_BS, num_experts, topo, num_rounds,
+                              flush, returns=True)
     # As sent: in a broadcast tree a second copy on one device is local.
     counts = (fills[1].sum(axis=(1, 2, 3)).astype(np.int64),
               (fill_local >= 0).sum(1).astype(np.int64)) + counts[2:]
