@@ -308,19 +308,13 @@ def flush_exposed(flush_L, last_compute_s: float,
 def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
   """The budget the memory model sizes the exchange buffers by: ``exact``
   mode's degree bound R of the fill and flush and of the moves between
-  micro-steps, and the flush's form as built; one in ``rounds`` mode (a
-  round sends one expert)."""
+  micro-steps, and the fill's and flush's form (the transfer's own
+  budget); one in ``rounds`` mode (a round sends one expert)."""
   if not isinstance(transfer.flush, schedule.ExactTransition):
     return dict(step_rounds=1, microstep_rounds=1)
-  tree = transfer.flush.ret_send_LPDR.shape[-3] > 1
-  if transfer.budget is None:  # Built before transfers kept their budget:
-    # one-stage fills, whose send width is R.
-    return dict(step_rounds=transfer.fill.send_LPDR.shape[-1],
-                microstep_rounds=transfer.steps.send_LPDR.shape[-1],
-                flush='tree' if tree else 'direct')
-  return dict(step_rounds=transfer.budget.step_rounds,
-              microstep_rounds=transfer.budget.microstep_rounds,
-              flush='tree' if tree else 'direct')
+  b = transfer.budget
+  return dict(step_rounds=b.step_rounds, microstep_rounds=b.microstep_rounds,
+              flush=b.flush)
 
 
 def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,

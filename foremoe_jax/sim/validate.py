@@ -30,6 +30,7 @@ import numpy as np
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.benchmarks import rl_step
+from foremoe_jax.rl import trainer
 from foremoe_jax.sim import calibrate, simulate
 from foremoe_jax.sim.hardware import HardwareProfile, describe
 from foremoe_jax.sim.workload import ModelShape, Workload
@@ -109,11 +110,16 @@ def _fit_phase(runs, fast, count, total, parts, topo, cost, model, work):
   return max(float(slope), 1e-30), max(float(fixed), 0.0)
 
 
-def _staged(st):
+def _staged(st, budget: schedule.TransferBudget):
   """A cached StepTransfer in the current layout: measurements cached
   before ``exact`` fills and returns were staged hold them without the
-  stage axis ([.., D, R] for [.., P, D, R]); one stage is what they ran."""
-  if st is None or not isinstance(st.flush, schedule.ExactTransition):
+  stage axis ([.., D, R] for [.., P, D, R]; one stage is what they ran),
+  and without the budget they were built under (the bench config's)."""
+  if st is None:
+    return st
+  if st.budget is None:
+    st = st._replace(budget=budget)
+  if not isinstance(st.flush, schedule.ExactTransition):
     return st
 
   def up(t, lead):
@@ -183,8 +189,9 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   cost = simulate.cost_model(model, kernels)
   loads = extras['loads_MLDE']
   plans = {}
+  budget = trainer.transfer_budget(config)
   for method, p in extras['planned'].items():
-    p = dataclasses.replace(p, transfer=_staged(p.transfer))
+    p = dataclasses.replace(p, transfer=_staged(p.transfer, budget))
     cap = {mode: p.capacity for mode in simulate.MODES}
     rcap = {mode: extras['recompute_capacity'][method]
             for mode in simulate.MODES}
@@ -193,7 +200,8 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
         p.plan, p.transfer, cap, {m: extras['static_capacity']
                                   for m in simulate.MODES}, p.reverted,
         p.plan_s, recompute_plan=None if rplan is None else rplan[0],
-        recompute_transfer=None if rplan is None else _staged(rplan[1]),
+        recompute_transfer=(None if rplan is None
+                            else _staged(rplan[1], budget)),
         recompute_capacity=rcap,
         recompute_plan_s=measured['methods'][method]['recompute_plan_s'],
         # Whether the bench's recompute prefilled the update's slots (its

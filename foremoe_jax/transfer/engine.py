@@ -345,15 +345,16 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   what the stages before filled, and its local copies run last (a second
   slot of an expert is copied from the first)."""
   stages = t['send_LPDR'].shape[0]
-  new = slots if stages > 1 else _local_copies(slots, canon, t, spd)
+  tree = stages > 1
+  new = slots if tree else _local_copies(slots, canon, t, spd)
   for p in range(stages):
+    src = new if tree else slots
     dst_R = t['recv_LPDR'][p, 0]
-    got = _exchange(_pick(new if stages > 1 else slots, canon,
-                          t['send_LPDR'][p, 0]),
+    got = _exchange(_pick(src, canon, t['send_LPDR'][p, 0]),
                     _my_counts(t, p), me, exchange, dst_R.shape[0])
     at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
     new = jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
-  return _local_copies(new, canon, t, spd) if stages > 1 else new
+  return _local_copies(new, canon, t, spd) if tree else new
 
 
 def _add_into(gslots, gcanon, index, value, into_slots: bool = True):

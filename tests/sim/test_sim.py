@@ -509,7 +509,7 @@ def test_cached_transfers_without_stage_axes_are_read_as_one_stage():
   old = schedule.StepTransfer(squeeze(st.fill, 0), squeeze(st.steps, 1),
                               squeeze(st.flush, 0))
   assert old.budget is None and old.fill.send_LPDR.ndim == 3
-  back = validate._staged(old)  # pylint: disable=protected-access
+  back = validate._staged(old, st.budget)  # pylint: disable=protected-access
   for name in ('fill', 'steps', 'flush'):
     for f, a in getattr(st, name)._asdict().items():
       np.testing.assert_array_equal(getattr(getattr(back, name), f), a)
