@@ -140,6 +140,9 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
       # math-verify runs per completion on the host, in every process; 4
       # workers per process leave cores to the host code on an 8-GPU node.
       reward_workers=4,
+      # The warm start (off here: a pretrained checkpoint) trains on the
+      # solution only, as SFT on GSM8K does.
+      sft_prompt_loss=False,
   ))
   c.eval_prompts = 256  # Greedy reward before and after RL (0: skip).
   # An RL checkpoint holds the float32 master, both Adam moments and the

@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
       max_completion_len=16,  # EOS included.
       shuffle_seed=0,
       reward_workers=0,  # >0: the verifier runs in that many processes.
+      sft_prompt_loss=False,  # Warm start also on the prompt's tokens.
   ))
   c.eval_prompts = 256
   c.model.vocab_size = 512  # The BPE's vocabulary.

@@ -33,6 +33,13 @@ see more than top_k blocks (the rest keep every block they see). Accuracy
 is greedy on the same held-out prompts for every model.
 
 Writes results/msa_from_dense.json (rendered into the README).
+
+The recall any selection can reach is bounded by how spread the dense
+model's attention is (the oracle). `--context_facts=N --max_seq_len=...`
+runs the same path on the long-context version of the task (each problem's
+first fact hidden among N others, tasks/word_problems.py), where the
+answer needs a few far tokens among many; `--sft_prompt_loss` trains the
+dense model on the prompts' tokens too, as a pretrained checkpoint was.
 """
 import os
 
@@ -62,26 +69,38 @@ _EVAL = flags.DEFINE_integer('eval_prompts', 1024, 'Held-out prompts for '
                              'the greedy accuracy (the dataset is made with '
                              'this many).')
 _BUDGETS = flags.DEFINE_string('top_k', '2,4', 'MSA blocks per query (of '
-                                '8), one MSA model each; the first also '
-                                'runs RL.')
+                                'max_seq_len / block_size), one MSA model '
+                                'each; the first also runs RL.')
+_FACTS = flags.DEFINE_integer(
+    'context_facts', 0, 'The long-context task: each problem\'s first fact '
+    'hidden among this many facts about other names (tasks/word_problems); '
+    '0 = the 64-token problems.')
+_SEQ = flags.DEFINE_integer('max_seq_len', 64, 'Prompt + completion tokens '
+                            '(the completion keeps 16).')
+_BLOCK = flags.DEFINE_integer('block_size', 8, 'MSA key-block size.')
+_PROMPT_LOSS = flags.DEFINE_bool(
+    'sft_prompt_loss', False, 'The dense warm start trains on the prompt\'s '
+    'tokens too (as pretraining does), not only on the answer.')
 _JSON = flags.DEFINE_bool('json', False, 'Save results/msa_from_dense.json.')
 
 
 def base_config(data_dir: str):
   """Tiny Qwen3-MoE shapes (q/k RMSNorm per head, untied head) on the word
-  problems: 64-token sequences in 8 blocks of 8."""
+  problems: by default 64-token sequences in 8 blocks of 8."""
   c = tiny_dataset.get_config()
   kw = c.task_kwargs
   kw.train_path = os.path.join(data_dir, 'train.jsonl')
   kw.eval_path = os.path.join(data_dir, 'eval.jsonl')
   kw.tokenizer_path = data_dir
+  kw.max_prompt_len = _SEQ.value - kw.max_completion_len
+  kw.sft_prompt_loss = _PROMPT_LOSS.value
   m = c.model
   m.hf_model_type = 'qwen3_moe'
   m.qk_norm = True
   m.qk_norm_scope = 'head'
   m.tie_embeddings = False
-  m.max_seq_len = 64
-  m.msa_block_size = 8
+  m.max_seq_len = _SEQ.value
+  m.msa_block_size = _BLOCK.value
   m.msa_index_dim = m.head_dim  # Every RoPE frequency of the head kept.
   c.eval_prompts = _EVAL.value
   c.checkpoint_every = 1000
@@ -120,12 +139,16 @@ def main(argv):
   flags_run = dict(out_dir=out, warmstart_steps=_WARMSTART.value,
                    distill_steps=_DISTILL.value, distill_lr=_DISTILL_LR.value,
                    rl_steps=_RL.value, eval_prompts=_EVAL.value,
-                   top_k=budgets)
+                   top_k=budgets, context_facts=_FACTS.value,
+                   max_seq_len=_SEQ.value, block_size=_BLOCK.value,
+                   sft_prompt_loss=_PROMPT_LOSS.value)
   info = print_run_info(flags_run)
-  data_dir = os.path.join(out, 'data')
+  data_dir = os.path.join(out, f'data_facts{_FACTS.value}'
+                          if _FACTS.value else 'data')
   if not os.path.exists(os.path.join(data_dir, 'eval.jsonl')):
     word_problems.make_dataset(data_dir, num_train=4000,
-                               num_eval=_EVAL.value, seed=0, vocab_size=512)
+                               num_eval=_EVAL.value, seed=0, vocab_size=512,
+                               context_facts=_FACTS.value)
   dense_hf = os.path.join(out, 'dense_hf')
 
   # 1. The dense model, exported as a Hugging Face checkpoint.
@@ -191,6 +214,7 @@ def main(argv):
                   top_k=m.top_k, max_seq_len=m.max_seq_len,
                   msa_block_size=m.msa_block_size,
                   msa_index_dim=m.msa_index_dim),
+      context_facts=_FACTS.value, sft_prompt_loss=_PROMPT_LOSS.value,
       acc_dense=acc_dense, budgets=rows,
       rl_steps=_RL.value, rl_top_k=k_rl,
       acc_msa_before_rl=phases['msa_rl']['greedy_reward_before_rl'],

@@ -19,6 +19,10 @@ start. What differs:
     prompt is longer are skipped (counted in `num_skipped`), as verl's
     `filter_overlong_prompts` does; so are warm-start targets longer than
     `max_completion_len` - 1, for the warm start only.
+  * The warm start's loss is on the solution and EOS; with
+    `sft_prompt_loss` it is on the prompt's tokens too (every real token
+    after the first), as pretraining trains a checkpoint on all of its
+    text, so attention at prompt positions is learnt, not left as at init.
   * The order is a `grain.MapDataset`: shuffled with `shuffle_seed`,
     reshuffled every epoch, repeated forever, read by index. The data
     position is the index of the next record, so `data_state` is two
@@ -108,7 +112,8 @@ class DatasetTask(Task):
                add_bos: bool = True, reward: str = 'math',
                reward_range: tuple[float, float] = (0.0, 1.0),
                max_prompt_len: int = 64, max_completion_len: int = 32,
-               shuffle_seed: int = 0, reward_workers: int = 0):
+               shuffle_seed: int = 0, reward_workers: int = 0,
+               sft_prompt_loss: bool = False):
     if not tokenizer_path:
       raise ValueError('a tokenizer is required (tokenizer_path: a '
                        'tokenizer.json or the directory holding one).')
@@ -141,6 +146,7 @@ class DatasetTask(Task):
                        f'{chat_template_kwargs!r}.')
     self._template_vars = dict(chat_template_kwargs)
     self._add_bos = add_bos
+    self._sft_prompt_loss = bool(sft_prompt_loss)
     self._marker = answer_marker
     self._fields = (prompt_field, answer_field, solution_field or answer_field)
     self._references: dict[bytes, str] = {}
@@ -311,7 +317,8 @@ class DatasetTask(Task):
 
   def supervised_batch(self, rng, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The next n warm-start examples: left-padded prompt, then the solution
-    and EOS, right-padded with PAD; loss on the solution and EOS."""
+    and EOS, right-padded with PAD; loss on the solution and EOS (and with
+    sft_prompt_loss on each prompt token that follows a real one)."""
     del rng
     idx = [self._sft_order[self._sft_position + i] for i in range(n)]
     self._sft_position += n
@@ -324,8 +331,13 @@ class DatasetTask(Task):
       ids = list(self._sft_ids[i]) + [self.eos_id]
       targets_NC[row, :len(ids)], mask_NC[row, :len(ids)] = ids, 1.0
     tokens_NS = np.concatenate([prompts_NP, targets_NC], axis=1)
-    mask_NS = np.concatenate([np.zeros_like(prompts_NP, np.float32), mask_NC],
-                             axis=1)
+    prompt_mask_NP = np.zeros_like(prompts_NP, np.float32)
+    if self._sft_prompt_loss:
+      # Token t is a target when it and token t - 1 are real: not the left
+      # PADs, not the first real token (nothing real precedes it).
+      real_NP = prompts_NP != self.pad_id
+      prompt_mask_NP[:, 1:] = real_NP[:, 1:] & real_NP[:, :-1]
+    mask_NS = np.concatenate([prompt_mask_NP, mask_NC], axis=1)
     return tokens_NS, mask_NS
 
   def decode(self, ids) -> str:

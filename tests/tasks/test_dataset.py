@@ -5,6 +5,7 @@ references are the files read back with json and the tokenizer called
 directly."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -159,6 +160,43 @@ def test_supervised_batch_is_prompt_then_solution_and_eos(data):
     assert (row[p + len(want):] == task.pad_id).all()
     np.testing.assert_array_equal(m, np.r_[np.zeros(p), np.ones(len(want)),
                                            np.zeros(c - len(want))])
+
+
+def test_sft_prompt_loss_adds_every_prompt_token_after_the_first(data):
+  plain, with_prompt = make(data), make(data, sft_prompt_loss=True)
+  tokens, mask = plain.supervised_batch(None, 4)
+  tokens2, mask2 = with_prompt.supervised_batch(None, 4)
+  np.testing.assert_array_equal(tokens2, tokens)  # The same stream.
+  p = plain.prompt_len
+  np.testing.assert_array_equal(mask2[:, p:], mask[:, p:])
+  for row, m in zip(tokens, mask2):
+    n_real = int((row[:p] != plain.pad_id).sum())  # BOS + the prompt.
+    assert row[p - n_real] == plain.tokenizer.bos_id
+    # Left PADs and BOS (nothing real before it) carry no loss.
+    np.testing.assert_array_equal(
+        m[:p], np.r_[np.zeros(p - n_real + 1), np.ones(n_real - 1)])
+
+
+def test_context_facts_hide_the_problem_among_other_names():
+  rng = np.random.default_rng(3)
+  for r in word_problems.generate(rng, 50, context_facts=6):
+    sentences = r['question'].split('. ')
+    facts, rest = sentences[:7], '. '.join(sentences[7:])
+    assert len(facts) == 7 and rest.endswith('?')
+    a, op, b = r['answer'].split(' ')[:3]
+    name = rest.split(' ')[0]
+    # Exactly one fact names the problem's person, and it holds a.
+    mine = [f for f in facts if f.split(' ')[0] == name]
+    assert len(mine) == 1
+    assert mine[0].split(' ')[2] == a, r
+    assert re.findall(r'\d+', rest) == [b]
+    # The answer is the operation on the numbers, as in the short problems.
+    want = {'+': int(a) + int(b), '-': int(a) - int(b),
+            '*': int(a) * int(b)}[op]
+    assert r['answer'] == f'{a} {op} {b} = {want} #### {want}'
+    assert int(a) >= 1 and int(b) >= 1 and want >= 0
+  with pytest.raises(ValueError, match='context_facts'):
+    word_problems.generate(rng, 1, context_facts=-1)
 
 
 def test_eval_prompts_come_from_the_eval_file_in_order(data):
