@@ -20,17 +20,22 @@ _NUM_TRAIN = flags.DEFINE_integer('num_train', 4000, 'Training records.')
 _NUM_EVAL = flags.DEFINE_integer('num_eval', 256, 'Held-out records.')
 _VOCAB = flags.DEFINE_integer('vocab_size', 512, 'BPE vocabulary size.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Generator seed.')
+_FACTS = flags.DEFINE_integer(
+    'context_facts', 0, 'Long-context problems: the first fact hidden among '
+    'this many facts about other names (raise task_kwargs.max_prompt_len: '
+    'about 5 tokens a fact).')
 
 
 def main(argv):
   del argv
   run = dict(out_dir=_OUT_DIR.value, num_train=_NUM_TRAIN.value,
              num_eval=_NUM_EVAL.value, vocab_size=_VOCAB.value,
-             seed=_SEED.value)
+             seed=_SEED.value, context_facts=_FACTS.value)
   print_run_info(run)
   paths = word_problems.make_dataset(
       _OUT_DIR.value, num_train=_NUM_TRAIN.value, num_eval=_NUM_EVAL.value,
-      seed=_SEED.value, vocab_size=_VOCAB.value)
+      seed=_SEED.value, vocab_size=_VOCAB.value,
+      context_facts=_FACTS.value)
   print(json.dumps(paths), flush=True)
 
 
