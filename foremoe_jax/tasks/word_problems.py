@@ -15,9 +15,8 @@ With `context_facts=N` a problem becomes a long-context retrieval: its
 first fact ("Ana has 7 pears.") sits at a random place among N facts about
 other people ("Ben has 3 coins."), and the rest of the problem follows them
 ("Ana buys 5 more. How many pears does Ana have now?"). The answer needs
-the one fact whose name matches, wherever it is, so a model's attention
-over the long prompt is sparse by construction: what sparse attention
-(MSA) is for, and what a 64-token problem cannot show
+the one fact whose name matches, wherever it is: a few far tokens among
+many, the long-context case sparse attention (MSA) is for
 (experiments/msa_from_dense.py).
 """
 from __future__ import annotations
