@@ -37,19 +37,11 @@ def simulate_fill(tr, l, prev_S, num_experts, topo):
   if isinstance(tr, schedule.ExactTransition):
     return simulate_fill_exact(tr, l, prev_S, num_experts, topo)
   d_, s = topo.num_devices, topo.slots_per_device
-  h = num_experts // d_
-  old_Ds = (np.full((d_, s), -1) if prev_S is None
-            else np.asarray(prev_S).reshape(d_, s))
-  src_Dx = np.concatenate([old_Ds, np.arange(num_experts).reshape(d_, h)], 1)
+  old_Ds, src_Dx = _sources(prev_S, num_experts, topo)
   new_Ds = old_Ds.copy()
   writes_Ds = np.zeros((d_, s), int)
   sender_Ds = np.full((d_, s), -1)
-  for j in range(d_ * s):
-    i = tr.local_src_LS[l, j]
-    if i >= 0:
-      assert src_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
-      new_Ds[j // s, j % s] = src_Dx[j // s, i]
-      writes_Ds[j // s, j % s] += 1
+  _local_copies(tr, l, src_Dx, new_Ds, writes_Ds)
   for r, k in enumerate(tr.shift_LR[l]):
     if k == 0:
       assert (tr.recv_LRD[l, r] == -1).all(), 'idle round writes'
@@ -66,12 +58,26 @@ def simulate_fill(tr, l, prev_S, num_experts, topo):
 
 
 def _sources(prev_S, num_experts, topo):
+  """(slot contents before [D, s], every local source [D, s + h]: the
+  slots, then the device's home experts)."""
   d_, s = topo.num_devices, topo.slots_per_device
   h = num_experts // d_
   old_Ds = (np.full((d_, s), -1) if prev_S is None
             else np.asarray(prev_S).reshape(d_, s))
   return old_Ds, np.concatenate([old_Ds, np.arange(num_experts).reshape(d_,
                                                                          h)], 1)
+
+
+def _local_copies(tr, l, from_Dx, new_Ds, writes_Ds):
+  """Layer l's local copies (local_src_LS) from the sources from_Dx, into
+  new_Ds, counted in writes_Ds."""
+  s = new_Ds.shape[1]
+  for j in range(new_Ds.size):
+    i = tr.local_src_LS[l, j]
+    if i >= 0:
+      assert from_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
+      new_Ds[j // s, j % s] = from_Dx[j // s, i]
+      writes_Ds[j // s, j % s] += 1
 
 
 def simulate_fill_exact(tr, l, prev_S, num_experts, topo):
@@ -86,16 +92,8 @@ def simulate_fill_exact(tr, l, prev_S, num_experts, topo):
   sender_Ds = np.full((d_, s), -1)
   stages = tr.send_LPDR.shape[1]
 
-  def local_copies(from_Dx):
-    for j in range(d_ * s):
-      i = tr.local_src_LS[l, j]
-      if i >= 0:
-        assert from_Dx[j // s, i] >= 0, 'local copy of an empty buffer'
-        new_Ds[j // s, j % s] = from_Dx[j // s, i]
-        writes_Ds[j // s, j % s] += 1
-
   if stages == 1:
-    local_copies(src_Dx)
+    _local_copies(tr, l, src_Dx, new_Ds, writes_Ds)
   for p in range(stages):
     # Stage p's sources: the slots as the stages before left them.
     now_Dx = src_Dx if stages == 1 else np.concatenate(
@@ -114,7 +112,8 @@ def simulate_fill_exact(tr, l, prev_S, num_experts, topo):
         writes_Ds[d, slot] += 1
         sender_Ds[d, slot] = c
   if stages > 1:
-    local_copies(np.concatenate([new_Ds, src_Dx[:, s:]], axis=1))
+    _local_copies(tr, l, np.concatenate([new_Ds, src_Dx[:, s:]], axis=1),
+                  new_Ds, writes_Ds)
   return new_Ds.ravel(), writes_Ds.ravel(), sender_Ds.ravel()
 
 
