@@ -30,7 +30,6 @@ import numpy as np
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.benchmarks import rl_step
-from foremoe_jax.rl import trainer
 from foremoe_jax.sim import calibrate, simulate
 from foremoe_jax.sim.hardware import HardwareProfile, describe
 from foremoe_jax.sim.workload import ModelShape, Workload
@@ -38,6 +37,13 @@ from foremoe_jax.tasks import task_from_config
 from foremoe_jax.transfer import schedule
 
 CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
+# The layout of what `_measure` caches. Raise it whenever the measured
+# step or the cached objects change (the engine's transfers, the
+# recompute's prefill, ...): a cache of another format is measured anew,
+# never read as if the current code had produced it. 2: staged exact
+# transfers with their budget, and the recompute's prefill of the update's
+# slots.
+CACHE_FORMAT = 2
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
@@ -110,27 +116,6 @@ def _fit_phase(runs, fast, count, total, parts, topo, cost, model, work):
   return max(float(slope), 1e-30), max(float(fixed), 0.0)
 
 
-def _staged(st, budget: schedule.TransferBudget):
-  """A cached StepTransfer in the current layout: measurements cached
-  before ``exact`` fills and returns were staged hold them without the
-  stage axis ([.., D, R] for [.., P, D, R]; one stage is what they ran),
-  and without the budget they were built under (the bench config's)."""
-  if st is None:
-    return st
-  if st.budget is None:
-    st = st._replace(budget=budget)
-  if not isinstance(st.flush, schedule.ExactTransition):
-    return st
-
-  def up(t, lead):
-    return t._replace(**{
-        f: np.expand_dims(getattr(t, f), lead + 1)
-        for f in t._fields if f.endswith(('LPDR', 'LPDD'))
-        and getattr(t, f).ndim == lead + 3})
-  return st._replace(fill=up(st.fill, 0), steps=up(st.steps, 1),
-                     flush=up(st.flush, 0))
-
-
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
   """Everything the validation measures on this machine (the slow part)."""
   kernels, raw = calibrate.cpu_profile(
@@ -144,6 +129,26 @@ def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
   return dict(kernels=kernels, raw=raw, extras=extras, measured=measured)
 
 
+def cache_key(bench: rl_step.RLStepBench, skews) -> dict:
+  return dict(bench=dataclasses.asdict(bench), skews=list(skews),
+              format=CACHE_FORMAT)
+
+
+def read_cache(path: str, key: dict, log=print):
+  """The measurements cached at path for key, or None (no file, or one
+  for another bench, skews or CACHE_FORMAT)."""
+  if not os.path.exists(path):
+    return None
+  with open(path, 'rb') as f:
+    saved = pickle.load(f)
+  if saved.get('key') != key:
+    log(f'validation: {path} holds measurements of another bench or cache '
+        f'format (now {CACHE_FORMAT}); measuring again')
+    return None
+  log(f'validation: measurements read from {path}')
+  return saved['data']
+
+
 def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
              log=print, skews=CALIBRATION_SKEWS,
              cache: str | None = None) -> dict:
@@ -155,16 +160,8 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   seqs_per_device = bench.prompts * bench.generations // bench.microbatches // 8
   task = task_from_config(config)
   tokens_per_seq = task.sequence_len - 1  # Positions the model reads.
-  key = dict(bench=dataclasses.asdict(bench), skews=list(skews))
-  data = None
-  if cache and os.path.exists(cache):
-    with open(cache, 'rb') as f:
-      saved = pickle.load(f)
-    if saved['key'] == key:
-      data = saved['data']
-      log(f'validation: measurements read from {cache}')
-    else:
-      log(f'validation: {cache} is for another bench; measuring again')
+  key = cache_key(bench, skews)
+  data = read_cache(cache, key, log) if cache else None
   if data is None:
     data = _measure(bench, config, tokens_per_seq, seqs_per_device, skews,
                     log)
@@ -189,9 +186,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   cost = simulate.cost_model(model, kernels)
   loads = extras['loads_MLDE']
   plans = {}
-  budget = trainer.transfer_budget(config)
   for method, p in extras['planned'].items():
-    p = dataclasses.replace(p, transfer=_staged(p.transfer, budget))
     cap = {mode: p.capacity for mode in simulate.MODES}
     rcap = {mode: extras['recompute_capacity'][method]
             for mode in simulate.MODES}
@@ -200,14 +195,12 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
         p.plan, p.transfer, cap, {m: extras['static_capacity']
                                   for m in simulate.MODES}, p.reverted,
         p.plan_s, recompute_plan=None if rplan is None else rplan[0],
-        recompute_transfer=(None if rplan is None
-                            else _staged(rplan[1], budget)),
+        recompute_transfer=None if rplan is None else rplan[1],
         recompute_capacity=rcap,
         recompute_plan_s=measured['methods'][method]['recompute_plan_s'],
         # Whether the bench's recompute prefilled the update's slots (its
-        # fill then starts from them); measurements cached before there
-        # was a prefill have none.
-        prefilled=extras.get('prefilled', {}).get(method, False))
+        # fill then starts from them).
+        prefilled=extras['prefilled'][method])
   runs = extras['calibration_runs']
   update_fit = refit_compute(kernels, runs, topo, cost, model, work)
   log(f'calibrate: update fit on {len(runs)} static-layout runs of synthetic '

@@ -5,6 +5,7 @@ constants: a perfectly balanced load, a single hot expert, an all-to-all
 across two nodes, one move round, hidden and exposed moves.
 """
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -494,25 +495,24 @@ def test_flush_inside_the_last_backward_by_hand():
       pytest.approx(1 * (3 * 3 + 3 + 4) * MODEL.params_per_expert * 4 / 1e15))
 
 
-def test_cached_transfers_without_stage_axes_are_read_as_one_stage():
-  """Validation measurements cached before ``exact`` fills and returns
-  were staged: their transfers, stage axis squeezed out, are read back as
-  the one-stage transfers they were, and simulate the same."""
+def test_validation_cache_is_read_only_for_its_bench_skews_and_format(
+    tmp_path):
+  """A cache is read back for the key it was written under, and refused
+  (None: measure again) for another bench, other skews or a cache written
+  under an older CACHE_FORMAT, which the current code did not produce."""
+  from foremoe_jax.benchmarks import rl_step  # pylint: disable=import-outside-toplevel
   from foremoe_jax.sim import validate  # pylint: disable=import-outside-toplevel
-  loads, _, spread = _hot_expert_plans(Topology(1, 2, 3))
-  st = spread.transfer
-  assert st.fill.count_LPDD.shape[1] == st.flush.ret_count_LPDD.shape[1] == 1
-
-  def squeeze(t, lead):
-    return t._replace(**{f: np.squeeze(getattr(t, f), lead + 1)
-                         for f in t._fields if f.endswith(('LPDR', 'LPDD'))})
-  old = schedule.StepTransfer(squeeze(st.fill, 0), squeeze(st.steps, 1),
-                              squeeze(st.flush, 0))
-  assert old.budget is None and old.fill.send_LPDR.ndim == 3
-  back = validate._staged(old, st.budget)  # pylint: disable=protected-access
-  for name in ('fill', 'steps', 'flush'):
-    for f, a in getattr(st, name)._asdict().items():
-      np.testing.assert_array_equal(getattr(getattr(back, name), f), a)
-  spread_old = dataclasses.replace(spread, transfer=back)
-  assert simulate.time_step(spread_old, loads, MODEL, _work(), HW) == (
-      simulate.time_step(spread, loads, MODEL, _work(), HW))
+  bench = rl_step.RLStepBench(repeats=1)
+  key = validate.cache_key(bench, (0.0, 0.5))
+  path = str(tmp_path / 'val.pkl')
+  assert validate.read_cache(path, key, log=lambda *_: None) is None
+  with open(path, 'wb') as f:
+    pickle.dump(dict(key=key, data={'x': 1}), f)
+  lines = []
+  assert validate.read_cache(path, key, log=lines.append) == {'x': 1}
+  for other in (validate.cache_key(rl_step.RLStepBench(repeats=2), (0.0, 0.5)),
+                validate.cache_key(bench, (0.0,)),
+                {k: v for k, v in key.items() if k != 'format'},
+                dict(key, format=validate.CACHE_FORMAT - 1)):
+    assert validate.read_cache(path, other, log=lines.append) is None
+  assert sum('measuring again' in l for l in lines) == 4
