@@ -834,11 +834,12 @@ def render_gpu_check(results_dir: str, name: str) -> str:
             ('MSA prefill ms', lambda r: _ms(r['msa_s'])),
             # Runs before the two-launch selector timed only the fused one,
             # as index_s, in rows without a phase.
-            ('index ms', lambda r: _ms(r['index_s']) if 'phase' in r else '-'),
+            ('index ms', lambda r: _ms(r.get('index_s')) if 'phase' in r
+             else '-'),
             ('index TFLOP/s', lambda r: _f(r.get('index_tflops'))),
             ('fused index ms', lambda r: _ms(
                 r.get('index_fused_s') if 'phase' in r else r['index_s'])),
-            ('main ms', lambda r: _ms(r['main_s'])),
+            ('main ms', lambda r: _ms(r.get('main_s'))),
             ('per-token main ms', lambda r: _ms(r.get('main_token_s'))),
             ('**speedup**', lambda r: f"**{_f(r['speedup'])}**"),
             ('FLOP ratio', lambda r: _f(r['flop_ratio'])),
@@ -858,6 +859,12 @@ def render_gpu_check(results_dir: str, name: str) -> str:
         [[_f(r['cache_len']), _f(r.get('batch', 8)), _ms(r['decode_dense_s']),
           _ms(r['decode_msa_s']), f"**{_f(r['decode_speedup'])}**",
           _f(r['decode_flop_ratio'])] for r in ddone])]
+  broken = [(r, name, err) for r in [*rows, *decode]
+            for name, err in r.get('kernel_errors', {}).items()]
+  if broken:
+    lines += ['', 'Failed (the rest of its row was still timed): ' + '; '.join(
+        f"{name} at {r.get('seq_len', r.get('cache_len', ''))}"
+        f" ({err[:80]})" for r, name, err in broken) + '.']
   cut = [r for r in [*rows, *decode] if 'skipped' in r or 'error' in r]
   if cut:
     lines += ['', 'Not measured: ' + '; '.join(

@@ -2,6 +2,7 @@
 tests skip, the bench runs at toy shapes in interpret mode, and the one
 JSON summary is written whatever the time budget leaves, so a rented GPU
 never meets a broken script (scripts/gpu_check.sh)."""
+import glob
 import json
 import os
 import subprocess
@@ -43,3 +44,33 @@ def test_a_spent_budget_still_writes_the_summary(tmp_path):
   assert not bench['complete']
   assert all(r.get('skipped') == 'deadline'
              for r in [bench['ceilings'], *bench['results'], *bench['decode']])
+
+
+# What the GPU image lacks of the CPU install (its package list has
+# neither): a module the gpu tests import must not need them.
+_NOT_ON_GPU_IMAGE = ('grain', 'tensorboardX', 'math_verify')
+
+
+def test_gpu_tests_are_collected_from_files_the_gpu_image_can_import():
+  # The script collects tests/*/*_gpu.py only; every `gpu` test must live
+  # in such a file, and those files must import there.
+  files = sorted(glob.glob(os.path.join(ROOT, 'tests', '*', '*.py')))
+  marked = [f for f in files if 'mark.gpu' in open(f).read()]
+  assert marked and all(f.endswith('_gpu.py') for f in marked), marked
+  blocker = (
+      'import sys\n'
+      'class B:\n'
+      '  def find_spec(self, name, path=None, target=None):\n'
+      f'    if name.split(".")[0] in {_NOT_ON_GPU_IMAGE!r}:\n'
+      '      raise ImportError("not on the GPU image: " + name)\n'
+      'sys.meta_path.insert(0, B())\n'
+      'import pytest\n'
+      'sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "gpu",\n'
+      '                      "--collect-only", *sys.argv[1:]]))\n')
+  gpu_files = sorted(glob.glob(os.path.join(ROOT, 'tests', '*', '*_gpu.py')))
+  proc = subprocess.run([sys.executable, '-c', blocker, *gpu_files], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+  n_gpu = sum(open(f).read().count('mark.gpu') for f in marked)
+  assert 'collected' in proc.stdout and n_gpu > 0

@@ -231,19 +231,29 @@ def time_calls(fn, args, n_calls: int) -> float:
 
 
 def measure(fns: dict, repeats: int, budget_s: float = 0.05,
-            max_calls: int = 200, spread: dict | None = None) -> dict:
+            max_calls: int = 200, spread: dict | None = None,
+            errors: dict | None = None) -> dict:
   """Median seconds per call of each {name: (fn, args)}: compiled and run
   once first, then `repeats` interleaved timings of enough back-to-back
   calls (about budget_s each) that dispatch overhead is amortised.
-  spread: when given, filled with (max - min) / median per name."""
+  spread: when given, filled with (max - min) / median per name.
+  errors: when given, a function that fails to compile or run is left out
+  of the result and its error recorded here (name -> message), so one
+  broken kernel does not cost the others' timings; otherwise it raises."""
   compiled = {}
   for name, (fn, args) in fns.items():
-    compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
-    jax.block_until_ready(compiled[name][0](*args))
+    try:
+      compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
+      jax.block_until_ready(compiled[name][0](*args))
+    except Exception as e:  # pylint: disable=broad-except
+      if errors is None:
+        raise
+      compiled.pop(name, None)
+      errors[name] = f'{type(e).__name__}: {e}'[:1500]
   n_calls = {name: max(1, min(max_calls,
                               int(budget_s / max(time_calls(f, a, 1), 1e-6))))
              for name, (f, a) in compiled.items()}
-  times = {name: [] for name in fns}
+  times = {name: [] for name in compiled}
   for _ in range(repeats):
     for name, (fn, args) in compiled.items():
       times[name].append(time_calls(fn, args, n_calls[name]))

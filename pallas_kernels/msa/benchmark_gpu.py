@@ -50,6 +50,7 @@ from pallas_kernels.msa import benchmark
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference
 from pallas_kernels.msa import select_kernel
+from pallas_kernels.msa import xla
 
 PAPER_PREFILL_SPEEDUP = 14.2
 PAPER_DECODE_SPEEDUP = 7.6
@@ -155,10 +156,17 @@ class _Clock:
     return self.left() > 0
 
 
-def _measure(cfg: GPUBench, fns: dict, **kw) -> tuple[dict, dict]:
-  spread = {}
-  med = benchmark.measure(fns, cfg.repeats, spread=spread, **kw)
-  return med, spread
+def _measure(cfg: GPUBench, fns: dict, **kw) -> tuple[dict, dict, dict]:
+  """(medians, spreads, errors): a kernel that fails to compile or run is
+  left out and its error kept, and the others are still timed."""
+  spread, errors = {}, {}
+  med = benchmark.measure(fns, cfg.repeats, spread=spread, errors=errors,
+                          **kw)
+  return med, spread, errors
+
+
+def _ratio(med: dict, num: str, den: str) -> float | None:
+  return med[num] / med[den] if num in med and den in med else None
 
 
 def ceilings(cfg: GPUBench) -> dict:
@@ -167,7 +175,7 @@ def ceilings(cfg: GPUBench) -> dict:
   n = cfg.matmul_n
   a = jnp.ones((n, n), jnp.bfloat16)
   x = jnp.ones((cfg.copy_bytes // 4,), jnp.float32)
-  med, spread = _measure(cfg, {
+  med, spread, _ = _measure(cfg, {
       'matmul': (lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32),
                  (a,)),
       'copy': (lambda x: x + 1.0, (x,))})
@@ -253,7 +261,13 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
                           backend='gpu', interpret=cfg.interpret, **kw)
   select = functools.partial(select_kernel.select_blocks_BGTK, backend='gpu',
                              interpret=cfg.interpret, **kw)
-  sel = jax.jit(select)(qi, ki, off)
+  errors = {}
+  try:
+    sel = jax.block_until_ready(jax.jit(select)(qi, ki, off))
+  except Exception as e:  # pylint: disable=broad-except
+    # The main branch is still timed, on the XLA path's selection.
+    errors['index'] = f'{type(e).__name__}: {e}'[:1500]
+    sel = jax.jit(functools.partial(xla.selection_BGTK, **kw))(qi, ki)
   main = lambda q, k, v, sel: pallas_path.sparse_attention(
       q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret)
   dense = functools.partial(dense_prefill, implementation=cfg.dense_impl)
@@ -269,39 +283,39 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
     fns['index_fused'] = (functools.partial(select, gpu_method='fused'),
                           (qi, ki, off))
     fns['main_token'] = (main_token, (q, k, v, sel))
-  med, spread = _measure(cfg, fns)
+  if 'index' in errors:
+    del fns['index'], fns['msa']
+  med, spread, errs = _measure(cfg, fns)
+  errors.update(errs)
   dense_f, msa_f = prefill_flops(cfg, t)
   index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
-  row = {
-      'seq_len': t,
-      'dense_s': med['dense'], 'msa_s': med['msa'],
-      'index_s': med['index'], 'main_s': med['main'],
-      'speedup': med['dense'] / med['msa'],
-      'flop_ratio': dense_f / msa_f,
-      'dense_tflops': dense_f / med['dense'] / 1e12,
-      'msa_tflops': msa_f / med['msa'] / 1e12,
-      'index_tflops': index_f / med['index'] / 1e12,
-      'spread': spread,
-  }
-  if 'index_fused' in med:
-    row.update(index_fused_s=med['index_fused'],
-               index_speedup_vs_fused=med['index_fused'] / med['index'],
-               main_token_s=med['main_token'],
-               main_speedup_vs_token=med['main_token'] / med['main'])
+  row = {'seq_len': t, 'flop_ratio': dense_f / msa_f, 'spread': spread}
+  row.update({f'{name}_s': sec for name, sec in med.items()})
+  flops = {'dense': dense_f, 'msa': msa_f, 'index': index_f}
+  row.update({f'{name}_tflops': f / med[name] / 1e12
+              for name, f in flops.items() if name in med})
+  for key, num, den in (('speedup', 'dense', 'msa'),
+                        ('index_speedup_vs_fused', 'index_fused', 'index'),
+                        ('main_speedup_vs_token', 'main_token', 'main')):
+    if _ratio(med, num, den) is not None:
+      row[key] = _ratio(med, num, den)
   if t <= cfg.train_max_len and clock.ok():
-    tmed, tspread = _measure(cfg, {
+    tmed, tspread, terrs = _measure(cfg, {
         'dense_train': (_grad_of_sum(dense), (q, k, v)),
         'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
                       (q, k, v)),
         'msa_train_token': (_grad_of_sum(
             lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))})
-    row.update(dense_train_s=tmed['dense_train'],
-               msa_train_s=tmed['msa_train'],
-               msa_train_token_s=tmed['msa_train_token'],
-               train_speedup_main_only=tmed['dense_train'] / tmed['msa_train'])
+    errors.update(terrs)
+    row.update({f'{name}_s': sec for name, sec in tmed.items()})
+    if _ratio(tmed, 'dense_train', 'msa_train') is not None:
+      row['train_speedup_main_only'] = _ratio(tmed, 'dense_train',
+                                              'msa_train')
     row['spread'].update(tspread)
   elif t <= cfg.train_max_len:
     row['train_skipped'] = 'deadline'
+  if errors:
+    row['kernel_errors'] = errors
   return row
 
 
@@ -313,15 +327,19 @@ def decode(cfg: GPUBench, s: int, impl: str) -> dict:
   dense = functools.partial(benchmark.dense_decode, implementation=impl)
   msa = functools.partial(pallas_path.msa_decode, backend='gpu',
                           interpret=cfg.interpret, **kw)
-  med, spread = _measure(
+  med, spread, errors = _measure(
       cfg, {'dense': (dense, (q[:, 0], k, v, lengths)),
             'msa': (msa, (q[:, 0], k, v, qi[:, 0], ki, lengths))},
       budget_s=0.2, max_calls=100)
   dense_f, msa_f = decode_flops(cfg, s)
-  return {'cache_len': s, 'batch': b,
-          'decode_dense_s': med['dense'], 'decode_msa_s': med['msa'],
-          'decode_speedup': med['dense'] / med['msa'],
-          'decode_flop_ratio': dense_f / msa_f, 'spread': spread}
+  row = {'cache_len': s, 'batch': b, 'decode_flop_ratio': dense_f / msa_f,
+         'spread': spread}
+  row.update({f'decode_{name}_s': sec for name, sec in med.items()})
+  if _ratio(med, 'dense', 'msa') is not None:
+    row['decode_speedup'] = _ratio(med, 'dense', 'msa')
+  if errors:
+    row['kernel_errors'] = errors
+  return row
 
 
 def _log_row(row: dict):
@@ -375,7 +393,8 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
       'reference_check': chk,
       'results': rows,
       'decode': dec,
-      'complete': all('skipped' not in r and 'error' not in r
+      'complete': all('skipped' not in r and 'error' not in r and
+                      'kernel_errors' not in r
                       for r in [ceil, chk, *rows, *dec]),
       'dense_prefill_impl': cfg.dense_impl,
       'dense_decode_impl': decode_impl,

@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments import render_results
 import msa_testlib as lib
@@ -54,6 +55,36 @@ def test_past_the_deadline_everything_is_skipped_but_summarised(tmp_path):
   (tmp_path / 'gpu_check_cut.json').write_text(json.dumps(summary))
   text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_cut')
   assert 'Not measured: prefill 128 (deadline); decode 128 (deadline)' in text
+
+
+def test_a_broken_kernel_costs_only_its_own_timing(tmp_path, monkeypatch):
+  # A GPU call gets one try: a kernel that fails to lower is reported in
+  # its row, and everything else in that row is still timed and rendered.
+  real = bg.pallas_path.sparse_attention
+
+  def token_kernel_fails(*args, **kw):
+    kernels = args[9] if len(args) > 9 else kw.get('gpu_kernels')
+    if kernels == 'token':
+      raise RuntimeError('planted lowering failure')
+    return real(*args, **kw)
+
+  monkeypatch.setattr(bg.pallas_path, 'sparse_attention', token_kernel_fails)
+  out = bg.run(TINY, log=lambda row: None)
+  pre = out['results'][0]
+  assert set(pre['kernel_errors']) == {'main_token', 'msa_train_token'}
+  assert 'planted lowering failure' in pre['kernel_errors']['main_token']
+  for key in ('dense_s', 'msa_s', 'index_s', 'main_s', 'msa_train_s'):
+    assert pre[key] > 0, key
+  # (rows are rounded to 6 decimals)
+  assert pre['speedup'] == pytest.approx(pre['dense_s'] / pre['msa_s'],
+                                         rel=1e-2)
+  assert 'main_token_s' not in pre and 'main_speedup_vs_token' not in pre
+  assert not out['complete'] and out['prefill_speedup_at_max_len'] > 0
+  summary = {'gpu_check': 'fail', 'setup': {}, 'tests': {},
+             'bench_msa': out}
+  (tmp_path / 'gpu_check_broken.json').write_text(json.dumps(summary))
+  text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_broken')
+  assert 'main_token at 128 (RuntimeError: planted lowering failure)' in text
 
 
 def test_vectorised_margin_rule_equals_the_loop():
