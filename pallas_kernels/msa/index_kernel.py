@@ -56,7 +56,7 @@ def _row_positions(offset, row0, n_rows: int, groups: int, axis: int):
 
 def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
                    block_size: int, groups: int, row_base: int, scale: float,
-                   precision):
+                   precision, key_sub: int):
   """Block maxima of one tile of m rows against nb key blocks (grid (B,
   row tiles, key chunks)), written [nb, m]; blocks past the tile's last
   row's diagonal stay -inf without a dot."""
@@ -73,14 +73,19 @@ def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
   blk_iota = jax.lax.broadcasted_iota(jnp.int32, (nb, m), 0)
 
   def body(jb, tile_NM):
-    k_CI = ki_ref[pl.ds(jb * block_size, block_size), :]
-    logits_MC = kc.dot_nt(qi_MI, k_CI, precision)
-    kpos_1C = (j * nb + jb) * block_size + jax.lax.broadcasted_iota(
-        jnp.int32, (1, block_size), 1)
-    ok_1C = valid_ref[pl.ds(jb * block_size, block_size)][None, :] > 0
-    logits_MC = jnp.where((kpos_1C <= qpos_M1) & ok_1C, logits_MC, NEG_INF)
-    best_1M = jnp.max(logits_MC, axis=1)[None, :] * scale
-    return jnp.where(blk_iota == jb, best_1M, tile_NM)
+    # The block's keys key_sub at a time (f32: smaller shared-memory
+    # operands), the maximum taken over the parts.
+    best_M = jnp.full((m,), NEG_INF, jnp.float32)
+    for c0 in range(0, block_size, key_sub):
+      key0 = jb * block_size + c0
+      k_CI = ki_ref[pl.ds(key0, key_sub), :]
+      logits_MC = kc.dot_nt(qi_MI, k_CI, precision)
+      kpos_1C = j * nb * block_size + key0 + jax.lax.broadcasted_iota(
+          jnp.int32, (1, key_sub), 1)
+      ok_1C = valid_ref[pl.ds(key0, key_sub)][None, :] > 0
+      logits_MC = jnp.where((kpos_1C <= qpos_M1) & ok_1C, logits_MC, NEG_INF)
+      best_M = jnp.maximum(best_M, jnp.max(logits_MC, axis=1))
+    return jnp.where(blk_iota == jb, best_M[None, :] * scale, tile_NM)
 
   out_ref[...] = jax.lax.fori_loop(
       0, n_vis, body, jnp.full((nb, m), NEG_INF, jnp.float32))
@@ -122,7 +127,7 @@ def _topk_kernel(offset_ref, scores_ref, sel_ref, *, block_size: int,
 def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
                  block_size: int, groups: int, row_base: int, row_tile: int,
                  blocks_per_program: int, scale: float, precision,
-                 interpret: bool):
+                 interpret: bool, key_sub: int, num_stages: int):
   b, q, ip = qi_BQI.shape
   nb = blocks_per_program
   span = nb * block_size
@@ -132,7 +137,7 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
   key_chunk = lambda jj: jnp.minimum(jj, n_key_chunks - 1)
   kernel = functools.partial(_scores_kernel, block_size=block_size,
                              groups=groups, row_base=row_base, scale=scale,
-                             precision=precision)
+                             precision=precision, key_sub=key_sub)
   return pl.pallas_call(
       kernel,
       grid=(b, q // row_tile, n_blocks_p // nb),
@@ -146,7 +151,8 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
       out_specs=pl.BlockSpec((None, nb, row_tile),
                              lambda bb, ii, jj: (bb, jj, ii)),
       out_shape=jax.ShapeDtypeStruct((b, n_blocks_p, q), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=4,
+                                           num_stages=num_stages),
       interpret=interpret,
       name='msa_index_scores',
   )(offset_B, qi_BQI, ki_BSI, valid_BS)
@@ -179,6 +185,18 @@ def index_dtype(qi_dtype, ki_dtype):
   both_bf16 = (jnp.dtype(qi_dtype) == jnp.bfloat16 and
                jnp.dtype(ki_dtype) == jnp.bfloat16)
   return jnp.bfloat16 if both_bf16 else jnp.float32
+
+
+def score_tiling(dtype, block_size: int, row_tile: int):
+  """(row_tile, key_sub, num_stages) of the score launch.
+
+  bf16 takes the block's keys in one dot, pipelined. f32's dots are three
+  TF32 passes, whose operands sit in shared memory as a high and a low
+  half: at 128-row tiles and 128-key blocks that asked for 320 KiB on an
+  H100 (227 KiB there), so f32 halves both and does not pipeline."""
+  if jnp.dtype(dtype).itemsize <= 2:
+    return row_tile, block_size, 2
+  return min(row_tile, 64), min(block_size, 64), 1
 
 
 def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
@@ -216,6 +234,7 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
 
   rows = t * g
+  row_tile, key_sub, stages = score_tiling(dtype, block_size, row_tile)
   m = min(row_tile, max(16, kc.next_pow2(rows)))
   w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))), m)
   chunk = max(m, (max_score_bytes // (4 * n_p)) // m * m)
@@ -229,7 +248,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
     scores = _scores_call(offset_B, qi_c, ki, valid, n_blocks_p=n_p,
                           block_size=block_size, groups=g, row_base=r0,
                           row_tile=m, blocks_per_program=nb, scale=scale,
-                          precision=precision, interpret=interpret)
+                          precision=precision, interpret=interpret,
+                          key_sub=key_sub, num_stages=stages)
     parts.append(_topk_call(offset_B, scores, block_size=block_size,
                             groups=g, row_base=r0, top_k=top_k, topk_rows=w,
                             interpret=interpret))

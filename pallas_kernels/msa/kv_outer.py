@@ -122,12 +122,15 @@ def tile_rows(tile_q_BGJQ, *, groups: int, heads_p: int):
 # Kernels (Triton; interpret mode on CPU)
 
 
-def _key_block(blk, k_ref, valid_ref, block_size: int):
-  """Block blk's keys k_CD, the position of its first key, and its
-  key-valid row ok_1C: read once per program."""
-  start = jnp.maximum(blk, 0) * block_size
-  return (k_ref[pl.ds(start, block_size), :], start,
-          valid_ref[pl.ds(start, block_size)][None, :] > 0)
+def _key_block(blk, k_ref, v_ref, valid_ref, block_size: int, part=0,
+               size: int | None = None):
+  """Block blk's keys k_CD and values v_CD, the position of its first key,
+  and its key-valid row ok_1C; with `size`, only keys [part * size, (part
+  + 1) * size) of the block."""
+  size = size or block_size
+  start = jnp.maximum(blk, 0) * block_size + part * size
+  return (k_ref[pl.ds(start, size), :], v_ref[pl.ds(start, size), :], start,
+          valid_ref[pl.ds(start, size)][None, :] > 0)
 
 
 def _tile_scores(off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C, *,
@@ -149,13 +152,15 @@ def _tile_scores(off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C, *,
 def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                     k_ref, v_ref, valid_ref, o_ref, lse_ref, *,
                     block_size: int, rows_per_token: int, scale: float,
-                    precision):
-  """One key block, loaded once, against `count` of its tiles."""
+                    precision, reload_kv: bool):
+  """One key block, loaded once (per tile with reload_kv), against
+  `count` of its tiles."""
   blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
-  k_CD, start, ok_1C = _key_block(blk, k_ref, valid_ref, block_size)
-  v_CD = v_ref[pl.ds(start, block_size), :]
+  load = lambda: _key_block(blk, k_ref, v_ref, valid_ref, block_size)
+  held = None if reload_kv else load()
 
   def visit(i, carry):
+    k_CD, v_CD, start, ok_1C = load() if reload_kv else held
     s_WC, mask_WC, _ = _tile_scores(
         off_ref, blk, rows_ref[first + i, :], q_ref, k_CD, start, ok_1C,
         rows_per_token=rows_per_token, scale=scale, precision=precision)
@@ -175,17 +180,23 @@ def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
 def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                 k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, dk_ref,
                 dv_ref, *, block_size: int, rows_per_token: int, scale: float,
-                precision):
+                precision, reload_kv: bool, parts: int):
   """One key block's partial dK, dV (float32, in registers) over `count`
   of its tiles: p recomputed from the forward's LSE, ds = p (dO V^T -
-  delta)."""
+  delta). With parts > 1 a program owns one part of the block's keys
+  (grid axis 2 is item x part): every term is per key, so the parts are
+  independent."""
   blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
   dp = k_ref.shape[-1]
-  k_CD, start, ok_1C = _key_block(blk, k_ref, valid_ref, block_size)
-  v_CD = v_ref[pl.ds(start, block_size), :]
+  sub = block_size // parts
+  part = pl.program_id(2) % parts
+  load = lambda: _key_block(blk, k_ref, v_ref, valid_ref, block_size, part,
+                            sub)
+  held = None if reload_kv else load()
 
   def visit(i, carry):
     dk_CD, dv_CD = carry
+    k_CD, v_CD, start, ok_1C = load() if reload_kv else held
     rows_W = rows_ref[first + i, :]
     s_WC, mask_WC, q_WD = _tile_scores(
         off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C,
@@ -201,7 +212,7 @@ def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                               precision) * scale
     return dk_CD, dv_CD
 
-  zeros = jnp.zeros((block_size, dp), jnp.float32)
+  zeros = jnp.zeros((sub, dp), jnp.float32)
   dk_CD, dv_CD = jax.lax.fori_loop(0, jnp.where(blk >= 0, count, 0), visit,
                                    (zeros, zeros))
   dk_ref[...] = dk_CD
@@ -210,6 +221,29 @@ def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
 
 # ----------------------------------------------------------------------------
 # Calls
+
+
+def _reload_kv(dtype) -> bool:
+  """Whether the kernels read the key block per tile instead of once.
+
+  In f32 the dots are three TF32 passes, so each [C, D] operand sits in
+  shared memory as a high and a low half: K and V held across the loop
+  take 4 x 64 KiB at C = D = 128, past the H100's 227 KiB. Read per tile
+  (from L2), K's halves are dead before V's are made."""
+  return jnp.dtype(dtype).itemsize > 2
+
+
+def _dkv_tiling(dtype, block_size: int, heads_p: int) -> tuple[int, int]:
+  """(queries per tile, key parts per block) of the dK/dV kernel.
+
+  bf16: the forward's tiles, whole blocks. f32: on an H100 the whole-block
+  kernel asked for 256 KiB + 2.5 KiB per tile row of shared memory (K and
+  V as TF32 high and low halves, 4 x 64 KiB at C = D = 128, plus the row
+  operands; 227 KiB there), so f32 takes 32-row tiles and 32-key parts of
+  the block, about a quarter of that."""
+  if jnp.dtype(dtype).itemsize <= 2:
+    return _queries_per_tile(heads_p, dtype), 1
+  return max(1, 32 // heads_p), max(1, block_size // 32)
 
 
 def _params(rows: int, dtype) -> plgpu.CompilerParams:
@@ -221,12 +255,13 @@ def _params(rows: int, dtype) -> plgpu.CompilerParams:
 
 
 def _work_specs(b: int, g: int, n_items: int, rows_shape, x: int, dp: int,
-                sp: int):
+                sp: int, parts: int = 1):
   """In-specs both work-item kernels open with: offsets, an item's block,
   first tile and tile count, the (sequence, group) tile rows, the query
-  view, K, V and the key-valid mask. Grid (B, G, U)."""
+  view, K, V and the key-valid mask. Grid (B, G, U * parts)."""
   n_tiles, w = rows_shape
-  item = pl.BlockSpec((1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu,))
+  item = pl.BlockSpec(
+      (1,), lambda bb, gg, uu: ((bb * g + gg) * n_items + uu // parts,))
   kv = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, uu: (bb, 0, gg, 0))
   return [pl.BlockSpec((1,), lambda bb, gg, uu: (bb,)), item, item, item,
           pl.BlockSpec((None, None, n_tiles, w),
@@ -243,7 +278,8 @@ def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
   x, dp = q_BXD.shape[1:]
   kernel = functools.partial(
       _forward_kernel, block_size=block_size, rows_per_token=rows_per_token,
-      scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret))
+      scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret),
+      reload_kv=_reload_kv(q_BXD.dtype))
   # Each program writes only its own tiles of the (sequence, group) slab.
   return pl.pallas_call(
       kernel,
@@ -418,7 +454,9 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
   n_blocks = sp // block_size
-  q = q_per_tile or _queries_per_tile(rp, q_BTGRD.dtype)
+  q_default, parts = _dkv_tiling(q_BTGRD.dtype, block_size, rp)
+  q = q_per_tile or q_default
+  sub = block_size // parts
   # Sorted tiles even at T = 1: the work items need a block's tiles
   # contiguous.
   tile_blk, tile_q, _ = build_tiles(sel_BGTK, n_blocks=n_blocks,
@@ -431,22 +469,23 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   n_items = blk.shape[-1]
   x = t * g * rp
   flat = lambda a: a.reshape(b, x)
-  out_spec = pl.BlockSpec((None, None, None, block_size, dp),
+  out_spec = pl.BlockSpec((None, None, None, sub, dp),
                           lambda bb, gg, uu: (bb, gg, uu, 0, 0))
   kernel = functools.partial(
       _dkv_kernel, block_size=block_size, rows_per_token=g * rp, scale=scale,
-      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret),
+      reload_kv=_reload_kv(q_BTGRD.dtype), parts=parts)
   dk_u, dv_u = pl.pallas_call(
       kernel,
-      grid=(b, g, n_items),
+      grid=(b, g, n_items * parts),
       in_specs=[
-          *_work_specs(b, g, n_items, (n_tiles, w), x, dp, sp),
+          *_work_specs(b, g, n_items, (n_tiles, w), x, dp, sp, parts),
           pl.BlockSpec((None, x, dp), lambda bb, gg, uu: (bb, 0, 0)),
           pl.BlockSpec((None, x), lambda bb, gg, uu: (bb, 0)),
           pl.BlockSpec((None, x), lambda bb, gg, uu: (bb, 0)),
       ],
       out_specs=[out_spec, out_spec],
-      out_shape=[jax.ShapeDtypeStruct((b, g, n_items, block_size, dp),
+      out_shape=[jax.ShapeDtypeStruct((b, g, n_items * parts, sub, dp),
                                       jnp.float32)] * 2,
       compiler_params=_params(w, q_BTGRD.dtype),
       interpret=interpret,
@@ -454,6 +493,8 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   )(off_B, blk.reshape(-1), first.reshape(-1), count.reshape(-1), rows,
     _query_view(q_BTGRD), k_BSGD, v_BSGD, valid_BS, _query_view(do_BTGRD),
     flat(lse_BTGR), flat(delta_BTGR))
+  # Item u's parts are consecutive programs: in key order once reshaped.
+  whole = lambda a: a.reshape(b, g, n_items, block_size, dp)
   to_bsgd = lambda a: a.reshape(b, g, sp, dp).transpose(0, 2, 1, 3)
-  return (to_bsgd(_sum_items(dk_u, first_item, items)),
-          to_bsgd(_sum_items(dv_u, first_item, items)))
+  return (to_bsgd(_sum_items(whole(dk_u), first_item, items)),
+          to_bsgd(_sum_items(whole(dv_u), first_item, items)))

@@ -86,6 +86,22 @@ def test_f32_random_inputs_equal_the_reference():
   np.testing.assert_array_equal(np.asarray(sel), np.asarray(want))
 
 
+def test_f32_takes_a_large_block_in_parts_and_still_equals_the_reference():
+  # f32 splits each 128-key block into 64-key dots (score_tiling: shared
+  # memory on an H100); the block's maximum over its parts, masks and a
+  # ragged last block included, is the reference's.
+  assert index_kernel.score_tiling(jnp.float32, 128, 128) == (64, 64, 1)
+  assert index_kernel.score_tiling(jnp.bfloat16, 128, 128) == (128, 128, 2)
+  b, t, s, g, di, c, k, o = 1, 200, 520, 2, 8, 128, 3, 320
+  _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, 1, 8, di, seed=5)
+  valid = np.ones((b, s), bool)
+  valid[:, 130:150] = False  # a hole inside the second half of block 1
+  sel = _select(qi, ki, _offsets(b, o), c, k, jnp.asarray(valid))
+  want = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o,
+                            kv_valid_BS=jnp.asarray(valid))
+  np.testing.assert_array_equal(np.asarray(sel), np.asarray(want))
+
+
 def test_bf16_dots_on_random_inputs_keep_the_margin_rule():
   # f32 normal draws rounded to bf16 for the kernel, judged against the f32
   # scores of the unrounded draws.

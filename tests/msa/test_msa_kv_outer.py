@@ -159,6 +159,44 @@ def test_split_work_is_bit_identical_to_one_program_per_block():
   lib.assert_close(whole[1][..., :d], dv, 1e-5, 'dv')
 
 
+def test_f32_dkv_in_key_parts_equals_the_reference_and_whole_blocks(
+    monkeypatch):
+  # f32 on the GPU takes 32-row tiles and 32-key parts of each block
+  # (_dkv_tiling: shared memory on an H100); at 128-key blocks that is 4
+  # parts per block, with a causal diagonal and a padding hole in them.
+  assert kv_outer._dkv_tiling(jnp.float32, 128, 16) == (2, 4)
+  assert kv_outer._dkv_tiling(jnp.bfloat16, 128, 16) == (8, 1)
+  b, t, s, g, r, d, di, c, k, o = 1, 160, 400, 2, 2, 16, 8, 128, 2, 240
+  q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di, seed=4)
+  valid = np.ones((b, s), bool)
+  valid[:, 150:170] = False
+  valid = jnp.asarray(valid)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o,
+                           kv_valid_BS=valid)
+  out, lse = ref.sparse_attention(q, kk, v, sel, block_size=c, q_offset=o,
+                                  kv_valid_BS=valid)
+  rp, dp, sp = 2, 16, 512
+  rows = lambda x: x.reshape(b, t, g, r)
+  padk = lambda x: jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+  args = (pallas_path._to_gpu_q(q, g, rp, dp), padk(kk), padk(v), sel,
+          jnp.full((b,), o, jnp.int32),
+          jnp.pad(valid, ((0, 0), (0, sp - s))).astype(jnp.int32),
+          pallas_path._to_gpu_q(w, g, rp, dp), rows(lse),
+          rows(jnp.sum(w * out, -1)))
+  run = lambda: jax.jit(functools.partial(
+      kv_outer.dkv, block_size=c, scale=1 / math.sqrt(d),
+      interpret=True))(*args)
+  parts = run()
+  _, vjp = jax.vjp(lambda k_, v_: ref.sparse_attention(
+      q, k_, v_, sel, block_size=c, q_offset=o, kv_valid_BS=valid)[0], kk, v)
+  for got, want, name in zip(parts, vjp(w), ('dk', 'dv')):
+    lib.assert_close(got[:, :s, :, :d], want, 1e-5, name)
+  # Whole blocks, the tiling bf16 uses, give the same sums.
+  monkeypatch.setattr(kv_outer, '_dkv_tiling', lambda dt, c_, hp: (8, 1))
+  for a, e in zip(run(), parts):
+    lib.assert_close(a, e, 1e-5, 'parts vs whole')
+
+
 @pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5),
                                        (jnp.bfloat16, 2e-2)])
 def test_split_k_decode_equals_reference(dtype, tol):
