@@ -801,6 +801,14 @@ def render_gpu_check(results_dir: str, name: str) -> str:
            f" {tests.get('failed', 0)} failed,"
            f" {tests.get('skipped', 0)} skipped · gpu-check:"
            f" **{rec.get('gpu_check', '?')}**"]
+  rerun = rec.get('tests_rerun')
+  if rerun:
+    lines += ['', f"Re-run (`{rerun.get('command', '?')}`;"
+              f" {rerun.get('code', '')}): {rerun.get('passed', 0)} passed,"
+              f" {rerun.get('failed', 0)} failed"
+              + (': ' + ', '.join(f'`{t.split("::")[-1]}`'
+                                  for t in rerun.get('failed_tests', []))
+                 if rerun.get('failed_tests') else '') + '.']
   # The final JSON, or the per-phase rows of a run cut short (older runs
   # wrote per-length rows with decode fields and no 'phase').
   rows = bench.get('results') or [
@@ -865,6 +873,16 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', 'Failed (the rest of its row was still timed): ' + '; '.join(
         f"{name} at {r.get('seq_len', r.get('cache_len', ''))}"
         f" ({err[:80]})" for r, name, err in broken) + '.']
+  if 'results' in bench or 'decode' in bench:
+    # pylint: disable-next=g-import-not-at-top (jax only for this table)
+    from pallas_kernels.msa import benchmark_gpu
+    lines += ['', _table(
+        ['target: speedup vs cuDNN', 'FLOP ratio', 'measured', 'target',
+         'met'],
+        [[t['what'], _f(t['flop_ratio']),
+          f"**{_f(t['measured'])}**" if t['measured'] is not None else '-',
+          f">= {_f(t['target'])}", _f(t['met'])]
+         for t in benchmark_gpu.targets(bench)])]
   cut = [r for r in [*rows, *decode] if 'skipped' in r or 'error' in r]
   if cut:
     lines += ['', 'Not measured: ' + '; '.join(

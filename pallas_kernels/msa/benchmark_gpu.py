@@ -54,6 +54,30 @@ from pallas_kernels.msa import xla
 
 PAPER_PREFILL_SPEEDUP = 14.2
 PAPER_DECODE_SPEEDUP = 7.6
+# The speedups over cuDNN that the GPU kernels aim for, each well under
+# its FLOP ratio: (what, phase, length, row key, target).
+TARGETS = (
+    ('prefill 32k', 'results', 32768, 'speedup', 2.5),
+    ('prefill 128k', 'results', 131072, 'speedup', 7.0),
+    ('decode 128k, batch 8', 'decode', 131072, 'decode_speedup', 5.0),
+    ('forward+backward 32k (main branch)', 'results', 32768,
+     'train_speedup_main_only', 2.0),
+)
+
+
+def targets(bench: dict) -> list[dict]:
+  """Each target against a bench summary: {what, target, measured (None:
+  not measured), flop_ratio, met}."""
+  out = []
+  for what, phase, n, key, target in TARGETS:
+    length = 'seq_len' if phase == 'results' else 'cache_len'
+    row = next((r for r in bench.get(phase) or [] if r.get(length) == n), {})
+    got = row.get(key)
+    out.append({'what': what, 'target': target, 'measured': got,
+                'flop_ratio': row.get('flop_ratio',
+                                      row.get('decode_flop_ratio')),
+                'met': got is not None and got >= target})
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,3 +113,18 @@ def test_vectorised_margin_rule_equals_the_loop():
       assert got[0] == want[0], (eps_scale, got, want)
       np.testing.assert_allclose(got[1], want[1], rtol=1e-12)
   assert lib.selection_margin_report(bad, scores, qi, ki, c, k, 0)[0] > 0
+
+
+def test_targets_read_the_rows_they_name():
+  bench = {'results': [{'seq_len': 32768, 'speedup': 2.6, 'flop_ratio': 6.4,
+                        'train_speedup_main_only': 1.5},
+                       {'seq_len': 131072, 'speedup': 3.0}],
+           'decode': [{'cache_len': 131072, 'decode_speedup': 5.0,
+                       'decode_flop_ratio': 21.3}]}
+  got = {t['what']: (t['measured'], t['met']) for t in bg.targets(bench)}
+  assert got == {'prefill 32k': (2.6, True), 'prefill 128k': (3.0, False),
+                 'decode 128k, batch 8': (5.0, True),
+                 'forward+backward 32k (main branch)': (1.5, False)}
+  # A length the run never reached is unmeasured, not failed silently.
+  assert all(t['measured'] is None and not t['met']
+             for t in bg.targets({'results': [], 'decode': []}))
