@@ -966,6 +966,23 @@ def render_headline(results_dir: str) -> str:
       + ('' if dec is None else
          f"; decode {_f(dec['speedup'])}x at a {_f(dec['cache_len'])} cache"),
       _link('MSA', 'bench_msa')])
+  gpu_path = os.path.join(results_dir, 'gpu_check_h100.json')
+  if os.path.exists(gpu_path):
+    with open(gpu_path) as f:
+      gpu = json.load(f)
+    by_len = lambda rows, key: {r.get(key): r for r in rows or []}
+    pre = by_len(gpu['bench_msa'].get('results'), 'seq_len')
+    dec = by_len(gpu['bench_msa'].get('decode'), 'cache_len')
+    cell = lambda row, key: _f(row.get(key)) if row else '-'
+    rows.append([
+        'MSA on one H100 vs cuDNN dense, bf16 (`make gpu-check`)',
+        f"prefill {cell(pre.get(32768), 'speedup')}x at 32k,"
+        f" **{cell(pre.get(131072), 'speedup')}x** at 128k; decode"
+        f" {cell(dec.get(131072), 'decode_speedup')}x at 128k (batch 8);"
+        f" fwd+bwd {cell(pre.get(32768), 'train_speedup_main_only')}x at"
+        f" 32k (main branch)",
+        f'[On one NVIDIA GPU]({_DETAILS}#on-one-nvidia-gpu),'
+        f' [`gpu_check_h100.json`](results/gpu_check_h100.json)'])
   mfd = load('msa_from_dense')
   q = mfd['budgets'][0]
   rows.append([
