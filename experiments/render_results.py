@@ -297,14 +297,18 @@ def render_planner_alt(res: dict) -> str:
 
 
 def render_msa(res: dict) -> str:
+  per_repeat = lambda r: ' / '.join(
+      _f(x) for x in r.get('speedup_vs_causal_dense_per_repeat', [])) or '-'
   rows = [[_f(r['seq_len']), _f(r['causal_dense_s']), _f(r['dense_s']),
            _f(r['msa_s']), f"**{_f(r['speedup_vs_causal_dense'])}**",
-           _f(r['speedup']), _f(r['flop_ratio']), _f(r['index_fraction'], 2)]
+           per_repeat(r), _f(r['speedup']), _f(r['flop_ratio']),
+           _f(r['index_fraction'], 2)]
           for r in res['results']]
   prefill = _table(['seq_len', 'flash-style causal dense s',
                     'masked-square dense s', 'MSA s',
-                    'speedup vs causal dense', 'speedup vs masked square',
-                    'FLOP ratio', 'index share of MSA'], rows)
+                    'speedup vs causal dense', 'each repetition',
+                    'speedup vs masked square', 'FLOP ratio',
+                    'index share of MSA'], rows)
   lines = ['Prefill:', '', prefill, '',
            f"- Target at the longest length: speedup vs causal dense >= 0.7 x"
            f" FLOP ratio = {_f(res['target_speedup_vs_causal_dense_at_max_len'])}:"
@@ -318,12 +322,16 @@ def render_msa(res: dict) -> str:
            f" the paper's shape (1M tokens, 16 heads per group) gives"
            f" {_f(res['paper_flop_ratio'])}."]
   if res.get('decode'):
-    rows = [[_f(r['cache_len']), _f(r['batch']), _f(1e3 * r['dense_s']),
-             _f(1e3 * r['msa_s']), f"**{_f(r['speedup'])}**",
+    ms = lambda r, key: _f(1e3 * r[key]) if key in r else '-'
+    rows = [[_f(r['cache_len']), _f(r['batch']), ms(r, 'dense_s'),
+             ms(r, 'grouped_dense_s'), ms(r, 'msa_s'),
+             f"**{_f(r['speedup'])}**", _f(r.get('speedup_vs_jax_nn')),
              _f(r['flop_ratio'])] for r in res['decode']]
-    lines += ['', 'Decode (one new token per sequence, full caches):', '',
-              _table(['cache', 'batch', 'dense ms', 'MSA ms', 'speedup',
-                      'FLOP ratio'], rows), '',
+    lines += ['', 'Decode (one new token per sequence, full [B, S, G, D]'
+              ' caches; speedup against the faster dense decode):', '',
+              _table(['cache', 'batch', 'jax.nn dense ms',
+                      'grouped-einsum dense ms', 'MSA ms', 'speedup',
+                      'vs jax.nn', 'FLOP ratio'], rows), '',
               f"- Target at the longest cache: >= 0.5 x FLOP ratio ="
               f" {_f(res['decode_target_speedup_at_max_cache'])}:"
               f" {_met(res['decode_speedup_over_target'])} (measured /"
