@@ -324,13 +324,14 @@ def render_msa(res: dict) -> str:
   if res.get('decode'):
     ms = lambda r, key: _f(1e3 * r[key]) if key in r else '-'
     rows = [[_f(r['cache_len']), _f(r['batch']), ms(r, 'dense_s'),
-             ms(r, 'grouped_dense_s'), ms(r, 'msa_s'),
+             ms(r, 'grouped_dense_s'), ms(r, 'rows_dense_s'), ms(r, 'msa_s'),
              f"**{_f(r['speedup'])}**", _f(r.get('speedup_vs_jax_nn')),
              _f(r['flop_ratio'])] for r in res['decode']]
     lines += ['', 'Decode (one new token per sequence, full [B, S, G, D]'
-              ' caches; speedup against the faster dense decode):', '',
+              ' caches; speedup against the fastest dense decode):', '',
               _table(['cache', 'batch', 'jax.nn dense ms',
-                      'grouped-einsum dense ms', 'MSA ms', 'speedup',
+                      'grouped-einsum dense ms', 'row-order dense ms',
+                      'MSA ms', 'speedup',
                       'vs jax.nn', 'FLOP ratio'], rows), '',
               f"- Target at the longest cache: >= 0.5 x FLOP ratio ="
               f" {_f(res['decode_target_speedup_at_max_cache'])}:"

@@ -14,11 +14,11 @@ plus the index branch alone (its share of msa), and the FLOP ratio of the
 MSA cost formula (`flop_ratio`: dense counts only the causal half).
 
 Decode, per cache length: one new token for each of `decode_batch` sequences
-against a full [B, S, G, D] cache, `xla.msa_decode` vs two dense decodes:
-jax.nn.dot_product_attention with per-sequence lengths, and the grouped
-einsum a GQA user writes (`grouped_dense_decode`: a group's queries
-against their one K/V). `speedup` is against the faster of the two,
-`speedup_vs_jax_nn` against the first; with the decode FLOP ratio of the
+against a full [B, S, G, D] cache, `xla.msa_decode` vs three dense decodes:
+jax.nn.dot_product_attention with per-sequence lengths, the grouped einsum
+a GQA user writes (`grouped_dense_decode`: a group's queries against their
+one K/V), and `rows_dense_decode` (the cache read in row order).
+`speedup` is against the fastest, `speedup_vs_jax_nn` against the first; with the decode FLOP ratio of the
 same formula at one query position (`decode_flop_ratio`).
 
 Every row carries `spread`, (max - min) / median over the interleaved
@@ -249,6 +249,28 @@ def grouped_dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
   return out_BGRD.reshape(b, h, d).astype(q_BHD.dtype)
 
 
+def rows_dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
+  """The same decode again, laid out for a row-major CPU cache: every head
+  against the cache read as [S, G*D] rows in one matmul, each head's query
+  zero outside its group's D columns. It spends G x the logit FLOPs but
+  reads K in order, which on XLA:CPU beats both forms above (measured
+  1.66x faster than jax.nn at a 128k cache)."""
+  b, h, d = q_BHD.shape
+  s, g = k_BSGD.shape[1], k_BSGD.shape[2]
+  r = h // g
+  q_BGRD = q_BHD.reshape(b, g, r, d) / np.sqrt(d)
+  q_BHX = jnp.einsum('bgrd,gf->bgrfd', q_BGRD,
+                     jnp.eye(g, dtype=q_BHD.dtype)).reshape(b, h, g * d)
+  logits_BHS = jnp.einsum('bsx,bhx->bhs', k_BSGD.reshape(b, s, g * d), q_BHX,
+                          preferred_element_type=jnp.float32)
+  live_BS = jnp.arange(s)[None, :] < lengths_B[:, None]
+  logits_BHS = jnp.where(live_BS[:, None, :], logits_BHS, -jnp.inf)
+  p_BGRS = jax.nn.softmax(logits_BHS, axis=-1).reshape(b, g, r, s)
+  out_BGRD = jnp.einsum('bgrs,bsgd->bgrd', p_BGRS.astype(v_BSGD.dtype),
+                        v_BSGD, preferred_element_type=jnp.float32)
+  return out_BGRD.reshape(b, h, d).astype(q_BHD.dtype)
+
+
 def time_calls(fn, args, n_calls: int) -> float:
   """Seconds per call over n_calls back-to-back calls, one sync at the end."""
   t0 = time.perf_counter()
@@ -307,17 +329,19 @@ def run_decode(cfg: MSABench, s: int) -> dict:
                           top_k=cfg.top_k)
   fns = {'dense': (dense_decode, (q, k, v, lengths)),
          'grouped_dense': (grouped_dense_decode, (q, k, v, lengths)),
+         'rows_dense': (rows_dense_decode, (q, k, v, lengths)),
          'msa': (lambda *a: msa(*a)[0], (q, k, v, qi, ki, lengths))}
   spread = {}
   med = measure(fns, cfg.repeats, budget_s=0.2, max_calls=50, spread=spread)
-  # The strongest dense decode on the same [B, S, G, D] cache: the faster
-  # of jax.nn's attention and the grouped einsum, measured side by side.
-  best = min(('dense', 'grouped_dense'), key=med.get)
+  # The strongest dense decode on the same [B, S, G, D] cache: the fastest
+  # of the three, measured side by side.
+  best = min(('dense', 'grouped_dense', 'rows_dense'), key=med.get)
   return {
       'cache_len': s,
       'batch': b,
       'dense_s': med['dense'],
       'grouped_dense_s': med['grouped_dense'],
+      'rows_dense_s': med['rows_dense'],
       'msa_s': med['msa'],
       'speedup_vs_jax_nn': round(med['dense'] / med['msa'], 3),
       'strongest_dense': best,

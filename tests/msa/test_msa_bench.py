@@ -55,15 +55,16 @@ def test_dense_decode_equals_last_row_of_causal_attention():
     np.testing.assert_allclose(got[i], want[0, 0], atol=2e-6)
 
 
-def test_grouped_dense_decode_equals_jax_nn_decode():
+def test_gqa_dense_decodes_equal_jax_nn_decode():
   # Lengths cut inside the cache (padding keys masked), three groups of
   # four heads, so a wrong head-to-group mapping shows.
   b, s, g, r, d = 3, 96, 3, 4, 16
   q, k, v = _qkv(b, s, g, r, d, seed=2)
   lengths = jnp.array([96, 40, 1], jnp.int32)
-  np.testing.assert_allclose(
-      benchmark.grouped_dense_decode(q[:, 0], k, v, lengths),
-      benchmark.dense_decode(q[:, 0], k, v, lengths), atol=2e-6)
+  want = benchmark.dense_decode(q[:, 0], k, v, lengths)
+  for fn in (benchmark.grouped_dense_decode, benchmark.rows_dense_decode):
+    np.testing.assert_allclose(fn(q[:, 0], k, v, lengths), want, atol=2e-6,
+                               err_msg=fn.__name__)
 
 
 def test_decode_flop_ratio_by_hand():
@@ -86,12 +87,14 @@ def test_run_decode_row_shape_and_consistency():
   row = benchmark.run_decode(cfg, 256)
   assert row['cache_len'] == 256 and row['batch'] == 4
   # speedup is against the faster dense decode of the two, both timed.
-  best = min(row['dense_s'], row['grouped_dense_s'])
-  assert row['strongest_dense'] == ('dense' if row['dense_s'] <= row[
-      'grouped_dense_s'] else 'grouped_dense')
+  times = {name: row[f'{name}_s']
+           for name in ('dense', 'grouped_dense', 'rows_dense')}
+  best = min(times.values())
+  assert times[row['strongest_dense']] == best
   assert row['speedup'] == pytest.approx(best / row['msa_s'], rel=1e-2)
   assert row['speedup_vs_jax_nn'] == pytest.approx(
       row['dense_s'] / row['msa_s'], rel=1e-2)
-  assert set(row['spread']) == {'dense', 'grouped_dense', 'msa'}
+  assert set(row['spread']) == {'dense', 'grouped_dense', 'rows_dense',
+                                'msa'}
   assert row['flop_ratio'] == pytest.approx(benchmark.decode_flop_ratio(
       r=2, d=16, di=16, block=16, k=2, n=256), abs=1e-3)
