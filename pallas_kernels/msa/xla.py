@@ -259,21 +259,51 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
                       jnp.zeros((n_tiles, q * r, d))), q_TRD, k_NCD, v_NCD,
                      table_MQ)
   m_MX, l_MX, o_MXD = jax.lax.fori_loop(0, n_tiles // mc, step, init)
-  # Bring each pair's partial back to its (token, slot) and merge the K slots
-  # by the log-sum-exp rule; -1 slots weigh nothing.
-  slot_TK = slot_P.reshape(t, k)
-  used_TK1 = (slot_TK < n_tiles * q)[..., None]
-  slot_TK = jnp.minimum(slot_TK, n_tiles * q - 1)
-  m_TKR = jnp.where(used_TK1, m_MX.reshape(-1, r)[slot_TK], MASK_VALUE)
-  m_TR = m_TKR.max(axis=1)
-  w_TKR = jnp.where(used_TK1, jnp.exp(m_TKR - m_TR[:, None]), 0.0)
-  l_TR = (w_TKR * l_MX.reshape(-1, r)[slot_TK]).sum(axis=1)
-  o_TRD = (w_TKR[..., None] * o_MXD.reshape(-1, r, d)[slot_TK]).sum(axis=1)
-  # A query with no valid key (only padding visible): out 0, lse -inf.
-  empty_TR = l_TR == 0.0
-  l_TR = jnp.where(empty_TR, 1.0, l_TR)
-  return (o_TRD / l_TR[..., None],
-          jnp.where(empty_TR, -jnp.inf, m_TR + jnp.log(l_TR)))
+  return _combine(m_MX.reshape(-1, r), l_MX.reshape(-1, r),
+                  o_MXD.reshape(-1, r, d), slot_P.reshape(t, k))
+
+
+# Tokens per step of the combine.
+COMBINE_TOKENS = 256
+
+
+def _combine(m_LR, l_LR, o_LRD, slot_TK, tokens_per_step: int | None = None):
+  """Each token's K partials, found at lanes slot_TK (L: none, a -1 slot),
+  merged by the log-sum-exp rule: (o_TRD normalised, lse_TR).
+
+  A loop over `tokens_per_step` tokens rather than one gather of all
+  [T, K, R, D] partials: that temporary is ~0.5 GB per group at 16k
+  tokens, a step's is a few MB, reused by the next step. Measured on the
+  benchmark shapes: the main branch 4% faster at 4k and 16k.
+  """
+  t, k = slot_TK.shape
+  n_lanes, r = m_LR.shape
+  d = o_LRD.shape[-1]
+  tc = min(tokens_per_step or COMBINE_TOKENS, t)
+  tp = _round_up(t, tc)
+  slot_TK = jnp.pad(slot_TK, ((0, tp - t), (0, 0)), constant_values=n_lanes)
+
+  def step(i, carry):
+    out_TRD, lse_TR = carry
+    slot = jax.lax.dynamic_slice_in_dim(slot_TK, i * tc, tc)
+    used = (slot < n_lanes)[..., None]
+    slot = jnp.minimum(slot, n_lanes - 1)
+    m_CKR = jnp.where(used, m_LR[slot], MASK_VALUE)
+    m_CR = m_CKR.max(axis=1)
+    w_CKR = jnp.where(used, jnp.exp(m_CKR - m_CR[:, None]), 0.0)
+    l_CR = (w_CKR * l_LR[slot]).sum(axis=1)
+    o_CRD = (w_CKR[..., None] * o_LRD[slot]).sum(axis=1)
+    # A query with no valid key (only padding visible): out 0, lse -inf.
+    empty = l_CR == 0.0
+    l_CR = jnp.where(empty, 1.0, l_CR)
+    lse_CR = jnp.where(empty, -jnp.inf, m_CR + jnp.log(l_CR))
+    put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, i * tc, 0)
+    return put(out_TRD, o_CRD / l_CR[..., None]), put(lse_TR, lse_CR)
+
+  init = like_inputs((jnp.zeros((tp, r, d), o_LRD.dtype),
+                      jnp.zeros((tp, r), jnp.float32)), o_LRD, m_LR, slot_TK)
+  out_TRD, lse_TR = jax.lax.fori_loop(0, tp // tc, step, init)
+  return out_TRD[:t], lse_TR[:t]
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,

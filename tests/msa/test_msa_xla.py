@@ -62,6 +62,28 @@ def test_forward_and_gradients_match_reference(dtype, tol):
     lib.assert_close(a, e, tol, f'd{name}')
 
 
+def test_combine_in_token_steps_matches_reference(monkeypatch):
+  # The combine walks the tokens COMBINE_TOKENS at a time; 7 does not
+  # divide the 40 tokens, so the last step holds padding tokens.
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
+  q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o, **SMALL)
+  slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o)
+  monkeypatch.setattr(xla, 'COMBINE_TOKENS', 7)
+  assert t % 7
+  got = jax.jit(fast)(q, kk, v)
+  want = slow(q, kk, v)
+  lib.assert_close(got[0], want[0], 1e-5, 'out')
+  lib.assert_close(got[1], want[1], 1e-5, 'lse')
+  g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
+  g_slow = jax.grad(_loss(slow, w), argnums=(0, 1, 2))(q, kk, v)
+  for name, a, e in zip('qkv', g_fast, g_slow):
+    lib.assert_close(a, e, 1e-5, f'd{name}')
+
+
 def test_shuffled_and_padded_selection_changes_nothing():
   b, t, s, g, r, d, di, c, k, o = lib.SHAPES['gqa']
   q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
