@@ -18,8 +18,9 @@ against a full [B, S, G, D] cache, `xla.msa_decode` vs three dense decodes:
 jax.nn.dot_product_attention with per-sequence lengths, the grouped einsum
 a GQA user writes (`grouped_dense_decode`: a group's queries against their
 one K/V), and `rows_dense_decode` (the cache read in row order).
-`speedup` is against the fastest, `speedup_vs_jax_nn` against the first; with the decode FLOP ratio of the
-same formula at one query position (`decode_flop_ratio`).
+`speedup` is against the fastest, `speedup_vs_jax_nn` against the first;
+with the decode FLOP ratio of the same formula at one query position
+(`decode_flop_ratio`).
 
 Every row carries `spread`, (max - min) / median over the interleaved
 repetitions; prefill rows also carry the speedup of each repetition.
@@ -232,21 +233,28 @@ def dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B, implementation=None):
   return out[:, 0]
 
 
+def _finish_decode(logits_BGRS, v_BSGD, lengths_B, out_dtype):
+  """Softmax over each sequence's live keys, then the values: [B, H, D]."""
+  b, g, r, s = logits_BGRS.shape
+  live_BS = jnp.arange(s)[None, :] < lengths_B[:, None]
+  logits_BGRS = jnp.where(live_BS[:, None, None, :], logits_BGRS, -jnp.inf)
+  p_BGRS = jax.nn.softmax(logits_BGRS, axis=-1)
+  out_BGRD = jnp.einsum('bgrs,bsgd->bgrd', p_BGRS.astype(v_BSGD.dtype),
+                        v_BSGD, preferred_element_type=jnp.float32)
+  return out_BGRD.reshape(b, g * r, -1).astype(out_dtype)
+
+
 def grouped_dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
   """The same decode as dense_decode, written for GQA: each group's R
-  queries against its one shared K/V, which is read once (jax.nn's
-  attention may repeat K/V per query head: R x the bytes)."""
+  queries against its one shared K/V, which is read once (an attention
+  that repeats K/V per query head reads R x the bytes; XLA:CPU's jax.nn
+  path measured no slower than this)."""
   b, h, d = q_BHD.shape
   g = k_BSGD.shape[2]
   q_BGRD = q_BHD.reshape(b, g, h // g, d)
   logits_BGRS = jnp.einsum('bgrd,bsgd->bgrs', q_BGRD, k_BSGD,
                            preferred_element_type=jnp.float32) / np.sqrt(d)
-  live_BS = jnp.arange(k_BSGD.shape[1])[None, :] < lengths_B[:, None]
-  logits_BGRS = jnp.where(live_BS[:, None, None, :], logits_BGRS, -jnp.inf)
-  p_BGRS = jax.nn.softmax(logits_BGRS, axis=-1)
-  out_BGRD = jnp.einsum('bgrs,bsgd->bgrd', p_BGRS.astype(v_BSGD.dtype),
-                        v_BSGD, preferred_element_type=jnp.float32)
-  return out_BGRD.reshape(b, h, d).astype(q_BHD.dtype)
+  return _finish_decode(logits_BGRS, v_BSGD, lengths_B, q_BHD.dtype)
 
 
 def rows_dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
@@ -263,12 +271,8 @@ def rows_dense_decode(q_BHD, k_BSGD, v_BSGD, lengths_B):
                      jnp.eye(g, dtype=q_BHD.dtype)).reshape(b, h, g * d)
   logits_BHS = jnp.einsum('bsx,bhx->bhs', k_BSGD.reshape(b, s, g * d), q_BHX,
                           preferred_element_type=jnp.float32)
-  live_BS = jnp.arange(s)[None, :] < lengths_B[:, None]
-  logits_BHS = jnp.where(live_BS[:, None, :], logits_BHS, -jnp.inf)
-  p_BGRS = jax.nn.softmax(logits_BHS, axis=-1).reshape(b, g, r, s)
-  out_BGRD = jnp.einsum('bgrs,bsgd->bgrd', p_BGRS.astype(v_BSGD.dtype),
-                        v_BSGD, preferred_element_type=jnp.float32)
-  return out_BGRD.reshape(b, h, d).astype(q_BHD.dtype)
+  return _finish_decode(logits_BHS.reshape(b, g, r, s), v_BSGD, lengths_B,
+                        q_BHD.dtype)
 
 
 def time_calls(fn, args, n_calls: int) -> float:
@@ -279,6 +283,11 @@ def time_calls(fn, args, n_calls: int) -> float:
     out = fn(*args)
   jax.block_until_ready(out)
   return (time.perf_counter() - t0) / n_calls
+
+
+def error_text(e: Exception) -> str:
+  """An exception as one bounded line for a benchmark row."""
+  return f'{type(e).__name__}: {e}'[:1500]
 
 
 def measure(fns: dict, repeats: int, budget_s: float = 0.05,
@@ -300,7 +309,7 @@ def measure(fns: dict, repeats: int, budget_s: float = 0.05,
       if errors is None:
         raise
       compiled.pop(name, None)
-      errors[name] = f'{type(e).__name__}: {e}'[:1500]
+      errors[name] = error_text(e)
   n_calls = {name: max(1, min(max_calls,
                               int(budget_s / max(time_calls(f, a, 1), 1e-6))))
              for name, (f, a) in compiled.items()}

@@ -290,7 +290,7 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
     sel = jax.block_until_ready(jax.jit(select)(qi, ki, off))
   except Exception as e:  # pylint: disable=broad-except
     # The main branch is still timed, on the XLA path's selection.
-    errors['index'] = f'{type(e).__name__}: {e}'[:1500]
+    errors['index'] = benchmark.error_text(e)
     sel = jax.jit(functools.partial(xla.selection_BGTK, **kw))(qi, ki)
   main = lambda q, k, v, sel: pallas_path.sparse_attention(
       q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret)
@@ -321,8 +321,8 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
   for key, num, den in (('speedup', 'dense', 'msa'),
                         ('index_speedup_vs_fused', 'index_fused', 'index'),
                         ('main_speedup_vs_token', 'main_token', 'main')):
-    if _ratio(med, num, den) is not None:
-      row[key] = _ratio(med, num, den)
+    if (ratio := _ratio(med, num, den)) is not None:
+      row[key] = ratio
   if t <= cfg.train_max_len and clock.ok():
     tmed, tspread, terrs = _measure(cfg, {
         'dense_train': (_grad_of_sum(dense), (q, k, v)),
@@ -332,9 +332,8 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
             lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))})
     errors.update(terrs)
     row.update({f'{name}_s': sec for name, sec in tmed.items()})
-    if _ratio(tmed, 'dense_train', 'msa_train') is not None:
-      row['train_speedup_main_only'] = _ratio(tmed, 'dense_train',
-                                              'msa_train')
+    if (ratio := _ratio(tmed, 'dense_train', 'msa_train')) is not None:
+      row['train_speedup_main_only'] = ratio
     row['spread'].update(tspread)
   elif t <= cfg.train_max_len:
     row['train_skipped'] = 'deadline'
@@ -359,8 +358,8 @@ def decode(cfg: GPUBench, s: int, impl: str) -> dict:
   row = {'cache_len': s, 'batch': b, 'decode_flop_ratio': dense_f / msa_f,
          'spread': spread}
   row.update({f'decode_{name}_s': sec for name, sec in med.items()})
-  if _ratio(med, 'dense', 'msa') is not None:
-    row['decode_speedup'] = _ratio(med, 'dense', 'msa')
+  if (ratio := _ratio(med, 'dense', 'msa')) is not None:
+    row['decode_speedup'] = ratio
   if errors:
     row['kernel_errors'] = errors
   return row
