@@ -94,6 +94,7 @@ left=$(( BUDGET - (SECONDS - START) ))
 timeout $(( left > 20 ? left - 15 : 5 )) \
     "$PY" -m experiments.bench_msa --device=gpu --seq_lens="$SEQ_LENS" \
     --decode_lens="$DECODE_LENS" --deadline_s=$(( left > 75 ? left - 75 : 0 )) \
+    --results_dir="$( [ "$DRY_RUN" = 1 ] && echo "$LOGDIR" || echo results )" \
     $( [ "$DRY_RUN" = 1 ] && echo --dry_run ) \
     ${BENCH_REPEATS:+--repeats="$BENCH_REPEATS"} 2>&1 | tee "$LOGDIR/bench_msa.log"
 bench_rc=${PIPESTATUS[0]}

@@ -24,7 +24,14 @@ def _run(tmp_path, budget: int):
 
 
 def test_dry_run_writes_a_complete_summary(tmp_path):
+  measured = os.path.join(ROOT, 'results', 'bench_msa_gpu.json')
+  before = open(measured).read() if os.path.exists(measured) else None
   proc, out = _run(tmp_path, budget=400)
+  # The dry run's toy bench lands beside its logs, never over a GPU's
+  # measurement in results/.
+  assert (tmp_path / 'bench_msa_gpu.json').exists()
+  assert (open(measured).read() if os.path.exists(measured)
+          else None) == before
   bench = out['bench_msa']
   assert bench.get('complete'), proc.stdout[-3000:] + proc.stderr[-3000:]
   assert out['tests']['skipped'] > 0 and out['tests']['failed'] == 0
