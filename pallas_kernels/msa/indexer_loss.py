@@ -113,9 +113,8 @@ def indexer_kl_loss(q_BTHD, k_BSGD, qi_BTGI, ki_BSI, sel_BGTK, lse_BTH, *,
                        pairs_per_tile=pairs_per_tile,
                        tiles_per_step=tiles_per_step)
 
-  kl_XT = jax.lax.map(one_group, args,
-                      batch_size=xla.groups_per_step(
-                          b * g, t * sel_XTK.shape[-1] * r * (d + di)))
+  kl_XT = xla.map_groups(one_group, args,
+                         t * sel_XTK.shape[-1] * r * (d + di))
   if weight_BT is None:
     return kl_XT.mean()
   kl_BT = kl_XT.reshape(b, g, t).mean(axis=1)

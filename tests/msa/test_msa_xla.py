@@ -62,26 +62,70 @@ def test_forward_and_gradients_match_reference(dtype, tol):
     lib.assert_close(a, e, tol, f'd{name}')
 
 
-def test_combine_in_token_steps_matches_reference(monkeypatch):
-  # The combine walks the tokens COMBINE_TOKENS at a time; 7 does not
-  # divide the 40 tokens, so the last step holds padding tokens.
+@pytest.mark.parametrize('pairs_per_tile,tiles_per_step', [(1, 1), (3, 4),
+                                                          (3, 5), (64, 2)])
+def test_merge_in_place_any_tile_size_matches_reference(pairs_per_tile,
+                                                        tiles_per_step):
+  # Tiles merge into their tokens' rows. One lane a tile and a step (every
+  # pair its own step); 3 lanes (most tiles part-filled: spare rows take the
+  # empty lanes), 4 or 5 tiles a step (a step's tiles share tokens, merged
+  # in turn); 64 lanes (more than most blocks' pairs). All give the
+  # reference's numbers and gradients.
   b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
   q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di)
   sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
   fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
-                           q_offset=o, **SMALL)
+                           q_offset=o, pairs_per_tile=pairs_per_tile,
+                           tiles_per_step=tiles_per_step)
   slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
                            q_offset=o)
-  monkeypatch.setattr(xla, 'COMBINE_TOKENS', 7)
-  assert t % 7
-  got = jax.jit(fast)(q, kk, v)
-  want = slow(q, kk, v)
+  got, want = jax.jit(fast)(q, kk, v), slow(q, kk, v)
   lib.assert_close(got[0], want[0], 1e-5, 'out')
   lib.assert_close(got[1], want[1], 1e-5, 'lse')
   g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
   g_slow = jax.grad(_loss(slow, w), argnums=(0, 1, 2))(q, kk, v)
   for name, a, e in zip('qkv', g_fast, g_slow):
     lib.assert_close(a, e, 1e-5, f'd{name}')
+
+
+@pytest.mark.parametrize('floats_per_group,batched', [(1 << 40, False),
+                                                      (1, True)])
+def test_map_groups_vmaps_only_more_than_one_group(floats_per_group,
+                                                   batched):
+  # One group a step must run unbatched: a batch of one would turn the tile
+  # loop's dynamic slices into gathers (1.8x slower at 16k). The probe's
+  # dynamic_slice stays one only when the map does not vmap it.
+  def probe(args):
+    x_N, i = args
+    return jax.lax.dynamic_slice_in_dim(x_N, i, 2).sum()
+
+  x_GN = jnp.arange(24.0).reshape(4, 6)
+  i_G = jnp.array([0, 1, 2, 4])
+  fn = lambda x, i: xla.map_groups(probe, (x, i), floats_per_group)
+  jaxpr = str(jax.make_jaxpr(fn)(x_GN, i_G))
+  assert ('gather' in jaxpr) == batched
+  want = [float(x_GN[j, i:i + 2].sum()) for j, i in enumerate([0, 1, 2, 4])]
+  np.testing.assert_allclose(jax.jit(fn)(x_GN, i_G), want)
+
+
+def test_pack_pairs_key_sort_equals_argsort(monkeypatch):
+  # The one-key sort (block * P + pair) and the argsort it replaces where
+  # the key would overflow int32 pack the same tiles.
+  sel_TK = jnp.asarray(np.random.default_rng(0).integers(-1, 9, (50, 4)),
+                       jnp.int32)
+  n_tiles = xla.tile_shape(200, 9, 4, 1)[2]
+  want = xla.pack_pairs(sel_TK, 9, n_tiles, 4)
+  monkeypatch.setattr(xla, 'SORT_KEY_LIMIT', 0)
+  got = xla.pack_pairs(sel_TK, 9, n_tiles, 4)
+  for a, e in zip(got, want):
+    np.testing.assert_array_equal(a, e)
+  table_MQ, block_M, _ = want
+  # Every real pair sits in exactly one lane of a tile of its own block.
+  pairs = np.asarray(table_MQ)[np.asarray(table_MQ) < 200]
+  assert sorted(pairs) == [i for i in range(200) if sel_TK.reshape(-1)[i] >= 0]
+  rows, _ = np.nonzero(np.asarray(table_MQ) < 200)
+  np.testing.assert_array_equal(np.asarray(block_M)[rows],
+                                np.asarray(sel_TK).reshape(-1)[pairs])
 
 
 def test_shuffled_and_padded_selection_changes_nothing():
