@@ -247,14 +247,70 @@ def tile_shape(n_pairs: int, n_visible: int, pairs_per_tile: int | None = None,
   return q, mc, _round_up(raw, mc)
 
 
+def _local_partials(q_TRD, k_NCD, v_NCD, valid_NC, has_local_T, p0: int):
+  """Each token against its own (diagonal) key block: (m_TR, l_TR, o_TRD).
+
+  The chunk's tokens are contiguous, so padded to whole blocks they line up
+  with the key blocks they sit in, and every block pays the same causal
+  mask: one [C*R, D] x [D, C] matmul per block, no gathers. Tokens whose
+  selection lacks their own block (has_local_T False) get l = 0.
+  """
+  t, r, d = q_TRD.shape
+  n, c = k_NCD.shape[:2]
+  lead, b0 = p0 % c, p0 // c
+  nb = -(-(lead + t) // c)
+  if b0 + nb > n:
+    raise ValueError(f'MSA: queries up to position {p0 + t - 1} but only '
+                     f'{n * c} key positions.')
+  pad = (lead, nb * c - lead - t)
+  q_JXD = jnp.pad(q_TRD, (pad, (0, 0), (0, 0))).reshape(nb, c * r, d)
+  has_JX = jnp.repeat(jnp.pad(has_local_T, pad).reshape(nb, c), r, axis=1)
+  # Row x of a block is its token x // R; it sees keys up to its position.
+  diag_XC = (jnp.arange(c * r)[:, None] // r) >= jnp.arange(c)[None, :]
+  args = (q_JXD, k_NCD[b0:b0 + nb], v_NCD[b0:b0 + nb], has_JX)
+  if valid_NC is not None:
+    args += (valid_NC[b0:b0 + nb],)
+
+  def one_block(args):
+    q_XD, k_CD, v_CD, has_X = args[:4]
+    visible_XC = diag_XC & has_X[:, None]
+    if len(args) > 4:
+      visible_XC = visible_XC & args[4][None, :]
+    logits_XC = jnp.where(visible_XC, q_XD @ k_CD.T, MASK_VALUE)
+    m_X = logits_XC.max(axis=-1)
+    p_XC = jnp.where(visible_XC, jnp.exp(logits_XC - m_X[:, None]), 0.0)
+    return m_X, p_XC.sum(axis=-1), p_XC @ v_CD
+
+  m_JX, l_JX, o_JXD = jax.lax.map(one_block, args,
+                                  batch_size=min(nb, LOCAL_BLOCKS_PER_STEP))
+  rows = slice(lead, lead + t)
+  return (m_JX.reshape(nb * c, r)[rows], l_JX.reshape(nb * c, r)[rows],
+          o_JXD.reshape(nb * c, r, d)[rows])
+
+
+# Diagonal blocks per step of `_local_partials`.
+LOCAL_BLOCKS_PER_STEP = 4
 # Tiles a loop step merges one after another (unrolled), at most.
 MERGE_TILES_PER_STEP = 4
+
+
+def _merge(m_QR, l_QR, o_QRD, m_part_QR, l_part_QR, o_part_QRD):
+  """Running rows (m, l, o) plus one partial, by the log-sum-exp rule."""
+  m_out = jnp.maximum(m_QR, m_part_QR)
+  w_old, w_new = jnp.exp(m_QR - m_out), jnp.exp(m_part_QR - m_out)
+  return (m_out, w_old * l_QR + w_new * l_part_QR,
+          w_old[..., None] * o_QRD + w_new[..., None] * o_part_QRD)
 
 
 def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
                      q_offset: int, n_visible: int, pairs_per_tile: int | None,
                      tiles_per_step: int | None):
   """Key-centric attention of the query chunk starting at t0 (one group).
+
+  A token's own block is the only selected block it sees in part: it goes
+  to `_local_partials`, one causal diagonal pass. Every other selected
+  block is wholly visible (a block after the token's own is dropped: it
+  holds no visible key), so the pair tiles need no causal mask.
 
   A tile's lanes are Q pairs that read the same key block, so they belong
   to Q distinct tokens. A loop step computes the partial (max, sum, out) of
@@ -270,62 +326,67 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
   t, r, d = q_TRD.shape
   k = sel_TK.shape[1]
   c = k_NCD.shape[1]
+  p0 = t0 + q_offset
+  sel_TK = jax.lax.stop_gradient(sel_TK)
+  local_T = (p0 + jnp.arange(t, dtype=jnp.int32)) // c
+  is_local_TK = sel_TK == local_T[:, None]
+  far_TK = jnp.where(is_local_TK | (sel_TK > local_T[:, None]), -1, sel_TK)
   if tiles_per_step is None:
     tiles_per_step = min(MERGE_TILES_PER_STEP,
                          tile_shape(t * k, n_visible, pairs_per_tile)[1])
   q, mc, n_tiles = tile_shape(t * k, n_visible, pairs_per_tile,
                               tiles_per_step)
-  table_MQ, block_M, _ = pack_pairs(
-      jax.lax.stop_gradient(sel_TK), k_NCD.shape[0], n_tiles, q)
+  table_MQ, block_M, _ = pack_pairs(far_TK, k_NCD.shape[0], n_tiles, q)
   # Scaling the T*R query rows once, not the P*R*C logits.
   q_TRD = q_TRD * (1.0 / math.sqrt(d))
   # An empty lane writes to its own spare row t + lane, so the Q rows a
   # tile scatters to are always distinct (a unique-index scatter, whose
-  # derivative is a plain gather/scatter pair).
+  # derivative is a plain gather/scatter pair). What it computes there (on
+  # real rows and keys, so finite) is never read.
   spare_Q = t + jnp.arange(q, dtype=jnp.int32)
 
   def step(i, carry):
     table_SQ = jax.lax.dynamic_slice_in_dim(table_MQ, i * mc, mc)
     block_S = jax.lax.dynamic_slice_in_dim(block_M, i * mc, mc)
-    real_SQ = table_SQ < t * k
-    tok_SQ = jnp.where(real_SQ, table_SQ // k, spare_Q)
-    q_SXD = q_TRD[jnp.minimum(tok_SQ, t - 1)].reshape(mc, q * r, d)
-    logits_SXC = jnp.einsum('sxd,scd->sxc', q_SXD, k_NCD[block_S])
-    kpos_SC = block_S[:, None] * c + jnp.arange(c)
-    visible_SQC = (kpos_SC[:, None, :] <=
-                   (tok_SQ + t0 + q_offset)[:, :, None]) & real_SQ[..., None]
-    if valid_NC is not None:
-      visible_SQC = visible_SQC & valid_NC[block_S][:, None, :]
-    visible_SXC = jnp.repeat(visible_SQC, r, axis=1)
-    logits_SXC = jnp.where(visible_SXC, logits_SXC, MASK_VALUE)
-    m_SX = logits_SXC.max(axis=-1)
-    # Masked keys weigh exactly 0, also in a row with no visible key at all.
-    p_SXC = jnp.where(visible_SXC, jnp.exp(logits_SXC - m_SX[..., None]), 0.0)
-    l_SX = p_SXC.sum(axis=-1)
-    o_SXD = jnp.einsum('sxc,scd->sxd', p_SXC, v_NCD[block_S])
-    m_TR, l_TR, o_TRD = carry
-    # Tiles of one step may share tokens (different blocks): merged in turn.
-    for j in range(mc):
-      tok_Q = tok_SQ[j]
-      m_old_QR = m_TR[tok_Q]
-      m_QR = m_SX[j].reshape(q, r)
-      m_new_QR = jnp.maximum(m_old_QR, m_QR)
-      w_old_QR = jnp.exp(m_old_QR - m_new_QR)
-      w_QR = jnp.exp(m_QR - m_new_QR)
-      l_QR = w_old_QR * l_TR[tok_Q] + w_QR * l_SX[j].reshape(q, r)
-      o_QRD = (w_old_QR[..., None] * o_TRD[tok_Q]
-               + w_QR[..., None] * o_SXD[j].reshape(q, r, d))
-      put = lambda buf, x: buf.at[tok_Q].set(x, unique_indices=True)
-      m_TR, l_TR, o_TRD = put(m_TR, m_new_QR), put(l_TR, l_QR), put(o_TRD,
-                                                                   o_QRD)
-    return m_TR, l_TR, o_TRD
+
+    def merge_tiles(carry):
+      tok_SQ = jnp.where(table_SQ < t * k, table_SQ // k, spare_Q)
+      q_SXD = q_TRD[jnp.minimum(tok_SQ, t - 1)].reshape(mc, q * r, d)
+      logits_SXC = jnp.einsum('sxd,scd->sxc', q_SXD, k_NCD[block_S])
+      if valid_NC is not None:
+        ok_S1C = valid_NC[block_S][:, None, :]
+        logits_SXC = jnp.where(ok_S1C, logits_SXC, MASK_VALUE)
+      m_SX = logits_SXC.max(axis=-1)
+      p_SXC = jnp.exp(logits_SXC - m_SX[..., None])
+      if valid_NC is not None:
+        # Padding keys weigh exactly 0, also in a row with none valid.
+        p_SXC = jnp.where(ok_S1C, p_SXC, 0.0)
+      l_SX = p_SXC.sum(axis=-1)
+      o_SXD = jnp.einsum('sxc,scd->sxd', p_SXC, v_NCD[block_S])
+      m_TR, l_TR, o_TRD = carry
+      # Tiles of one step may share tokens (other blocks): merged in turn.
+      for j in range(mc):
+        tok_Q = tok_SQ[j]
+        rows = _merge(m_TR[tok_Q], l_TR[tok_Q], o_TRD[tok_Q],
+                      m_SX[j].reshape(q, r), l_SX[j].reshape(q, r),
+                      o_SXD[j].reshape(q, r, d))
+        m_TR, l_TR, o_TRD = (buf.at[tok_Q].set(x, unique_indices=True)
+                             for buf, x in zip((m_TR, l_TR, o_TRD), rows))
+      return m_TR, l_TR, o_TRD
+
+    # Tiles fill from the front; the tile bound leaves empty ones at the end
+    # (about 1/8 of them at 32k), skipped here.
+    return jax.lax.cond(table_SQ[0, 0] < t * k, merge_tiles, lambda x: x,
+                        carry)
 
   init = like_inputs((jnp.full((t + q, r), MASK_VALUE, jnp.float32),
                       jnp.zeros((t + q, r), jnp.float32),
                       jnp.zeros((t + q, r, d), jnp.float32)),
                      q_TRD, k_NCD, v_NCD, table_MQ)
   m_TR, l_TR, o_TRD = jax.lax.fori_loop(0, n_tiles // mc, step, init)
-  m_TR, l_TR, o_TRD = m_TR[:t], l_TR[:t], o_TRD[:t]
+  local = _local_partials(q_TRD, k_NCD, v_NCD, valid_NC,
+                          is_local_TK.any(axis=-1), p0)
+  m_TR, l_TR, o_TRD = _merge(m_TR[:t], l_TR[:t], o_TRD[:t], *local)
   # A query with no valid key (only padding visible): out 0, lse -inf.
   empty = l_TR == 0.0
   l_TR = jnp.where(empty, 1.0, l_TR)
