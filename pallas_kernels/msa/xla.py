@@ -17,7 +17,8 @@ of docs/design.md §6.6 instead of the reference's dense O(T*S):
   into their running rows by the log-sum-exp rule, exactly as flash
   attention merges key tiles.
 
-Everything is differentiable by autodiff (gathers transpose to scatter-adds).
+The index branch is differentiable by autodiff; the main branch has its own
+backward (`_attend_bwd`, flash attention's, over the same tiles).
 kv_valid_BS (bool [B, S], None = all valid) masks padding keys in both
 branches, as in `reference.py` (docs/design.md §6.9).
 
@@ -302,6 +303,23 @@ def _merge(m_QR, l_QR, o_QRD, m_part_QR, l_part_QR, o_part_QRD):
           w_old[..., None] * o_QRD + w_new[..., None] * o_part_QRD)
 
 
+def _plan(sel_TK, n_blocks: int, c: int, p0: int, n_visible: int,
+          pairs_per_tile: int | None, tiles_per_step: int | None):
+  """The chunk's pair tiles, own blocks left out: (table_MQ, block_M,
+  has_local_T, (Q, tiles per step, tile count))."""
+  t, k = sel_TK.shape
+  sel_TK = jax.lax.stop_gradient(sel_TK)
+  local_T = (p0 + jnp.arange(t, dtype=jnp.int32)) // c
+  is_local_TK = sel_TK == local_T[:, None]
+  far_TK = jnp.where(is_local_TK | (sel_TK > local_T[:, None]), -1, sel_TK)
+  if tiles_per_step is None:
+    tiles_per_step = min(MERGE_TILES_PER_STEP,
+                         tile_shape(t * k, n_visible, pairs_per_tile)[1])
+  shape = tile_shape(t * k, n_visible, pairs_per_tile, tiles_per_step)
+  table_MQ, block_M, _ = pack_pairs(far_TK, n_blocks, shape[2], shape[0])
+  return table_MQ, block_M, is_local_TK.any(axis=-1), shape
+
+
 def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
                      q_offset: int, n_visible: int, pairs_per_tile: int | None,
                      tiles_per_step: int | None):
@@ -316,27 +334,16 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
   to Q distinct tokens. A loop step computes the partial (max, sum, out) of
   its tiles in one batch, then merges tile after tile straight into those
   tokens' running rows, as flash attention merges a key tile: gather the
-  rows, rescale, add, scatter back. No per-pair partials are held. Two
-  costs came with holding them (P*R*D floats, 1.2 GB per group at 32k) and
-  merging them afterwards; measured at 16k-32k, the forward is 1.2x faster
-  without. The backward is about 9x faster: a gather of the partials inside
-  a merge loop transposes into a scatter-add into a zeroed full-size
-  buffer, one per loop step.
+  rows, rescale, add, scatter back. No per-pair partials are held (P*R*D
+  floats, 1.2 GB per group at 32k) nor merged afterwards: measured at
+  16k-32k, the forward is 1.2x faster without.
   """
   t, r, d = q_TRD.shape
   k = sel_TK.shape[1]
-  c = k_NCD.shape[1]
   p0 = t0 + q_offset
-  sel_TK = jax.lax.stop_gradient(sel_TK)
-  local_T = (p0 + jnp.arange(t, dtype=jnp.int32)) // c
-  is_local_TK = sel_TK == local_T[:, None]
-  far_TK = jnp.where(is_local_TK | (sel_TK > local_T[:, None]), -1, sel_TK)
-  if tiles_per_step is None:
-    tiles_per_step = min(MERGE_TILES_PER_STEP,
-                         tile_shape(t * k, n_visible, pairs_per_tile)[1])
-  q, mc, n_tiles = tile_shape(t * k, n_visible, pairs_per_tile,
-                              tiles_per_step)
-  table_MQ, block_M, _ = pack_pairs(far_TK, k_NCD.shape[0], n_tiles, q)
+  table_MQ, block_M, has_local_T, (q, mc, n_tiles) = _plan(
+      sel_TK, k_NCD.shape[0], k_NCD.shape[1], p0, n_visible, pairs_per_tile,
+      tiles_per_step)
   # Scaling the T*R query rows once, not the P*R*C logits.
   q_TRD = q_TRD * (1.0 / math.sqrt(d))
   # An empty lane writes to its own spare row t + lane, so the Q rows a
@@ -384,14 +391,120 @@ def _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0: int,
                       jnp.zeros((t + q, r, d), jnp.float32)),
                      q_TRD, k_NCD, v_NCD, table_MQ)
   m_TR, l_TR, o_TRD = jax.lax.fori_loop(0, n_tiles // mc, step, init)
-  local = _local_partials(q_TRD, k_NCD, v_NCD, valid_NC,
-                          is_local_TK.any(axis=-1), p0)
+  local = _local_partials(q_TRD, k_NCD, v_NCD, valid_NC, has_local_T, p0)
   m_TR, l_TR, o_TRD = _merge(m_TR[:t], l_TR[:t], o_TRD[:t], *local)
   # A query with no valid key (only padding visible): out 0, lse -inf.
   empty = l_TR == 0.0
   l_TR = jnp.where(empty, 1.0, l_TR)
   lse_TR = jnp.where(empty, -jnp.inf, m_TR + jnp.log(l_TR))
   return o_TRD / l_TR[..., None], lse_TR
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attend(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0, q_offset, n_visible,
+            pairs_per_tile, tiles_per_step):
+  """`_chunk_attention` with a flash-attention backward (`_attend_bwd`)."""
+  return _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0,
+                          q_offset, n_visible, pairs_per_tile, tiles_per_step)
+
+
+def _attend_fwd(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0, q_offset,
+                n_visible, pairs_per_tile, tiles_per_step):
+  o_TRD, lse_TR = _chunk_attention(q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, t0,
+                                   q_offset, n_visible, pairs_per_tile,
+                                   tiles_per_step)
+  return (o_TRD, lse_TR), (q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, o_TRD,
+                           lse_TR)
+
+
+def _attend_bwd(t0, q_offset, n_visible, pairs_per_tile, tiles_per_step,
+                res, cts):
+  """Flash attention's backward over the forward's tiles and diagonal pass.
+
+  With p = exp(logits - lse) from the saved lse, each tile adds p^T dO to
+  dV, dS^T Q to dK and dS K to dQ, dS = p * (dO.V^T - (dO.O - dlse)), all
+  by scatter-adds into carried buffers. Autodiff of the forward loop
+  instead accumulated each gather's cotangent into a zeroed full-size copy
+  of Q, K and V every loop step (measured 4.6x slower at 8k).
+  """
+  q_TRD, k_NCD, v_NCD, valid_NC, sel_TK, o_TRD, lse_TR = res
+  do_TRD, dlse_TR = cts
+  t, r, d = q_TRD.shape
+  n, c = k_NCD.shape[:2]
+  k = sel_TK.shape[1]
+  p0 = t0 + q_offset
+  table_MQ, block_M, has_local_T, (q, mc, n_tiles) = _plan(
+      sel_TK, n, c, p0, n_visible, pairs_per_tile, tiles_per_step)
+  scale = 1.0 / math.sqrt(d)
+  qs_TRD = q_TRD * scale
+  # A row with no visible key (lse -inf), and the spare rows, get p = 0.
+  lse_TR = jnp.where(jnp.isfinite(lse_TR), lse_TR, jnp.inf)
+  delta_TR = (do_TRD * o_TRD).sum(axis=-1) - dlse_TR
+  spare = ((0, q), (0, 0))
+  lse_pad = jnp.pad(lse_TR, spare, constant_values=jnp.inf)
+  delta_pad = jnp.pad(delta_TR, spare)
+  do_pad = jnp.pad(do_TRD, spare + ((0, 0),))
+  spare_Q = t + jnp.arange(q, dtype=jnp.int32)
+
+  def grads(q_XD, do_XD, lse_X, delta_X, k_CD, v_CD, ok_XC):
+    """(dq_XD, dk_CD, dv_CD) of one tile or diagonal block (q_XD scaled)."""
+    p_XC = jnp.exp(q_XD @ k_CD.T - lse_X[:, None])
+    if ok_XC is not None:
+      p_XC = jnp.where(ok_XC, p_XC, 0.0)
+    ds_XC = p_XC * (do_XD @ v_CD.T - delta_X[:, None])
+    return ds_XC @ k_CD, ds_XC.T @ q_XD, p_XC.T @ do_XD
+
+  def step(i, carry):
+    table_SQ = jax.lax.dynamic_slice_in_dim(table_MQ, i * mc, mc)
+    block_S = jax.lax.dynamic_slice_in_dim(block_M, i * mc, mc)
+
+    def add_tiles(carry):
+      dq_TRD, dk_NCD, dv_NCD = carry
+      tok_SQ = jnp.where(table_SQ < t * k, table_SQ // k, spare_Q)
+      rows = lambda x: x[tok_SQ].reshape(mc, q * r, *x.shape[2:])
+      ok = None
+      if valid_NC is not None:
+        ok = jnp.broadcast_to(valid_NC[block_S][:, None, :], (mc, q * r, c))
+      dq_SXD, dk_SCD, dv_SCD = jax.vmap(grads)(
+          rows(jnp.pad(qs_TRD, spare + ((0, 0),))), rows(do_pad),
+          rows(lse_pad), rows(delta_pad), k_NCD[block_S], v_NCD[block_S], ok)
+      dq_TRD = dq_TRD.at[tok_SQ.reshape(-1)].add(
+          dq_SXD.reshape(mc * q, r, d))
+      return (dq_TRD, dk_NCD.at[block_S].add(dk_SCD),
+              dv_NCD.at[block_S].add(dv_SCD))
+
+    return jax.lax.cond(table_SQ[0, 0] < t * k, add_tiles, lambda x: x,
+                        carry)
+
+  init = like_inputs((jnp.zeros((t + q, r, d), jnp.float32),
+                      jnp.zeros_like(k_NCD), jnp.zeros_like(v_NCD)),
+                     q_TRD, k_NCD, v_NCD, do_TRD, table_MQ)
+  dq_TRD, dk_NCD, dv_NCD = jax.lax.fori_loop(0, n_tiles // mc, step, init)
+
+  # The diagonal pass, block by block as in `_local_partials`.
+  lead, b0 = p0 % c, p0 // c
+  nb = -(-(lead + t) // c)
+  pad = ((lead, nb * c - lead - t),)
+  blocks = lambda x, fill=0.0: jnp.pad(
+      x, pad + ((0, 0),) * (x.ndim - 1), constant_values=fill).reshape(
+          nb, c * r, *x.shape[2:])
+  diag_XC = (jnp.arange(c * r)[:, None] // r) >= jnp.arange(c)[None, :]
+  ok_JXC = diag_XC & jnp.repeat(jnp.pad(has_local_T, pad).reshape(nb, c), r,
+                                axis=1)[..., None]
+  if valid_NC is not None:
+    ok_JXC = ok_JXC & valid_NC[b0:b0 + nb][:, None, :]
+  dq_JXD, dk_JCD, dv_JCD = jax.lax.map(
+      lambda a: grads(*a), (blocks(qs_TRD), blocks(do_TRD),
+                            blocks(lse_TR, jnp.inf), blocks(delta_TR),
+                            k_NCD[b0:b0 + nb], v_NCD[b0:b0 + nb], ok_JXC),
+      batch_size=min(nb, LOCAL_BLOCKS_PER_STEP))
+  dq_TRD = dq_TRD[:t] + dq_JXD.reshape(nb * c, r, d)[lead:lead + t]
+  dk_NCD = dk_NCD.at[b0:b0 + nb].add(dk_JCD)
+  dv_NCD = dv_NCD.at[b0:b0 + nb].add(dv_JCD)
+  return dq_TRD * scale, dk_NCD, dv_NCD, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
@@ -433,7 +546,7 @@ def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, *, block_size: int,
     for t0 in range(0, t, q_chunk):
       t1 = min(t0 + q_chunk, t)
       n_visible = min(n, (t1 - 1 + q_offset) // block_size + 1)
-      o, lse = _chunk_attention(q_TRD[t0:t1], k_NCD, v_NCD, valid_NC,
+      o, lse = _attend(q_TRD[t0:t1], k_NCD, v_NCD, valid_NC,
                                 sel_TK[t0:t1], t0, q_offset, n_visible,
                                 pairs_per_tile, tiles_per_step)
       outs.append(o)

@@ -128,6 +128,38 @@ def test_pack_pairs_key_sort_equals_argsort(monkeypatch):
                                 np.asarray(sel_TK).reshape(-1)[pairs])
 
 
+def test_selection_without_own_block_or_with_a_later_one_matches_reference():
+  # The own block takes the diagonal pass and the other blocks the unmasked
+  # tiles; a selection may lack the own block (those tokens get no
+  # diagonal partial) or name a later block (no key of it is visible).
+  # Offset 60 with blocks of 16: the chunk starts mid-block.
+  b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
+  q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di)
+  sel = np.array(ref.selection_BGTK(qi, ki, block_size=c, top_k=k,
+                                    q_offset=o))
+  own_T = (o + np.arange(t)) // c
+  n_blocks = -(-s // c)
+  for tt in range(t):
+    own = sel[:, :, tt] == own_T[tt]
+    if tt % 3 == 0:
+      sel[:, :, tt][own] = -1
+    elif tt % 3 == 1 and own_T[tt] + 1 < n_blocks:
+      sel[:, :, tt][own] = own_T[tt] + 1
+  assert (sel == own_T[None, None, :, None]).any(-1).mean() < 0.75
+  sel = jnp.asarray(sel)
+  fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o, **SMALL)
+  slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o)
+  got, want = jax.jit(fast)(q, kk, v), slow(q, kk, v)
+  lib.assert_close(got[0], want[0], 1e-5, 'out')
+  lib.assert_close(got[1], want[1], 1e-5, 'lse')
+  g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
+  g_slow = jax.grad(_loss(slow, w), argnums=(0, 1, 2))(q, kk, v)
+  for name, a, e in zip('qkv', g_fast, g_slow):
+    lib.assert_close(a, e, 1e-5, f'd{name}')
+
+
 def test_shuffled_and_padded_selection_changes_nothing():
   b, t, s, g, r, d, di, c, k, o = lib.SHAPES['gqa']
   q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
