@@ -62,6 +62,21 @@ def test_forward_and_gradients_match_reference(dtype, tol):
     lib.assert_close(a, e, tol, f'd{name}')
 
 
+def _check_sparse_against_reference(q, kk, v, w, sel, c, o, **tiles):
+  """xla.sparse_attention = the reference: out, lse and their gradients."""
+  fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o, **tiles)
+  slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
+                           q_offset=o)
+  got, want = jax.jit(fast)(q, kk, v), slow(q, kk, v)
+  lib.assert_close(got[0], want[0], 1e-5, 'out')
+  lib.assert_close(got[1], want[1], 1e-5, 'lse')
+  g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
+  g_slow = jax.grad(_loss(slow, w), argnums=(0, 1, 2))(q, kk, v)
+  for name, a, e in zip('qkv', g_fast, g_slow):
+    lib.assert_close(a, e, 1e-5, f'd{name}')
+
+
 @pytest.mark.parametrize('pairs_per_tile,tiles_per_step', [(1, 1), (3, 4),
                                                           (3, 5), (64, 2)])
 def test_merge_in_place_any_tile_size_matches_reference(pairs_per_tile,
@@ -74,18 +89,9 @@ def test_merge_in_place_any_tile_size_matches_reference(pairs_per_tile,
   b, t, s, g, r, d, di, c, k, o = lib.SHAPES['ragged_chunk']
   q, kk, v, qi, ki, w = lib.make_inputs(b, t, s, g, r, d, di)
   sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
-  fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
-                           q_offset=o, pairs_per_tile=pairs_per_tile,
-                           tiles_per_step=tiles_per_step)
-  slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
-                           q_offset=o)
-  got, want = jax.jit(fast)(q, kk, v), slow(q, kk, v)
-  lib.assert_close(got[0], want[0], 1e-5, 'out')
-  lib.assert_close(got[1], want[1], 1e-5, 'lse')
-  g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
-  g_slow = jax.grad(_loss(slow, w), argnums=(0, 1, 2))(q, kk, v)
-  for name, a, e in zip('qkv', g_fast, g_slow):
-    lib.assert_close(a, e, 1e-5, f'd{name}')
+  _check_sparse_against_reference(q, kk, v, w, sel, c, o,
+                                  pairs_per_tile=pairs_per_tile,
+                                  tiles_per_step=tiles_per_step)
 
 
 @pytest.mark.parametrize('floats_per_group,batched', [(1 << 40, False),
@@ -146,18 +152,8 @@ def test_selection_without_own_block_or_with_a_later_one_matches_reference():
     elif tt % 3 == 1 and own_T[tt] + 1 < n_blocks:
       sel[:, :, tt][own] = own_T[tt] + 1
   assert (sel == own_T[None, None, :, None]).any(-1).mean() < 0.75
-  sel = jnp.asarray(sel)
-  fast = functools.partial(xla.sparse_attention, sel_BGTK=sel, block_size=c,
-                           q_offset=o, **SMALL)
-  slow = functools.partial(ref.sparse_attention, sel_BGTK=sel, block_size=c,
-                           q_offset=o)
-  got, want = jax.jit(fast)(q, kk, v), slow(q, kk, v)
-  lib.assert_close(got[0], want[0], 1e-5, 'out')
-  lib.assert_close(got[1], want[1], 1e-5, 'lse')
-  g_fast = jax.jit(jax.grad(_loss(fast, w), argnums=(0, 1, 2)))(q, kk, v)
-  g_slow = jax.grad(_loss(slow, w), argnums=(0, 1, 2))(q, kk, v)
-  for name, a, e in zip('qkv', g_fast, g_slow):
-    lib.assert_close(a, e, 1e-5, f'd{name}')
+  _check_sparse_against_reference(q, kk, v, w, jnp.asarray(sel), c, o,
+                                  **SMALL)
 
 
 def test_shuffled_and_padded_selection_changes_nothing():
