@@ -59,6 +59,11 @@ _SEQS = flags.DEFINE_integer('seqs_per_microbatch', 2,
 _TOKENS = flags.DEFINE_integer('tokens_per_seq', 4096, 'Tokens per sequence.')
 _REDUNDANT = flags.DEFINE_integer('redundant_slots', 2,
                                   'Redundant expert slots per device.')
+_STEP_TOKENS = flags.DEFINE_bool(
+    'balance_step_tokens', True, 'Choose each step\'s micro-steps for even '
+    'device token counts as well as their layout (the trainer\'s '
+    'rl.balance_step_tokens); off: only the layout within each micro-step '
+    '(rl.balance_device_tokens).')
 _TRACE = flags.DEFINE_string(
     'trace', None, 'A recorded load trace (.npz of foresight.traces) used '
     'instead of the synthetic one where its [M, L, D, E] fits a model and EP '
@@ -87,7 +92,8 @@ def main(argv):
   work_kwargs = dict(num_microsteps=_MICRO.value,
                      seqs_per_microbatch=_SEQS.value,
                      tokens_per_seq=_TOKENS.value,
-                     redundant_slots_per_device=_REDUNDANT.value)
+                     redundant_slots_per_device=_REDUNDANT.value,
+                     balance_step_tokens=_STEP_TOKENS.value)
   profiles = tuple(hardware.get_profile(p) for p in _PROFILES.value)
   devices = tuple(int(d) for d in _DEVICES.value)
   run = print_run_info({'experiment': 'simulate_cluster', 'models': _MODELS.value,

@@ -273,6 +273,16 @@ def validate_config(config) -> None:
     _validate_planner(config.planner)
   if 'rl' in config:
     _validate_rl(config.rl)
+    if config.rl.get('balance_step_tokens', False):
+      _require(not config.rl.get('balance_microbatches', False),
+               'rl.balance_step_tokens',
+               'and rl.balance_microbatches both choose which micro-step '
+               'holds a sample: turn one off')
+      _require(config.get('model') is None
+               or config.model.get('aux_loss_coef', 0.0) == 0.0,
+               'rl.balance_step_tokens',
+               'with model.aux_loss_coef > 0 would change the gradient (the '
+               'Switch balance loss is per micro-batch): turn one off')
     if 'parallel' in config:
       r, p = config.rl, config.parallel
       per_mb = r.prompts_per_step * r.num_generations // r.num_microbatches

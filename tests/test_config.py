@@ -49,6 +49,8 @@ BAD = [
     ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 0), '>= 1'),
     ('rl.num_microbatches', lambda c: setattr(c.rl, 'num_microbatches', 7), 'divisible by num_microbatches'),
     ('rl.eps_low', lambda c: setattr(c.rl, 'eps_low', 1.5), 'clip range'),
+    ('rl.balance_step_tokens', lambda c: (setattr(c.rl, 'balance_step_tokens', True), setattr(c.rl, 'balance_microbatches', True)), 'turn one off'),
+    ('rl.balance_step_tokens', lambda c: (setattr(c.rl, 'balance_step_tokens', True), setattr(c.model, 'aux_loss_coef', 0.01)), 'Switch balance loss'),
     ('rl.num_update_epochs', lambda c: setattr(c.rl, 'num_update_epochs', 0), '>= 1'),
     ('model.param_dtype', lambda c: setattr(c.model, 'param_dtype', 'float16'), 'bfloat16'),
     # Fields of the job around the model: each one is checked before any work.

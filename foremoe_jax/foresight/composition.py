@@ -37,6 +37,8 @@ balancing never makes the objective worse. Plain numpy.
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from foremoe_jax.foresight.loads import sample_expert_counts
@@ -173,3 +175,108 @@ def balance_device_tokens(microbatches, tokens_B,
     else:
       out.append(mb)
   return out
+
+
+def balance_step_tokens(tokens_B, num_microbatches: int,
+                        num_devices: int) -> list[np.ndarray]:
+  """M micro-batches chosen for even device token counts over the whole
+  step: which micro-step holds a sample as well as its device within it.
+
+  `balance_device_tokens` only reorders inside each micro-batch, so a
+  micro-batch that drew two long completions keeps one device near twice
+  the mean however its samples are laid out: on long-tailed RL lengths the
+  busiest sender, summed over micro-steps, stays ~1.7x the mean. The step
+  waits, micro-step after micro-step, for its busiest device, so the
+  objective here is the sum over micro-steps of the largest device count,
+  with every device holding P = B / (M D) samples (the update's shapes):
+
+    micro-steps are filled one at a time, heaviest first. The largest
+    sample left must run somewhere, and the least its device can then hold
+    is it plus the P - 1 smallest left: that is the micro-step's cap.
+    Each of its D devices takes the largest sample left, then, slot by
+    slot, the largest sample that keeps the device within the cap once its
+    remaining slots take the smallest samples left. So the long samples
+    share a micro-step whose every device is filled up to the cap, instead
+    of each long sample setting the pace of a micro-step of short ones.
+    The last micro-step takes what is left, laid out largest first onto
+    the emptiest device (LPT).
+
+  Two other compositions are scored beside it, and the one with the
+  lowest sum is returned (ties: the first): every sample LPT'd into M D
+  devices' worth of P samples, the devices then taken D at a time heaviest
+  first (contiguous runs of sorted loads minimise a sum of group maxima;
+  it wins on some small steps with P >= 4), and `balance_device_tokens`
+  of the in-order composition, so the result is never worse than what
+  that flag alone gives. The loss is a sum over
+  sequences with step-level normalisers (module docstring), so, as for
+  `balance_microbatches`, another composition changes only the float
+  summation order of the gradient.
+
+  tokens_B: [B] routed tokens per sample. Returns M int64 arrays,
+  device-major (chunk d is device d's samples, ascending within it).
+  Deterministic (ties: the lower sample index first).
+  """
+  tokens_B = np.asarray(tokens_B, np.int64).reshape(-1)
+  num_samples = len(tokens_B)
+  num_bins = num_microbatches * num_devices
+  if num_microbatches < 1 or num_devices < 1 or num_samples % num_bins:
+    raise ValueError(f'{num_samples} samples do not split into '
+                     f'{num_microbatches} micro-batches of whole sequences '
+                     f'over {num_devices} devices.')
+  per = num_samples // num_bins
+  # Samples left, ascending by (tokens, -index): the largest is at the end,
+  # and among equal counts the lower index is taken first.
+  left = sorted(range(num_samples), key=lambda b: (tokens_B[b], -b))
+  keys = [int(tokens_B[b]) for b in left]
+  def take(pos):
+    keys.pop(pos)
+    return left.pop(pos)
+  balanced = []
+  for _ in range(num_microbatches - 1):
+    cap = keys[-1] + sum(keys[:per - 1])
+    devices = []
+    for _ in range(num_devices):
+      chosen = [take(len(left) - 1)]
+      total = int(tokens_B[chosen[0]])
+      for slot in range(1, per):
+        rest = per - 1 - slot  # Slots after this one, for the smallest.
+        room = cap - total - sum(keys[:rest])
+        # The largest sample left that fits, outside the `rest` smallest
+        # (kept for the slots after); when none does, the smallest of them.
+        pos = max(rest, bisect.bisect_right(keys, room) - 1)
+        total += keys[pos]
+        chosen.append(take(pos))
+      devices.append(np.sort(np.asarray(chosen, np.int64)))
+    balanced.append(np.concatenate(devices))
+  balanced += balance_device_tokens([np.asarray(left, np.int64)], tokens_B,
+                                    num_devices)
+  candidates = [
+      balanced,
+      _sorted_bins(tokens_B, num_microbatches, num_devices, per),
+      balance_device_tokens(compose_microbatches(num_samples,
+                                                 num_microbatches),
+                            tokens_B, num_devices)]
+  costs = [int(device_token_loads(tokens_B, c, num_devices).max(1).sum())
+           for c in candidates]
+  return candidates[int(np.argmin(costs))]
+
+
+def _sorted_bins(tokens_B, num_microbatches, num_devices, per):
+  """Every sample LPT'd into M D bins of `per` (largest first into the
+  emptiest bin with room; ties: the lower bin), the bins heaviest first,
+  D to a micro-step."""
+  num_bins = num_microbatches * num_devices
+  load_K = np.zeros(num_bins, np.int64)
+  count_K = np.zeros(num_bins, np.int64)
+  bins = [[] for _ in range(num_bins)]
+  for b in np.lexsort((np.arange(len(tokens_B)), -tokens_B)):
+    room = np.flatnonzero(count_K < per)
+    k = int(room[np.argmin(load_K[room])])
+    bins[k].append(b)
+    load_K[k] += tokens_B[b]
+    count_K[k] += 1
+  by_load = np.lexsort((np.arange(num_bins), -load_K))
+  return [np.concatenate([np.sort(np.asarray(bins[k], np.int64))
+                          for k in by_load[m * num_devices:
+                                           (m + 1) * num_devices]])
+          for m in range(num_microbatches)]

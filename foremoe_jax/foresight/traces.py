@@ -82,6 +82,10 @@ class SyntheticTraceConfig:
   """Lay each micro-step's sequences out over the devices with
   `composition.balance_device_tokens` (as the trainer does with
   rl.balance_device_tokens) instead of in draw order."""
+  balance_step_tokens: bool = False
+  """Choose each step's micro-steps too, with
+  `composition.balance_step_tokens` (rl.balance_step_tokens); takes
+  precedence over balance_device_tokens."""
   seed: int = 0
 
   def __post_init__(self):
@@ -227,7 +231,16 @@ def synthetic_trace(cfg: SyntheticTraceConfig) -> Trace:
     p_QE = _sequence_distributions(cfg.seq_concentration * p_LKE[l, domain_Q],
                                    cfg.top_k, rng)
     loads_QLE[:, l] = rng.multinomial(tokens_Q * cfg.top_k, p_QE)
-  if cfg.balance_device_tokens:
+  if cfg.balance_step_tokens:
+    # A step's sequences are drawn independently, so choosing its
+    # micro-steps and devices is the trainer's composition, nothing more.
+    per_step = M * D * B
+    order = np.concatenate([
+        r * per_step + np.concatenate(composition.balance_step_tokens(
+            tokens_Q[r * per_step:(r + 1) * per_step], M, D))
+        for r in range(R)])
+    loads_QLE = loads_QLE[order]
+  elif cfg.balance_device_tokens:
     # Sequences of one micro-step are drawn independently, so reordering
     # them among its devices is the trainer's layout step, nothing more.
     per_mb = D * B

@@ -265,8 +265,13 @@ def samples_for_log(ctx: RLContext, prompts, ro, rewards) -> list[dict]:
 def compose(ctx: RLContext, ro, step: int):
   """Samples -> micro-batches (index arrays; chunk d of each is device d's
   sequences): which micro-step holds a sample (`rl.balance_microbatches`),
-  then its device within it (`rl.balance_device_tokens`)."""
+  then its device within it (`rl.balance_device_tokens`); or both at once
+  for even device token counts over the step (`rl.balance_step_tokens`)."""
   rl = ctx.config.rl
+  p = ctx.config.parallel
+  if rl.get('balance_step_tokens', False):
+    return composition.balance_step_tokens(
+        _routed_tokens(ro), rl.num_microbatches, p.num_data * p.num_expert)
   if not rl.balance_microbatches:
     mbs = composition.compose_microbatches(ro.tokens_BT.shape[0],
                                            rl.num_microbatches)
@@ -276,7 +281,6 @@ def compose(ctx: RLContext, ro, step: int):
         counts_BLE=_sample_counts(ctx, ro), num_experts=ctx.num_experts,
         balance=True, seed=ctx.config.seed + step)
   if rl.get('balance_device_tokens', False):
-    p = ctx.config.parallel
     mbs = composition.balance_device_tokens(mbs, _routed_tokens(ro),
                                             p.num_data * p.num_expert)
   return mbs

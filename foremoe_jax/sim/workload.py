@@ -141,6 +141,9 @@ class Workload:
   # Each micro-step's sequences laid out over the devices to even their
   # token counts (rl.balance_device_tokens), or in draw order.
   balance_device_tokens: bool = True
+  # Each step's micro-steps chosen for even device token counts too
+  # (rl.balance_step_tokens).
+  balance_step_tokens: bool = True
 
   def ep_size(self, model: ModelShape) -> int:
     """EP group: every device while experts go round, at most E devices."""
@@ -175,4 +178,5 @@ def synthetic_loads(model: ModelShape, work: Workload, num_steps: int = 2,
       tokens_per_seq=work.tokens_per_seq,
       hot_share_range=tuple(hot_share or HOT_SHARE.get(model.name,
                                                         (0.04, 0.06))),
-      balance_device_tokens=work.balance_device_tokens, seed=seed))
+      balance_device_tokens=work.balance_device_tokens,
+      balance_step_tokens=work.balance_step_tokens, seed=seed))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from foremoe_jax.foresight.composition import (balance_device_tokens,
+                                               balance_step_tokens,
                                                compose_microbatches,
                                                device_token_loads,
                                                max_expert_loads)
@@ -194,3 +195,64 @@ def test_device_tokens_only_reorder_and_never_worsen(seed):
   for m, mb in enumerate(mbs):
     assert after[m].max() <= after[m].mean() + tokens[mb].max()
   assert after.max() < before.max()  # Long tails: in order is uneven.
+
+
+def _step_cost(tokens, mbs, num_dev):
+  """Sum over micro-steps of the busiest device's tokens."""
+  return sum(max(int(tokens[chunk].sum())
+                 for chunk in np.split(np.asarray(mb), num_dev))
+             for mb in mbs)
+
+
+def test_step_tokens_hand_case():
+  """Two micro-steps of two devices, two samples each. In order, micro-batch
+  0 holds both long samples and its best layout still pairs 100 + 1 and
+  90 + 2 (max 101), micro-batch 1 lays 5..8 out as 13 + 13: 114 in all.
+  Over the step, micro-step 0's cap is 100 + 1; its second device takes 90
+  and the largest that fits, 8 (98); the rest go 7 + 2, 6 + 5: 101 + 11."""
+  tokens = np.array([100, 1, 90, 2, 5, 6, 7, 8])
+  before = balance_device_tokens(compose_microbatches(8, 2), tokens, 2)
+  assert _step_cost(tokens, before, 2) == 101 + 13
+  out = balance_step_tokens(tokens, 2, 2)
+  np.testing.assert_array_equal(out[0], [0, 1, 2, 7])
+  np.testing.assert_array_equal(out[1], [3, 6, 4, 5])
+  np.testing.assert_array_equal(device_token_loads(tokens, out, 2),
+                                [[101, 98], [9, 11]])
+  with pytest.raises(ValueError, match='whole sequences'):
+    balance_step_tokens(tokens, 3, 2)
+
+
+@pytest.mark.parametrize('num_mb,num_dev,per,at_most', [
+    (4, 8, 2, 0.85), (3, 4, 4, 0.95), (8, 8, 1, 0.7), (8, 64, 2, 0.6)])
+def test_step_tokens_partition_and_beat_the_microbatch_layout(
+    num_mb, num_dev, per, at_most):
+  """Every sample runs once, each device holds `per` of them (ascending),
+  and the step's sum of busiest-device tokens never exceeds laying out the
+  in-order micro-batches (`balance_device_tokens`). On long-tailed lengths
+  it is well below it: with one sample a device, at the optimum (each
+  micro-step a run of the sorted counts); over four draws, at most
+  `at_most` of it (measured 0.76, 0.93, 0.60, 0.49: the fewer samples a
+  device holds, the less its own layout can even out)."""
+  total_before, total_after = 0, 0
+  for seed in range(4):
+    rng = np.random.default_rng(seed)
+    num_samples = num_mb * num_dev * per
+    tokens = np.maximum(1, rng.lognormal(6, 0.6, num_samples)).astype(
+        np.int64)
+    out = balance_step_tokens(tokens, num_mb, num_dev)
+    assert len(out) == num_mb
+    np.testing.assert_array_equal(np.sort(np.concatenate(out)),
+                                  np.arange(num_samples))
+    for mb in out:
+      assert len(mb) == num_dev * per
+      for chunk in np.split(mb, num_dev):
+        assert (np.diff(chunk) > 0).all()
+    before = balance_device_tokens(compose_microbatches(num_samples, num_mb),
+                                   tokens, num_dev)
+    after_cost = _step_cost(tokens, out, num_dev)
+    assert after_cost <= _step_cost(tokens, before, num_dev)
+    if per == 1:
+      assert after_cost == np.sort(tokens)[::-num_dev].sum()
+    total_before += _step_cost(tokens, before, num_dev)
+    total_after += after_cost
+  assert total_after <= at_most * total_before, (total_after, total_before)

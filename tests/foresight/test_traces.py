@@ -123,3 +123,22 @@ def test_balanced_device_tokens_reorders_within_each_microstep():
   sent = lambda x: x[:, :, 0].sum(-1)  # [R, M, D] rows a device sends.
   assert (sent(even).max(-1) <= sent(plain).max(-1)).all()
   assert sent(even).max(-1).mean() < sent(plain).max(-1).mean()
+
+
+def test_balanced_step_tokens_recomposes_each_step():
+  """balance_step_tokens moves sequences between the micro-steps of a step,
+  never between steps: each step's loads summed over micro-steps and
+  devices are unchanged, and the step's busiest senders, summed over its
+  micro-steps, send fewer rows than with the layout-only balance."""
+  cfg = traces.SyntheticTraceConfig(num_steps=2, num_microsteps=4,
+                                    num_layers=2, num_experts=32, top_k=2,
+                                    num_devices=8, seqs_per_microbatch=2,
+                                    tokens_per_seq=64, seed=3)
+  layout = traces.synthetic_trace(dataclasses.replace(
+      cfg, balance_device_tokens=True)).loads_RMLDE
+  step = traces.synthetic_trace(dataclasses.replace(
+      cfg, balance_step_tokens=True)).loads_RMLDE
+  np.testing.assert_array_equal(layout.sum(axis=(1, 3)), step.sum(axis=(1, 3)))
+  assert not np.array_equal(layout.sum(axis=3), step.sum(axis=3))
+  sent = lambda x: x[:, :, 0].sum(-1).max(-1).sum(-1)  # [R] busiest, summed.
+  assert (sent(step) < sent(layout)).all()

@@ -155,7 +155,8 @@ def test_samples_for_log_decodes_the_first_sample_of_each_prompt():
 def test_compose_evens_device_tokens_only_when_asked():
   """rl.balance_device_tokens reorders each micro-batch so its devices hold
   even token counts (counted here from the valid mask); off, the order is
-  the composition's own."""
+  the composition's own. rl.balance_step_tokens chooses the micro-steps
+  too."""
   import types  # pylint: disable=import-outside-toplevel
   cfg = importlib.import_module('configs.tiny').get_config()
   cfg.rl.num_microbatches = 2
@@ -169,6 +170,7 @@ def test_compose_evens_device_tokens_only_when_asked():
   per_dev = lambda mbs: np.stack([
       (ro.valid_BT[:, :-1].sum(1))[mb].reshape(num_dev, -1).sum(1)
       for mb in mbs])
+  cfg.rl.balance_step_tokens = False
   cfg.rl.balance_device_tokens = False
   plain = trainer.compose(ctx, ro, 0)
   cfg.rl.balance_device_tokens = True
@@ -179,3 +181,17 @@ def test_compose_evens_device_tokens_only_when_asked():
   assert per_dev(plain)[0].max() >= 2 * t - 2
   assert per_dev(even).max() < per_dev(plain).max()
   assert per_dev(even)[0].max() <= t - 1 + 9
+  # Long samples in both micro-batches (every fourth): each micro-step
+  # waits for a long one. Over the step, they share micro-step 0, one a
+  # device, and micro-step 1 holds only short ones: the sum of the
+  # busiest devices drops, and the step's samples are the same.
+  long_B = np.arange(b) % 4 == 0
+  lengths = np.where(long_B, t, rng.integers(5, 10, b))
+  ro.valid_BT = np.arange(t)[None] < lengths[:, None]
+  even = trainer.compose(ctx, ro, 0)
+  cfg.rl.balance_step_tokens = True
+  step = trainer.compose(ctx, ro, 0)
+  np.testing.assert_array_equal(np.sort(np.concatenate(step)), np.arange(b))
+  assert long_B[step[0]].sum() == num_dev
+  assert per_dev(step)[1].max() < t - 1
+  assert per_dev(step).max(1).sum() < per_dev(even).max(1).sum()
