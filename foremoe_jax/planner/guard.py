@@ -95,9 +95,12 @@ def step_level(method: str, topo: Topology, cost: CostModel,
   if method == 'static':
     plan = baselines.plan_static(step_1LDE, topo, cost, current)
   elif method == 'eplb_step':
-    plan = baselines.plan_eplb_step(step_1LDE, topo, cost, current,
-                                    history_LE, home_anchor=config.home_anchor,
-                                    max_rounds=config.anchor_rounds)
+    # Its update's own plan: the placement packed from the history, each
+    # micro-step's tokens split evenly over the replicas. Splitting them by
+    # the step's exact loads instead would hand EPLB-step's recompute the
+    # foresight it does not have, and that its update does not use.
+    return run_method(method, topo, cost, config, loads_MLDE, current,
+                      history_LE, deadline=None)
   else:
     plan = foremoe.plan_step(step_1LDE, topo, cost, current,
                              dataclasses.replace(config, max_rounds=0))
@@ -250,8 +253,9 @@ class StepPlanner:
     """One placement for every micro-step, at once, from what the method
     knows before the step (synchronous; the recompute's plan, so that
     forward runs balanced while the micro-step plan is made): static the
-    home layout, EPLB-step its history, the foresight methods the step's
-    exact loads (the anchor and one token split, no moves). Made in this
+    home layout, EPLB-step its history (its update's plan, tokens split
+    evenly over replicas), the foresight methods the step's exact loads
+    (the anchor and one token split, no moves). Made in this
     thread even with workers: its output is mostly the shares of every
     micro-step, and copying them back from two processes made it slower
     than one thread (DeepSeek-V3-like, EP 256: 5.2 s vs 4.5 s, docs/

@@ -197,3 +197,32 @@ def test_submit_returns_at_once_and_finalize_runs_in_the_worker():
   np.testing.assert_array_equal(planner.current.slot_expert, first.slot_expert)
   assert planner.config.home_anchor
   planner.close()
+
+
+def test_eplb_step_recompute_plan_is_its_update_plan():
+  """EPLB-step plans from its history alone: its step-level plan (what the
+  recompute runs on) is its update's plan, each expert's tokens split
+  evenly over its replicas (counts within one of each other), not by the
+  step's exact loads."""
+  trace, topo = lib.one_node()
+  planner = guard.StepPlanner('eplb_step', topo, lib.COST,
+                              lib.identity_for(trace, topo), deadline_s=30.0)
+  planner.history_LE = trace.step(0).sum(axis=(0, 2)).astype(np.float64)
+  loads = trace.step(1)
+  step_level = planner.step_level_plan(loads)
+  update = planner.submit(loads).result()
+  assert not update.fell_back
+  np.testing.assert_array_equal(step_level.placement.slot_expert,
+                                update.placement.slot_expert)
+  np.testing.assert_array_equal(step_level.loads_MLD, update.loads_MLD)
+  se_LS = step_level.placement.slot_expert[0]
+  replicated = False
+  for m in range(loads.shape[0]):
+    slot_LS = np.asarray(step_level.slot_loads_MLS[m])
+    for l, se_S in enumerate(se_LS):
+      for e in np.unique(se_S):
+        got = slot_LS[l, se_S == e]
+        replicated |= len(got) > 1
+        assert got.max() - got.min() <= loads.shape[2], (m, l, e, got)
+  assert replicated  # The history makes EPLB replicate something.
+  planner.close()
