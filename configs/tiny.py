@@ -124,10 +124,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.balance_device_tokens = True
   # Choose the micro-steps too (foresight/composition.balance_step_tokens)
   # is off here: on a cluster a device's sends cost link time (the real
-  # configs turn it on), but simulated CPU devices share memory, and
-  # grouping the long samples concentrated their correlated routing in
-  # one micro-step (bench_rl_step: static's max/mean 2.50 -> 3.12, every
-  # method slower; docs/design.md).
+  # configs turn it on), but simulated CPU devices share memory, where no
+  # gain has been measured (docs/design.md).
   c.rl.balance_step_tokens = False
 
   c.planner = ml_collections.ConfigDict()
