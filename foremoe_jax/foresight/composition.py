@@ -160,21 +160,30 @@ def balance_device_tokens(microbatches, tokens_B,
       raise ValueError(f'a micro-batch of {len(mb)} samples does not split '
                        f'into whole sequences over {num_devices} devices.')
     per = len(mb) // num_devices
-    t = tokens_B[mb]
-    order = np.lexsort((mb, -t))  # Largest first; ties by sample index.
-    load_D = np.zeros(num_devices, np.int64)
-    bins = [[] for _ in range(num_devices)]
-    for i in order:
-      room = np.array([len(b) < per for b in bins])
-      d = int(np.flatnonzero(room)[np.argmin(load_D[room])])
-      bins[d].append(mb[i])
-      load_D[d] += t[i]
-    if load_D.max() < t.reshape(num_devices, per).sum(1).max():
-      out.append(np.concatenate([np.sort(np.asarray(b, np.int64))
-                                 for b in bins]))
+    bins, load_D = _lpt_bins(mb, tokens_B, num_devices, per)
+    if load_D.max() < tokens_B[mb].reshape(num_devices, per).sum(1).max():
+      out.append(np.concatenate(bins))
     else:
       out.append(mb)
   return out
+
+
+def _lpt_bins(samples, tokens_B, num_bins: int, per: int):
+  """`samples` into `num_bins` bins of `per` each: largest first into the
+  emptiest bin with room (ties: the lower sample index, the lower bin).
+  Returns (bins, each an ascending int64 array; int64 [num_bins] loads)."""
+  samples = np.asarray(samples, np.int64)
+  t = tokens_B[samples]
+  load_K = np.zeros(num_bins, np.int64)
+  count_K = np.zeros(num_bins, np.int64)
+  bins = [[] for _ in range(num_bins)]
+  for i in np.lexsort((samples, -t)):
+    room = np.flatnonzero(count_K < per)
+    k = int(room[np.argmin(load_K[room])])
+    bins[k].append(samples[i])
+    load_K[k] += t[i]
+    count_K[k] += 1
+  return [np.sort(np.asarray(b, np.int64)) for b in bins], load_K
 
 
 def balance_step_tokens(tokens_B, num_microbatches: int,
@@ -262,21 +271,11 @@ def balance_step_tokens(tokens_B, num_microbatches: int,
 
 
 def _sorted_bins(tokens_B, num_microbatches, num_devices, per):
-  """Every sample LPT'd into M D bins of `per` (largest first into the
-  emptiest bin with room; ties: the lower bin), the bins heaviest first,
-  D to a micro-step."""
+  """Every sample LPT'd into M D bins of `per` (`_lpt_bins`), the bins
+  heaviest first, D to a micro-step."""
   num_bins = num_microbatches * num_devices
-  load_K = np.zeros(num_bins, np.int64)
-  count_K = np.zeros(num_bins, np.int64)
-  bins = [[] for _ in range(num_bins)]
-  for b in np.lexsort((np.arange(len(tokens_B)), -tokens_B)):
-    room = np.flatnonzero(count_K < per)
-    k = int(room[np.argmin(load_K[room])])
-    bins[k].append(b)
-    load_K[k] += tokens_B[b]
-    count_K[k] += 1
+  bins, load_K = _lpt_bins(np.arange(len(tokens_B)), tokens_B, num_bins, per)
   by_load = np.lexsort((np.arange(num_bins), -load_K))
-  return [np.concatenate([np.sort(np.asarray(bins[k], np.int64))
-                          for k in by_load[m * num_devices:
-                                           (m + 1) * num_devices]])
+  return [np.concatenate([bins[k] for k in by_load[m * num_devices:
+                                                   (m + 1) * num_devices]])
           for m in range(num_microbatches)]
