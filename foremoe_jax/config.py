@@ -42,6 +42,11 @@ def model_defaults() -> ml_collections.ConfigDict:
   # RMSNorm of q and k per head over head_dim ('head': Qwen3) or over the
   # whole projection before the split into heads ('full': OLMoE).
   m.qk_norm_scope = 'head'
+  # The q/k norms' scales at initialisation (a checkpoint's replace them).
+  # After the norm a logit is at most sqrt(head_dim) * gq * gk, so with 1
+  # a small model trained briefly keeps spread attention; a pretrained
+  # model's attention is peaked (docs/design.md §6.11).
+  m.qk_norm_init = 1.0
   m.max_seq_len = 64
   # Mixture of experts.
   m.num_experts = 8
@@ -204,6 +209,8 @@ def validate_config(config) -> None:
            f"must be 'float32' or 'bfloat16', got {m.dtype!r}")
   _require(m.param_dtype in ('float32', 'bfloat16'), 'model.param_dtype',
            f"must be 'float32' or 'bfloat16', got {m.param_dtype!r}")
+  _require(m.get('qk_norm_init', 1.0) > 0, 'model.qk_norm_init',
+           f"must be > 0, got {m.get('qk_norm_init')!r}")
   _require(m.get('qk_norm_scope', 'head') in ('head', 'full'),
            'model.qk_norm_scope', f"must be 'head' or 'full', got "
            f"{m.get('qk_norm_scope')!r}")

@@ -28,6 +28,7 @@ BAD = [
     ('model.shared_d_ff', lambda c: (setattr(c.model, 'num_shared_experts', 1), setattr(c.model, 'shared_d_ff', 0)), 'num_shared_experts'),
     ('model.aux_loss_coef', lambda c: setattr(c.model, 'aux_loss_coef', -1.0), '>= 0'),
     ('model.attention_type', lambda c: setattr(c.model, 'attention_type', 'linear'), 'dense'),
+    ('model.qk_norm_init', lambda c: setattr(c.model, 'qk_norm_init', 0.0), '> 0'),
     ('model.dtype', lambda c: setattr(c.model, 'dtype', 'float16'), 'bfloat16'),
     ('model.first_sparse_layer', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'first_sparse_layer', 5)), 'num_layers'),
     ('model.msa_block_size', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'msa_block_size', 0)), '> 0'),

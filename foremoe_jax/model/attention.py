@@ -122,8 +122,15 @@ class Attention(nnx.Module):
     # into heads. The two differ in the statistics, not only the scale shape.
     self.qk_norm_full = cfg.get('qk_norm_scope', 'head') == 'full'
     if cfg.qk_norm:
-      self.q_norm, self.k_norm = ((norm(h * d), norm(g * d))
-                                  if self.qk_norm_full else (norm(d), norm(d)))
+      # The scales bound the logits: |q.k| / sqrt(D) <= sqrt(D) * gq * gk
+      # after the norm, so their start (qk_norm_init) sets how peaked
+      # attention can become in a short training (docs/design.md §6.11).
+      qk_norm = lambda n: layers.RMSNorm(
+          n, eps=cfg.norm_eps, param_dtype=pdt, dtype=cdt,
+          init=cfg.get('qk_norm_init', 1.0))
+      self.q_norm, self.k_norm = (
+          (qk_norm(h * d), qk_norm(g * d)) if self.qk_norm_full
+          else (qk_norm(d), qk_norm(d)))
     self.qk_norm = bool(cfg.qk_norm)
     self.layer_type = layer_type
     if layer_type == 'msa':

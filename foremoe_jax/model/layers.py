@@ -16,8 +16,8 @@ from flax import nnx
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32,
-               dtype=None):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+               dtype=None, init: float = 1.0):
+    self.scale = nnx.Param(jnp.full((dim,), init, param_dtype))
     self.eps = eps
     self.dtype = dtype
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep
-from foremoe_jax.model import shapes, sharding, transformer
+from foremoe_jax.model import attention, shapes, sharding, transformer
 
 
 def tiny_model_cfg(**overrides):
@@ -148,3 +148,40 @@ def test_left_padded_rows_equal_unpadded_forward():
   # Without the mask the PADs would be attended to: the check can fail.
   unmasked, _ = forward(state, tokens, np.ones_like(valid))
   assert not np.allclose(unmasked[2, -1], logits[2, -1], atol=1e-3)
+
+
+
+def _normed_qk(attn, x, y, scope, h, kv, d):
+  if scope == 'head':
+    return (attn.q_norm(x.reshape(-1, h, d)), attn.k_norm(y.reshape(-1, kv, d)))
+  return (attn.q_norm(x).reshape(-1, h, d), attn.k_norm(y).reshape(-1, kv, d))
+
+
+@pytest.mark.parametrize('scope', ['head', 'full'])
+def test_qk_norm_init_sets_the_scales_that_bound_the_logits(scope):
+  """model.qk_norm_init is the q/k norms' starting scale; the logits scale
+  by gq * gk, and with the per-head norm q.k / sqrt(D) cannot exceed
+  sqrt(D) * gq * gk (why a briefly trained model's attention stays spread
+  with scales of 1: design.md §6.11)."""
+  g = 2.5
+  cfg = tiny_model_cfg(qk_norm=True, qk_norm_scope=scope, qk_norm_init=g)
+  d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  attn = attention.Attention(cfg, rngs=nnx.Rngs(0))
+  plain = attention.Attention(tiny_model_cfg(qk_norm=True, qk_norm_scope=scope),
+                              rngs=nnx.Rngs(0))
+  for norm in (attn.q_norm, attn.k_norm):
+    np.testing.assert_array_equal(norm.scale[...], g)
+  for norm in (plain.q_norm, plain.k_norm):  # The default: RMSNorm's 1.
+    np.testing.assert_array_equal(norm.scale[...], 1.0)
+  x = jax.random.normal(jax.random.key(0), (64, h * d))
+  y = jax.random.normal(jax.random.key(1), (64, kv * d))
+  q, k = _normed_qk(attn, x, y, scope, h, kv, d)
+  q1, k1 = _normed_qk(plain, x, y, scope, h, kv, d)
+  logits = jnp.einsum('ahd,bgd->abhg', q, k) / np.sqrt(d)
+  np.testing.assert_allclose(
+      jnp.einsum('ahd,bgd->abhg', q1, k1) / np.sqrt(d) * g * g, logits,
+      rtol=1e-4, atol=1e-4)
+  if scope == 'head':  # Each head's norm is sqrt(D) * g (eps aside).
+    np.testing.assert_allclose(jnp.linalg.norm(q, axis=-1), np.sqrt(d) * g,
+                               rtol=1e-4)
+    assert float(jnp.abs(logits).max()) <= np.sqrt(d) * g * g * (1 + 1e-4)
