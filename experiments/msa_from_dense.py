@@ -6,11 +6,12 @@ The path a user takes with a pretrained dense Qwen3-MoE, at tiny shapes on
 this CPU (docs/design.md §6.10-6.11), every phase the trainer's own
 (`rl/trainer.train`, the same code as experiments.rl_train):
 
-  1. dense:    a tiny Qwen3-MoE (random init) warm-started on the
-               word-problem task, so its attention is learnt, not uniform;
-               greedy accuracy measured; exported as a Hugging Face
-               checkpoint (foremoe_jax/hf).
-  2. per block budget (--top_k of the 8 blocks of 8 tokens):
+  1. dense:    a tiny Qwen3-MoE (random init, q/k-norm scales starting
+               at --qk_norm_init) warm-started on the word-problem task, so
+               its attention is learnt, not uniform; greedy accuracy
+               measured; exported as a Hugging Face checkpoint
+               (foremoe_jax/hf).
+  2. per block budget (--top_k of the 16 blocks of 4 tokens):
        init:    that checkpoint imported with attention_type='msa' in every
                 layer; each index branch starts from its layer's q/k
                 projections; greedy accuracy with sparse attention;
@@ -35,7 +36,13 @@ is greedy on the same held-out prompts for every model.
 Writes results/msa_from_dense.json (rendered into the README).
 
 The recall any selection can reach is bounded by how spread the dense
-model's attention is (the oracle). `--context_facts=N --max_seq_len=...`
+model's attention is (the oracle). After the q/k RMSNorm a logit is at most
+sqrt(head_dim) * gq * gk, 4 at head_dim 16 with the scales at 1, and a
+thousand steps move the scales by about 0.1: such a model's attention
+stays spread (the oracle at 25% of the blocks is 0.57-0.71) where a
+pretrained model's is peaked. --qk_norm_init=2.5 starts the scales where
+this small model can learn peaked attention in a short run; the dense
+model's accuracy is measured either way (docs/results.md). `--context_facts=N --max_seq_len=...`
 runs the same path on the long-context version of the task (each problem's
 first fact hidden among N others, tasks/word_problems.py), where the
 answer needs a few far tokens among many; `--sft_prompt_loss` trains the
@@ -59,16 +66,19 @@ from foremoe_jax.utils.run_info import print_run_info  # pylint: disable=g-impor
 
 _OUT = flags.DEFINE_string('out_dir', '/tmp/msa_from_dense',
                            'Workdirs, the dataset and the exported checkpoint.')
-_WARMSTART = flags.DEFINE_integer('warmstart_steps', 400, 'Dense warm start.')
-_DISTILL = flags.DEFINE_integer('distill_steps', 300, 'Distillation steps.')
+_WARMSTART = flags.DEFINE_integer('warmstart_steps', 1000, 'Dense warm start.')
+_DISTILL = flags.DEFINE_integer('distill_steps', 600, 'Distillation steps.')
 _DISTILL_LR = flags.DEFINE_float('distill_lr', 3e-3, 'Distillation Adam LR.')
 _RL = flags.DEFINE_integer('rl_steps', 20, 'RL steps after the switch.')
-_ADAPT = flags.DEFINE_integer('adapt_steps', 200, 'Supervised steps with '
+_ADAPT = flags.DEFINE_integer('adapt_steps', 300, 'Supervised steps with '
                               'sparse attention after the switch.')
+_ADAPT_LR = flags.DEFINE_float(
+    'adapt_lr', 1e-3, 'Their learning rate (a fresh Adam on a trained model: '
+    'the warm start\'s 3e-3 first undoes part of it).')
 _EVAL = flags.DEFINE_integer('eval_prompts', 1024, 'Held-out prompts for '
                              'the greedy accuracy (the dataset is made with '
                              'this many).')
-_BUDGETS = flags.DEFINE_string('top_k', '2,4', 'MSA blocks per query (of '
+_BUDGETS = flags.DEFINE_string('top_k', '4,8', 'MSA blocks per query (of '
                                 'max_seq_len / block_size), one MSA model '
                                 'each; the first also runs RL.')
 _FACTS = flags.DEFINE_integer(
@@ -77,10 +87,14 @@ _FACTS = flags.DEFINE_integer(
     '0 = the 64-token problems.')
 _SEQ = flags.DEFINE_integer('max_seq_len', 64, 'Prompt + completion tokens '
                             '(the completion keeps 16).')
-_BLOCK = flags.DEFINE_integer('block_size', 8, 'MSA key-block size.')
+_BLOCK = flags.DEFINE_integer('block_size', 4, 'MSA key-block size.')
 _PROMPT_LOSS = flags.DEFINE_bool(
     'sft_prompt_loss', False, 'The dense warm start trains on the prompt\'s '
     'tokens too (as pretraining does), not only on the answer.')
+_QK_INIT = flags.DEFINE_float(
+    'qk_norm_init', 2.5, 'The dense model\'s q/k-norm scales at '
+    'initialisation (model.qk_norm_init): a logit is at most sqrt(head_dim) '
+    '* gq * gk, so they bound how peaked its attention can grow.')
 _JSON = flags.DEFINE_bool('json', False, 'Save results/msa_from_dense.json.')
 
 
@@ -98,6 +112,7 @@ def base_config(data_dir: str):
   m.hf_model_type = 'qwen3_moe'
   m.qk_norm = True
   m.qk_norm_scope = 'head'
+  m.qk_norm_init = _QK_INIT.value
   m.tie_embeddings = False
   m.max_seq_len = _SEQ.value
   m.msa_block_size = _BLOCK.value
@@ -138,10 +153,12 @@ def main(argv):
   budgets = [int(k) for k in _BUDGETS.value.split(',')]
   flags_run = dict(out_dir=out, warmstart_steps=_WARMSTART.value,
                    distill_steps=_DISTILL.value, distill_lr=_DISTILL_LR.value,
-                   rl_steps=_RL.value, eval_prompts=_EVAL.value,
+                   rl_steps=_RL.value, adapt_steps=_ADAPT.value,
+                   adapt_lr=_ADAPT_LR.value, eval_prompts=_EVAL.value,
                    top_k=budgets, context_facts=_FACTS.value,
                    max_seq_len=_SEQ.value, block_size=_BLOCK.value,
-                   sft_prompt_loss=_PROMPT_LOSS.value)
+                   sft_prompt_loss=_PROMPT_LOSS.value,
+                   qk_norm_init=_QK_INIT.value)
   info = print_run_info(flags_run)
   data_dir = os.path.join(out, f'data_facts{_FACTS.value}'
                           if _FACTS.value else 'data')
@@ -193,6 +210,7 @@ def main(argv):
   # as MSA's own recipe continues training after the switch.
   adapt = msa(base_config(data_dir), msa_hf, k_rl, 0, 0)
   adapt.warmstart.steps = _ADAPT.value
+  adapt.warmstart.learning_rate = _ADAPT_LR.value
   phases['msa_adapt'] = run_phase('msa_adapt', adapt, out)
   dense_rl = base_config(data_dir)
   dense_rl.init_from_hf = dense_hf
@@ -213,14 +231,15 @@ def main(argv):
                   head_dim=m.head_dim, num_experts=m.num_experts,
                   top_k=m.top_k, max_seq_len=m.max_seq_len,
                   msa_block_size=m.msa_block_size,
-                  msa_index_dim=m.msa_index_dim),
+                  msa_index_dim=m.msa_index_dim,
+                  qk_norm_init=m.qk_norm_init),
       context_facts=_FACTS.value, sft_prompt_loss=_PROMPT_LOSS.value,
       acc_dense=acc_dense, budgets=rows,
       rl_steps=_RL.value, rl_top_k=k_rl,
       acc_msa_before_rl=phases['msa_rl']['greedy_reward_before_rl'],
       acc_msa_after_rl=phases['msa_rl']['greedy_reward_after_rl'],
       acc_dense_after_rl=phases['dense_rl']['greedy_reward_after_rl'],
-      adapt_steps=_ADAPT.value,
+      adapt_steps=_ADAPT.value, adapt_lr=_ADAPT_LR.value,
       acc_msa_after_adapt=phases['msa_adapt']['greedy_reward_before_rl'],
       phases=phases)
   # The issue's targets at 25% of the blocks: recall >= 0.9 (far queries)
@@ -229,9 +248,15 @@ def main(argv):
   if quarter:
     q = quarter[0]
     result['targets'] = dict(
+        recall_ge_0_9=bool(q['recall_distilled'] >= 0.9),
         recall_far_ge_0_9=bool(q['recall_far_distilled'] >= 0.9),
         oracle_allows_0_9=bool(q['recall_far_oracle'] >= 0.9),
-        acc_within_2_points=bool(abs(q['acc_gap_points']) <= 2.0))
+        # Right at the switch (distilled, nothing else trained) and after
+        # the continued training with sparse attention of MSA's recipe.
+        acc_within_2_points=bool(abs(q['acc_gap_points']) <= 2.0),
+        acc_within_2_points_after_adapt=bool(
+            q['top_k'] == k_rl and _ADAPT.value > 0
+            and 100 * abs(acc_dense - result['acc_msa_after_adapt']) <= 2.0))
   print(json.dumps({k: v for k, v in result.items() if k != 'phases'}),
         flush=True)
   if _JSON.value:

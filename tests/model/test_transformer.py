@@ -150,7 +150,6 @@ def test_left_padded_rows_equal_unpadded_forward():
   assert not np.allclose(unmasked[2, -1], logits[2, -1], atol=1e-3)
 
 
-
 def _normed_qk(attn, x, y, scope, h, kv, d):
   if scope == 'head':
     return (attn.q_norm(x.reshape(-1, h, d)), attn.k_norm(y.reshape(-1, kv, d)))
@@ -162,7 +161,7 @@ def test_qk_norm_init_sets_the_scales_that_bound_the_logits(scope):
   """model.qk_norm_init is the q/k norms' starting scale; the logits scale
   by gq * gk, and with the per-head norm q.k / sqrt(D) cannot exceed
   sqrt(D) * gq * gk (why a briefly trained model's attention stays spread
-  with scales of 1: design.md §6.11)."""
+  with scales of 1: docs/design.md §6.11)."""
   g = 2.5
   cfg = tiny_model_cfg(qk_norm=True, qk_norm_scope=scope, qk_norm_init=g)
   d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
