@@ -225,6 +225,11 @@ def test_grid_smoke_balanced_beats_static():
       - fore['fill_s'] - fore['flush_s'] + fore['optimizer_s']
       + fore['grad_sync_s'] + fore['flush_hook_s'] - fore['prefill_exposed_s'])
   assert fore['flush_hook_s'] > 0
+  # The foresight methods run the same step-level plan for the recompute,
+  # measured once: the same seconds and the same recompute.
+  split_row = cluster.find(rows, method='foresight_split')
+  assert fore['recompute_plan_s'] == split_row['recompute_plan_s'] > 0
+  assert fore['recompute_s'] == split_row['recompute_s']
 
 
 def test_planner_processes_change_the_plan_time_only():
@@ -516,3 +521,16 @@ def test_validation_cache_is_read_only_for_its_bench_skews_and_format(
                 dict(key, format=validate.CACHE_FORMAT - 1)):
     assert validate.read_cache(path, other, log=lines.append) is None
   assert sum('measuring again' in l for l in lines) == 4
+
+
+def test_best_of_keeps_the_first_result_and_the_least_time(monkeypatch):
+  """The recompute's plan, on the step's critical path, is timed as the
+  best of its runs; the plan used is the first run's."""
+  clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 27.0])  # Runs of 5, 2 and 7 s.
+  monkeypatch.setattr(simulate.time, 'perf_counter', lambda: next(clock))
+  calls = []
+  out, best = simulate._best_of(lambda: calls.append(len(calls)) or len(calls),
+                                3)
+  assert (out, best, calls) == (1, 2.0, [0, 1, 2])
+  clock = iter([0.0, 4.0])
+  assert simulate._best_of(lambda: 'x', 0) == ('x', 4.0)  # At least once.
