@@ -122,7 +122,11 @@ def test_replayed_recompute_equals_rollout_logp(setup):
       batch['routes_MLbTK'][0][:, valid_in])
 
 
-@pytest.mark.parametrize('num_mb,shuffle', [(4, False), (2, True)])
+# One case: 4 micro-batches of a shuffled order (contiguous micro-batches
+# are the special case of the identity permutation). Its programs (1 and 4
+# micro-batches, beta 0.05) are the ones test_moving_experts_changes_no_number
+# and test_balance_loss_coef_reaches_router_only_through_its_term reuse.
+@pytest.mark.parametrize('num_mb,shuffle', [(4, True)])
 def test_accumulated_grads_equal_full_batch(setup, num_mb, shuffle):
   cfg, mesh, graphdef, params, rollout, rewards = setup
   tx = step_lib.make_optimizer(1e-3, 1.0)
@@ -281,17 +285,17 @@ def test_compiled_step_gathers_no_expert_weights(setup):
 def test_balance_loss_coef_reaches_router_only_through_its_term(setup):
   cfg, mesh, graphdef, params, rollout, rewards = setup
   tx = step_lib.make_optimizer(1e-3, 1.0)
-  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=False)
+  # The full-batch program (beta 0.05, with a reference) of
+  # test_accumulated_grads_equal_full_batch: coef 0 is its default, so g0
+  # comes from jax's cache there; only coef 1 compiles here.
+  state = step_lib.init_train_state(graphdef, params, tx, mesh, with_ref=True)
   batch = jax.tree.map(jnp.asarray, trainer.rl_batch_from_rollout(
       rollout, rewards, [np.arange(32)]))
   plan = _plan(1, cfg.model.num_layers)
+  kw = dict(num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.05)
 
-  def grads(coef):
-    return _grads(state, batch, plan, num_generations=4, eps_low=0.2,
-                  eps_high=0.28, beta=0.0, balance_loss_coef=coef)
-
-  g0, m0 = grads(0.0)
-  g1, m1 = grads(1.0)
+  g0, m0 = _grads(state, batch, plan, **kw)  # balance_loss_coef = 0.0.
+  g1, m1 = _grads(state, batch, plan, **kw, balance_loss_coef=1.0)
   assert float(m1['balance_loss']) >= 1.0 - 1e-5  # Switch loss: >= 1, = 1 at balance.
   router = lambda g: g['segments'][0]['ffn']['router']['kernel'][...][0]
   assert float(jnp.abs(router(g1) - router(g0)).max()) > 1e-6
@@ -342,6 +346,15 @@ def test_lean_step_equals_the_step_with_a_recompute(setup, mu):
                                        ref=False)
     else:  # At mu = 2 the step's own recompute ran it.
       assert rl_step.recompute_passes(False)['old']
+      # Its gap to the sampler is a metric the update only passes on: without
+      # it, and laid out as the batch's log-probs (the same devices: the data
+      # axis has size 1), the update's inputs are the lean step's, so both
+      # steps run one program (compiled once, from jax's cache the second
+      # time). The values are untouched.
+      assert set(logps) == {'old_logp_MbT', 'rollout_vs_recompute_logp_max_abs'}
+      assert float(logps['rollout_vs_recompute_logp_max_abs']) < 1e-4
+      logps = {'old_logp_MbT': jax.device_put(
+          logps['old_logp_MbT'], batch['rollout_logp_MbT'].sharding)}
     new_state, m = rl_step.update(state, batch, logps, plan)
     out[name] = (jax.device_get(new_state.params), m)
   (p_lean, m_lean), (p_full, m_full) = out['lean'], out['full']
