@@ -643,12 +643,17 @@ def render_sweep_moves(res: dict) -> str:
       f"- {asm['profile']['name'].upper().replace('_', ' ')} profile,"
       f" {asm['dispatch']}-count dispatch, {asm['num_microsteps']}"
       f" micro-steps, {asm['trace']}. Step seconds include planning"
-      f" measured on the host that ran the sweep: both methods make the"
-      f" recompute's step-level plan with the same code, and their measured"
-      f" times differ by up to"
-      f" {100 * summ.get('step_timing_noise_max', 0):.2f}% of the step, so"
-      f" step ratios that close to 1 are timing noise; the update ratio is"
-      f" device-side only.")
+      f" measured on the host that ran the sweep: "
+      + ("both methods make the recompute's step-level plan with the same"
+         " code, measured once and charged to both, so the step ratio"
+         " differs from the update's only by the recompute both run and"
+         " any planning left exposed; the"
+         if not summ.get('step_timing_noise_max', 0) else
+         f"both methods make the recompute's step-level plan with the same"
+         f" code, and their measured times differ by up to"
+         f" {100 * summ['step_timing_noise_max']:.2f}% of the step, so step"
+         f" ratios that close to 1 are timing noise; the")
+      + " update ratio is device-side only.")
   if summ['rows_with_errors']:
     out.append('- Methods that could not run: ' + '; '.join(
         f"`{r['key']}` {m}: {why}" for r in rows
