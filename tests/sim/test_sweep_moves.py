@@ -145,6 +145,11 @@ def test_renderer_on_a_hand_made_result():
   assert 'in 1 of 2 cells' in text and '**1.1000x** (`m/8dev/r1/1x64`)' in text
   assert 'worst 0.9500x (`m/8dev/r2/1x64`)' in text
   assert '1.05x reached in some cell: yes' in text
-  assert 'differ by up to 0.00% of the step' in text
+  # recompute_plan_s equal (measured once, charged to both): no noise.
+  assert 'measured once and charged to both' in text
   assert '`m/8dev/r2/1x64` eplb_step: X' in text
   assert '[p.png](results/sweep_moves/p.png)' in text
+  summ['step_timing_noise_max'] = 0.003  # A file from separate timings.
+  text = render_results.render_sweep_moves({'summary': summ, 'rows': rows})
+  assert 'differ by up to 0.30% of the step' in text
+  assert 'measured once' not in text
