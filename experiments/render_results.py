@@ -360,7 +360,7 @@ def render_msa_from_dense(res: dict) -> str:
       f"Tiny Qwen3-MoE ({sh['num_layers']} layers, {sh['num_heads']} heads /"
       f" {sh['num_kv_heads']} groups, {sh['num_experts']} experts top-"
       f"{sh['top_k']}, q/k-norm scales starting at"
-      f" {_f(sh.get('qk_norm_init', 1.0))}) warm-started on the"
+      f" {_f(sh['qk_norm_init'])}) warm-started on the"
       f" {sh['max_seq_len']}-token word problems: dense greedy accuracy"
       f" **{_acc(res['acc_dense'])}**. Exported, imported with MSA in every"
       f" layer (blocks of {sh['msa_block_size']}), distilled. Recall: share"
@@ -373,20 +373,15 @@ def render_msa_from_dense(res: dict) -> str:
   if t:
     q = [r for r in res['budgets']
          if abs(r['blocks_kept_frac'] - 0.25) < 1e-9][0]
-    recall = (f"- At 25% of the blocks: recall >= 0.9"
-              f" {_met(1.0 if t.get('recall_ge_0_9') else 0.0)}"
-              f" ({_f(q['recall_distilled'])}); over the far queries"
-              f" {_met(1.0 if t['recall_far_ge_0_9'] else 0.0)}"
-              f" ({_f(q['recall_far_distilled'])}, of at most"
-              f" {_f(q['recall_far_oracle'])}: the distilled indexer keeps"
-              f" {100 * q['recall_far_of_oracle']:.0f}% of the oracle's"
-              f" mass).")
-    if 'recall_ge_0_9' not in t:  # Files written before the all-query rule.
-      recall = (f"- At 25% of the blocks: recall >= 0.9 (far)"
-                f" {_met(1.0 if t['recall_far_ge_0_9'] else 0.0)}"
-                f" ({_f(q['recall_far_distilled'])}, of at most"
-                f" {_f(q['recall_far_oracle'])}).")
-    lines.append(recall)
+    lines.append(
+        f"- At 25% of the blocks: recall >= 0.9"
+        f" {_met(1.0 if t['recall_ge_0_9'] else 0.0)}"
+        f" ({_f(q['recall_distilled'])}); over the far queries"
+        f" {_met(1.0 if t['recall_far_ge_0_9'] else 0.0)}"
+        f" ({_f(q['recall_far_distilled'])}, of at most"
+        f" {_f(q['recall_far_oracle'])}: the distilled indexer keeps"
+        f" {100 * q['recall_far_of_oracle']:.0f}% of the oracle's"
+        f" mass).")
     lines.append(
         f"- Accuracy within 2 points of dense at 25%, right at the switch:"
         f" {_met(1.0 if t['acc_within_2_points'] else 0.0)}"
@@ -398,7 +393,7 @@ def render_msa_from_dense(res: dict) -> str:
       f" {_acc(res['acc_msa_after_rl'])}; dense, the same steps:"
       f" {_acc(res['acc_dense'])} -> {_acc(res['acc_dense_after_rl'])}.")
   adapted = ''
-  if t and 'acc_within_2_points_after_adapt' in t:
+  if t:
     adapted = (f"; within 2 points of dense"
                f" {_met(1.0 if t['acc_within_2_points_after_adapt'] else 0.0)}"
                f" ({100 * (res['acc_msa_after_adapt'] - res['acc_dense']):+.1f}"
@@ -406,8 +401,7 @@ def render_msa_from_dense(res: dict) -> str:
   lines.append(
       f"- Or {res['adapt_steps']} supervised steps with sparse attention"
       f" after the switch (every parameter trains"
-      f"{', learning rate ' + _f(res['adapt_lr']) if 'adapt_lr' in res else ''}"
-      f"): greedy {_acc(res['acc_msa_before_rl'])} ->"
+      f", learning rate {_f(res['adapt_lr'])}): greedy {_acc(res['acc_msa_before_rl'])} ->"
       f" **{_acc(res['acc_msa_after_adapt'])}**{adapted}.")
   return '\n'.join(lines)
 
@@ -643,17 +637,16 @@ def render_sweep_moves(res: dict) -> str:
       f"- {asm['profile']['name'].upper().replace('_', ' ')} profile,"
       f" {asm['dispatch']}-count dispatch, {asm['num_microsteps']}"
       f" micro-steps, {asm['trace']}. Step seconds include planning"
-      f" measured on the host that ran the sweep: "
-      + ("both methods make the recompute's step-level plan with the same"
-         " code, measured once and charged to both, so the step ratio"
-         " differs from the update's only by the recompute both run and"
-         " any planning left exposed; the"
+      f" measured on the host that ran the sweep: both methods make the"
+      f" recompute's step-level plan with the same code, "
+      + ("measured once and charged to both, so the step ratio differs from"
+         " the update's only by the recompute both run and any planning"
+         " left exposed"
          if not summ.get('step_timing_noise_max', 0) else
-         f"both methods make the recompute's step-level plan with the same"
-         f" code, and their measured times differ by up to"
+         f"and their measured times differ by up to"
          f" {100 * summ['step_timing_noise_max']:.2f}% of the step, so step"
-         f" ratios that close to 1 are timing noise; the")
-      + " update ratio is device-side only.")
+         f" ratios that close to 1 are timing noise")
+      + "; the update ratio is device-side only.")
   if summ['rows_with_errors']:
     out.append('- Methods that could not run: ' + '; '.join(
         f"`{r['key']}` {m}: {why}" for r in rows

@@ -110,8 +110,8 @@ class Attention(nnx.Module):
     m, h, g, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     kw = dict(use_bias=False, param_dtype=pdt, dtype=cdt, rngs=rngs)
-    norm = lambda n: layers.RMSNorm(n, eps=cfg.norm_eps, param_dtype=pdt,
-                                    dtype=cdt)
+    norm = lambda n, init=1.0: layers.RMSNorm(
+        n, eps=cfg.norm_eps, param_dtype=pdt, dtype=cdt, init=init)
     self.q_proj = nnx.Linear(m, h * d, kernel_init=layers.dense_init(m), **kw)
     self.k_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
     self.v_proj = nnx.Linear(m, g * d, kernel_init=layers.dense_init(m), **kw)
@@ -125,12 +125,10 @@ class Attention(nnx.Module):
       # The scales bound the logits: |q.k| / sqrt(D) <= sqrt(D) * gq * gk
       # after the norm, so their start (qk_norm_init) sets how peaked
       # attention can become in a short training (docs/design.md §6.11).
-      qk_norm = lambda n: layers.RMSNorm(
-          n, eps=cfg.norm_eps, param_dtype=pdt, dtype=cdt,
-          init=cfg.get('qk_norm_init', 1.0))
+      g0 = cfg.get('qk_norm_init', 1.0)
       self.q_norm, self.k_norm = (
-          (qk_norm(h * d), qk_norm(g * d)) if self.qk_norm_full
-          else (qk_norm(d), qk_norm(d)))
+          (norm(h * d, g0), norm(g * d, g0)) if self.qk_norm_full
+          else (norm(d, g0), norm(d, g0)))
     self.qk_norm = bool(cfg.qk_norm)
     self.layer_type = layer_type
     if layer_type == 'msa':
