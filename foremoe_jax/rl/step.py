@@ -376,7 +376,6 @@ def _forward_local(graphdef, nonexp, experts, slot_dtype, moe_segments, batch,
     axes = ep_lib.varying_axes(pcanon[0]) | {EXPERT}
     pslots = tuple(ep_lib.vary(x, axes) for x in
                    transfer_engine.empty_slots(pcanon, spd))
-    chunk_L = transfer_engine.layer_chunks(pcanon[0].shape[0], num_micro)
 
   def body(pslots, xs):
     toks, valid, routes, pl, m = xs
@@ -385,7 +384,7 @@ def _forward_local(graphdef, nonexp, experts, slot_dtype, moe_segments, batch,
     if pslots is not None:
       pslots = transfer_engine.fill_slots_local(
           pslots, pcanon, transfer['fill'], num_devices=num_devices,
-          layers_L=chunk_L == m)
+          chunk=m, num_chunks=num_micro)
     return pslots, logp
   pslots, logp = jax.lax.scan(
       body, pslots, (batch['tokens_MbT'], batch['valid_MbT'],

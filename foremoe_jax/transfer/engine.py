@@ -555,19 +555,32 @@ def layer_chunks(num_layers: int, num_chunks: int):
                      jnp.int32)
 
 
+def _chunk_layers(chunk, num_layers: int, num_chunks: int):
+  """(first, end) layer of chunk `chunk` (traced is fine) as `layer_chunks`
+  assigns them: the layers l with l * num_chunks // num_layers == chunk."""
+  first = (chunk * num_layers + num_chunks - 1) // num_chunks
+  end = ((chunk + 1) * num_layers + num_chunks - 1) // num_chunks
+  return first, end
+
+
 def fill_slots_local(slots, canon, t, *, num_devices: int,
-                     exchange: str | None = None, layers_L=None):
+                     exchange: str | None = None, chunk=None,
+                     num_chunks: int = 1):
   """Per device (inside a shard_map over 'expert'): the slots after one
-  transition, one scan over the layers.
+  transition.
 
   slots: (weight buffers [L, s, X...]..., ids [L, s]); canon: the home
   experts [L, h, X...]; t: `device_transition(...)` (this device's rows:
   `transition_specs`);
   exchange: ``exact`` mode's collective, 'ragged' or 'emulated' (default:
-  the backend's, `default_exchange`); layers_L: bool [L]
-  (traced is fine), the layers whose fills run (None: all); the others'
-  slots are left as they are. A fill spread over the iterations of a scan
-  runs one chunk of layers per iteration (`layer_chunks`).
+  the backend's, `default_exchange`);
+  chunk: None fills every layer (one scan over them); else the index
+  (traced is fine) of the chunk of layers to fill, of `num_chunks`
+  (`layer_chunks`), for a fill spread over the iterations of a scan. Only
+  that chunk's layers are read and written back (dynamic slices of the
+  buffers, updated in place), so a scan carrying the slots does not copy
+  every layer's weights on every iteration; the other layers are left as
+  they are.
   """
   exchange = exchange or default_exchange()
   me = jax.lax.axis_index(EXPERT)
@@ -577,15 +590,7 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   # Fresh (empty) buffers differ per device once written: say so up front.
   axes = varying_axes(canon[0]) | {EXPERT}
   slots = tuple(vary(x, axes | varying_axes(x)) for x in slots)
-
   num_layers = canon[0].shape[0]
-  # The CPU emulation's and the rounds engine's collectives sit in
-  # conditionals anyway: there a switched-off layer skips its fill, send
-  # buffer included; else the masks switch it off outside any conditional.
-  skip = layers_L is not None and (exchange == 'emulated'
-                                   or not _is_exact(t))
-  if layers_L is None:
-    layers_L = jnp.ones((num_layers,), bool)
 
   def fill(slots_l, canon_l, t_l):
     if _is_exact(t_l):
@@ -593,16 +598,32 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
                                      exchange))
     return tuple(_layer_fill(slots_l, canon_l, t_l, me, spd, num_devices))
 
-  def layer(_, xs):
-    slots_l, canon_l, t_l, active = xs
-    canon_l = tuple(canon_l) + (ids_h,)
-    t_l = _only_where(t_l, active, 'fills')
+  if chunk is None:
+    def layer(_, xs):
+      slots_l, canon_l, t_l = xs
+      return None, fill(tuple(slots_l), tuple(canon_l) + (ids_h,), t_l)
+    return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t))[1]
+
+  # The CPU emulation's and the rounds engine's collectives sit in
+  # conditionals anyway: there a switched-off layer skips its fill, send
+  # buffer included; else the masks switch it off outside any conditional.
+  skip = exchange == 'emulated' or not _is_exact(t)
+  first, end = _chunk_layers(chunk, num_layers, num_chunks)
+  for j in range(-(-num_layers // num_chunks)):  # The largest chunk.
+    l = jnp.minimum(first + j, num_layers - 1)
+    active = first + j < end
+    at = lambda x, l=l: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False)
+    slots_l = tuple(at(x) for x in slots)
+    canon_l = tuple(at(x) for x in canon) + (ids_h,)
+    t_l = _only_where(jax.tree.map(at, t), active, 'fills')
     if skip:
-      return None, jax.lax.cond(active, fill, lambda s, c, t: tuple(s),
-                                tuple(slots_l), canon_l, t_l)
-    return None, fill(slots_l, canon_l, t_l)
-  return jax.lax.scan(layer, None, (tuple(slots), tuple(canon), t,
-                                    layers_L))[1]
+      new_l = jax.lax.cond(active, fill, lambda s, c, t: tuple(s),
+                           slots_l, canon_l, t_l)
+    else:
+      new_l = fill(slots_l, canon_l, t_l)
+    slots = tuple(jax.lax.dynamic_update_index_in_dim(x, n, l, 0)
+                  for x, n in zip(slots, new_l))
+  return slots
 
 
 def fill_slots(slots, canon, transition: dict, *, mesh,

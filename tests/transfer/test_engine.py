@@ -164,15 +164,18 @@ def test_exact_sends_only_the_counted_items(mesh):
                                 np.delete(se_MLS[0, 0], slot))
 
 
-@pytest.mark.parametrize('mode', ['exact', 'rounds'])
-def test_fill_in_layer_chunks_equals_one_fill(mesh, mode):
+@pytest.mark.parametrize('mode,num_layers,chunks',
+                         [('exact', 5, 3), ('rounds', 5, 3), ('exact', 2, 4)])
+def test_fill_in_layer_chunks_equals_one_fill(mesh, mode, num_layers, chunks):
   """A fill spread over scan iterations, one chunk of layers each
-  (`layers_L`, as the recompute's prefill runs it), leaves every slot as
-  the whole fill does; a chunk touches only its own layers. Then a fill
-  from those slots to the next placement (`start_LS`) moves only the
-  changed slots and holds the next placement's experts."""
+  (`chunk`, as the recompute's prefill runs it), leaves every slot as the
+  whole fill does; a chunk touches only its own layers, those
+  `layer_chunks` assigns it (with more chunks than layers, some chunks
+  touch none). Then a fill from those slots to the next placement
+  (`start_LS`) moves only the changed slots and holds the next
+  placement's experts."""
   rng = np.random.default_rng(11)
-  num_layers, num_experts, spd, chunks = 5, 16, 3, 3
+  num_experts, spd = 16, 3
   topo = Topology(2, D // 2, spd)
   se_MLS = random_placements(rng, 2, num_layers, num_experts, topo.num_slots)
   budget = schedule.TransferBudget(step_rounds=4 * spd,
@@ -181,38 +184,34 @@ def test_fill_in_layer_chunks_equals_one_fill(mesh, mode):
   canon = (jnp.asarray(rng.standard_normal((num_layers, num_experts, 3, 2)),
                        jnp.float32),)
   t = engine.device_transition(st.fill)
-  chunk_L = engine.layer_chunks(num_layers, chunks)
-  assert sorted(set(np.asarray(chunk_L).tolist())) == list(range(chunks))
-
-  def local(c, t, active_L):
-    slots = engine.empty_slots(c, spd)
-    return engine.fill_slots_local(slots, c, t, num_devices=D,
-                                   layers_L=active_L)
+  chunk_L = np.asarray(engine.layer_chunks(num_layers, chunks))
+  if chunks <= num_layers:  # Every chunk holds a layer.
+    assert sorted(set(chunk_L.tolist())) == list(range(chunks))
   spec = jax.sharding.PartitionSpec(None, ep.EXPERT)
   rep = jax.sharding.PartitionSpec()
-  part = jax.jit(jax.shard_map(
-      lambda c, t, a: local(c, t, a), mesh=mesh,
-      in_specs=((spec,), engine.transition_specs(t), rep),
-      out_specs=(spec, spec)))
-  whole = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))(
-      canon, t)
-  # One chunk alone: its layers filled, the others still empty (ids -1).
-  one = part(canon, t, chunk_L == 1)
-  for l in range(num_layers):
-    if int(chunk_L[l]) == 1:
-      np.testing.assert_array_equal(one[-1][l], se_MLS[0, l])
-    else:
-      assert (np.asarray(one[-1][l]) == -1).all()
-  # Chunk by chunk, reading the previous chunk's slots: the whole fill.
   fill_chunk = jax.jit(jax.shard_map(
-      lambda s, c, t, a: engine.fill_slots_local(s, c, t, num_devices=D,
-                                                 layers_L=a),
+      lambda s, c, t, k: engine.fill_slots_local(s, c, t, num_devices=D,
+                                                 chunk=k, num_chunks=chunks),
       mesh=mesh, in_specs=((spec, spec), (spec,),
                            engine.transition_specs(t), rep),
       out_specs=(spec, spec)))
-  slots = engine.empty_slots(canon, topo.num_slots)
+  whole = jax.jit(lambda c, t: engine.fill_slots(None, c, t, mesh=mesh))(
+      canon, t)
+  empty = engine.empty_slots(canon, topo.num_slots)
+  # Each chunk alone: its layers filled, the others still empty (ids -1).
   for k in range(chunks):
-    slots = fill_chunk(slots, canon, t, chunk_L == k)
+    one = fill_chunk(empty, canon, t, jnp.int32(k))
+    for l in range(num_layers):
+      if chunk_L[l] == k:
+        np.testing.assert_array_equal(one[-1][l], se_MLS[0, l])
+        np.testing.assert_array_equal(one[0][l], whole[0][l])
+      else:
+        assert (np.asarray(one[-1][l]) == -1).all()
+        assert (np.asarray(one[0][l]) == 0).all()
+  # Chunk by chunk, reading the previous chunk's slots: the whole fill.
+  slots = empty
+  for k in range(chunks):
+    slots = fill_chunk(slots, canon, t, jnp.int32(k))
   for a, b in zip(slots, whole):
     np.testing.assert_array_equal(a, b)
   # From those slots to the next placement: the changed slots only.
