@@ -263,18 +263,25 @@ def _zero_rows(x, rows: int):
   return vary(z, varying_axes(x) | {EXPERT})
 
 
-def _exchange(items, cnt: _Counts, me, exchange: str, out_rows: int):
-  """One ragged all-to-all of expert-sized items ([Rs, X...] leaves packed
-  by destination): this device sends cnt.send_D[d] items to device d and
-  receives cnt.recv_D[c] from each c, sources laid out in ascending
-  order. Returns the received items, [out_rows, X...] (unused rows
-  zero)."""
+def _exchange(pick, num_items: int, cnt: _Counts, me, exchange: str,
+              out_rows: int):
+  """One ragged all-to-all of expert-sized items: this device sends
+  cnt.send_D[d] items to device d, packed by destination, and receives
+  cnt.recv_D[c] from each c, sources laid out in ascending order.
+  pick(index) gives the items at rows `index` ([n] int32) of this
+  device's send list of `num_items` rows. Returns the received items,
+  [out_rows, X...] (unused rows zero).
+
+  The collectives read a whole send buffer, so it is gathered first; the
+  CPU emulation picks each item as its round sends it, so the rows past
+  what a device sends (most of a buffer sized by the budget) are never
+  gathered."""
   in_off_D = jnp.cumsum(cnt.send_D) - cnt.send_D
   recv_off_D = jnp.cumsum(cnt.recv_D) - cnt.recv_D
 
   if exchange == 'emulated':
-    return _exchange_by_rounds(items, cnt, me, in_off_D, recv_off_D,
-                               out_rows)
+    return _exchange_by_rounds(pick, num_items, cnt, me, in_off_D,
+                               recv_off_D, out_rows)
 
   def one(x):
     flat = x.reshape(x.shape[0], -1)
@@ -292,25 +299,25 @@ def _exchange(items, cnt: _Counts, me, exchange: str, out_rows: int):
       raise ValueError(f'exchange must be one of {EXCHANGES}, got '
                        f'{exchange!r}.')
     return got.reshape((out_rows,) + x.shape[1:])
-  return jax.tree.map(one, items)
+  return jax.tree.map(one, pick(jnp.arange(num_items, dtype=jnp.int32)))
 
 
-def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D,
-                        out_rows: int):
+def _exchange_by_rounds(pick, num_items: int, cnt: _Counts, me, in_off_D,
+                        recv_off_D, out_rows: int):
   """`_exchange` on CPU: the same result by cyclic-shift ppermute rounds,
   idle rounds skipped. Shift k takes as many rounds as its busiest pair
-  (c, c + k) has items (cnt.depth_K), each carrying one expert per device;
-  so a step without moves costs nothing and one with few moves little,
-  where an all_to_all padded to R items per pair would copy D x R experts
-  per device every layer. (The rounds sit in conditionals, which on CPU
-  costs nothing: its collectives are synchronous anyway.)"""
+  (c, c + k) has items (cnt.depth_K), each carrying one expert per device
+  and picking it from the sources then; so a step without moves costs
+  nothing and one with few moves little, where an all_to_all padded to R
+  items per pair would copy D x R experts per device every layer. (The
+  rounds sit in conditionals, which on CPU costs nothing: its collectives
+  are synchronous anyway.)"""
   num_devices = cnt.send_D.shape[0]
-  num_rows = jax.tree.leaves(items)[0].shape[0]
 
   def one_round(k, r, out):
     dst, src = (me + k) % num_devices, (me - k) % num_devices
-    item = jax.tree.map(
-        lambda x: x[jnp.clip(in_off_D[dst] + r, 0, num_rows - 1)], items)
+    row = jnp.clip(in_off_D[dst] + r, 0, num_items - 1)
+    item = jax.tree.map(lambda x: x[0], pick(row[None]))
     got = _shifted(item, k, num_devices)
     at = jnp.where(r < cnt.recv_D[src], recv_off_D[src] + r, out_rows)
     return jax.tree.map(lambda o, g: o.at[at].set(g, mode='drop'), out, got)
@@ -318,7 +325,10 @@ def _exchange_by_rounds(items, cnt: _Counts, me, in_off_D, recv_off_D,
   def shift(k, out):
     return jax.lax.fori_loop(0, cnt.depth_K[k],
                              lambda r, o: one_round(k, r, o), out)
-  out = jax.tree.map(lambda x: _zero_rows(x, out_rows), items)
+  # The receive buffer, shaped (and varying) like the items; the one-row
+  # pick is only read for its type, so it is never computed.
+  like = pick(jnp.zeros((1,), jnp.int32))
+  out = jax.tree.map(lambda x: _zero_rows(x, out_rows), like)
   return jax.lax.fori_loop(1, num_devices, shift, out)
 
 
@@ -350,8 +360,11 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   for p in range(stages):
     src = new if tree else slots
     dst_R = t['recv_LPDR'][p, 0]
-    got = _exchange(_pick(src, canon, t['send_LPDR'][p, 0]),
-                    _my_counts(t, p), me, exchange, dst_R.shape[0])
+    send_R = t['send_LPDR'][p, 0]
+    got = _exchange(lambda i, src=src, send_R=send_R: _pick(src, canon,
+                                                           send_R[i]),
+                    send_R.shape[0], _my_counts(t, p), me, exchange,
+                    dst_R.shape[0])
     at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
     new = jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
   return _local_copies(new, canon, t, spd) if tree else new
@@ -383,10 +396,11 @@ def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   tree = stages > 1  # Only a tree adds into slots.
   gslots, gcanon = _local_returns(gslots, gcanon, t, spd, into_slots=tree)
   for p in range(stages):
-    items = jax.tree.map(lambda g: g[t['ret_send_LPDR'][p, 0]], gslots)
+    send_R = t['ret_send_LPDR'][p, 0]
     dst_R = t['ret_recv_LPDR'][p, 0]
-    got = _exchange(items, _my_counts(t, p, 'ret_'), me, exchange,
-                    dst_R.shape[0])
+    got = _exchange(lambda i, gslots=gslots, send_R=send_R: jax.tree.map(
+        lambda g: g[send_R[i]], gslots), send_R.shape[0],
+                    _my_counts(t, p, 'ret_'), me, exchange, dst_R.shape[0])
     gslots, gcanon = _add_into(gslots, gcanon, dst_R, got, into_slots=tree)
   return _zero_evicted(gslots, t, spd), gcanon
 
