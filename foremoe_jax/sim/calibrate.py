@@ -249,6 +249,7 @@ def cpu_profile(model_cfg, *, tokens_per_seq: int, seqs_per_device: int,
       intra_latency_s=lat_a2a, inter_bw=bw_a2a, inter_latency_s=lat_a2a,
       layer_overhead_s=layer_overhead, transfer_overlap=0.0,
       copy_bw=copy_bw, copy_latency_s=0.0, emulated_exchange=True,
+      tiled_gemm=True,
       notes=f'measured on {num_dev} local {jax.devices()[0].platform} '
             f'devices by foremoe_jax.sim.calibrate (exact dispatch, '
             f'emulated exchange, lockstep tile loop)')

@@ -11,7 +11,8 @@ function states what it models; the module's assumptions, in one place:
   bucket C, so every device computes D * C rows plus a partial tile per
   slot, and balance pays off through a smaller bucket; ``ragged`` is an
   exact-count dispatch (DeepEP-style kernels), where a device computes its
-  own load and balance pays off directly.
+  own load and balance pays off directly (on CPU, `tiled_gemm`, each
+  slot's rows rounded up to whole tiles, as the tile loop runs them).
 * A device's expert GEMMs cannot beat reading their weights once per pass
   (a roofline on HBM); rows times FLOPs per row over the achievable rate
   otherwise.

@@ -72,6 +72,12 @@ class HardwareProfile:
   """The exact dispatch's ragged all-to-all is emulated by an all-to-all
   of fixed chunks (XLA:CPU has no ragged-all-to-all): every (source,
   destination) pair moves the per-cell bound, whatever it holds."""
+  tiled_gemm: bool = False
+  """The exact dispatch's grouped GEMM runs whole tiles per slot
+  (`grouped_swiglu` 'tiles_lockstep', the CPU default): a device computes
+  each slot's rows rounded up to the tile (`default_tile` of its bucket),
+  so a placement that spreads an expert over more slots pays more partial
+  tiles. False: rows as they arrive (`ragged_dot` on GPU/TPU)."""
   hbm_bytes: float = 80e9
   """Device memory (H100/H800: 80 GB)."""
   """All devices on one 3D torus (TPU ICI): all-to-all pays the hop count."""

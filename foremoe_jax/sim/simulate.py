@@ -261,10 +261,17 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
     chunk = costs.padded_cells(num_dev,
                                tokens_per_device * min(model.top_k, spd))
     layer_a2a = costs.all_to_all_time(chunk * act_bytes, hw)
+  tile = default_tile(capacity, spd) if hw.tiled_gemm else 1
   for m in range(num_micro):
     p = placement_of(m)
     cells_LSD = placement_lib.cell_counts(loads_MLDE[m], p)
-    loads_LD = cells_LSD.sum(axis=1)
+    if hw.tiled_gemm:
+      # Whole tiles per slot (`grouped_swiglu` 'tiles_lockstep').
+      rows_LS = placement_lib.slot_counts(loads_MLDE[m], p).sum(axis=1)
+      loads_LD = ((-(-rows_LS // tile) * tile)
+                  .reshape(num_layers, num_dev, spd).sum(axis=2))
+    else:
+      loads_LD = cells_LSD.sum(axis=1)
     moe_M[m] = float(costs.expert_time(loads_LD.max(axis=1), spd, model, hw,
                                        passes).sum())
     if hw.emulated_exchange:
@@ -297,8 +304,27 @@ def _fill_s(transfer, model, hw, num_dev, num_layers, spd,
                + costs.local_copy_time(local_D, model, hw))
 
 
+def empty_slots_s(model: ModelShape, hw: HardwareProfile, num_layers: int,
+                  spd: int) -> float:
+  """Writing a device's empty slot buffers (`engine.empty_slots`), which a
+  fill from nothing starts from: every layer's s experts, once."""
+  return num_layers * spd * model.bytes_per_expert / hw.hbm_bw
+
+
+def chunk_slices_s(model: ModelShape, hw: HardwareProfile, num_layers: int,
+                   num_micro: int, spd: int, num_home: int) -> float:
+  """The prefill's per-iteration bookkeeping (`engine.fill_slots_local(
+  chunk=)`): each of the M iterations slices its chunk's layers (the
+  largest chunk's count, ceil(L / M), every iteration) out of the slot
+  buffers and the canonical experts and writes the slots back, copies of
+  2 s + h experts per layer."""
+  per = -(-num_layers // num_micro)
+  return (num_micro * per * (2 * spd + num_home) * 2 * model.bytes_per_expert
+          / hw.hbm_bw)
+
+
 def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
-                    num_layers, spd) -> tuple[float, float]:
+                    num_layers, spd, num_home: int = 0) -> tuple[float, float]:
   """(seconds, exposed seconds) of the recompute's prefill of the update's
   slots (`rl.step.recompute_logps(prefill=True)`): the step-level
   placement's fill, one chunk of layers per micro-step of the recompute
@@ -312,7 +338,13 @@ def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
                       for m in range(num_micro)])
   hidden_M = np.minimum(chunk_M,
                         move_overlap(recompute_transfer, hw) * compute_M)
-  return float(chunk_M.sum()), float((chunk_M - hidden_M).sum())
+  # Zeroing the buffers and slicing the chunks is local memory work on the
+  # compute's own stream: it hides under nothing.
+  local_s = (empty_slots_s(model, hw, num_layers, spd)
+             + chunk_slices_s(model, hw, num_layers, num_micro, spd,
+                              num_home))
+  return (float(chunk_M.sum() + local_s),
+          float((chunk_M - hidden_M).sum() + local_s))
 
 
 def flush_exposed(flush_L, last_compute_s: float,
@@ -401,6 +433,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   hidden_M = np.minimum(move_M, move_overlap(mp.transfer, hw) * compute_M)
   exposed_M = move_M - hidden_M
   fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
+  if not mp.prefilled:  # The update's fill starts from empty buffers.
+    fill_s += empty_slots_s(model, hw, num_layers, spd)
   flush_L = _transition_s(mp.transfer.flush, model, hw, num_dev)
   flush_s, flush_exposed_s = flush_exposed(
       flush_L, compute_M[-1], move_overlap(mp.transfer, hw))
@@ -439,8 +473,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       placement_of = lambda m: home
     else:
       placement_of = mp.recompute_plan.microstep
-      recompute_fill_s = _fill_s(mp.recompute_transfer, model, hw, num_dev,
-                                 num_layers, spd)
+      recompute_fill_s = (_fill_s(mp.recompute_transfer, model, hw, num_dev,
+                                  num_layers, spd)
+                          + empty_slots_s(model, hw, num_layers, spd))
     rmoe_M, ra2a_M = _moe_and_a2a(loads_MLDE, placement_of,
                                   mp.recompute_capacity[mode], model, fwd,
                                   spd, mode, passes=1,
@@ -453,7 +488,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       # the token all-to-alls share the links, so they hide nothing).
       prefill_s, prefill_exposed_s = prefill_exposed(
           mp.recompute_transfer, rmoe_M + nonexpert(1, fwd), model, hw,
-          num_dev, num_layers, spd)
+          num_dev, num_layers, spd, num_home=num_experts // num_dev)
     recompute_s = (passes * recompute_fill_s + sum(rec_parts.values())
                    + prefill_exposed_s)
   # As the trainer orders it: the step-level plan, then the recompute, the

@@ -42,8 +42,9 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # recompute's prefill, ...): a cache of another format is measured anew,
 # never read as if the current code had produced it. 2: staged exact
 # transfers with their budget, and the recompute's prefill of the update's
-# slots.
-CACHE_FORMAT = 2
+# slots. 3: the chunked prefill in place, and the CPU exchange picking items
+# as its rounds send them.
+CACHE_FORMAT = 3
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:

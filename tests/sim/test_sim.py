@@ -94,8 +94,10 @@ def test_balanced_load_static_equals_balanced_plan():
   mp = _method_plan(loads, se, flows, topo)
   r = simulate.time_step(mp, loads, MODEL, _work(), HW, 'exact')
   assert r['moe_compute_s'] == pytest.approx(2 * 16 * ROW_S)
-  # Only local copies of the home experts into their slots (3 per device).
-  assert r['transfer_s'] == pytest.approx(3 * 2 * MODEL.bytes_per_expert / 1e15)
+  # Only local copies of the home experts into their slots (3 per device,
+  # read + write), after writing the 3 empty slot buffers.
+  assert r['transfer_s'] == pytest.approx(
+      (3 * 2 + 3) * MODEL.bytes_per_expert / 1e15)
   assert r['transfer_hidden_s'] == 0.0
   assert r['microstep_max_over_mean'] == pytest.approx(1.0)
 
@@ -460,7 +462,9 @@ def test_prefill_moves_the_fill_under_the_recompute_by_hand():
     b = simulate.time_step(pre, loads, MODEL, _work(), hw)
     fill = a['fill_s']  # One remote replica (+ its local copies).
     assert fill > 0 and b['fill_s'] == 0.0
-    assert b['prefill_s'] == pytest.approx(fill)
+    # The prefill's chunk bookkeeping comes on top (memory work, ~0 here).
+    slices = simulate.chunk_slices_s(MODEL, hw, 1, 2, 3, 2)
+    assert b['prefill_s'] == pytest.approx(fill + slices)
     assert b['update_s'] == pytest.approx(a['update_s'] - fill)
     # The fill is one expert's bytes over a link: far longer than this toy
     # forward's compute, so with full overlap only the compute hides it.
@@ -470,7 +474,7 @@ def test_prefill_moves_the_fill_under_the_recompute_by_hand():
         a['recompute_s'] + b['prefill_exposed_s'])
     assert b['transfer_exposed_s'] == pytest.approx(
         a['transfer_exposed_s'] - fill + b['prefill_exposed_s'])
-  assert b['prefill_exposed_s'] == pytest.approx(fill)  # overlap 0.
+  assert b['prefill_exposed_s'] == pytest.approx(fill + slices)  # overlap 0.
   with pytest.raises(ValueError, match='prefill'):
     simulate.time_step(pre, loads, MODEL, _work(recompute_forward_passes=0),
                        HW)
@@ -534,3 +538,54 @@ def test_best_of_keeps_the_first_result_and_the_least_time(monkeypatch):
   assert (out, best, calls) == (1, 2.0, [0, 1, 2])
   clock = iter([0.0, 4.0])
   assert simulate._best_of(lambda: 'x', 0) == ('x', 4.0)  # At least once.
+
+
+def test_fills_from_empty_buffers_and_the_prefill_chunks_by_hand():
+  """Memory work the fills do besides moving experts, at 1 MB/s: a fill
+  from nothing (the recompute's, the update's unless prefilled) first
+  writes the empty slot buffers, L x s experts of 1,536 B (4.6 ms); the
+  prefill's M = 2 iterations each slice ceil(L / M) = 1 layer's s slots
+  and h = 2 home experts out and write the slots back: 2 x (2 x 3 + 2)
+  copies of 2 x 1,536 B (49.2 ms)."""
+  topo = Topology(1, 2, 3)
+  loads, _, spread = _hot_expert_plans(topo)
+  spread.recompute_plan, spread.recompute_transfer = spread.plan, spread.transfer
+  budget = schedule.TransferBudget(step_rounds=4, microstep_rounds=2)
+  pre = dataclasses.replace(
+      spread, prefilled=True, transfer=schedule.build_step_transfer(
+          spread.plan.placement.slot_expert, 4, topo, budget,
+          start_LS=spread.plan.placement.slot_expert[0]))
+  fast = dataclasses.replace(HW, transfer_overlap=0.0)
+  slow = dataclasses.replace(fast, hbm_bw=1e6)
+  assert simulate.empty_slots_s(MODEL, slow, 1, 3) == pytest.approx(4.608e-3)
+  assert simulate.chunk_slices_s(MODEL, slow, 1, 2, 3, 2) == pytest.approx(
+      49.152e-3)
+  # The fill's local copies read and write an expert each at the same rate.
+  copies = (spread.transfer.fill.local_src_LS[0].reshape(2, 3) >= 0).sum(
+      axis=1).max()
+  a_fast, a_slow = (simulate.time_step(spread, loads, MODEL, _work(), hw)
+                    for hw in (fast, slow))
+  extra = (3 + 2 * copies) * 1536 * (1 / 1e6 - 1 / 1e15)
+  assert a_slow['fill_s'] - a_fast['fill_s'] == pytest.approx(extra)
+  assert a_slow['recompute_fill_s'] - a_fast['recompute_fill_s'] == (
+      pytest.approx(extra))
+  # Prefilled: the update starts from the recompute's buffers (no empty
+  # ones, nothing to move into the same placement); the prefill pays the
+  # whole fill, empty buffers included, and the chunk slices.
+  b_slow = simulate.time_step(pre, loads, MODEL, _work(), slow)
+  assert b_slow['fill_s'] == 0.0
+  assert b_slow['prefill_s'] == pytest.approx(a_slow['fill_s'] + 49.152e-3)
+
+
+def test_tiled_grouped_gemm_rounds_each_slot_to_tiles_by_hand():
+  """On CPU the grouped GEMM runs whole tiles per slot (8 rows at bucket
+  8): the home layout's 60 rows of the hot expert cost 64, the replica
+  split's 30 + 30 cost 32 on each device; on GPU rows as they arrive."""
+  topo = Topology(1, 2, 3)
+  loads, static, spread = _hot_expert_plans(topo)
+  tiled = dataclasses.replace(HW, tiled_gemm=True)
+  for mp, rows, tiles in ((static, 60, 64), (spread, 30, 32)):
+    a = simulate.time_step(mp, loads, MODEL, _work(), HW)['moe_compute_s']
+    b = simulate.time_step(mp, loads, MODEL, _work(), tiled)['moe_compute_s']
+    assert a == pytest.approx(2 * rows * ROW_S)
+    assert b == pytest.approx(2 * tiles * ROW_S)
