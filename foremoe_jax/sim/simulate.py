@@ -324,7 +324,7 @@ def chunk_slices_s(model: ModelShape, hw: HardwareProfile, num_layers: int,
 
 
 def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
-                    num_layers, spd, num_home: int = 0) -> tuple[float, float]:
+                    num_layers, spd, num_home: int) -> tuple[float, float]:
   """(seconds, exposed seconds) of the recompute's prefill of the update's
   slots (`rl.step.recompute_logps(prefill=True)`): the step-level
   placement's fill, one chunk of layers per micro-step of the recompute

@@ -443,11 +443,10 @@ def test_sender_floor_is_the_busiest_source_by_hand():
     assert r['sender_max_over_mean'] == pytest.approx(1.5)
 
 
-def test_prefill_moves_the_fill_under_the_recompute_by_hand():
-  """With the recompute prefilling the update's slots, the update's fill
-  moves only what micro-step 0 changes (here nothing: same placement), and
-  the whole fill runs under the recompute: hidden when the profile's
-  overlap allows it, else exposed there, second for second."""
+def _prefill_plans():
+  """The one-replica plan of the hot-expert case, its recompute on the
+  same placement, and the same plan with the recompute prefilling the
+  update's slots (the update's fill then starts from them)."""
   topo = Topology(1, 2, 3)
   loads, _, spread = _hot_expert_plans(topo)
   spread.recompute_plan, spread.recompute_transfer = spread.plan, spread.transfer
@@ -456,6 +455,15 @@ def test_prefill_moves_the_fill_under_the_recompute_by_hand():
       spread, prefilled=True, transfer=schedule.build_step_transfer(
           spread.plan.placement.slot_expert, 4, topo, budget,
           start_LS=spread.plan.placement.slot_expert[0]))
+  return loads, spread, pre
+
+
+def test_prefill_moves_the_fill_under_the_recompute_by_hand():
+  """With the recompute prefilling the update's slots, the update's fill
+  moves only what micro-step 0 changes (here nothing: same placement), and
+  the whole fill runs under the recompute: hidden when the profile's
+  overlap allows it, else exposed there, second for second."""
+  loads, spread, pre = _prefill_plans()
   for overlap in (1.0, 0.0):
     hw = dataclasses.replace(HW, transfer_overlap=overlap)
     a = simulate.time_step(spread, loads, MODEL, _work(), hw)
@@ -547,14 +555,7 @@ def test_fills_from_empty_buffers_and_the_prefill_chunks_by_hand():
   prefill's M = 2 iterations each slice ceil(L / M) = 1 layer's s slots
   and h = 2 home experts out and write the slots back: 2 x (2 x 3 + 2)
   copies of 2 x 1,536 B (49.2 ms)."""
-  topo = Topology(1, 2, 3)
-  loads, _, spread = _hot_expert_plans(topo)
-  spread.recompute_plan, spread.recompute_transfer = spread.plan, spread.transfer
-  budget = schedule.TransferBudget(step_rounds=4, microstep_rounds=2)
-  pre = dataclasses.replace(
-      spread, prefilled=True, transfer=schedule.build_step_transfer(
-          spread.plan.placement.slot_expert, 4, topo, budget,
-          start_LS=spread.plan.placement.slot_expert[0]))
+  loads, spread, pre = _prefill_plans()
   fast = dataclasses.replace(HW, transfer_overlap=0.0)
   slow = dataclasses.replace(fast, hbm_bw=1e6)
   assert simulate.empty_slots_s(MODEL, slow, 1, 3) == pytest.approx(4.608e-3)
