@@ -44,7 +44,10 @@ def test_dataset_config_trains_and_resumes_exactly(tmp_path):
            '--config.eval_prompts=8', '--config.checkpoint_every=2',
            '--config.sample_log_every=1',
            '--config.planner.method=eplb_step',
-           '--config.planner.deadline_ms=600000']
+           '--config.planner.deadline_ms=600000',
+           # Two capacity rungs: one update program for every step (the
+           # static first step and the balanced ones), not one per bucket.
+           '--config.parallel.capacity_growth=100']
   train = ['experiments.rl_train', *flags]
   straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
   out = _run([*train, '--config.rl.steps=4', f'--workdir={straight}'])
