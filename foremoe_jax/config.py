@@ -613,6 +613,16 @@ def buckets_from_config(config, tokens_per_device: int) -> tuple[int, ...]:
       factors=tuple(p.get('capacity_factors', ())))
 
 
+def cell_buckets(tokens_per_device: int, top_k: int, num_devices: int,
+                 slots_per_device: int) -> tuple[int, ...]:
+  """Buckets of the largest (source, destination) pair, for the exact
+  dispatch's CPU emulation, which pads every pair to one (`StepPlan.cell`):
+  the padded dispatch's cells, in steps of 2x (a new bucket compiles a new
+  step; the pair bound only sets the emulation's traffic)."""
+  return capacity_buckets(tokens_per_device, top_k, num_devices,
+                          slots_per_device, dispatch='padded', growth=2.0)
+
+
 def pick_bucket(max_rows: int, buckets) -> int:
   """Smallest bucket that drops nothing for the given row demand (a
   device's received rows, or the largest cell)."""

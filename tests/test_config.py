@@ -106,6 +106,15 @@ def test_capacity_buckets_factors_ascending_and_dropless_last():
   assert config_lib.pick_bucket(10_000, caps) == 128
 
 
+def test_cell_buckets_double_from_the_uniform_pair_to_the_pair_bound():
+  # 512 tokens x top-2 over 8 devices: 128 rows a pair if uniform; a token
+  # sends one device at most min(top_k, s) = 2 rows, so no pair exceeds
+  # 1,024 (the emulation's chunk without a bound).
+  caps = config_lib.cell_buckets(512, 2, 8, 3)
+  assert caps == (128, 256, 512, 1024)
+  assert config_lib.pick_bucket(129, caps) == 256
+
+
 @pytest.mark.parametrize('dispatch,tokens,top_k,devices,spd,dropless', [
     # A token sends a device at most min(top_k, s) rows, one per slot.
     ('padded', 64, 2, 8, 4, 64 * 2),

@@ -213,7 +213,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         plan = step_lib.StepPlan(
             step_lib.device_placement(planned.plan.placement, ctx.mesh),
             step_lib.device_transfer(planned.transfer, ctx.mesh),
-            planned.capacity)
+            planned.capacity, planned.cell)
         new_state, m = rl.update(state, batch, logps, plan)
         jax.block_until_ready(new_state)
         t_done = time.perf_counter()
@@ -292,7 +292,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         exposed_transfer_s=med('update_s') - med('installed_s'),
         microstep_max_over_mean_mean=float(mom.mean()),
         microstep_max_over_mean_p95=float(np.percentile(mom, 95)),
-        capacity=planned.capacity, recompute_capacity=r['recompute_capacity'],
+        capacity=planned.capacity, cell=planned.cell,
+        recompute_capacity=r['recompute_capacity'],
         weight_bytes_moved_per_device_per_microstep=moved[
             'weight_bytes_moved_per_device_per_microstep'],
         # Experts on the wire over experts that had to cross devices, for
@@ -368,14 +369,17 @@ def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
     loads_MGLDE = loads_lib.loads_from_sample_counts(
         counts_BLE, order, config.parallel.num_data, config.parallel.num_expert)
     cap = trainer.static_capacity(ctx, loads_MGLDE)
+    cell = trainer.cell_capacity(ctx, loads_MGLDE, ctx.identity)
     ident = placement_lib.stack_placements([ctx.identity] * num_micro)
-    plan = step_lib.make_step_plan(ident, ctx.num_experts, ctx.topo,
-                                   ctx.budget, cap)
+    plan = dataclasses.replace(
+        step_lib.make_step_plan(ident, ctx.num_experts, ctx.topo, ctx.budget,
+                                cap), cell=cell)
     synth_batch = dict(batch, routes_MLbTK=jax.device_put(
         jnp.asarray(synth_MLbTK, batch['routes_MLbTK'].dtype),
         batch['routes_MLbTK'].sharding))
     runs.append(dict(loads_MLDE=trainer.planner_loads(loads_MGLDE),
-                     capacity=cap, skew=float(skew), batch=synth_batch,
+                     capacity=cap, cell=cell, skew=float(skew),
+                     batch=synth_batch,
                      plan=plan, times=[], recompute_times=[]))
   # The same update program as the methods': the reference log-probs of
   # the step (their values do not change the time).
@@ -387,7 +391,7 @@ def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
       t0 = time.perf_counter()
       jax.block_until_ready(rl.recompute(state, r['batch'],
                                          step_lib.CanonicalLayout(
-                                             r['capacity'])))
+                                             r['capacity'], r['cell'])))
       t1 = time.perf_counter()
       jax.block_until_ready(rl.update(state, r['batch'], logps, r['plan']))
       if rep:

@@ -126,9 +126,17 @@ def footprint_exchange(operand, output, *, axis_name: str):
 
 def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
                   slot_expert_S, slot_share_DS, *, capacity: int,
-                  num_experts: int, tile: int, gemm: str, exchange: str):
+                  num_experts: int, tile: int, gemm: str, exchange: str,
+                  cell: int | None = None):
   """(y_NM, counts) on one device; counts = (count_S, dropped, demand) for
-  the stats: `demand` is the rows this device was sent, which R must hold."""
+  the stats: `demand` is the rows this device was sent, which R must hold.
+
+  cell: a bound on the rows one source sends one destination device (the
+  host's `placement.max_cell` of the step's foresight, bucketed), which
+  the emulated exchange pads every pair to instead of the bound that holds
+  whatever the routing (N * min(K, s)); rows past it are dropped and
+  counted like rows past R. The real ragged collective moves exact counts,
+  so only the emulation's traffic changes. None: that safe bound."""
   num_ep = jax.lax.axis_size(EXPERT)
   num_tokens, top_k = ids_NK.shape
   num_slots = slot_expert_S.shape[0]
@@ -155,17 +163,25 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   # and how many fit, where its returned rows come from, and how many tiles
   # the busiest device will run, all without another collective.
   counts_DS = jax.lax.all_gather(sa.count_S.astype(i32), EXPERT)
-  rows_DD = counts_DS.reshape(num_ep, num_ep, spd).sum(axis=2)  # [src, dst]
+  # A source never sends one destination more than N * min(K, s) rows.
+  chunk = min(num_tokens * min(top_k, spd), capacity, num_assign)
+  sent_DD = counts_DS.reshape(num_ep, num_ep, spd).sum(axis=2)  # [src, dst]
+  if cell is not None and cell < chunk:
+    # Each (source, destination) run keeps its first `cell` rows: the
+    # earlier slots' rows first, as they lie in the sorted send buffer.
+    chunk = int(cell)
+    c_DDs = counts_DS.reshape(num_ep, num_ep, spd)
+    before_DDs = jnp.cumsum(c_DDs, axis=2) - c_DDs
+    counts_DS = jnp.clip(chunk - before_DDs, 0, c_DDs).reshape(num_ep, -1)
+  rows_DD = counts_DS.reshape(num_ep, num_ep, spd).sum(axis=2)  # Kept rows.
   start_DD = jnp.cumsum(rows_DD, axis=0) - rows_DD  # Offset of src at dst.
   fit_DD = jnp.clip(capacity - start_DD, 0, rows_DD).astype(i32)
   recv_Ds = jax.lax.dynamic_slice_in_dim(counts_DS, me * spd, spd, axis=1)
-  recv_D, start_D, fit_D = rows_DD[:, me], start_DD[:, me], fit_DD[:, me]
+  start_D, fit_D = start_DD[:, me], fit_DD[:, me]
   out_off_D, send_fit_D = start_DD[me], fit_DD[me]
   # Where each source's rows to me sit in its own sorted send buffer.
-  src_in_off_D = (jnp.cumsum(rows_DD, axis=1) - rows_DD)[:, me]
+  src_in_off_D = (jnp.cumsum(sent_DD, axis=1) - sent_DD)[:, me]
   # 3. Exactly the routed rows (those that fit) move.
-  # A source never sends one destination more than N * min(K, s) rows.
-  chunk = min(num_tokens * min(top_k, spd), capacity, num_assign)
   move = _exchange(exchange, chunk)
   recv_RM = move(send_AM, jnp.zeros((capacity, model_dim), x_NM.dtype),
                  in_off_D, send_fit_D, out_off_D, fit_D, start_D)
@@ -202,4 +218,4 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   w_A = jnp.where(keep_A, gates_NK.reshape(-1), 0).astype(y_AM.dtype)
   y_NM = (y_AM * w_A[:, None]).reshape(num_tokens, top_k, model_dim).sum(axis=1)
   dropped = (sa.found_A & ~keep_A).sum()
-  return y_NM, (sa.count_S, dropped, recv_D.sum())
+  return y_NM, (sa.count_S, dropped, sent_DD[:, me].sum())

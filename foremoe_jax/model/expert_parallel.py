@@ -108,19 +108,34 @@ def gather_slot_weights(w_EXY, slot_expert_S, *, mesh):
                            w_EXY, slot_expert_S)
 
 
+def split_capacity(capacity) -> tuple[int, int | None]:
+  """(rows, cell) of a static capacity: an int, or for 'exact' a pair
+  (R, cell) whose cell bounds the rows one source sends one destination
+  (`dispatch_exact.dispatch_body`; None: no bound but R's)."""
+  if isinstance(capacity, tuple):
+    rows, cell = capacity
+    return int(rows), None if cell is None else int(cell)
+  return int(capacity), None
+
+
 def _body_kwargs(dispatch, capacity, num_experts, num_ep, spd, tile, gemm,
                  exchange) -> dict:
-  received = int(capacity) * (num_ep if dispatch == 'padded' else 1)
+  rows, cell = split_capacity(capacity)
+  received = rows * (num_ep if dispatch == 'padded' else 1)
   if tile is None:
     tile = default_tile(received, spd)
-  kw = dict(dispatch=dispatch, capacity=int(capacity),
-            num_experts=num_experts, tile=int(tile))
+  kw = dict(dispatch=dispatch, capacity=rows, num_experts=num_experts,
+            tile=int(tile))
   if dispatch == 'padded':
     kw['gemm'] = 'tiles_static' if gemm is None else gemm
   else:
     kw['gemm'] = grouped_swiglu.default_kind() if gemm is None else gemm
     kw['exchange'] = (dispatch_exact.default_exchange() if exchange is None
                       else exchange)
+    # Only the emulation pads pairs; the ragged collective moves exact
+    # counts, so a bound there could only drop rows.
+    if kw['exchange'] == 'emulated':
+      kw['cell'] = cell
   return kw
 
 
@@ -160,8 +175,10 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
       canonical experts for this placement), sharded over 'expert'.
     slot_expert_S, slot_share_DS: one layer of a Placement.
     mesh: a mesh with 'data' and 'expert' axes.
-    capacity: static; 'exact': R, the rows a device can receive; 'padded':
-      C, the rows of one (source, destination device) cell.
+    capacity: static; 'exact': R, the rows a device can receive, or
+      (R, cell) with a bound on one (source, destination device) pair that
+      the CPU emulation of the exchange pads to (`split_capacity`);
+      'padded': C, the rows of one (source, destination device) cell.
       `config.dropless_capacity` is the bound that never drops.
     num_experts: E, the number of canonical experts.
     dispatch: 'exact' or 'padded' (module docstring).
@@ -189,7 +206,8 @@ def expert_parallel_ffn(x_NM, ids_NK, gates_NK, valid_N, wg_SMF, wu_SMF,
   if slot_expert_S.shape[0] % num_ep:
     raise ValueError(f'{slot_expert_S.shape[0]} slots do not split over '
                      f'{num_ep} EP devices.')
-  if int(capacity) < 1:
+  rows, cell = split_capacity(capacity)
+  if rows < 1 or (cell is not None and cell < 1):
     raise ValueError(f'capacity must be >= 1, got {capacity}.')
   kw = _body_kwargs(dispatch, capacity, num_experts, num_ep,
                     slot_expert_S.shape[0] // num_ep, tile, gemm, exchange)

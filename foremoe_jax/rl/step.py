@@ -62,7 +62,7 @@ class TrainState:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=['placement', 'transfer'],
-                   meta_fields=['capacity'])
+                   meta_fields=['capacity', 'cell'])
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
   """What the update needs from the host: placements, moves, one capacity.
@@ -73,19 +73,33 @@ class StepPlan:
     during each micro-step for the next one, and the gradient flush.
   capacity: the scan over micro-steps needs one buffer shape, so this is the
     smallest bucket that drops nothing in *any* micro-step of the step.
+  cell: with the CPU's emulated exchange, the bucket of the largest (source,
+    destination device) pair of any micro-step, which the emulation pads
+    every pair to (`dispatch_exact.dispatch_body`); None: the bound that
+    holds whatever the routing. GPU/TPU's ragged exchange ignores it.
   """
   placement: placement_lib.Placement
   transfer: dict
   capacity: int
+  cell: int | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[],
-                   meta_fields=['capacity'])
+                   meta_fields=['capacity', 'cell'])
 @dataclasses.dataclass(frozen=True)
 class CanonicalLayout:
   """The recompute's plan when experts stay home: no placement, no moves,
-  capacity static (None: dropless)."""
+  capacity static (None: dropless), cell as `StepPlan.cell`."""
   capacity: int | None = None
+  cell: int | None = None
+
+
+def model_capacity(plan):
+  """The model's static capacity for a StepPlan or CanonicalLayout: R, or
+  (R, cell) when the plan bounds the pairs (`expert_parallel.split_capacity`)."""
+  if plan.cell is None or plan.capacity is None:
+    return plan.capacity
+  return (plan.capacity, plan.cell)
 
 
 def make_step_plan(placement: placement_lib.Placement, num_experts: int,
@@ -419,11 +433,12 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
   mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
   _check_rows(batch, mesh)
   if isinstance(plan, StepPlan):
-    placement, transfer, capacity = plan.placement, plan.transfer, plan.capacity
+    placement, transfer = plan.placement, plan.transfer
   else:
     if not isinstance(plan, CanonicalLayout):
       plan = CanonicalLayout(plan)
-    placement, transfer, capacity = None, None, plan.capacity
+    placement, transfer = None, None
+  capacity = model_capacity(plan)
   if prefill and placement is None:
     raise ValueError('prefill fills the slots of a StepPlan; the canonical '
                      'layout has none.')
@@ -556,7 +571,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     index_w = mask32 / (jnp.maximum(mask32.sum(axis=1, keepdims=True), 1.0)
                         * num_total)
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
-                           routes, plan.capacity, slot_weights=slot_w,
+                           routes, model_capacity(plan), slot_weights=slot_w,
                            indexer_weight_bT=index_w,
                            slot_returns=slot_returns)
     if old is None:  # One epoch: the old policy is this one.

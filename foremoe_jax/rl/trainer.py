@@ -43,7 +43,8 @@ from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
 from foremoe_jax.planner import plan as plan_lib
 from foremoe_jax.foresight import composition, expert_load, loads as loads_lib
-from foremoe_jax.model import expert_parallel, sharding, transformer
+from foremoe_jax.model import dispatch_exact, expert_parallel, sharding
+from foremoe_jax.model import transformer
 from foremoe_jax.rl import checkpoint, distill as distill_lib, step as step_lib
 from foremoe_jax.rollout import sampler as sampler_lib
 from foremoe_jax.tasks import task_from_config
@@ -161,6 +162,9 @@ class RLContext:
   identity: placement_lib.Placement
   buckets: tuple[int, ...]
   num_experts: int
+  # With the CPU's emulated exchange, the buckets of the largest (source,
+  # destination) pair it pads to (`StepPlan.cell`); None elsewhere.
+  cell_buckets: tuple[int, ...] | None = None
   recompute_s: float | None = None  # Last measured, for the plan deadline.
   # Open while the RL loop runs: every XLA compile, so each new capacity
   # bucket's compile is logged (None: not watched).
@@ -176,6 +180,7 @@ class PlannedStep:
   capacity: int
   reverted: int  # Slot changes undone to fit the move budget.
   plan_s: float  # Planner wall time, fitting and move schedule included.
+  cell: int | None = None  # `StepPlan.cell`.
 
 
 def rl_optimizer(config):
@@ -216,13 +221,20 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
                                     moves_per_layer=budget.microstep_rounds,
                                     workers=workers)
   batch_size = rl.prompts_per_step * num_gen
-  buckets = config_lib.buckets_from_config(
-      config, batch_size // rl.num_microbatches * (task.sequence_len - 1)
-      // (d_ep * d_data))
+  tokens_per_device = (batch_size // rl.num_microbatches
+                       * (task.sequence_len - 1) // (d_ep * d_data))
+  buckets = config_lib.buckets_from_config(config, tokens_per_device)
+  cell_buckets = None
+  if (config.parallel.get('dispatch', 'exact') == 'exact'
+      and dispatch_exact.default_exchange() == 'emulated'):
+    cell_buckets = config_lib.cell_buckets(
+        tokens_per_device, mcfg.top_k, d_ep,
+        config_lib.slots_per_device(config))
   sampler = sampler_lib.Sampler(graphdef, mcfg, mesh, sp,
                                 config.parallel.dispatch)
   return RLContext(config, task, mesh, sampler, rl_step, planner, topo, cost,
-                   budget, identity, buckets, mcfg.num_experts)
+                   budget, identity, buckets, mcfg.num_experts,
+                   cell_buckets=cell_buckets)
 
 
 # ----------------------------------------------------------------- phases
@@ -335,6 +347,16 @@ def _capacity(ctx: RLContext, loads_MGLDE, plan) -> int:
   return config_lib.pick_bucket(demand, ctx.buckets)
 
 
+def cell_capacity(ctx: RLContext, loads_MGLDE, plan) -> int | None:
+  """`StepPlan.cell`: the bucket of the largest (source, destination)
+  pair of any micro-step and group (None without the emulated exchange)."""
+  if ctx.cell_buckets is None:
+    return None
+  demand = plan_lib.capacity_demand(loads_MGLDE, plan, 'padded',
+                                    threads=ctx.planner.workers)
+  return config_lib.pick_bucket(demand, ctx.cell_buckets)
+
+
 def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE, start_LS=None):
   """Runs in the planner thread after planning: fit the plan to the move
   budget, build its move schedule and pick its capacity bucket (from the
@@ -348,7 +370,8 @@ def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE, start_LS=None):
         start_LS=start_LS)
     return PlannedStep(plan, transfer,
                        _capacity(ctx, loads_MGLDE, plan),
-                       reverted, time.perf_counter() - t_submit)
+                       reverted, time.perf_counter() - t_submit,
+                       cell_capacity(ctx, loads_MGLDE, plan))
   return finalize
 
 
@@ -430,7 +453,8 @@ def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
   loads_MGLDE = np.asarray(loads_MGLDE)
   if ctx.planner.method == 'static':
     cap = static_capacity(ctx, loads_MGLDE)
-    return RecomputePlan(step_lib.CanonicalLayout(cap), cap,
+    cell = cell_capacity(ctx, loads_MGLDE, ctx.identity)
+    return RecomputePlan(step_lib.CanonicalLayout(cap, cell), cap,
                          time.perf_counter() - t0)
   loads_MLDE = planner_loads(loads_MGLDE)
   plan = ctx.planner.step_level_plan(loads_MLDE)
@@ -442,7 +466,8 @@ def recompute_plan(ctx: RLContext, loads_MGLDE) -> RecomputePlan:
                                           ctx.budget)
   device = step_lib.StepPlan(
       step_lib.device_placement(plan.placement, ctx.mesh),
-      step_lib.device_transfer(transfer, ctx.mesh), cap)
+      step_lib.device_transfer(transfer, ctx.mesh), cap,
+      cell_capacity(ctx, loads_MGLDE, plan))
   return RecomputePlan(device, cap, time.perf_counter() - t0, plan, transfer)
 
 
@@ -475,7 +500,7 @@ def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
   plan = step_lib.StepPlan(
       step_lib.device_placement(planned.plan.placement, ctx.mesh),
       step_lib.device_transfer(planned.transfer, ctx.mesh),
-      planned.capacity)
+      planned.capacity, planned.cell)
   state, m = ctx.rl_step.update(state, batch, logps, plan)
   return state, distributed.to_host(m)
 
@@ -611,6 +636,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       **expert_load.summary(tokens_LE),
       expert_tokens_LE=tokens_LE,
       capacity=planned.capacity,
+      # The emulated exchange's pair bucket (None: the ragged collective).
+      capacity_cell=planned.cell,
       capacity_static=static_capacity(ctx, loads_MGLDE),
       # The recompute's forwards and its bucket (0 when it runs none).
       recompute_forward_passes=ctx.rl_step.recompute_forward_passes(

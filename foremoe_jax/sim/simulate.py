@@ -256,10 +256,17 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
   if mode != 'exact':
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}.')
   if hw.emulated_exchange:
-    # Every pair moves the per-cell bound (a token sends a device at most
-    # min(top_k, s) rows): tokens * min(top_k, s) rows per cell.
-    chunk = costs.padded_cells(num_dev,
-                               tokens_per_device * min(model.top_k, spd))
+    # Every pair moves one static chunk: the bucket of the step's largest
+    # pair (`StepPlan.cell`, `config.cell_buckets`), within the bound that
+    # holds whatever the routing (a token sends a device at most
+    # min(top_k, s) rows) and the capacity.
+    worst = max(int(placement_lib.cell_counts(loads_MLDE[m],
+                                              placement_of(m)).max())
+                for m in range(num_micro))
+    cell = config_lib.pick_bucket(worst, config_lib.cell_buckets(
+        tokens_per_device, model.top_k, num_dev, spd))
+    chunk = costs.padded_cells(num_dev, min(
+        tokens_per_device * min(model.top_k, spd), capacity, cell))
     layer_a2a = costs.all_to_all_time(chunk * act_bytes, hw)
   tile = default_tile(capacity, spd) if hw.tiled_gemm else 1
   for m in range(num_micro):

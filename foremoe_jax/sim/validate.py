@@ -43,8 +43,9 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # never read as if the current code had produced it. 2: staged exact
 # transfers with their budget, and the recompute's prefill of the update's
 # slots. 3: the chunked prefill in place, and the CPU exchange picking items
-# as its rounds send them.
-CACHE_FORMAT = 3
+# as its rounds send them. 4: the emulated dispatch pads
+# each pair to the step's pair bucket (`StepPlan.cell`), not the routing bound.
+CACHE_FORMAT = 4
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:

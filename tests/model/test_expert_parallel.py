@@ -64,7 +64,8 @@ def numpy_counts(ids, valid, num_tokens, num_shards, d_ep):
   return c
 
 
-def numpy_kept(ids, valid, p, capacity, num_shards, d_ep, dispatch='padded'):
+def numpy_kept(ids, valid, p, capacity, num_shards, d_ep, dispatch='padded',
+               cell=None):
   """bool [N, K]: assignments that fit under the capacity.
 
   Re-derives the dispatch rule on the host, one shard at a time: rank among
@@ -73,7 +74,10 @@ def numpy_kept(ids, valid, p, capacity, num_shards, d_ep, dispatch='padded'):
   for earlier slots of the destination device + the rank inside the slot.
   'padded': kept when the cell position is < C. 'exact': the destination
   stacks its sources' cells in source order, so kept when the rows of the
-  earlier sources of the same data group plus the cell position are < R.
+  earlier sources of the same data group plus the cell position are < R;
+  with a pair bound `cell`, only a cell's first `cell` rows are sent, so
+  the cell position must also be < cell and the earlier sources count at
+  most `cell` rows each.
   """
   num_tokens, top_k = ids.shape
   per = num_tokens // num_shards
@@ -104,7 +108,12 @@ def numpy_kept(ids, valid, p, capacity, num_shards, d_ep, dispatch='padded'):
                         count_S[first:slot].sum() + r - start_S[slot])
   for (n, k), (group, src, dst, pos) in cell_pos.items():
     if dispatch == 'exact':
-      pos += cells[group, :src, dst].sum()
+      sent = cells[group, :src, dst]
+      if cell is not None:
+        if pos >= cell:
+          continue
+        sent = np.minimum(sent, cell)
+      pos += sent.sum()
     kept[n, k] = pos < capacity
   return kept
 @pytest.fixture(scope='module')
@@ -227,25 +236,29 @@ def test_padded_drops_and_max_cell_equal_numpy(setup, num_data, num_expert,
         sum(placement_lib.slot_counts(c, p)[0].sum(0) for c in counts_GLDE))
 
 
-@pytest.mark.parametrize('num_data,num_expert,spd,capacity,gemm', [
-    (1, 8, 3, 8, None), (1, 8, 3, 30, None), (2, 4, 5, 20, None),
-    (2, 4, 5, 200, None), (1, 8, 3, 30, 'ragged_dot'),
-    (2, 4, 5, 20, 'ragged_dot')])
+@pytest.mark.parametrize('num_data,num_expert,spd,capacity,gemm,cell', [
+    (1, 8, 3, 8, None, None), (1, 8, 3, 30, None, None),
+    (2, 4, 5, 20, None, None), (2, 4, 5, 200, None, None),
+    (1, 8, 3, 30, 'ragged_dot', None), (2, 4, 5, 20, 'ragged_dot', None),
+    (1, 8, 3, 30, None, 3), (2, 4, 5, 200, None, 4)])
 def test_exact_drops_and_max_received_equal_numpy(setup, num_data, num_expert,
-                                                  spd, capacity, gemm):
+                                                  spd, capacity, gemm, cell):
   """The receive buffer bounds the rows a device receives in its data
   group (`placement.max_received`, the planner's device load); rows past
   it are dropped, and the outputs equal the reference with exactly the
-  host-predicted assignments dropped."""
+  host-predicted assignments dropped. A pair bound `cell` (the emulated
+  exchange's chunk) drops the rows past it in each (source, destination)
+  pair too, and counts them."""
   rng, (x, ids, gates, valid, wg, wu, wd) = setup
   mesh = ep.make_mesh(num_data, num_expert)
   counts_GLDE = numpy_group_counts(np.asarray(ids), np.asarray(valid),
                                    num_data, num_expert)
+  cap = capacity if cell is None else (capacity, cell)
 
   def ep_loss(x, gates, wg, se, share):
     y, st = ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
-                              mesh=mesh, capacity=capacity, dispatch='exact',
-                              gemm=gemm)
+                              mesh=mesh, capacity=cap, dispatch='exact',
+                              gemm=gemm, exchange='emulated')
     return jnp.sum(jnp.sin(y)), (y, st)
 
   ep_grad = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1, 2),
@@ -256,12 +269,20 @@ def test_exact_drops_and_max_received_equal_numpy(setup, num_data, num_expert,
                         for c in counts_GLDE])
     assert int(st.max_rows) == placement_lib.max_received(counts_GLDE, p)
     assert int(st.max_rows) == int(recv_GD.max())
-    assert int(st.dropped) == int(np.maximum(recv_GD - capacity, 0).sum())
+    if cell is None:
+      assert int(st.dropped) == int(np.maximum(recv_GD - capacity, 0).sum())
+    else:  # The pairs' tails first, then what the kept rows overflow.
+      sent_GDD = np.stack([np.minimum(placement_lib.cell_counts(c, p)[0],
+                                      cell) for c in counts_GLDE])
+      assert placement_lib.max_cell(counts_GLDE, p) > cell  # Some cut.
+      assert int(st.dropped) == int(
+          (recv_GD.sum() - sent_GDD.sum())
+          + np.maximum(sent_GDD.sum(axis=1) - capacity, 0).sum())
     np.testing.assert_array_equal(
         st.slot_tokens_S,
         sum(placement_lib.slot_counts(c, p)[0].sum(0) for c in counts_GLDE))
     kept = numpy_kept(np.asarray(ids), np.asarray(valid), p, capacity,
-                      num_data * num_expert, num_expert, 'exact')
+                      num_data * num_expert, num_expert, 'exact', cell=cell)
     assert (~kept & np.asarray(valid)[:, None]).sum() == int(st.dropped)
     (_, y_ref), g_ref = jax.value_and_grad(
         _ref_loss(ids, valid, kept), argnums=(0, 1, 2), has_aux=True)(
