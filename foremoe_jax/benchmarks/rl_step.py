@@ -371,9 +371,8 @@ def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
     cap = trainer.static_capacity(ctx, loads_MGLDE)
     cell = trainer.cell_capacity(ctx, loads_MGLDE, ctx.identity)
     ident = placement_lib.stack_placements([ctx.identity] * num_micro)
-    plan = dataclasses.replace(
-        step_lib.make_step_plan(ident, ctx.num_experts, ctx.topo, ctx.budget,
-                                cap), cell=cell)
+    plan = step_lib.make_step_plan(ident, ctx.num_experts, ctx.topo,
+                                   ctx.budget, cap, cell)
     synth_batch = dict(batch, routes_MLbTK=jax.device_put(
         jnp.asarray(synth_MLbTK, batch['routes_MLbTK'].dtype),
         batch['routes_MLbTK'].sharding))

@@ -169,7 +169,7 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   if cell is not None and cell < chunk:
     # Each (source, destination) run keeps its first `cell` rows: the
     # earlier slots' rows first, as they lie in the sorted send buffer.
-    chunk = int(cell)
+    chunk = cell
     c_DDs = counts_DS.reshape(num_ep, num_ep, spd)
     before_DDs = jnp.cumsum(c_DDs, axis=2) - c_DDs
     counts_DS = jnp.clip(chunk - before_DDs, 0, c_DDs).reshape(num_ep, -1)

@@ -103,13 +103,15 @@ def model_capacity(plan):
 
 
 def make_step_plan(placement: placement_lib.Placement, num_experts: int,
-                   topo, budget, capacity: int | None = None) -> StepPlan:
+                   topo, budget, capacity: int | None = None,
+                   cell: int | None = None) -> StepPlan:
   """Device StepPlan for stacked [M, ...] placements: builds their moves
   (`transfer.schedule`, raising BudgetExceeded past the budget)."""
   transfer = schedule.build_step_transfer(placement.slot_expert, num_experts,
                                           topo, budget)
   return StepPlan(jax.tree.map(jnp.asarray, placement),
-                  transfer_engine.device_step_transfer(transfer), capacity)
+                  transfer_engine.device_step_transfer(transfer), capacity,
+                  cell)
 
 
 # Dtype of the trained parameters, their gradient sums and the optimizer

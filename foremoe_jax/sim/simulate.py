@@ -260,8 +260,7 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
     # pair (`StepPlan.cell`, `config.cell_buckets`), within the bound that
     # holds whatever the routing (a token sends a device at most
     # min(top_k, s) rows) and the capacity.
-    worst = max(int(placement_lib.cell_counts(loads_MLDE[m],
-                                              placement_of(m)).max())
+    worst = max(placement_lib.max_cell(loads_MLDE[m][None], placement_of(m))
                 for m in range(num_micro))
     cell = config_lib.pick_bucket(worst, config_lib.cell_buckets(
         tokens_per_device, model.top_k, num_dev, spd))
