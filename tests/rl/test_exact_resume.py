@@ -1,8 +1,11 @@
 """Exact resume, as a user hits it: kill -9 mid-RL, rerun the same command.
 
+The run is configs/tiny_dataset.py end to end (generated JSONL files, a BPE
+tokenizer, math-verify), so the data position travels in the checkpoint too.
 The later steps of the resumed run must equal those of a run that was never
-interrupted, number for number (timings aside), on CPU. The same holds when
-the latest checkpoint is damaged and the run falls back to the one before.
+interrupted, number for number (timings aside), on CPU: the same prompts in
+the same order, the same samples, the same rewards. The same holds when the
+latest checkpoint is damaged and the run falls back to the one before.
 """
 import json
 import os
@@ -11,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
@@ -23,9 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 # step's plan still decides its bucket, but the steps share one update
 # program instead of compiling one per bucket (a compile costs more than
 # the whole step here).
-FLAGS = ['--config=configs/tiny.py', '--config.warmstart.steps=10',
-         '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
+FLAGS = ['--config=configs/tiny_dataset.py', '--config.warmstart.steps=10',
+         '--config.rl.prompts_per_step=8', '--config.eval_prompts=8',
          '--config.checkpoint_every=2', '--config.rl.steps=4',
+         '--config.sample_log_every=1',
          '--config.planner.method=eplb_step',
          '--config.planner.deadline_ms=600000',
          '--config.parallel.capacity_growth=100']
@@ -33,22 +38,36 @@ FLAGS = ['--config=configs/tiny.py', '--config.warmstart.steps=10',
 
 def _env():
   # The runs share the test run's persistent compilation cache (tests/
-  # conftest.py, through os.environ): the same programs are compiled once
-  # (about 45 s -> 18 s a run), and a resumed run executes the very programs
-  # the uninterrupted one did, as on one machine.
+  # conftest.py, through os.environ): the same programs are compiled once,
+  # and a resumed run executes the very programs the uninterrupted one did,
+  # as on one machine.
   return dict(os.environ, PYTHONPATH=ROOT)
 
 
-def _cmd(workdir):
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+  out = tmp_path_factory.mktemp('data')
+  done = subprocess.run(
+      [sys.executable, '-m', 'experiments.make_word_problems',
+       f'--out_dir={out}', '--num_train=300', '--num_eval=16'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+  assert done.returncode == 0, done.stderr[-3000:]
+  return out
+
+
+def _cmd(workdir, data):
   return [sys.executable, '-m', 'experiments.rl_train', *FLAGS,
+          f'--config.task_kwargs.train_path={data}/train.jsonl',
+          f'--config.task_kwargs.eval_path={data}/eval.jsonl',
+          f'--config.task_kwargs.tokenizer_path={data}',
           f'--workdir={workdir}']
 
 
-def _run(workdir):
-  out = subprocess.run(_cmd(workdir), cwd=ROOT, capture_output=True,
+def _run(workdir, data):
+  out = subprocess.run(_cmd(workdir, data), cwd=ROOT, capture_output=True,
                        text=True, timeout=600,
                        env=_env())
-  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   return out.stdout
 
 
@@ -60,15 +79,35 @@ def _metrics(workdir):
           for r in records]
 
 
-def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path):
+def _samples(workdir):
+  return [json.loads(l) for l in open(workdir / 'samples.jsonl')]
+
+
+def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path,
+                                                                data):
   straight, killed = tmp_path / 'straight', tmp_path / 'killed'
-  _run(straight)
+  out = _run(straight, data)
+  assert 'greedy reward after warm start' in out
+  assert '  sample | ' in out
   expected = _metrics(straight)
   assert [r['step'] for r in expected] == [1, 2, 3, 4]
+  assert all(0.0 <= r['reward_mean'] <= 1.0 for r in expected)
+  # Decoded samples, one record per step, each scored against the
+  # dataset's own reference for its question.
+  expected_samples = _samples(straight)
+  assert [r['step'] for r in expected_samples] == [1, 2, 3, 4]
+  questions = {json.loads(l)['question']: json.loads(l)['answer']
+               for l in open(data / 'train.jsonl')}
+  for r in expected_samples:
+    for smp in r['samples']:
+      q = smp['prompt'][len('Q: '):-len('\nA: ')]
+      assert smp['reference'] == questions[q].split('####')[-1].strip()
+      assert smp['reward'] in (0.0, 1.0)
 
   # Killed after step 3 is logged: its checkpoint is step 2, so the rerun
-  # drops step 3's record and runs it again.
-  proc = subprocess.Popen(_cmd(killed), cwd=ROOT, stdout=subprocess.PIPE,
+  # drops step 3's records and runs it again.
+  proc = subprocess.Popen(_cmd(killed, data), cwd=ROOT,
+                          stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True,
                           env=_env())
   for line in proc.stdout:
@@ -82,10 +121,13 @@ def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path):
   resume_at = ckpts[-1]
   assert 2 <= resume_at < 4
 
-  out = _run(killed)
+  out = _run(killed, data)
   assert f'restored the rl checkpoint at step {resume_at}' in out
   assert 'warm start ' not in out
   assert _metrics(killed) == expected
+  # Samples are logged once across the resume, and equal the
+  # uninterrupted run's.
+  assert _samples(killed) == expected_samples
 
   # The latest checkpoint of the finished run loses its array data: the
   # rerun names it, falls back to the one before and redoes the steps after.
@@ -93,7 +135,7 @@ def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path):
   for dirpath, _, files in os.walk(latest / 'params'):
     for f in files:
       open(os.path.join(dirpath, f), 'wb').close()
-  out = _run(straight)
+  out = _run(straight, data)
   assert 'checkpoint at step 4 in ' in out
   assert 'is unreadable (' in out and 'falling back to step 2' in out
   assert 'restored the rl checkpoint at step 2' in out
@@ -101,6 +143,7 @@ def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path):
   assert [d.split('.')[0] for d in os.listdir(
       tmp_path / 'straight' / 'checkpoints.unreadable')] == ['4']
   assert _metrics(straight) == expected
+  assert _samples(straight) == expected_samples
 
 
 def test_planner_state_round_trips_through_json():
