@@ -78,6 +78,12 @@ class HardwareProfile:
   each slot's rows rounded up to the tile (`default_tile` of its bucket),
   so a placement that spreads an expert over more slots pays more partial
   tiles. False: rows as they arrive (`ragged_dot` on GPU/TPU)."""
+  tile_overhead_s: float = 0.0
+  """With `tiled_gemm`: fixed seconds per tile and pass, whatever the
+  tile's rows (its loop step; in the backward, the weight gradient of a
+  tile is a whole [M, F] matrix per weight, written and added into the
+  slot's sum). Tiles grow with the bucket (`default_tile`), so without
+  this term a fit on large buckets prices small ones' rows too low."""
   hbm_bytes: float = 80e9
   """Device memory (H100/H800: 80 GB)."""
   """All devices on one 3D torus (TPU ICI): all-to-all pays the hop count."""

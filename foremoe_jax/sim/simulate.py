@@ -245,9 +245,10 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
   num_a2a = 2 if passes == 1 else 4  # Forward: dispatch, combine.
   moe_M, a2a_M = np.zeros(num_micro), np.zeros(num_micro)
   if mode == 'padded':
-    rows = costs.padded_rows(num_dev, capacity, spd, default_tile(
-        num_dev * capacity, spd))
-    layer_moe = float(costs.expert_time(rows, spd, model, hw, passes))
+    tile = default_tile(num_dev * capacity, spd)
+    rows = costs.padded_rows(num_dev, capacity, spd, tile)
+    layer_moe = float(costs.expert_time(rows, spd, model, hw, passes)
+                      + passes * hw.tile_overhead_s * -(-rows // tile))
     layer_a2a = costs.all_to_all_time(
         costs.padded_cells(num_dev, capacity) * act_bytes, hw)
     moe_M[:] = num_layers * layer_moe
@@ -278,8 +279,11 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
                   .reshape(num_layers, num_dev, spd).sum(axis=2))
     else:
       loads_LD = cells_LSD.sum(axis=1)
-    moe_M[m] = float(costs.expert_time(loads_LD.max(axis=1), spd, model, hw,
+    busiest_L = loads_LD.max(axis=1)
+    moe_M[m] = float(costs.expert_time(busiest_L, spd, model, hw,
                                        passes).sum())
+    if hw.tiled_gemm:  # The busiest device's tiles, each a fixed cost.
+      moe_M[m] += passes * hw.tile_overhead_s * float(busiest_L.sum()) / tile
     if hw.emulated_exchange:
       a2a_M[m] = num_a2a * num_layers * layer_a2a
     else:

@@ -66,56 +66,91 @@ def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
 
 def refit_compute(profile: HardwareProfile, runs, topo, cost,
                   model: ModelShape, work: Workload) -> HardwareProfile:
-  """The profile with F and the per-layer overheads fitted to update (and
-  recompute) times of the static layout on synthetic routes ([{loads_MLDE,
-  capacity, update_s, recompute_s}]).
+  """The profile with F, the per-layer overheads and (with `tiled_gemm`)
+  the per-tile overhead fitted to update (and recompute) times of the
+  static layout on synthetic routes ([{loads_MLDE, capacity, update_s,
+  recompute_s}]).
 
-  The predicted update is linear in 1/F and in the overhead: what the
-  profile predicts with infinite F and no overhead (all-to-alls, copies,
-  optimizer) plus FLOPs / F plus (2 passes x layers x micro-steps) x
-  overhead, so a least-squares line through the measurements gives both.
+  The predicted update is linear in 1/F, in the per-tile and in the
+  per-layer overhead: what the profile predicts with infinite F and no
+  overheads (all-to-alls, copies, optimizer) plus FLOPs / F plus the
+  busiest device's tiles x passes x tile overhead plus (2 passes x layers
+  x micro-steps) x layer overhead, so least squares through the
+  measurements gives all three. Tiles are a regressor of their own
+  because the tile grows with the bucket (`default_tile`): rows and tiles
+  do not move together across buckets.
   """
   fast = dataclasses.replace(profile, peak_flops_per_s=1e30,
-                             matmul_efficiency=1.0, layer_overhead_s=0.0)
+                             matmul_efficiency=1.0, layer_overhead_s=0.0,
+                             tile_overhead_s=0.0)
   count = dataclasses.replace(fast, peak_flops_per_s=1.0, hbm_bw=1e30)
-  inv_f, fixed = _fit_phase(runs, fast, count, 'update_s',
-                            ('moe_compute_s', 'nonexpert_s'), topo, cost,
-                            model, work)
+  regressors = [count]
+  if profile.tiled_gemm:
+    regressors.append(dataclasses.replace(fast, tile_overhead_s=1.0,
+                                          hbm_bw=1e30))
+  coef, fixed = _fit_phase(runs, fast, regressors, 'update_s',
+                           ('moe_compute_s', 'nonexpert_s'), topo, cost,
+                           model, work)
   fit = dataclasses.replace(
-      profile, name='cpu_update_fit', peak_flops_per_s=1.0 / inv_f,
+      profile, name='cpu_update_fit', peak_flops_per_s=1.0 / coef[0],
       matmul_efficiency=1.0, layer_overhead_s=fixed / (
-          2 * model.num_layers * work.num_microsteps))
+          2 * model.num_layers * work.num_microsteps),
+      tile_overhead_s=coef[1] if len(coef) > 1 else 0.0)
   # The forward-only pass (the recompute) the same way, on the same runs'
-  # recomputes: its own GEMM rate and per-layer overhead.
+  # recomputes: its own GEMM rate and per-layer overhead (the tiles' cost
+  # per pass is the update's).
   passes = work.recompute_forward_passes
   timed = [r for r in runs if r.get('recompute_s')]
   if not passes or len(timed) < 2:
     return fit
   fast_f = dataclasses.replace(fit, forward_flops_per_s=1e30,
                                forward_layer_overhead_s=0.0)
-  count_f = dataclasses.replace(fast_f, forward_flops_per_s=1.0, hbm_bw=1e30)
-  inv_f, fixed = _fit_phase(timed, fast_f, count_f, 'recompute_s',
-                            ('recompute_moe_s', 'recompute_nonexpert_s'),
-                            topo, cost, model, work)
+  count_f = dataclasses.replace(fast_f, forward_flops_per_s=1.0, hbm_bw=1e30,
+                                tile_overhead_s=0.0)
+  tiles_f = dataclasses.replace(fast_f, hbm_bw=1e30)  # Only the tiles.
+  coef, fixed = _fit_phase(timed, fast_f, [count_f], 'recompute_s',
+                           ('recompute_moe_s', 'recompute_nonexpert_s'),
+                           topo, cost, model, work, known=tiles_f)
   return dataclasses.replace(
-      fit, forward_flops_per_s=1.0 / inv_f, forward_layer_overhead_s=fixed / (
+      fit, forward_flops_per_s=1.0 / coef[0], forward_layer_overhead_s=fixed / (
           passes * model.num_layers * work.num_microsteps))
 
 
-def _fit_phase(runs, fast, count, total, parts, topo, cost, model, work):
-  """(1 / F, fixed seconds) of one phase (`total`, e.g. 'update_s') by least
-  squares: each run's measured seconds less what `fast` (infinite F, no
-  overhead) predicts outside the compute `parts`, against the FLOPs of
-  those parts (their seconds under `count`, at 1 FLOP/s)."""
+def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
+               work, known=None):
+  """(coefficients, fixed seconds) of one phase (`total`, e.g. 'update_s')
+  by least squares: each run's measured seconds less what `fast` (infinite
+  F, no overheads) predicts outside the compute `parts`, against each
+  regressor's seconds of those parts (a profile that prices only one
+  thing, e.g. the FLOPs: seconds at 1 FLOP/s and nothing else). A regressor whose coefficient comes out negative (too few or
+  too alike runs to separate it) is dropped: coefficient 0. known: a
+  profile pricing what of the parts is already fitted (taken off too)."""
   xs, ys = [], []
   for r in runs:
     mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
     base = simulate.time_step(mp, r['loads_MLDE'], model, work, fast)
-    flops = simulate.time_step(mp, r['loads_MLDE'], model, work, count)
-    xs.append(sum(flops[k] for k in parts))
-    ys.append(r[total] - (base[total] - sum(base[k] for k in parts)))
-  slope, fixed = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
-  return max(float(slope), 1e-30), max(float(fixed), 0.0)
+    row = []
+    for prof in regressors:
+      pred = simulate.time_step(mp, r['loads_MLDE'], model, work, prof)
+      row.append(sum(pred[k] for k in parts))
+    xs.append(row)
+    y = r[total] - (base[total] - sum(base[k] for k in parts))
+    if known is not None:
+      pred = simulate.time_step(mp, r['loads_MLDE'], model, work, known)
+      y -= sum(pred[k] for k in parts)
+    ys.append(y)
+  xs, ys = np.asarray(xs), np.asarray(ys)
+  keep = list(range(len(regressors)))
+  while True:
+    a = np.concatenate([xs[:, keep], np.ones((len(ys), 1))], axis=1)
+    sol = np.linalg.lstsq(a, ys, rcond=None)[0]
+    if len(keep) == 1 or (sol[:-1] > 0).all():
+      break
+    keep = keep[:1]  # The FLOPs stay; the extra regressors go.
+  coef = np.zeros(len(regressors))
+  coef[keep] = sol[:-1]
+  coef[0] = max(float(coef[0]), 1e-30)
+  return [float(c) for c in coef], max(float(sol[-1]), 0.0)
 
 
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
@@ -209,6 +244,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
       f'routes (skews {[r["skew"] for r in runs]}): GEMM '
       f'{update_fit.flops_per_s / 1e9:.2f} GFLOP/s, '
       f'{update_fit.layer_overhead_s * 1e3:.2f} ms per layer and pass, '
+      f'{update_fit.tile_overhead_s * 1e3:.2f} ms per tile and pass, '
       f'forward-only {(update_fit.forward_flops_per_s or 0.0) / 1e9:.2f} '
       f'GFLOP/s, {(update_fit.forward_layer_overhead_s or 0.0) * 1e3:.2f} ms '
       f'per layer')

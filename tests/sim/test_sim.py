@@ -431,6 +431,48 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
   assert bare.forward_profile() == bare
 
 
+def test_validation_refit_separates_the_tiles_from_the_rows():
+  """With the tiled grouped GEMM, a tile costs a fixed time besides its
+  rows, and the tile grows with the bucket: the refit on runs whose
+  buckets straddle tile sizes gives back the GEMM rate, the per-tile and
+  the per-layer overheads it was timed with (the tile count is not a
+  multiple of the rows there), and the recompute's own rate on top."""
+  from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.model.grouped_swiglu import default_tile  # pylint: disable=g-import-not-at-top
+  topo, cost = Topology(1, 2, 3), CostModel()
+  work = _work(num_micro=2, recompute_forward_passes=1, fsdp_all=False)
+  tiled = dataclasses.replace(HW, tiled_gemm=True)
+  truth = dataclasses.replace(tiled, peak_flops_per_s=3e9,
+                              layer_overhead_s=2e-3, tile_overhead_s=4e-4,
+                              forward_flops_per_s=1.5e9,
+                              forward_layer_overhead_s=5e-4)
+  given = dataclasses.replace(tiled, peak_flops_per_s=1e12,
+                              layer_overhead_s=0.0)
+  rng = np.random.default_rng(0)
+  runs = []
+  for hot in (10, 40, 70, 100, 300):
+    loads = rng.integers(0, 10, (2, 1, 2, 4)).astype(np.int64)
+    loads[:, :, :, 0] += hot
+    cap = int(loads.sum(axis=2).max()) * 2
+    mp = validate._static_plan(loads, cap, topo, cost)  # pylint: disable=protected-access
+    t = simulate.time_step(mp, loads, MODEL, work, truth)
+    runs.append(dict(loads_MLDE=loads, capacity=cap, update_s=t['update_s'],
+                     recompute_s=t['recompute_s']))
+  assert len({default_tile(r['capacity'], 3) for r in runs}) >= 3
+  fit = validate.refit_compute(given, runs, topo, cost, MODEL, work)
+  assert fit.flops_per_s == pytest.approx(3e9, rel=1e-6)
+  assert fit.tile_overhead_s == pytest.approx(4e-4, rel=1e-6)
+  assert fit.layer_overhead_s == pytest.approx(2e-3, rel=1e-6)
+  assert fit.forward_flops_per_s == pytest.approx(1.5e9, rel=1e-6)
+  assert fit.forward_layer_overhead_s == pytest.approx(5e-4, rel=1e-6)
+  # The tiles' cost is real: a profile without it misprices the update.
+  t = simulate.time_step(validate._static_plan(  # pylint: disable=protected-access
+      runs[0]['loads_MLDE'], runs[0]['capacity'], topo, cost),
+                         runs[0]['loads_MLDE'], MODEL, work,
+                         dataclasses.replace(truth, tile_overhead_s=0.0))
+  assert t['update_s'] < runs[0]['update_s']
+
+
 def test_sender_floor_is_the_busiest_source_by_hand():
   """Source 0 sends 30 rows and source 1 sends 10 (mean 20): the busiest
   sender holds 1.5x the mean, whatever the placement does with them."""
