@@ -7,8 +7,10 @@ the step's exact loads and a per-micro-step token split over its replicas.
 What moving experts between micro-steps adds depends on room for replicas
 (redundant slots per device) and on how far one micro-step's loads stray
 from the step's (tokens per device per micro-step: one 32k-token sequence,
-2 x 4k or 8 x 1k). For every (redundant slots, tokens) cell the simulated
-cluster (`foremoe_jax.sim.cluster.run_grid`, exact-count dispatch) plans
+2 x 4k or 8 x 1k), and on the model (by default Qwen3-30B-A3B, 128
+experts top-8, and Mixtral-8x7B, 8 experts top-2, each on 8 and 64
+devices). For every (model, devices, redundant slots, tokens) cell the
+simulated cluster (`foremoe_jax.sim.cluster.run_grid`, exact-count dispatch) plans
 one step with each method and predicts its times; each output row holds
 the methods' step and update seconds, ForeMoE's ratio to foresight_split
 (above 1: the moves pay), where the difference goes (ForeMoE minus
@@ -217,8 +219,9 @@ def _define_flags() -> dict:
   return dict(
       json=flags.DEFINE_bool('json', False,
                              'Print only setup + one JSON line.'),
-      models=flags.DEFINE_list('models', ['qwen3_30b_a3b'], 'Model shapes.'),
-      devices=flags.DEFINE_list('devices', ['64'], 'Device counts.'),
+      models=flags.DEFINE_list('models', ['qwen3_30b_a3b', 'mixtral_8x7b'],
+                              'Model shapes.'),
+      devices=flags.DEFINE_list('devices', ['8', '64'], 'Device counts.'),
       profile=flags.DEFINE_string('profile', 'h100', 'Hardware profile.'),
       microsteps=flags.DEFINE_integer('microsteps', 8,
                                       'Micro-steps per RL step.'),
