@@ -394,6 +394,24 @@ def test_memory_model_by_hand():
   assert sharded.nonexpert_state == mem.nonexpert_state / 2
 
 
+def _timed_static_runs(truth, hots, topo, cost, work):
+  """Static-layout runs timed by the profile `truth`, one per hot-expert
+  load in `hots` (synthetic routes of rising skew), as the validation's
+  refit takes them."""
+  from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  runs = []
+  for hot in hots:
+    loads = rng.integers(0, 10, (2, 1, 2, 4)).astype(np.int64)
+    loads[:, :, :, 0] += hot
+    cap = int(loads.sum(axis=2).max()) * 2
+    mp = validate._static_plan(loads, cap, topo, cost)  # pylint: disable=protected-access
+    t = simulate.time_step(mp, loads, MODEL, work, truth)
+    runs.append(dict(loads_MLDE=loads, capacity=cap, update_s=t['update_s'],
+                     recompute_s=t['recompute_s']))
+  return runs
+
+
 def test_validation_refit_recovers_the_constants_it_was_timed_with():
   """`validate.refit_compute` on static-layout runs timed by a known
   profile (synthetic routes of rising skew) gives back that profile's GEMM
@@ -407,16 +425,7 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
                               forward_flops_per_s=1.5e9,
                               forward_layer_overhead_s=5e-4)
   given = dataclasses.replace(HW, peak_flops_per_s=1e12, layer_overhead_s=0.0)
-  rng = np.random.default_rng(0)
-  runs = []
-  for hot in (10, 40, 70, 100):
-    loads = rng.integers(0, 10, (2, 1, 2, 4)).astype(np.int64)
-    loads[:, :, :, 0] += hot
-    cap = int(loads.sum(axis=2).max()) * 2
-    mp = validate._static_plan(loads, cap, topo, cost)  # pylint: disable=protected-access
-    t = simulate.time_step(mp, loads, MODEL, work, truth)
-    runs.append(dict(loads_MLDE=loads, capacity=cap, update_s=t['update_s'],
-                     recompute_s=t['recompute_s']))
+  runs = _timed_static_runs(truth, (10, 40, 70, 100), topo, cost, work)
   fit = validate.refit_compute(given, runs, topo, cost, MODEL, work)
   assert fit.flops_per_s == pytest.approx(3e9, rel=1e-6)
   assert fit.layer_overhead_s == pytest.approx(2e-3, rel=1e-6)
@@ -448,16 +457,7 @@ def test_validation_refit_separates_the_tiles_from_the_rows():
                               forward_layer_overhead_s=5e-4)
   given = dataclasses.replace(tiled, peak_flops_per_s=1e12,
                               layer_overhead_s=0.0)
-  rng = np.random.default_rng(0)
-  runs = []
-  for hot in (10, 40, 70, 100, 300):
-    loads = rng.integers(0, 10, (2, 1, 2, 4)).astype(np.int64)
-    loads[:, :, :, 0] += hot
-    cap = int(loads.sum(axis=2).max()) * 2
-    mp = validate._static_plan(loads, cap, topo, cost)  # pylint: disable=protected-access
-    t = simulate.time_step(mp, loads, MODEL, work, truth)
-    runs.append(dict(loads_MLDE=loads, capacity=cap, update_s=t['update_s'],
-                     recompute_s=t['recompute_s']))
+  runs = _timed_static_runs(truth, (10, 40, 70, 100, 300), topo, cost, work)
   assert len({default_tile(r['capacity'], 3) for r in runs}) >= 3
   fit = validate.refit_compute(given, runs, topo, cost, MODEL, work)
   assert fit.flops_per_s == pytest.approx(3e9, rel=1e-6)
