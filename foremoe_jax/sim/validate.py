@@ -122,8 +122,9 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
   by least squares: each run's measured seconds less what `fast` (infinite
   F, no overheads) predicts outside the compute `parts`, against each
   regressor's seconds of those parts (a profile that prices only one
-  thing, e.g. the FLOPs: seconds at 1 FLOP/s and nothing else). A regressor whose coefficient comes out negative (too few or
-  too alike runs to separate it) is dropped: coefficient 0. known: a
+  thing, e.g. the FLOPs: seconds at 1 FLOP/s and nothing else). If a
+  regressor after the first comes out negative (too few or too alike runs
+  to separate it), the extra ones are dropped: coefficient 0. known: a
   profile pricing what of the parts is already fitted (taken off too)."""
   xs, ys = [], []
   for r in runs:
@@ -140,17 +141,15 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
       y -= sum(pred[k] for k in parts)
     ys.append(y)
   xs, ys = np.asarray(xs), np.asarray(ys)
-  keep = list(range(len(regressors)))
-  while True:
-    a = np.concatenate([xs[:, keep], np.ones((len(ys), 1))], axis=1)
-    sol = np.linalg.lstsq(a, ys, rcond=None)[0]
-    if len(keep) == 1 or (sol[:-1] > 0).all():
-      break
-    keep = keep[:1]  # The FLOPs stay; the extra regressors go.
-  coef = np.zeros(len(regressors))
-  coef[keep] = sol[:-1]
-  coef[0] = max(float(coef[0]), 1e-30)
-  return [float(c) for c in coef], max(float(sol[-1]), 0.0)
+  fit = lambda n: np.linalg.lstsq(
+      np.concatenate([xs[:, :n], np.ones((len(ys), 1))], axis=1), ys,
+      rcond=None)[0]
+  sol = fit(len(regressors))
+  if (sol[1:-1] <= 0).any():  # The FLOPs stay; the extra regressors go.
+    one = fit(1)
+    sol = np.concatenate([one[:1], np.zeros(len(regressors) - 1), one[1:]])
+  coef = [max(float(sol[0]), 1e-30)] + [float(c) for c in sol[1:-1]]
+  return coef, max(float(sol[-1]), 0.0)
 
 
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
