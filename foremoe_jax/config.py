@@ -120,6 +120,13 @@ def parallel_defaults() -> ml_collections.ConfigDict:
   # dropless bound is always added).
   p.capacity_growth = 1.25
   p.capacity_factors = ()
+  # On CPU the exact dispatch's all-to-all is emulated with one chunk per
+  # (source, destination) pair, bucketed on its own ladder (`cell_buckets`):
+  # its step is cell_growth x. A new pair bucket compiles a new step but
+  # only sets the emulation's padded traffic, so short runs whose compiles
+  # cost more than their steps take a coarse ladder (e.g. 100: the uniform
+  # pair and the pair bound).
+  p.cell_growth = 2.0
   return p
 
 
@@ -263,9 +270,9 @@ def validate_config(config) -> None:
     _require(all(f > 0 for f in p.get('capacity_factors', ())),
              'parallel.capacity_factors', 'must be positive multiples of the '
              'uniform expectation (empty: the geometric ladder)')
-    _require(p.get('capacity_growth', 1.25) > 1.0, 'parallel.capacity_growth',
-             f"must be > 1 (the ladder's step), got "
-             f"{p.get('capacity_growth')!r}")
+    for f, default in (('capacity_growth', 1.25), ('cell_growth', 2.0)):
+      _require(p.get(f, default) > 1.0, f'parallel.{f}',
+               f"must be > 1 (the ladder's step), got {p.get(f)!r}")
   if 'transfer' in config:
     t = config.transfer
     for f in ('step_rounds', 'microstep_rounds'):
@@ -614,13 +621,15 @@ def buckets_from_config(config, tokens_per_device: int) -> tuple[int, ...]:
 
 
 def cell_buckets(tokens_per_device: int, top_k: int, num_devices: int,
-                 slots_per_device: int) -> tuple[int, ...]:
+                 slots_per_device: int, growth: float = 2.0
+                 ) -> tuple[int, ...]:
   """Buckets of the largest (source, destination) pair, for the exact
   dispatch's CPU emulation, which pads every pair to one (`StepPlan.cell`):
-  the padded dispatch's cells, in steps of 2x (a new bucket compiles a new
-  step; the pair bound only sets the emulation's traffic)."""
+  the padded dispatch's cells, in steps of `growth` (`parallel.cell_growth`;
+  a new bucket compiles a new step, the pair bound only sets the
+  emulation's traffic)."""
   return capacity_buckets(tokens_per_device, top_k, num_devices,
-                          slots_per_device, dispatch='padded', growth=2.0)
+                          slots_per_device, dispatch='padded', growth=growth)
 
 
 def pick_bucket(max_rows: int, buckets) -> int:

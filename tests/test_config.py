@@ -41,6 +41,7 @@ BAD = [
     ('parallel.slots_per_device', lambda c: (setattr(c.parallel, 'num_expert', 4), setattr(c.parallel, 'slots_per_device', 1)), 'every expert needs a slot'),
     ('parallel.capacity_factors', lambda c: setattr(c.parallel, 'capacity_factors', (0.0,)), 'positive'),
     ('parallel.capacity_growth', lambda c: setattr(c.parallel, 'capacity_growth', 1.0), '> 1'),
+    ('parallel.cell_growth', lambda c: setattr(c.parallel, 'cell_growth', 0.5), '> 1'),
     ('parallel.dispatch', lambda c: setattr(c.parallel, 'dispatch', 'ragged'), 'must be one of'),
     ('transfer.step_rounds', lambda c: setattr(c.transfer, 'step_rounds', 0), '>= 1'),
     ('transfer.microstep_rounds', lambda c: setattr(c.transfer, 'microstep_rounds', 0), '>= 1'),
@@ -113,6 +114,11 @@ def test_cell_buckets_double_from_the_uniform_pair_to_the_pair_bound():
   caps = config_lib.cell_buckets(512, 2, 8, 3)
   assert caps == (128, 256, 512, 1024)
   assert config_lib.pick_bucket(129, caps) == 256
+  # parallel.cell_growth: a coarse ladder keeps the uniform pair and the
+  # bound; 1.5x rounds each rung down to a multiple of 8.
+  assert config_lib.cell_buckets(512, 2, 8, 3, growth=100) == (128, 1024)
+  assert config_lib.cell_buckets(512, 2, 8, 3, growth=1.5) == (
+      128, 192, 288, 432, 648, 968, 1024)
 
 
 @pytest.mark.parametrize('dispatch,tokens,top_k,devices,spd,dropless', [

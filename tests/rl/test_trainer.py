@@ -18,9 +18,11 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   cfg.rl.steps = 40
   cfg.checkpoint_every = 20
   cfg.eval_prompts = 0
-  # Rungs 2x apart: the balanced steps share one or two update programs
-  # instead of compiling one per 1.25x bucket they touch.
+  # Rungs 2x apart, and two pair buckets for the emulated exchange: the
+  # balanced steps share one or two update programs instead of compiling
+  # one per bucket they touch.
   cfg.parallel.capacity_growth = 2.0
+  cfg.parallel.cell_growth = 100.0
   workdir = str(tmp_path)
   summary = trainer.train(cfg, workdir)
   lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
