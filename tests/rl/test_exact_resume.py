@@ -55,16 +55,16 @@ def data(tmp_path_factory):
   return out
 
 
-def _cmd(workdir, data):
-  return [sys.executable, '-m', 'experiments.rl_train', *FLAGS,
+def _cmd(workdir, data, *extra):
+  return [sys.executable, '-m', 'experiments.rl_train', *FLAGS, *extra,
           f'--config.task_kwargs.train_path={data}/train.jsonl',
           f'--config.task_kwargs.eval_path={data}/eval.jsonl',
           f'--config.task_kwargs.tokenizer_path={data}',
           f'--workdir={workdir}']
 
 
-def _run(workdir, data):
-  out = subprocess.run(_cmd(workdir, data), cwd=ROOT, capture_output=True,
+def _run(workdir, data, *extra):
+  out = subprocess.run(_cmd(workdir, data, *extra), cwd=ROOT, capture_output=True,
                        text=True, timeout=600,
                        env=_env())
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -104,10 +104,13 @@ def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path,
       assert smp['reference'] == questions[q].split('####')[-1].strip()
       assert smp['reward'] in (0.0, 1.0)
 
-  # Killed after step 3 is logged: its checkpoint is step 2, so the rerun
-  # drops step 3's records and runs it again.
-  proc = subprocess.Popen(_cmd(killed, data), cwd=ROOT,
-                          stdout=subprocess.PIPE,
+  # Killed after step 3 is logged, with checkpoints every step (the last
+  # two kept): the latest complete one is step 2 or 3. It then loses its
+  # array data, as a crash mid-write or a bad disk leaves it: the rerun
+  # names it, falls back to the one before, sets the damaged one aside and
+  # redoes the steps after, dropping their records.
+  proc = subprocess.Popen(_cmd(killed, data, '--config.checkpoint_every=1'),
+                          cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True,
                           env=_env())
   for line in proc.stdout:
@@ -118,32 +121,26 @@ def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path,
   assert proc.returncode == -signal.SIGKILL
   ckpts = sorted(int(d) for d in os.listdir(killed / 'checkpoints')
                  if d.isdigit())
-  resume_at = ckpts[-1]
-  assert 2 <= resume_at < 4
+  latest, resume_at = ckpts[-1], ckpts[-1] - 1
+  assert 2 <= latest < 4 and ckpts[-2:] == [resume_at, latest], ckpts
+  for dirpath, _, files in os.walk(killed / 'checkpoints' / str(latest)
+                                   / 'params'):
+    for f in files:
+      open(os.path.join(dirpath, f), 'wb').close()
 
-  out = _run(killed, data)
+  out = _run(killed, data, '--config.checkpoint_every=1')
+  assert f'checkpoint at step {latest} in ' in out
+  assert ('is unreadable (' in out
+          and f'falling back to step {resume_at}' in out)
   assert f'restored the rl checkpoint at step {resume_at}' in out
+  assert f'moved the unreadable step {latest} to ' in out
+  assert [d.split('.')[0] for d in os.listdir(
+      killed / 'checkpoints.unreadable')] == [str(latest)]
   assert 'warm start ' not in out
   assert _metrics(killed) == expected
   # Samples are logged once across the resume, and equal the
   # uninterrupted run's.
   assert _samples(killed) == expected_samples
-
-  # The latest checkpoint of the finished run loses its array data: the
-  # rerun names it, falls back to the one before and redoes the steps after.
-  latest = straight / 'checkpoints' / '4'
-  for dirpath, _, files in os.walk(latest / 'params'):
-    for f in files:
-      open(os.path.join(dirpath, f), 'wb').close()
-  out = _run(straight, data)
-  assert 'checkpoint at step 4 in ' in out
-  assert 'is unreadable (' in out and 'falling back to step 2' in out
-  assert 'restored the rl checkpoint at step 2' in out
-  assert 'moved the unreadable step 4 to ' in out
-  assert [d.split('.')[0] for d in os.listdir(
-      tmp_path / 'straight' / 'checkpoints.unreadable')] == ['4']
-  assert _metrics(straight) == expected
-  assert _samples(straight) == expected_samples
 
 
 def test_planner_state_round_trips_through_json():
