@@ -64,8 +64,8 @@ def _cmd(workdir, data, *extra):
 
 
 def _run(workdir, data, *extra):
-  out = subprocess.run(_cmd(workdir, data, *extra), cwd=ROOT, capture_output=True,
-                       text=True, timeout=600,
+  out = subprocess.run(_cmd(workdir, data, *extra), cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
                        env=_env())
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   return out.stdout
