@@ -105,10 +105,16 @@ class ForeMoEConfig:
   """Home-anchored: the transfer engine's round budget for the fill and the
   flush (`TransferBudget.step_rounds`); the anchor never places a replica
   that would need more (None: no limit)."""
+  transfer_mode: str = 'exact'
+  """How the engine carries a home-anchored layout's fills and gradient
+  returns (`TransferBudget.mode`), which is what the anchor pays for them:
+  'exact', one ragged all-to-all each way, as long as its busiest device
+  takes; 'rounds', one expert per cyclic-shift round, however many devices
+  use it (`packing.anchored_transfer_tokens`)."""
   price_gradient_returns: bool = True
   """Price a copy as its weights plus the gradient it later sends home
   (`CostModel.return_factor`), and a home-anchored layout as the fill and
-  flush rounds it costs every step (`packing.anchored_round_tokens`; the
+  flush it costs every step (`packing.anchored_transfer_tokens`; the
   packing itself prefers shifts already in use). False prices
   the weight copy alone (the planner before the cluster simulator showed
   replicas of large experts costing more in fills and flushes than they
@@ -152,12 +158,16 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
   _, y_tgt_LD = split.balanced_flows(target_LS, w_LE, topo, sweeps=sweeps)
   gain_L = y_cur_LD[bad].max(axis=1) - y_tgt_LD.max(axis=1)
   if cfg.home_anchor and cfg.price_gradient_returns:
-    # The replicas are filled and flushed every step, outside any compute:
-    # the anchor must pay for those rounds within the step.
-    price_L = packing.anchored_round_tokens(
-        target_LS, graph.w_LE.shape[1], topo, cost) - (
-            packing.anchored_round_tokens(current_LS[bad], graph.w_LE.shape[1],
-                                          topo, cost))
+    # The replicas are filled and flushed every step: the anchor pays for
+    # those transfers in full, priced as the engine carries them
+    # (`transfer_mode`). In full is conservative: the recompute's prefill
+    # and the last backward hide some of them.
+    def price(se_LS):
+      fill_L, ret_L = packing.anchored_transfer_tokens(
+          se_LS, graph.w_LE.shape[1], topo, cost, cfg.transfer_mode)
+      return fill_L + ret_L
+
+    price_L = price(target_LS) - price(current_LS[bad])
   else:
     price_L = _move_tokens(target_LS, current_LS[bad], topo, cost)
   adopt = gain_L > price_L

@@ -161,6 +161,9 @@ class StepPlanner:
   anchor_rounds, moves_per_layer: the engine's round budgets (fill and
   flush; between micro-steps), which plans then respect
   (`ForeMoEConfig.anchor_rounds`, `ForeMoEConfig.moves_per_layer`).
+  transfer_mode: how the engine moves experts (`TransferBudget.mode`),
+  which prices the anchor's replicas (`ForeMoEConfig.transfer_mode`;
+  None: the config's).
   workers: processes planning layer chunks side by side (1: the planning
   thread plans every layer at once; `default_workers` picks for a host).
   chunks_per_worker: chunks per worker; more make a late planner cost
@@ -174,7 +177,8 @@ class StepPlanner:
                config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
                history_decay: float = 0.5, validate: bool = False,
                carry_over: bool = True, anchor_rounds: int | None = None,
-               moves_per_layer: int | None = None, workers: int = 1,
+               moves_per_layer: int | None = None,
+               transfer_mode: str | None = None, workers: int = 1,
                chunks_per_worker: int = 2,
                layer_pool: layers_lib.LayerPool | None = None):
     if method not in METHODS:
@@ -185,6 +189,8 @@ class StepPlanner:
       config = dataclasses.replace(config, anchor_rounds=anchor_rounds)
     if moves_per_layer is not None:
       config = dataclasses.replace(config, moves_per_layer=moves_per_layer)
+    if transfer_mode is not None:
+      config = dataclasses.replace(config, transfer_mode=transfer_mode)
     self.method, self.topo, self.cost, self.config = method, topo, cost, config
     self.deadline_s = deadline_s
     self.history_decay = history_decay

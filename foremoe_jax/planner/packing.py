@@ -246,36 +246,66 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
 
 def anchored_round_tokens(slot_expert_LS, num_experts: int, topo: Topology,
                           cost: CostModel) -> np.ndarray:
-  """What the engine spends each step on a home-anchored layout's replicas,
-  in token-assignments per layer: [L].
+  """What the ``rounds`` engine spends each step on a home-anchored
+  layout's replicas, in token-assignments per layer: [L] (the fill and
+  return of `anchored_transfer_tokens(mode='rounds')` summed)."""
+  fill_L, return_L = anchored_transfer_tokens(slot_expert_LS, num_experts,
+                                              topo, cost, 'rounds')
+  return fill_L + return_L
 
-  Replicas are filled from their homes and their gradients returned home
-  in cyclic-shift rounds; a shift needs as many rounds as its busiest
-  sender has edges, and a round costs one expert's transfer (at the
-  inter-node rate when any of its edges crosses nodes) however many devices
-  use it. Fill rounds are priced as weight copies, return rounds as
-  gradient sends (`CostModel.move_tokens`, `CostModel.return_tokens`).
+
+def anchored_transfer_tokens(slot_expert_LS, num_experts: int, topo: Topology,
+                             cost: CostModel, mode: str = 'exact'):
+  """(fill [L], return [L]): what the engine spends each step to fill a
+  home-anchored layout's replicas from their homes and to send their
+  gradients home, in token-assignments per layer. Fills are priced as
+  weight copies, returns as gradient sends (`CostModel.move_tokens`,
+  `CostModel.return_tokens`).
+
+  ``exact`` (`transfer.schedule`'s default): one ragged all-to-all each
+  way, which lasts as long as its busiest device: per device the items it
+  sends, or receives, to its own node over the intra-node link and to
+  other nodes over the inter-node one, the two tiers side by side (as
+  `CostModel.all_to_all_s`).
+
+  ``rounds``: cyclic-shift rounds; a shift needs as many rounds as its
+  busiest sender has edges, and a round costs one expert's transfer (at
+  the inter-node rate when any of its edges crosses nodes) however many
+  devices use it. Never less than ``exact``: a device's edges, summed over
+  the shifts, are at most the rounds those shifts take.
   """
+  if mode not in ('exact', 'rounds'):
+    raise ValueError(f"mode must be 'exact' or 'rounds', got {mode!r}.")
   se = np.asarray(slot_expert_LS, np.int64)
-  num_layers = se.shape[0]
-  d = topo.num_devices
+  num_layers, d = se.shape[0], topo.num_devices
   dst_LS = np.broadcast_to(topo.device_of_slot(), se.shape)
   src_LS = se // (num_experts // d)  # The expert's home device.
   node = topo.node_of_device()
   l_N, j_N = np.nonzero(src_LS != dst_LS)
   src_N, dst_N = src_LS[l_N, j_N], dst_LS[l_N, j_N]
-  out = np.zeros(num_layers)
-  for sender_N, shift_N, price in (
-      (src_N, (dst_N - src_N) % d, cost.move_tokens),
-      (dst_N, (src_N - dst_N) % d, cost.return_tokens)):
+  inter_N = node[src_N] != node[dst_N]
+  out = []
+  for sender_N, receiver_N, price in ((src_N, dst_N, cost.move_tokens),
+                                      (dst_N, src_N, cost.return_tokens)):
+    if mode == 'exact':
+      t_LD = np.zeros((num_layers, d))
+      for dev_N in (sender_N, receiver_N):
+        count_LDT = np.bincount((l_N * d + dev_N) * 2 + inter_N,
+                                minlength=num_layers * d * 2).reshape(
+                                    num_layers, d, 2)
+        t_LD = np.maximum(t_LD, np.maximum(count_LDT[..., 0] * price(False),
+                                           count_LDT[..., 1] * price(True)))
+      out.append(t_LD.max(axis=1))
+      continue
+    shift_N = (receiver_N - sender_N) % d
     count_LCK = np.bincount((l_N * d + sender_N) * d + shift_N,
                             minlength=num_layers * d * d).reshape(
                                 num_layers, d, d)
-    depth_LK = count_LCK.max(axis=1)
     cross_LK = np.zeros((num_layers, d), bool)
-    np.logical_or.at(cross_LK, (l_N, shift_N), node[src_N] != node[dst_N])
-    out += (depth_LK * np.where(cross_LK, price(True), price(False))).sum(1)
-  return out
+    np.logical_or.at(cross_LK, (l_N, shift_N), inter_N)
+    out.append((count_LCK.max(axis=1)
+                * np.where(cross_LK, price(True), price(False))).sum(axis=1))
+  return out[0], out[1]
 
 
 def device_sets(slot_expert_LS, topo: Topology) -> np.ndarray:

@@ -219,6 +219,7 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
                                     carry_over=False,
                                     anchor_rounds=budget.step_rounds,
                                     moves_per_layer=budget.microstep_rounds,
+                                    transfer_mode=budget.mode,
                                     workers=workers)
   batch_size = rl.prompts_per_step * num_gen
   tokens_per_device = (batch_size // rl.num_microbatches

@@ -83,11 +83,13 @@ def test_constrained_equals_the_trainers_loop_and_fits_the_budget(mode):
   # The kwargs rl.trainer.make_rl_context gives its StepPlanner, spelled out.
   config = dataclasses.replace(foremoe.ForeMoEConfig(), home_anchor=True,
                                anchor_rounds=budget.step_rounds,
-                               moves_per_layer=budget.microstep_rounds)
+                               moves_per_layer=budget.microstep_rounds,
+                               transfer_mode=budget.mode)
   trainer = guard.StepPlanner('foremoe', topo, lib.COST, home,
                               carry_over=False,
                               anchor_rounds=budget.step_rounds,
-                              moves_per_layer=budget.microstep_rounds)
+                              moves_per_layer=budget.microstep_rounds,
+                              transfer_mode=budget.mode)
   fit = lambda plan, loads: schedule.fit_plan_to_budget(
       plan, loads, topo, lib.COST, budget)[0]
   s, num_experts = topo.slots_per_device, BC.num_experts

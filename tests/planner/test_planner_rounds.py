@@ -1,11 +1,13 @@
 """Plans that know the transfer engine's rounds: they fit its budgets by
-construction, and replicas are priced by the rounds they cost every step.
-Checked against the transfer schedule itself (an independent count), in
-its ``rounds`` mode, whose count the planner's accounting follows (the
+construction, and replicas are priced by what they cost every step, as the
+engine's mode carries them (hand-computed cases). The budgets are checked
+against the transfer schedule itself (an independent count), in its
+``rounds`` mode, whose count the planner's accounting follows (the
 ``exact`` mode needs no more: tests/transfer/test_schedule.py)."""
 import dataclasses
 
 import numpy as np
+import pytest
 
 import planner_testlib as lib
 from foremoe_jax.planner import baselines, foremoe, packing
@@ -43,6 +45,59 @@ def test_anchored_round_tokens_by_hand():
   assert np.allclose(one, [3.0]) and np.allclose(both, [30.0])
 
 
+def test_anchored_transfer_tokens_exact_by_hand():
+  # 2 nodes of 2 devices, one home and 2 redundant slots per device.
+  topo = Topology(2, 2, 3)
+  cost = CostModel(token_time_s=1.0, bytes_per_expert=10.0,
+                   grad_bytes_per_expert=20.0, intra_node_bw=10.0,
+                   inter_node_bw=1.0)
+  # Expert 0 (home device 0) has replicas on devices 1 (same node: 1 s
+  # fill, 2 s return), 2 and 3 (other node: 10 s, 20 s each); expert 3
+  # (home 3) one on device 2 (same node).
+  se = np.array([[0, 0, 0, 1, 0, 1, 2, 0, 3, 3, 0, 3]])
+  fill, ret = packing.anchored_transfer_tokens(se, 4, topo, cost, 'exact')
+  # Fill: device 0 sends 1 intra and 2 inter; the tiers run side by side,
+  # so 2 x 10 s; no receiver takes more than one. Return: device 0
+  # receives the same three gradients, 2 x 20 s.
+  np.testing.assert_allclose(fill, [20.0])
+  np.testing.assert_allclose(ret, [40.0])
+  # The rounds engine: shift 1 (0 -> 1, intra), shift 2 (0 -> 2, inter),
+  # shift 3 (0 -> 3 and 3 -> 2 from different senders share one round,
+  # priced inter-node): 1 + 10 + 10 s to fill. The returns reversed:
+  # shift 3 (1 -> 0), 2 (2 -> 0), 1 (3 -> 0 with 2 -> 3): 2 + 20 + 20 s.
+  r_fill, r_ret = packing.anchored_transfer_tokens(se, 4, topo, cost,
+                                                   'rounds')
+  np.testing.assert_allclose(r_fill, [21.0])
+  np.testing.assert_allclose(r_ret, [42.0])
+  np.testing.assert_allclose(packing.anchored_round_tokens(se, 4, topo, cost),
+                             r_fill + r_ret)
+  with pytest.raises(ValueError, match='mode'):
+    packing.anchored_transfer_tokens(se, 4, topo, cost, 'ring')
+
+
+def test_exact_anchor_price_never_exceeds_rounds_and_adopts_more():
+  """On a wide topology the exact price is at most the rounds one, layer by
+  layer, and the anchor priced exactly balances every layer's step at
+  least as well (foresight_split: the anchor and the split alone)."""
+  trace, topo = _wide()
+  w_LE = trace.step(0).sum(axis=(0, 2)).astype(np.float64)
+  se = packing.home_anchored_placement(w_LE, topo, lib.COST)
+  for a, b in zip(packing.anchored_transfer_tokens(se, 64, topo, lib.COST),
+                  packing.anchored_transfer_tokens(se, 64, topo, lib.COST,
+                                                   'rounds')):
+    assert (a <= b + 1e-9).all() and (a < b).any()
+  home = lib.identity_for(trace, topo)
+  worst = {}
+  for mode in ('exact', 'rounds'):
+    cfg = foremoe.ForeMoEConfig(home_anchor=True, max_rounds=0,
+                                transfer_mode=mode)
+    plan = foremoe.plan_step(trace.step(1), topo, lib.COST, home, cfg)
+    worst[mode] = plan.loads_MLD.sum(axis=0).max(axis=1)
+  # Here the rounds price keeps a layer home that the exact one anchors.
+  assert (worst['exact'] <= worst['rounds']).all()
+  assert (worst['exact'] < worst['rounds']).any()
+
+
 def test_home_anchored_placement_respects_round_budget():
   trace, topo = _wide()
   w_LE = trace.step(0).sum(axis=(0, 2)).astype(np.float64)
@@ -73,7 +128,7 @@ def test_foremoe_plan_fits_engine_budget_without_reverts():
                                    mode='rounds')
   home = lib.identity_for(trace, topo)
   cfg = foremoe.ForeMoEConfig(home_anchor=True, anchor_rounds=12,
-                              moves_per_layer=2)
+                              moves_per_layer=2, transfer_mode='rounds')
   plan = foremoe.plan_step(trace.step(1), topo, lib.COST, home, cfg)
   fitted, reverted = schedule.fit_plan_to_budget(plan, trace.step(1), topo,
                                                  lib.COST, budget)
