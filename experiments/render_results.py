@@ -239,9 +239,10 @@ def render_planner(res: dict) -> str:
                      f' devices' for d, s, m in sorted(budgets))
     lines.append(
         "- ForeMoE in training: as the trainer's StepPlanner calls it (home"
-        " anchor, the transfer budget's rounds as anchor rounds and moves"
-        " per layer, its exact-byte transfers pricing the anchor's fills"
-        " and flushes), from the home layout every step, then fitted to the"
+        " anchor, the transfer budget's rounds as anchor rounds and,"
+        " between micro-steps, as each device's degree; its exact-byte"
+        " transfers pricing the anchor's fills and flushes), from the home"
+        " layout every step, then fitted to the"
         f" transfer budget ({rule}; the trainer's default is one fill /"
         " flush round per EP device and 2 micro-step rounds) with its move"
         " schedule built; ms include"

@@ -77,6 +77,15 @@ class ForeMoEConfig:
   max_moves_per_device: int | None = None
   """Hard cap on copies into one device per layer and micro-step, on top of
   the overlap window (None: the window alone)."""
+  microstep_degree: int | None = None
+  """The ``exact`` engine's budget between micro-steps (its degree,
+  `TransferBudget.microstep_rounds`): per layer and transition, a device
+  takes at most this many copies, sends at most this many (each copy
+  charged to the source the transfer schedule would pick,
+  `_claim_sources`) and gets at most this many gradients of evicted
+  replicas home. Bounds each device where `moves_per_layer` bounds the
+  whole layer; `guard.StepPlanner` sets it for the ``exact`` engine (None:
+  no bound)."""
   prefer_local_node: bool = True
   """Sources send tokens to replicas on their own node first."""
   step_anchor: bool = True
@@ -201,12 +210,17 @@ def _target_level(y_LD, move_tokens: float, cfg: ForeMoEConfig):
 
 def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
                    budget_LD, moves_LD, topo: Topology, cost: CostModel,
-                   cfg: ForeMoEConfig):
+                   cfg: ForeMoEConfig, returns_LD=None):
   """One round of moves in the given layers, at most one per cold device:
-  accepted (layer, slot, expert, device, cost) arrays."""
+  accepted (layer, slot, expert, device, cost) arrays. returns_LD:
+  gradients of evicted replicas each home gets this transition so far
+  (`ForeMoEConfig.microstep_degree`)."""
   # Work on the active layers only (later rounds have few).
   se_LS, x_LS, y_LD = se_LS[layers], x_LS[layers], y_LD[layers]
   budget_LD, moves_LD = budget_LD[layers], moves_LD[layers]
+  degree = cfg.microstep_degree
+  if degree is not None:
+    returns_LD = returns_LD[layers]
   count_LE = graph.count_LE[layers]
   table_LER, valid_LER = graph.table_LER[layers], graph.valid_LER[layers]
   num_layers = len(layers)
@@ -227,7 +241,9 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   l3 = lk[:, :, None]
   count_LS = count_LE[lk, se_LS]
   evictable_LS = count_LS >= 2
-  cap = np.inf if cfg.max_moves_per_device is None else cfg.max_moves_per_device
+  cap = min(np.inf if cfg.max_moves_per_device is None
+            else cfg.max_moves_per_device,
+            np.inf if degree is None else degree)
   can_take_LD = (evictable_LS.reshape(num_layers, num_devices, s).any(axis=2)
                  & (budget_LD >= cheapest) & (moves_LD < cap) & ~hot_LD)
   hot_LP = np.argsort(-y_LD, axis=1, kind='stable')[:, :n_pairs]
@@ -247,6 +263,12 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   # Evicting a replica sends its flow to the expert's other replicas; the
   # level they reach is the damage the eviction does.
   ev_ok_LQk = evictable_LS[l3, slot_cold_LQk] & cold_ok_LQ[..., None]
+  h = count_LE.shape[1] // num_devices
+  if degree is not None:
+    # The evicted replica's gradient goes home, unless it is home already.
+    home_LQk = e_cold_LQk // h
+    ev_ok_LQk &= ((home_LQk == cold_LQ[..., None])
+                  | (returns_LD[l3, home_LQk] < degree))
   rep_LQkR = table_LER[l3, e_cold_LQk]
   rep_ok_LQkR = (valid_LER[l3, e_cold_LQk] & ev_ok_LQk[..., None]
                  & (rep_LQkR != slot_cold_LQk[..., None]))
@@ -319,9 +341,14 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
     if not take_LP.any():
       break
     ev_LP = np.take_along_axis(e_ev_LQ, q_LP, 1)
-    clash = (((q_LP[:, :, None] == q_LP[:, None, :])
-              | (ev_LP[:, :, None] == ev_LP[:, None, :]))
-             & take_LP[:, None, :] & earlier_PP)
+    same = ((q_LP[:, :, None] == q_LP[:, None, :])
+            | (ev_LP[:, :, None] == ev_LP[:, None, :]))
+    if degree is not None:
+      # One remote return per home per round keeps homes within degree.
+      home_LP = np.where(ev_LP // h != np.take_along_axis(cold_LQ, q_LP, 1),
+                         ev_LP // h, -1 - np.arange(n_pairs))
+      same |= home_LP[:, :, None] == home_LP[:, None, :]
+    clash = same & take_LP[:, None, :] & earlier_PP
     take_LP &= ~clash.any(axis=2)
     layer, p = np.nonzero(take_LP)
     picks.append((layer, p, q_LP[layer, p]))
@@ -340,6 +367,43 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   i = best_LPQ[layer, p, q]
   return (np.asarray(layers)[layer], slot_ev_LQ[layer, q],
           e_hot_LPi[layer, p, i], cold_LQ[layer, q], cost_LPQi[layer, p, q, i])
+
+
+def _rank_in_layer(layer):
+  """Each proposal's rank among its layer's, in proposal order: [N]."""
+  order = np.argsort(layer, kind='stable')
+  first = np.r_[True, layer[order][1:] != layer[order][:-1]]
+  pos = np.arange(len(order))
+  rank = np.empty_like(pos)
+  rank[order] = pos - np.maximum.accumulate(np.where(first, pos, 0))
+  return rank
+
+
+def _claim_sources(layer, expert, device, held_LDE, sends_LD, degree: int,
+                   topo: Topology):
+  """Which proposed copies a source can still send within `degree`, as the
+  ``exact`` schedule picks sources (`transfer.schedule`: the devices that
+  held the expert before the transition and its home, those on the
+  receiver's node if any, the one sending least so far); claims their
+  sends in `sends_LD` (updated in place). Moves are taken in order, one
+  per layer at a time (the schedule's waves). Returns a keep mask."""
+  h = held_LDE.shape[2] // topo.num_devices
+  node_D = topo.node_of_device()
+  rank = _rank_in_layer(layer)
+  keep = np.zeros(len(layer), bool)
+  for wave in range(int(rank.max()) + 1):
+    n = np.flatnonzero(rank == wave)
+    cand_nD = held_LDE[layer[n], :, expert[n]]
+    cand_nD[np.arange(len(n)), expert[n] // h] = True
+    if topo.num_nodes > 1:
+      near_nD = node_D[None, :] == node_D[device[n]][:, None]
+      cand_nD &= near_nD | ~(cand_nD & near_nD).any(axis=1, keepdims=True)
+    load_nD = np.where(cand_nD, sends_LD[layer[n]], np.iinfo(np.int64).max)
+    c_n = load_nD.argmin(axis=1)
+    ok = load_nD[np.arange(len(n)), c_n] < degree
+    keep[n[ok]] = True
+    sends_LD[layer[n[ok]], c_n[ok]] += 1
+  return keep
 
 
 def _fractions(x_LS, se_LS, w_LE):
@@ -382,6 +446,13 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
   budget_LD = np.repeat(np.asarray(window_L, np.float64)[:, None],
                         topo.num_devices, 1)
   moves_LD = np.zeros((num_layers, topo.num_devices), np.int64)
+  sends_LD, returns_LD = np.zeros_like(moves_LD), np.zeros_like(moves_LD)
+  h = w_LE.shape[1] // topo.num_devices
+  if cfg.microstep_degree is not None:
+    # The transition's copies come from what devices held before it.
+    held_LDE = np.zeros((num_layers, topo.num_devices, w_LE.shape[1]), bool)
+    held_LDE[np.arange(num_layers)[:, None], topo.device_of_slot()[None],
+             se_LS] = True
   active_L = np.ones(num_layers, bool)
   moved_LE = np.zeros(w_LE.shape, bool)
   for _ in range(cfg.max_rounds):
@@ -390,15 +461,16 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
       break
     layer, slot, expert, device, tokens = _propose_moves(
         np.flatnonzero(active_L), se_LS, x_LS, y_LD, graph, budget_LD,
-        moves_LD, topo, cost, cfg)
+        moves_LD, topo, cost, cfg, returns_LD)
     if cfg.moves_per_layer is not None and len(layer):
       # Keep each layer's first proposals (hottest devices first) up to its cap.
-      order = np.argsort(layer, kind='stable')
-      first = np.r_[True, layer[order][1:] != layer[order][:-1]]
-      pos = np.arange(len(order))
-      rank = np.empty_like(pos)
-      rank[order] = pos - np.maximum.accumulate(np.where(first, pos, 0))
-      keep = rank < cfg.moves_per_layer - moves_LD[layer].sum(axis=1)
+      keep = (_rank_in_layer(layer)
+              < cfg.moves_per_layer - moves_LD[layer].sum(axis=1))
+      layer, slot, expert, device, tokens = (
+          a[keep] for a in (layer, slot, expert, device, tokens))
+    if cfg.microstep_degree is not None and len(layer):
+      keep = _claim_sources(layer, expert, device, held_LDE, sends_LD,
+                            cfg.microstep_degree, topo)
       layer, slot, expert, device, tokens = (
           a[keep] for a in (layer, slot, expert, device, tokens))
     moved_L = np.zeros(num_layers, bool)
@@ -415,6 +487,8 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
     x_LS[layer, slot] = 0.0
     se_LS[layer, slot] = expert
     np.add.at(moves_LD, (layer, device), 1)
+    remote = evicted // h != device
+    np.add.at(returns_LD, (layer[remote], evicted[remote] // h), 1)
     np.add.at(budget_LD, (layer, device), -tokens)
     # The copied and the evicted experts are water-filled over their new
     # replicas; everyone else is swept with the micro-step's first colouring,

@@ -160,7 +160,10 @@ class StepPlanner:
   every method packs with experts kept home: `home_anchor`).
   anchor_rounds, moves_per_layer: the engine's round budgets (fill and
   flush; between micro-steps), which plans then respect
-  (`ForeMoEConfig.anchor_rounds`, `ForeMoEConfig.moves_per_layer`).
+  (`ForeMoEConfig.anchor_rounds`; between micro-steps, for the ``exact``
+  engine the degree of every device, `ForeMoEConfig.microstep_degree`,
+  and for the ``rounds`` engine the copies per layer,
+  `ForeMoEConfig.moves_per_layer`).
   transfer_mode: how the engine moves experts (`TransferBudget.mode`),
   which prices the anchor's replicas (`ForeMoEConfig.transfer_mode`;
   None: the config's).
@@ -187,10 +190,16 @@ class StepPlanner:
       config = dataclasses.replace(config, home_anchor=True)
     if anchor_rounds is not None:
       config = dataclasses.replace(config, anchor_rounds=anchor_rounds)
-    if moves_per_layer is not None:
-      config = dataclasses.replace(config, moves_per_layer=moves_per_layer)
     if transfer_mode is not None:
       config = dataclasses.replace(config, transfer_mode=transfer_mode)
+    if moves_per_layer is not None:
+      # The exact engine bounds each device's sends and receives, not the
+      # layer's copies (a layer of D devices may take up to D x R).
+      config = dataclasses.replace(
+          config, **({'microstep_degree': moves_per_layer,
+                      'moves_per_layer': None}
+                     if config.transfer_mode == 'exact'
+                     else {'moves_per_layer': moves_per_layer}))
     self.method, self.topo, self.cost, self.config = method, topo, cost, config
     self.deadline_s = deadline_s
     self.history_decay = history_decay

@@ -81,10 +81,12 @@ def test_constrained_equals_the_trainers_loop_and_fits_the_budget(mode):
                                 )[evaluate.CONSTRAINED]
   home = lib.identity_for(trace, topo)
   # The kwargs rl.trainer.make_rl_context gives its StepPlanner, spelled out.
-  config = dataclasses.replace(foremoe.ForeMoEConfig(), home_anchor=True,
-                               anchor_rounds=budget.step_rounds,
-                               moves_per_layer=budget.microstep_rounds,
-                               transfer_mode=budget.mode)
+  per_device = mode == 'exact'
+  config = dataclasses.replace(
+      foremoe.ForeMoEConfig(), home_anchor=True,
+      anchor_rounds=budget.step_rounds, transfer_mode=budget.mode,
+      moves_per_layer=None if per_device else budget.microstep_rounds,
+      microstep_degree=budget.microstep_rounds if per_device else None)
   trainer = guard.StepPlanner('foremoe', topo, lib.COST, home,
                               carry_over=False,
                               anchor_rounds=budget.step_rounds,

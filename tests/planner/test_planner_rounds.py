@@ -170,3 +170,30 @@ def test_replicas_that_cost_more_than_they_save_are_not_placed():
   changed = lambda p: int((p.placement.slot_expert[0]
                            != home.slot_expert).sum())
   assert changed(priced) < changed(blind)
+
+
+def test_microstep_degree_bounds_every_device_not_the_layer():
+  """`microstep_degree` (the exact engine's budget between micro-steps, as
+  the trainer sets it): every transition's degree, counted by the transfer
+  schedule itself, stays within it on one node and on several (sources
+  picked as the schedule picks them), while a layer may take more copies
+  than the budget, spread over devices."""
+  most_copies = 0
+  for seed, (experts, devices, nodes, top_k) in enumerate(
+      [(64, 32, 4, 4), (64, 8, 1, 2), (128, 16, 2, 8)]):
+    trace = lib.small_trace(num_experts=experts, num_devices=devices,
+                            top_k=top_k, num_layers=3, num_microsteps=4,
+                            seed=seed, hot_share_range=(0.05, 0.08))
+    topo = Topology(nodes, devices // nodes, experts // devices + 1)
+    cfg = foremoe.ForeMoEConfig(home_anchor=True, anchor_rounds=devices,
+                                microstep_degree=2)
+    for r in range(trace.num_steps):
+      plan = foremoe.plan_step(trace.step(r), topo, lib.COST,
+                               lib.identity_for(trace, topo), cfg)
+      se = np.asarray(plan.placement.slot_expert)
+      for m in range(1, len(se)):
+        assert (schedule.rounds_needed(se[m - 1], se[m], experts, topo,
+                                       'exact') <= 2).all(), (seed, r, m)
+        most_copies = max(most_copies, int(
+            packing.new_copies(se[m], se[m - 1], topo).sum(axis=1).max()))
+  assert most_copies > 2
