@@ -129,6 +129,16 @@ class ForeMoEConfig:
   replicas of large experts costing more in fills and flushes than they
   saved, and round-hungry placements failing the round budget)."""
 
+  def __post_init__(self):
+    if self.transfer_mode not in ('exact', 'rounds'):
+      raise ValueError(f"transfer_mode must be 'exact' or 'rounds', got "
+                       f'{self.transfer_mode!r}.')
+    for name in ('microstep_degree', 'moves_per_layer', 'anchor_rounds',
+                 'max_moves_per_device'):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f'{name} must be None or >= 1, got {value}.')
+
 
 def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel):
   """Cost of going from prev to new, in token-assignments per layer: [L]."""

@@ -197,3 +197,12 @@ def test_microstep_degree_bounds_every_device_not_the_layer():
         most_copies = max(most_copies, int(
             packing.new_copies(se[m], se[m - 1], topo).sum(axis=1).max()))
   assert most_copies > 2
+
+
+@pytest.mark.parametrize('kw,match', [
+    (dict(transfer_mode='ring'), 'transfer_mode'),
+    (dict(microstep_degree=0), 'microstep_degree'),
+    (dict(moves_per_layer=0), 'moves_per_layer')])
+def test_config_rejects_bad_transfer_knobs(kw, match):
+  with pytest.raises(ValueError, match=match):
+    foremoe.ForeMoEConfig(**kw)
