@@ -174,6 +174,7 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   p.capacity_growth = 1.25  # Capacity-bucket ladder step (one compile each).
   p.capacity_factors = ()  # Empty: the geometric ladder.
   p.cell_growth = 2.0  # CPU exchange emulation's pair ladder (not on GPU).
+  p.cell_factors = ()  # Empty: that ladder.
 
   # A pretrained checkpoint already writes answers; the warm start exists
   # to teach a random-init tiny model the task's format (configs/tiny.py).

@@ -125,8 +125,11 @@ def parallel_defaults() -> ml_collections.ConfigDict:
   # its step is cell_growth x. A new pair bucket compiles a new step but
   # only sets the emulation's padded traffic, so short runs whose compiles
   # cost more than their steps take a coarse ladder (e.g. 100: the uniform
-  # pair and the pair bound).
+  # pair and the pair bound). cell_factors, when non-empty, replaces that
+  # ladder by these multiples of the uniform pair (the pair bound always
+  # added): (100,) keeps the bound alone, one step program for a whole run.
   p.cell_growth = 2.0
+  p.cell_factors = ()
   return p
 
 
@@ -267,9 +270,10 @@ def validate_config(config) -> None:
     _require(p.get('dispatch', 'exact') in DISPATCHES, 'parallel.dispatch',
              f"must be one of {', '.join(DISPATCHES)}, got "
              f"{p.get('dispatch')!r}")
-    _require(all(f > 0 for f in p.get('capacity_factors', ())),
-             'parallel.capacity_factors', 'must be positive multiples of the '
-             'uniform expectation (empty: the geometric ladder)')
+    for f in ('capacity_factors', 'cell_factors'):
+      _require(all(x > 0 for x in p.get(f, ())), f'parallel.{f}',
+               'must be positive multiples of the uniform expectation '
+               '(empty: the geometric ladder)')
     for f, default in (('capacity_growth', 1.25), ('cell_growth', 2.0)):
       _require(p.get(f, default) > 1.0, f'parallel.{f}',
                f"must be > 1 (the ladder's step), got {p.get(f)!r}")
@@ -621,15 +625,17 @@ def buckets_from_config(config, tokens_per_device: int) -> tuple[int, ...]:
 
 
 def cell_buckets(tokens_per_device: int, top_k: int, num_devices: int,
-                 slots_per_device: int, growth: float = 2.0
+                 slots_per_device: int, growth: float = 2.0, factors=()
                  ) -> tuple[int, ...]:
   """Buckets of the largest (source, destination) pair, for the exact
   dispatch's CPU emulation, which pads every pair to one (`StepPlan.cell`):
   the padded dispatch's cells, in steps of `growth` (`parallel.cell_growth`;
   a new bucket compiles a new step, the pair bound only sets the
-  emulation's traffic)."""
+  emulation's traffic), or `factors` x the uniform pair and the bound
+  (`parallel.cell_factors`)."""
   return capacity_buckets(tokens_per_device, top_k, num_devices,
-                          slots_per_device, dispatch='padded', growth=growth)
+                          slots_per_device, dispatch='padded', growth=growth,
+                          factors=factors)
 
 
 def pick_bucket(max_rows: int, buckets) -> int:

@@ -42,6 +42,7 @@ BAD = [
     ('parallel.capacity_factors', lambda c: setattr(c.parallel, 'capacity_factors', (0.0,)), 'positive'),
     ('parallel.capacity_growth', lambda c: setattr(c.parallel, 'capacity_growth', 1.0), '> 1'),
     ('parallel.cell_growth', lambda c: setattr(c.parallel, 'cell_growth', 0.5), '> 1'),
+    ('parallel.cell_factors', lambda c: setattr(c.parallel, 'cell_factors', (-1.0,)), 'positive'),
     ('parallel.dispatch', lambda c: setattr(c.parallel, 'dispatch', 'ragged'), 'must be one of'),
     ('transfer.step_rounds', lambda c: setattr(c.transfer, 'step_rounds', 0), '>= 1'),
     ('transfer.microstep_rounds', lambda c: setattr(c.transfer, 'microstep_rounds', 0), '>= 1'),
@@ -119,6 +120,10 @@ def test_cell_buckets_double_from_the_uniform_pair_to_the_pair_bound():
   assert config_lib.cell_buckets(512, 2, 8, 3, growth=100) == (128, 1024)
   assert config_lib.cell_buckets(512, 2, 8, 3, growth=1.5) == (
       128, 192, 288, 432, 648, 968, 1024)
+  # parallel.cell_factors: multiples of the uniform pair, the bound added.
+  assert config_lib.cell_buckets(512, 2, 8, 3, factors=(100,)) == (1024,)
+  assert config_lib.cell_buckets(512, 2, 8, 3, factors=(1.5, 3)) == (
+      192, 384, 1024)
 
 
 @pytest.mark.parametrize('dispatch,tokens,top_k,devices,spd,dropless', [

@@ -62,9 +62,10 @@ def preempted_run(tmp_path_factory):
            '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
            '--config.checkpoint_every=100', '--config.task=sort',
            '--config.planner.method=eplb_step',
-           # Two capacity rungs: one update program for every step, not one
-           # compile per bucket.
-           '--config.parallel.capacity_growth=100']
+           # One capacity and one pair bucket: one update program for
+           # every step, not one compile per bucket.
+           '--config.parallel.capacity_factors=(100,)',
+           '--config.parallel.cell_factors=(100,)']
   cmd = [sys.executable, '-m', 'experiments.rl_train',
          '--config=configs/tiny.py', *flags, '--config.rl.steps=50',
          '--config.profile_steps=1']

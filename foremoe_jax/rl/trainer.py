@@ -231,7 +231,8 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
     cell_buckets = config_lib.cell_buckets(
         tokens_per_device, mcfg.top_k, d_ep,
         config_lib.slots_per_device(config),
-        growth=config.parallel.get('cell_growth', 2.0))
+        growth=config.parallel.get('cell_growth', 2.0),
+        factors=tuple(config.parallel.get('cell_factors', ())))
   sampler = sampler_lib.Sampler(graphdef, mcfg, mesh, sp,
                                 config.parallel.dispatch)
   return RLContext(config, task, mesh, sampler, rl_step, planner, topo, cost,

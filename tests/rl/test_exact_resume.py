@@ -22,18 +22,20 @@ from foremoe_jax import planner as planner_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 # A generous planner deadline: a plan that times out on a loaded machine
-# falls back to the home layout, which is a different (valid) run. A
-# capacity ladder of two rungs (the uniform expectation, dropless): each
-# step's plan still decides its bucket, but the steps share one update
-# program instead of compiling one per bucket (a compile costs more than
-# the whole step here).
+# falls back to the home layout, which is a different (valid) run. One
+# capacity (dropless) and one pair bucket (the pair bound): EPLB-step's
+# plans change bucket step to step (the home layout at step 1, then
+# rungs in turn), and each bucket would compile the update again, which
+# costs more than the whole step here; with one, every step runs the same
+# program.
 FLAGS = ['--config=configs/tiny_dataset.py', '--config.warmstart.steps=10',
          '--config.rl.prompts_per_step=8', '--config.eval_prompts=8',
          '--config.checkpoint_every=2', '--config.rl.steps=4',
          '--config.sample_log_every=1',
          '--config.planner.method=eplb_step',
          '--config.planner.deadline_ms=600000',
-         '--config.parallel.capacity_growth=100']
+         '--config.parallel.capacity_factors=(100,)',
+         '--config.parallel.cell_factors=(100,)']
 
 
 def _env():
