@@ -55,9 +55,11 @@ def test_short_soak_run_prints_its_growth_and_plot(tmp_path):
          '--warmup_steps=3', '--json', f'--workdir={tmp_path}',
          f'--results_dir={tmp_path}', '--config.rl.prompts_per_step=8',
          '--config.planner.method=eplb_step',
-         # Two capacity rungs: every step runs one update program (a compile
-         # per bucket costs more than the whole short run's steps).
-         '--config.parallel.capacity_growth=100']
+         # One capacity and one pair bucket: every step runs one update
+         # program (a compile per bucket costs more than the whole short
+         # run's steps, and EPLB-step's buckets change step to step).
+         '--config.parallel.capacity_factors=(100,)',
+         '--config.parallel.cell_factors=(100,)']
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   assert out.returncode == 0, out.stderr[-3000:]
