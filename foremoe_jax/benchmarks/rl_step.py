@@ -175,10 +175,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   for method in METHODS:
     p = planner_lib.StepPlanner(method, ctx.topo, ctx.cost, ctx.identity,
                                 deadline_s=config.planner.deadline_ms / 1e3,
-                                carry_over=False,
-                                anchor_rounds=ctx.budget.step_rounds,
-                                moves_per_layer=ctx.budget.microstep_rounds,
-                                transfer_mode=ctx.budget.mode)
+                                carry_over=False, budget=ctx.budget)
     p.history_LE = planner_lib.update_history(
         None, trainer.planner_loads(batches[0][1]), 0.5)
     planners[method] = p

@@ -156,14 +156,10 @@ def trainer_planner_config(topo: Topology, cost: CostModel,
                            ) -> foremoe.ForeMoEConfig:
   """The ForeMoEConfig the trainer's StepPlanner plans with, read off one
   built as `rl.trainer.make_rl_context` builds it (carry_over False: home
-  anchor; the budget's rounds as anchor rounds and moves per layer, its
-  mode as the anchor's transfer mode), so the benchmark cannot drift from
-  the trainer."""
+  anchor; the transfer budget), so the benchmark cannot drift from the
+  trainer."""
   planner = guard.StepPlanner('foremoe', topo, cost, home, config=config,
-                              carry_over=False,
-                              anchor_rounds=budget.step_rounds,
-                              moves_per_layer=budget.microstep_rounds,
-                              transfer_mode=budget.mode)
+                              carry_over=False, budget=budget)
   try:
     return planner.config
   finally:

@@ -164,9 +164,11 @@ class StepPlanner:
   engine the degree of every device, `ForeMoEConfig.microstep_degree`,
   and for the ``rounds`` engine the copies per layer,
   `ForeMoEConfig.moves_per_layer`).
-  transfer_mode: how the engine moves experts (`TransferBudget.mode`),
-  which prices the anchor's replicas (`ForeMoEConfig.transfer_mode`;
-  None: the config's).
+  budget: the transfer engine's `TransferBudget`, in their place: its step
+  rounds as anchor_rounds, its micro-step rounds as moves_per_layer, and
+  its mode, which prices the anchor's replicas and picks the bound
+  between micro-steps (`ForeMoEConfig.transfer_mode`; without it, the
+  config's).
   workers: processes planning layer chunks side by side (1: the planning
   thread plans every layer at once; `default_workers` picks for a host).
   chunks_per_worker: chunks per worker; more make a late planner cost
@@ -180,18 +182,23 @@ class StepPlanner:
                config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
                history_decay: float = 0.5, validate: bool = False,
                carry_over: bool = True, anchor_rounds: int | None = None,
-               moves_per_layer: int | None = None,
-               transfer_mode: str | None = None, workers: int = 1,
+               moves_per_layer: int | None = None, budget=None,
+               workers: int = 1,
                chunks_per_worker: int = 2,
                layer_pool: layers_lib.LayerPool | None = None):
     if method not in METHODS:
       raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
     if not carry_over:
       config = dataclasses.replace(config, home_anchor=True)
+    if budget is not None:
+      if anchor_rounds is not None or moves_per_layer is not None:
+        raise ValueError('give the budget or its rounds '
+                         '(anchor_rounds, moves_per_layer), not both.')
+      anchor_rounds, moves_per_layer = (budget.step_rounds,
+                                        budget.microstep_rounds)
+      config = dataclasses.replace(config, transfer_mode=budget.mode)
     if anchor_rounds is not None:
       config = dataclasses.replace(config, anchor_rounds=anchor_rounds)
-    if transfer_mode is not None:
-      config = dataclasses.replace(config, transfer_mode=transfer_mode)
     if moves_per_layer is not None:
       # The exact engine bounds each device's sends and receives, not the
       # layer's copies (a layer of D devices may take up to D x R).

@@ -244,16 +244,6 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
   return se_LDs.reshape(num_layers, -1).astype(np.int32)
 
 
-def anchored_round_tokens(slot_expert_LS, num_experts: int, topo: Topology,
-                          cost: CostModel) -> np.ndarray:
-  """What the ``rounds`` engine spends each step on a home-anchored
-  layout's replicas, in token-assignments per layer: [L] (the fill and
-  return of `anchored_transfer_tokens(mode='rounds')` summed)."""
-  fill_L, return_L = anchored_transfer_tokens(slot_expert_LS, num_experts,
-                                              topo, cost, 'rounds')
-  return fill_L + return_L
-
-
 def anchored_transfer_tokens(slot_expert_LS, num_experts: int, topo: Topology,
                              cost: CostModel, mode: str = 'exact'):
   """(fill [L], return [L]): what the engine spends each step to fill a

@@ -216,10 +216,7 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
       num_moe)
   planner = planner_lib.StepPlanner(pcfg.method, topo, cost, identity,
                                     deadline_s=pcfg.deadline_ms / 1e3,
-                                    carry_over=False,
-                                    anchor_rounds=budget.step_rounds,
-                                    moves_per_layer=budget.microstep_rounds,
-                                    transfer_mode=budget.mode,
+                                    carry_over=False, budget=budget,
                                     workers=workers)
   batch_size = rl.prompts_per_step * num_gen
   tokens_per_device = (batch_size // rl.num_microbatches

@@ -179,9 +179,7 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
                        f'{METHODS + ABLATIONS}.')
     planner = guard.StepPlanner(
         'foremoe' if method in ABLATIONS else method, topo, cost, home,
-        config=config, carry_over=False, anchor_rounds=budget.step_rounds,
-        moves_per_layer=budget.microstep_rounds, transfer_mode=budget.mode,
-        layer_pool=pool)
+        config=config, carry_over=False, budget=budget, layer_pool=pool)
     planner.history_LE = history_LE
     try:
       t0 = time.perf_counter()

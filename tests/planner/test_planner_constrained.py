@@ -88,10 +88,7 @@ def test_constrained_equals_the_trainers_loop_and_fits_the_budget(mode):
       moves_per_layer=None if per_device else budget.microstep_rounds,
       microstep_degree=budget.microstep_rounds if per_device else None)
   trainer = guard.StepPlanner('foremoe', topo, lib.COST, home,
-                              carry_over=False,
-                              anchor_rounds=budget.step_rounds,
-                              moves_per_layer=budget.microstep_rounds,
-                              transfer_mode=budget.mode)
+                              carry_over=False, budget=budget)
   fit = lambda plan, loads: schedule.fit_plan_to_budget(
       plan, loads, topo, lib.COST, budget)[0]
   s, num_experts = topo.slots_per_device, BC.num_experts
