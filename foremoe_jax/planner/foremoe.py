@@ -129,6 +129,16 @@ class ForeMoEConfig:
   replicas of large experts costing more in fills and flushes than they
   saved, and round-hungry placements failing the round budget)."""
 
+  shed: bool = True
+  """Home-anchored: also plan each layer by `packing.shed_placement` per
+  micro-step (every redundant slot re-chosen for the micro-step's loads,
+  hot devices shedding through best-fit replicas) and keep, per layer, the
+  cheaper of it and the moves (`step_cost_s`). The moves change a few
+  slots per round from the last placement and stall where relief needs a
+  chain of replicas; the shed finds those chains. It keeps the ``exact``
+  engine's degree (`microstep_degree`), so it runs only where that is set;
+  the ``rounds`` engine's per-layer budget is one it cannot keep."""
+
   def __post_init__(self):
     if self.transfer_mode not in ('exact', 'rounds'):
       raise ValueError(f"transfer_mode must be 'exact' or 'rounds', got "
@@ -664,12 +674,19 @@ def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
   take = theirs_L < ours_L
   if not take.any():
     return plan._replace(from_split_L=from_split_L)
-  ls = layers[take]
-  from_split_L[ls] = True
+  from_split_L[layers[take]] = True
+  return _merged(plan, alt, layers[take], take, cost)._replace(
+      from_split_L=from_split_L)
+
+
+def _merged(plan: StepPlan, alt: StepPlan, layers, take, cost: CostModel
+            ) -> StepPlan:
+  """`plan` with layers `layers` taken from `alt`, whose layer axis holds
+  `take`'s True entries (alt may cover only some layers)."""
 
   def merged(ours, theirs):
     out = np.array(ours)
-    out[:, ls] = np.asarray(theirs)[:, take]
+    out[:, layers] = np.asarray(theirs)[:, take]
     return out
 
   moves_MLD = merged(plan.moves_MLD, alt.moves_MLD)
@@ -681,8 +698,60 @@ def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
       slot_loads_MLS=merged(plan.slot_loads_MLS, alt.slot_loads_MLS),
       max_cell_ML=merged(plan.max_cell_ML, alt.max_cell_ML),
       moves_MLD=moves_MLD,
-      bytes_moved_M=moves_MLD.sum(axis=(1, 2)) * float(cost.bytes_per_expert),
-      from_split_L=from_split_L)
+      bytes_moved_M=moves_MLD.sum(axis=(1, 2)) * float(cost.bytes_per_expert))
+
+
+def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
+                    topo: Topology, cost: CostModel, config: ForeMoEConfig
+                    ) -> StepPlan:
+  """`plan` with each layer replaced by the shed plan where that costs
+  less (`step_cost_s`, plus the all-to-alls when `row_bytes` is set): per
+  micro-step, `packing.shed_placement` from the micro-step before (the
+  step's anchor `start_LS` for the first) and its balanced split.
+  Home-anchored planning only: the shed keeps every expert home."""
+  num_micro = w_MLE.shape[0]
+  sweeps = config.sweeps + config.final_sweeps
+  se_list, x_list, prev_LS = [], [], start_LS
+  for m in range(num_micro):
+    se_LS = packing.shed_placement(w_MLE[m], prev_LS, topo,
+                                     config.microstep_degree)
+    x_LS, _ = split.balanced_flows(se_LS, w_MLE[m], topo, sweeps=sweeps)
+    se_list.append(se_LS)
+    x_list.append(x_LS)
+    prev_LS = se_LS
+  se_MLS, x_MLS = np.stack(se_list), np.stack(x_list)
+  ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)
+  price = cost.return_factor if config.price_gradient_returns else 1.0
+  cur_LS = np.asarray(current_LS)
+  # Assembling exact counts is the costly part: only layers whose flows
+  # already beat ForeMoE's exact counts on compute and copies are.
+  flows_L = _step_cost_s(
+      x_MLS.reshape(*x_MLS.shape[:2], topo.num_devices, -1).sum(axis=3),
+      _copy_s(se_MLS, cur_LS, topo, cost, price), cost)
+  ours_all_L = _step_cost_s(plan.loads_MLD,
+                            _copy_s(ours_MLS, cur_LS, topo, cost, price), cost)
+  layers = np.flatnonzero((se_MLS != ours_MLS).any(axis=(0, 2))
+                          & (flows_L < ours_all_L))
+  if not len(layers):
+    return plan
+  alt = assemble_plan(loads_MLDE[:, layers], se_MLS[:, layers],
+                      x_MLS[:, layers], topo, cost, cur_LS[layers],
+                      config.prefer_local_node)
+
+  def cost_L(p_MLS, loads_MLD, share_MLDS):
+    out = step_cost_s(loads_MLD, p_MLS, cur_LS[layers], topo, cost, price)
+    if cost.row_bytes:
+      out = out + _a2a_s(loads_MLDE[:, layers], p_MLS, share_MLDS, topo, cost)
+    return out
+
+  ours_L = cost_L(ours_MLS[:, layers], plan.loads_MLD[:, layers],
+                  np.asarray(plan.placement.slot_share)[:, layers])
+  theirs_L = cost_L(np.asarray(alt.placement.slot_expert), alt.loads_MLD,
+                    alt.placement.slot_share)
+  take = theirs_L < ours_L
+  if not take.any():
+    return plan
+  return _merged(plan, alt, layers[take], take, cost)
 
 
 def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
@@ -723,6 +792,7 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
       anchored = split.FlowGraph(se_LS, w_MLE[0], topo)
       anchored.colour_like(graph, changed_L)
       graph = anchored
+  start_LS = graph.slot_expert_LS
   # foresight_split, planned alongside: the same anchor, no moves.
   with_split = config.max_rounds > 0
   no_moves = dataclasses.replace(config, max_rounds=0)
@@ -749,6 +819,10 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
   flows_MLS = np.stack(x_list)
   plan = assemble_plan(loads_MLDE, np.stack(se_list), flows_MLS, topo, cost,
                        cur_LS, config.prefer_local_node)
+  if (config.home_anchor and config.shed
+      and config.microstep_degree is not None):
+    plan = _shed_per_layer(plan, loads_MLDE, w_MLE, start_LS, cur_LS, topo,
+                           cost, config)
   if not with_split:
     return plan
   return _cheaper_per_layer(plan, loads_MLDE, flows_MLS,

@@ -398,3 +398,167 @@ def align_to_current(slot_expert_LS, current_LS, topo: Topology) -> np.ndarray:
       _, col = linear_sum_assignment(-overlap_DD[np.ix_(src, dst)])
       out[l, dst[col]] = new_LDs[l, src]
   return align_slots(out.reshape(num_layers, -1), current_LS, topo)
+
+
+def shed_placement(w_LE: np.ndarray, prev_LS, topo: Topology,
+                   degree: int | None = None, grid: int = 8,
+                   passes: int = 3) -> np.ndarray:
+  """slot_expert [L, S] of one micro-step that keeps every expert home and
+  fills the redundant slots so the busiest device sheds the most.
+
+  For a target level T, hot devices (home load above T) shed their excess
+  through replicas of their own experts on devices below T, one replica per
+  redundant slot: the hottest device first, the expert share that covers
+  its excess best (the smallest one that covers it, else the largest) to
+  the receiver whose room fits it best (the least room that takes it all,
+  else the most room), a receiver that held the expert before first. T is
+  the lowest level at which every excess finds room, searched per layer
+  (`grid` levels at once, `passes` times: the bracket shrinks `grid`-fold
+  each pass). Best fit matters: a receiver takes one replica per slot, so
+  spending a roomy device on a small share wastes it.
+
+  Redundant slots left without a replica keep what `prev_LS` held there
+  (no copy, and no gradient to send home), and kept replicas keep their
+  slot. New replicas take the free slots in slot order.
+
+  degree: the transfer engine's bound between micro-steps
+  (`ForeMoEConfig.microstep_degree`): each device then takes at most this
+  many new copies, each home sends at most this many (every new copy is
+  charged to its expert's home, which always holds it) and gets at most
+  this many gradients of evicted replicas back, so the transition from
+  `prev_LS` fits the budget by construction (None: no bound).
+  """
+  w_LE = np.asarray(w_LE, np.float64)
+  prev_LS = np.asarray(prev_LS, np.int64)
+  num_layers, num_experts = w_LE.shape
+  d, s = topo.num_devices, topo.slots_per_device
+  h = num_experts // d
+  r = s - h
+  if r < 1 or num_experts % d:
+    return prev_LS.astype(np.int32)
+  y_LD = w_LE.reshape(num_layers, d, h).sum(axis=2)
+  prev_LDr = prev_LS.reshape(num_layers, d, s)[:, :, h:]
+  node_D = topo.node_of_device() if topo.num_nodes > 1 else None
+  lo_L = y_LD.mean(axis=1)
+  hi_L = y_LD.max(axis=1)
+  steps = np.arange(1, grid + 1) / grid
+  for _ in range(passes):
+    t_LB = lo_L[:, None] + (hi_L - lo_L)[:, None] * steps[None]
+    ok_LB, _, _ = _shed(w_LE, y_LD, prev_LDr, t_LB, r, degree, node_D)
+    first_B = np.argmax(ok_LB, axis=1)  # The top level always fits.
+    new_hi = t_LB[np.arange(num_layers), first_B]
+    lo_L = np.where(first_B > 0, t_LB[np.arange(num_layers),
+                                      np.maximum(first_B - 1, 0)], lo_L)
+    hi_L = new_hi
+  _, rep_e_LK, rep_q_LK = _shed(w_LE, y_LD, prev_LDr, hi_L[:, None], r,
+                                degree, node_D)
+  out_LDs = prev_LS.reshape(num_layers, d, s).copy()
+  out_LDs[:, :, :h] = np.arange(num_experts).reshape(d, h)
+  rep_e_LK, rep_q_LK = rep_e_LK[:, 0], rep_q_LK[:, 0]
+  for l in range(num_layers):
+    taken = {}
+    for e, q in zip(rep_e_LK[l], rep_q_LK[l]):
+      if e >= 0:
+        taken.setdefault(int(q), []).append(int(e))
+    for q, experts in taken.items():
+      slots = out_LDs[l, q, h:]
+      keep = np.isin(slots, experts)
+      new = [e for e in experts if e not in set(slots[keep].tolist())]
+      free = np.flatnonzero(~keep)[:len(new)]
+      slots[free] = new[:len(free)]
+  return out_LDs.reshape(num_layers, -1).astype(np.int32)
+
+
+def _shed(w_LE, y_LD, prev_LDr, t_LB, r, degree=None, node_D=None):
+  """`shed_placement`'s greedy at levels t [L, B]: (fits [L, B], replica
+  experts [L, B, K], their receivers [L, B, K]; -1 where unused)."""
+  num_layers, d = y_LD.shape
+  h = w_LE.shape[1] // d
+  num_levels = t_LB.shape[1]
+  big = np.iinfo(np.int64).max // 4
+  cap = big if degree is None else int(degree)
+  eps = 1e-6 * np.maximum(y_LD.mean(axis=1), 1.0)[:, None]
+  ex_LBD = y_LD[:, None, :] - t_LB[..., None]
+  part_LBDh = np.broadcast_to(w_LE.reshape(num_layers, 1, d, h),
+                              (num_layers, num_levels, d, h)).copy()
+  free_LBD = np.full((num_layers, num_levels, d), r)
+  # Budget counters: new copies into, sends from and returns to a device.
+  copies_LBD = np.zeros((num_layers, num_levels, d), np.int64)
+  sends_LBD = np.zeros_like(copies_LBD)
+  returns_LBD = np.zeros_like(copies_LBD)
+  # The slot a new copy would evict next on each receiver (slot order),
+  # and whose home gets that replica's gradient (-1: none, or itself).
+  evict_home_LDr = np.where(prev_LDr // h != np.arange(d)[None, :, None],
+                            prev_LDr // h, -1)
+  next_LBD = np.zeros((num_layers, num_levels, d), np.int64)
+  reused_LBDr = np.zeros((num_layers, num_levels, d, r), bool)
+  dead_LB = np.zeros((num_layers, num_levels), bool)
+  rep_e = np.full((num_layers, num_levels, d * r), -1)
+  rep_q = np.full((num_layers, num_levels, d * r), -1)
+  lk = np.arange(num_layers)[:, None]
+  bk = np.arange(num_levels)[None, :]
+  l3, b3 = lk[..., None], bk[..., None]
+  for k in range(d * r):
+    hot_LB = np.argmax(ex_LBD, axis=2)
+    need_LB = ex_LBD[lk, bk, hot_LB]
+    act_LB = (need_LB > eps) & ~dead_LB
+    if not act_LB.any():
+      break
+    p_LBh = part_LBDh[lk, bk, hot_LB]
+    covers = p_LBh >= need_LB[..., None]
+    i_LB = np.where(covers.any(axis=2),
+                    np.argmin(np.where(covers, p_LBh, np.inf), axis=2),
+                    np.argmax(p_LBh, axis=2))
+    share_LB = np.minimum(p_LBh[lk, bk, i_LB], need_LB)
+    e_LB = hot_LB * h + i_LB
+    room_LBD = -ex_LBD
+    had_LBDr = ((prev_LDr[:, None] == e_LB[..., None, None])
+                & ~reused_LBDr)
+    had = had_LBDr.any(axis=3)
+    # A new copy: the receiver takes one more, the home sends one more,
+    # and the replica it evicts sends its gradient home.
+    nxt_LBD = np.minimum(next_LBD, r - 1)
+    ev_home_LBD = evict_home_LDr[l3, np.arange(d)[None, None], nxt_LBD]
+    ev_ret_LBD = np.where(ev_home_LBD >= 0, returns_LBD[
+        l3, b3, np.maximum(ev_home_LBD, 0)], 0)
+    new_ok = ((copies_LBD < cap) & (sends_LBD[lk, bk, hot_LB] < cap)[..., None]
+              & ((ev_home_LBD < 0) | (ev_ret_LBD < cap)))
+    cand = ((free_LBD > 0) & (room_LBD > eps[..., None])
+            & (had | new_ok))
+    fits = cand & (room_LBD >= share_LB[..., None])
+    pool = np.where(fits.any(axis=2, keepdims=True), fits, cand)
+    if node_D is not None:
+      # A copy within the home's node is the cheap one.
+      near = pool & (node_D[None, None, :] == node_D[hot_LB][..., None])
+      pool = np.where(near.any(axis=2, keepdims=True), near, pool)
+    pool = np.where((pool & had).any(axis=2, keepdims=True), pool & had, pool)
+    q_LB = np.where(fits.any(axis=2),
+                    np.argmin(np.where(pool, room_LBD, np.inf), axis=2),
+                    np.argmax(np.where(pool, room_LBD, -np.inf), axis=2))
+    none = act_LB & ~cand.any(axis=2)
+    dead_LB |= none
+    go = act_LB & ~none
+    l, b = np.nonzero(go)
+    q, hot, i = q_LB[l, b], hot_LB[l, b], i_LB[l, b]
+    # The receiver fills up to T with as much of the expert as there is:
+    # shedding past the excess leaves room on the hot device, which a
+    # hotter one's replica can then take (a chain the excess alone misses).
+    took = np.minimum(p_LBh[l, b, i], room_LBD[l, b, q])
+    part_LBDh[l, b, hot, i] -= took
+    ex_LBD[l, b, hot] -= took
+    ex_LBD[l, b, q] += took
+    free_LBD[l, b, q] -= 1
+    reuse = had[l, b, q]
+    j = np.argmax(had_LBDr[l, b, q], axis=1)
+    reused_LBDr[l[reuse], b[reuse], q[reuse], j[reuse]] = True
+    n = ~reuse
+    ln, bn, qn = l[n], b[n], q[n]
+    copies_LBD[ln, bn, qn] += 1
+    sends_LBD[ln, bn, hot[n]] += 1
+    eh = ev_home_LBD[ln, bn, qn]
+    np.add.at(returns_LBD, (ln[eh >= 0], bn[eh >= 0], eh[eh >= 0]), 1)
+    next_LBD[ln, bn, qn] += 1
+    rep_e[l, b, k] = e_LB[l, b]
+    rep_q[l, b, k] = q
+  ok_LB = ~dead_LB & (ex_LBD.max(axis=2) <= eps)
+  return ok_LB, rep_e, rep_q
