@@ -129,6 +129,10 @@ class ForeMoEConfig:
   replicas of large experts costing more in fills and flushes than they
   saved, and round-hungry placements failing the round budget)."""
 
+  shed_tol: float = 0.02
+  """The shed is tried on layers whose planned max/mean exceeds 1 plus
+  this on average over the micro-steps (the others have little to gain,
+  and the shed costs planning time)."""
   shed: bool = True
   """Home-anchored: also plan each layer by `packing.shed_placement` per
   micro-step (every redundant slot re-chosen for the micro-step's loads,
@@ -143,6 +147,8 @@ class ForeMoEConfig:
     if self.transfer_mode not in ('exact', 'rounds'):
       raise ValueError(f"transfer_mode must be 'exact' or 'rounds', got "
                        f'{self.transfer_mode!r}.')
+    if not self.shed_tol >= 0:
+      raise ValueError(f'shed_tol must be >= 0, got {self.shed_tol}.')
     for name in ('microstep_degree', 'moves_per_layer', 'anchor_rounds',
                  'max_moves_per_device'):
       value = getattr(self, name)
@@ -709,42 +715,50 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
   micro-step, `packing.shed_placement` from the micro-step before (the
   step's anchor `start_LS` for the first) and its balanced split.
   Home-anchored planning only: the shed keeps every expert home."""
+  # Only layers the moves left short of balance are tried.
+  tried = np.flatnonzero(
+      (placement_lib.max_over_mean(plan.loads_MLD) - 1.0).mean(axis=0)
+      > config.shed_tol)
+  if not len(tried):
+    return plan
   num_micro = w_MLE.shape[0]
   sweeps = config.sweeps + config.final_sweeps
-  se_list, x_list, prev_LS = [], [], start_LS
+  se_list, x_list, prev_LS = [], [], np.asarray(start_LS)[tried]
   for m in range(num_micro):
-    se_LS = packing.shed_placement(w_MLE[m], prev_LS, topo,
-                                     config.microstep_degree)
-    x_LS, _ = split.balanced_flows(se_LS, w_MLE[m], topo, sweeps=sweeps)
+    se_LS = packing.shed_placement(w_MLE[m, tried], prev_LS, topo,
+                                   config.microstep_degree)
+    x_LS, _ = split.balanced_flows(se_LS, w_MLE[m, tried], topo,
+                                   sweeps=sweeps)
     se_list.append(se_LS)
     x_list.append(x_LS)
     prev_LS = se_LS
   se_MLS, x_MLS = np.stack(se_list), np.stack(x_list)
-  ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)
+  ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)[:, tried]
   price = cost.return_factor if config.price_gradient_returns else 1.0
-  cur_LS = np.asarray(current_LS)
+  cur_LS = np.asarray(current_LS)[tried]
   # Assembling exact counts is the costly part: only layers whose flows
   # already beat ForeMoE's exact counts on compute and copies are.
   flows_L = _step_cost_s(
       x_MLS.reshape(*x_MLS.shape[:2], topo.num_devices, -1).sum(axis=3),
       _copy_s(se_MLS, cur_LS, topo, cost, price), cost)
-  ours_all_L = _step_cost_s(plan.loads_MLD,
+  ours_all_L = _step_cost_s(plan.loads_MLD[:, tried],
                             _copy_s(ours_MLS, cur_LS, topo, cost, price), cost)
-  layers = np.flatnonzero((se_MLS != ours_MLS).any(axis=(0, 2))
-                          & (flows_L < ours_all_L))
-  if not len(layers):
+  sub = np.flatnonzero((se_MLS != ours_MLS).any(axis=(0, 2))
+                       & (flows_L < ours_all_L))
+  if not len(sub):
     return plan
-  alt = assemble_plan(loads_MLDE[:, layers], se_MLS[:, layers],
-                      x_MLS[:, layers], topo, cost, cur_LS[layers],
-                      config.prefer_local_node)
+  layers = tried[sub]
+  se_MLS, x_MLS, cur_LS = se_MLS[:, sub], x_MLS[:, sub], cur_LS[sub]
+  alt = assemble_plan(loads_MLDE[:, layers], se_MLS, x_MLS, topo, cost,
+                      cur_LS, config.prefer_local_node)
 
   def cost_L(p_MLS, loads_MLD, share_MLDS):
-    out = step_cost_s(loads_MLD, p_MLS, cur_LS[layers], topo, cost, price)
+    out = step_cost_s(loads_MLD, p_MLS, cur_LS, topo, cost, price)
     if cost.row_bytes:
       out = out + _a2a_s(loads_MLDE[:, layers], p_MLS, share_MLDS, topo, cost)
     return out
 
-  ours_L = cost_L(ours_MLS[:, layers], plan.loads_MLD[:, layers],
+  ours_L = cost_L(ours_MLS[:, sub], plan.loads_MLD[:, layers],
                   np.asarray(plan.placement.slot_share)[:, layers])
   theirs_L = cost_L(np.asarray(alt.placement.slot_expert), alt.loads_MLD,
                     alt.placement.slot_share)
@@ -819,8 +833,9 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
   flows_MLS = np.stack(x_list)
   plan = assemble_plan(loads_MLDE, np.stack(se_list), flows_MLS, topo, cost,
                        cur_LS, config.prefer_local_node)
-  if (config.home_anchor and config.shed
+  if (with_split and config.home_anchor and config.shed
       and config.microstep_degree is not None):
+    # Moves allowed only: foresight_split (max_rounds=0) holds its anchor.
     plan = _shed_per_layer(plan, loads_MLDE, w_MLE, start_LS, cur_LS, topo,
                            cost, config)
   if not with_split:

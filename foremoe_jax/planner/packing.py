@@ -462,103 +462,119 @@ def shed_placement(w_LE: np.ndarray, prev_LS, topo: Topology,
         taken.setdefault(int(q), []).append(int(e))
     for q, experts in taken.items():
       slots = out_LDs[l, q, h:]
-      keep = np.isin(slots, experts)
-      new = [e for e in experts if e not in set(slots[keep].tolist())]
-      free = np.flatnonzero(~keep)[:len(new)]
+      held = slots.tolist()
+      want = set(experts)
+      new = [e for e in experts if e not in held]
+      free = [j for j, e in enumerate(held) if e not in want][:len(new)]
       slots[free] = new[:len(free)]
   return out_LDs.reshape(num_layers, -1).astype(np.int32)
 
 
 def _shed(w_LE, y_LD, prev_LDr, t_LB, r, degree=None, node_D=None):
   """`shed_placement`'s greedy at levels t [L, B]: (fits [L, B], replica
-  experts [L, B, K], their receivers [L, B, K]; -1 where unused)."""
+  experts [L, B, K], their receivers [L, B, K]; -1 where unused).
+
+  Each (layer, level) is a row, run side by side; a row leaves the loop
+  once it reaches its level or cannot, so late rounds touch few rows."""
   num_layers, d = y_LD.shape
   h = w_LE.shape[1] // d
   num_levels = t_LB.shape[1]
-  big = np.iinfo(np.int64).max // 4
-  cap = big if degree is None else int(degree)
-  eps = 1e-6 * np.maximum(y_LD.mean(axis=1), 1.0)[:, None]
-  ex_LBD = y_LD[:, None, :] - t_LB[..., None]
-  part_LBDh = np.broadcast_to(w_LE.reshape(num_layers, 1, d, h),
-                              (num_layers, num_levels, d, h)).copy()
-  free_LBD = np.full((num_layers, num_levels, d), r)
+  n_rows = num_layers * num_levels
+  layer_N = np.repeat(np.arange(num_layers), num_levels)
+  cap = np.iinfo(np.int64).max // 4 if degree is None else int(degree)
+  eps_N = 1e-6 * np.maximum(y_LD.mean(axis=1), 1.0)[layer_N]
+  ex_ND = y_LD[layer_N] - t_LB.reshape(-1)[:, None]
+  part_NDh = w_LE.reshape(num_layers, d, h)[layer_N].astype(np.float64)
+  free_ND = np.full((n_rows, d), r)
   # Budget counters: new copies into, sends from and returns to a device.
-  copies_LBD = np.zeros((num_layers, num_levels, d), np.int64)
-  sends_LBD = np.zeros_like(copies_LBD)
-  returns_LBD = np.zeros_like(copies_LBD)
+  copies_ND = np.zeros((n_rows, d), np.int64)
+  sends_ND = np.zeros_like(copies_ND)
+  returns_ND = np.zeros_like(copies_ND)
   # The slot a new copy would evict next on each receiver (slot order),
   # and whose home gets that replica's gradient (-1: none, or itself).
   evict_home_LDr = np.where(prev_LDr // h != np.arange(d)[None, :, None],
                             prev_LDr // h, -1)
-  next_LBD = np.zeros((num_layers, num_levels, d), np.int64)
-  reused_LBDr = np.zeros((num_layers, num_levels, d, r), bool)
-  dead_LB = np.zeros((num_layers, num_levels), bool)
-  rep_e = np.full((num_layers, num_levels, d * r), -1)
-  rep_q = np.full((num_layers, num_levels, d * r), -1)
-  lk = np.arange(num_layers)[:, None]
-  bk = np.arange(num_levels)[None, :]
-  l3, b3 = lk[..., None], bk[..., None]
+  next_ND = np.zeros((n_rows, d), np.int64)
+  reused_NDr = np.zeros((n_rows, d, r), bool)
+  dead_N = np.zeros(n_rows, bool)
+  rep_e = np.full((n_rows, d * r), -1)
+  rep_q = np.full((n_rows, d * r), -1)
+  dk = np.arange(d)
+  live = np.arange(n_rows)
   for k in range(d * r):
-    hot_LB = np.argmax(ex_LBD, axis=2)
-    need_LB = ex_LBD[lk, bk, hot_LB]
-    act_LB = (need_LB > eps) & ~dead_LB
-    if not act_LB.any():
+    ex = ex_ND[live]
+    hot = np.argmax(ex, axis=1)
+    a = np.arange(len(live))
+    need = ex[a, hot]
+    eps = eps_N[live]
+    act = (need > eps) & ~dead_N[live]
+    if not act.all():
+      live, ex, hot, need, eps = (x[act] for x in (live, ex, hot, need, eps))
+      a = np.arange(len(live))
+    if not len(live):
       break
-    p_LBh = part_LBDh[lk, bk, hot_LB]
-    covers = p_LBh >= need_LB[..., None]
-    i_LB = np.where(covers.any(axis=2),
-                    np.argmin(np.where(covers, p_LBh, np.inf), axis=2),
-                    np.argmax(p_LBh, axis=2))
-    share_LB = np.minimum(p_LBh[lk, bk, i_LB], need_LB)
-    e_LB = hot_LB * h + i_LB
-    room_LBD = -ex_LBD
-    had_LBDr = ((prev_LDr[:, None] == e_LB[..., None, None])
-                & ~reused_LBDr)
-    had = had_LBDr.any(axis=3)
+    lay = layer_N[live]
+    p_h = part_NDh[live, hot]
+    covers = p_h >= need[:, None]
+    i = np.where(covers.any(axis=1),
+                 np.argmin(np.where(covers, p_h, np.inf), axis=1),
+                 np.argmax(p_h, axis=1))
+    share = np.minimum(p_h[a, i], need)
+    e = hot * h + i
+    room = -ex
+    free = free_ND[live]
+    had_Dr = (prev_LDr[lay] == e[:, None, None]) & ~reused_NDr[live]
+    had = had_Dr.any(axis=2)
     # A new copy: the receiver takes one more, the home sends one more,
     # and the replica it evicts sends its gradient home.
-    nxt_LBD = np.minimum(next_LBD, r - 1)
-    ev_home_LBD = evict_home_LDr[l3, np.arange(d)[None, None], nxt_LBD]
-    ev_ret_LBD = np.where(ev_home_LBD >= 0, returns_LBD[
-        l3, b3, np.maximum(ev_home_LBD, 0)], 0)
-    new_ok = ((copies_LBD < cap) & (sends_LBD[lk, bk, hot_LB] < cap)[..., None]
-              & ((ev_home_LBD < 0) | (ev_ret_LBD < cap)))
-    cand = ((free_LBD > 0) & (room_LBD > eps[..., None])
-            & (had | new_ok))
-    fits = cand & (room_LBD >= share_LB[..., None])
-    pool = np.where(fits.any(axis=2, keepdims=True), fits, cand)
+    nxt = np.minimum(next_ND[live], r - 1)
+    ev_home = evict_home_LDr[lay[:, None], dk[None, :], nxt]
+    ev_ret = np.where(ev_home >= 0, np.take_along_axis(
+        returns_ND[live], np.maximum(ev_home, 0), axis=1), 0)
+    new_ok = ((copies_ND[live] < cap) & (sends_ND[live, hot] < cap)[:, None]
+              & ((ev_home < 0) | (ev_ret < cap)))
+    has_room = room > eps[:, None]
+    cand = (free > 0) & has_room & (had | new_ok)
+    fits = cand & (room >= share[:, None])
+    any_fit = fits.any(axis=1)
+    pool = np.where(any_fit[:, None], fits, cand)
     if node_D is not None:
       # A copy within the home's node is the cheap one.
-      near = pool & (node_D[None, None, :] == node_D[hot_LB][..., None])
-      pool = np.where(near.any(axis=2, keepdims=True), near, pool)
-    pool = np.where((pool & had).any(axis=2, keepdims=True), pool & had, pool)
-    q_LB = np.where(fits.any(axis=2),
-                    np.argmin(np.where(pool, room_LBD, np.inf), axis=2),
-                    np.argmax(np.where(pool, room_LBD, -np.inf), axis=2))
-    none = act_LB & ~cand.any(axis=2)
-    dead_LB |= none
-    go = act_LB & ~none
-    l, b = np.nonzero(go)
-    q, hot, i = q_LB[l, b], hot_LB[l, b], i_LB[l, b]
+      near = pool & (node_D[None, :] == node_D[hot][:, None])
+      pool = np.where(near.any(axis=1, keepdims=True), near, pool)
+    pool = np.where((pool & had).any(axis=1, keepdims=True), pool & had, pool)
+    q = np.where(any_fit, np.argmin(np.where(pool, room, np.inf), axis=1),
+                 np.argmax(np.where(pool, room, -np.inf), axis=1))
+    # Every device still above the level needs a replica of its own, each
+    # in a free slot (on a device with room now or after it sheds): a
+    # level with fewer free slots than devices to relieve is out of reach.
+    short = (ex > eps[:, None]).sum(axis=1) > free.sum(axis=1)
+    none = ~cand.any(axis=1) | short
+    dead_N[live[none]] = True
+    go = ~none
+    n, a, q, hot, i, e = live[go], a[go], q[go], hot[go], i[go], e[go]
     # The receiver fills up to T with as much of the expert as there is:
     # shedding past the excess leaves room on the hot device, which a
     # hotter one's replica can then take (a chain the excess alone misses).
-    took = np.minimum(p_LBh[l, b, i], room_LBD[l, b, q])
-    part_LBDh[l, b, hot, i] -= took
-    ex_LBD[l, b, hot] -= took
-    ex_LBD[l, b, q] += took
-    free_LBD[l, b, q] -= 1
-    reuse = had[l, b, q]
-    j = np.argmax(had_LBDr[l, b, q], axis=1)
-    reused_LBDr[l[reuse], b[reuse], q[reuse], j[reuse]] = True
-    n = ~reuse
-    ln, bn, qn = l[n], b[n], q[n]
-    copies_LBD[ln, bn, qn] += 1
-    sends_LBD[ln, bn, hot[n]] += 1
-    eh = ev_home_LBD[ln, bn, qn]
-    np.add.at(returns_LBD, (ln[eh >= 0], bn[eh >= 0], eh[eh >= 0]), 1)
-    next_LBD[ln, bn, qn] += 1
-    rep_e[l, b, k] = e_LB[l, b]
-    rep_q[l, b, k] = q
-  ok_LB = ~dead_LB & (ex_LBD.max(axis=2) <= eps)
-  return ok_LB, rep_e, rep_q
+    took = np.minimum(p_h[a, i], room[a, q])
+    part_NDh[n, hot, i] -= took
+    ex_ND[n, hot] -= took
+    ex_ND[n, q] += took
+    free_ND[n, q] -= 1
+    reuse = had[a, q]
+    j = np.argmax(had_Dr[a, q], axis=1)
+    reused_NDr[n[reuse], q[reuse], j[reuse]] = True
+    fresh = ~reuse
+    nn, qn = n[fresh], q[fresh]
+    copies_ND[nn, qn] += 1
+    sends_ND[nn, hot[fresh]] += 1
+    eh = ev_home[a[fresh], qn]
+    np.add.at(returns_ND, (nn[eh >= 0], eh[eh >= 0]), 1)
+    next_ND[nn, qn] += 1
+    rep_e[n, k] = e
+    rep_q[n, k] = q
+    live = n
+  ok_N = ~dead_N & (ex_ND.max(axis=1) <= eps_N)
+  shape = (num_layers, num_levels)
+  return (ok_N.reshape(shape), rep_e.reshape(*shape, -1),
+          rep_q.reshape(*shape, -1))
