@@ -151,3 +151,20 @@ def test_planner_with_shed_balances_alt_traces_better():
     got[shed] = np.mean([placement_lib.max_over_mean(p.loads_MLD).mean()
                          for p in plans[1:]])
   assert got[True] < got[False] - 0.02, got
+
+
+def test_shed_leaves_foresight_split_and_balanced_layers_alone():
+  trace, topo = lib.small_trace(num_experts=32, num_devices=8), Topology(
+      1, 8, 32 // 8 + 1)
+  home = lib.identity_for(trace, topo)
+  base = dict(home_anchor=True, microstep_degree=2)
+  for extra in (dict(max_rounds=0), dict(shed_tol=1e9)):
+    plans = [foremoe.plan_step(trace.step(1), topo, lib.COST, home,
+                               foremoe.ForeMoEConfig(shed=shed, **base,
+                                                     **extra))
+             for shed in (False, True)]
+    np.testing.assert_array_equal(plans[0].placement.slot_expert,
+                                  plans[1].placement.slot_expert)
+    np.testing.assert_array_equal(plans[0].loads_MLD, plans[1].loads_MLD)
+  with pytest.raises(ValueError, match='shed_tol'):
+    foremoe.ForeMoEConfig(shed_tol=-0.1)
