@@ -425,8 +425,11 @@ def shed_placement(w_LE: np.ndarray, prev_LS, topo: Topology,
   (`ForeMoEConfig.microstep_degree`): each device then takes at most this
   many new copies, each home sends at most this many (every new copy is
   charged to its expert's home, which always holds it) and gets at most
-  this many gradients of evicted replicas back, so the transition from
-  `prev_LS` fits the budget by construction (None: no bound).
+  this many gradients of evicted replicas back. The transition from
+  `prev_LS` then fits the budget when the schedule sources each copy from
+  its home; it may pick another holder, so the budget fit
+  (`transfer.schedule.fit_plan_to_budget`) can still undo a slot (None:
+  no bound).
   """
   w_LE = np.asarray(w_LE, np.float64)
   prev_LS = np.asarray(prev_LS, np.int64)
