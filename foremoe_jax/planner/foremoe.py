@@ -665,24 +665,43 @@ def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
   layers = np.flatnonzero(differ_L & ~decided_L)
   if not len(layers):
     return plan._replace(from_split_L=from_split_L)
-  alt = assemble_plan(loads_MLDE[:, layers], split_MLS[:, layers],
-                      split_flows_MLS[:, layers], topo, cost, cur_LS[layers],
-                      config.prefer_local_node)
-  ours_L = _step_cost_s(plan.loads_MLD[:, layers], ours_copy_ML[:, layers],
-                        cost)
-  theirs_L = _step_cost_s(alt.loads_MLD, theirs_copy_ML[:, layers], cost)
-  if cost.row_bytes:
-    ours_L = ours_L + _a2a_s(loads_MLDE[:, layers], se_MLS[:, layers],
-                             plan.placement.slot_share[:, layers], topo, cost)
-    theirs_L = theirs_L + _a2a_s(loads_MLDE[:, layers],
-                                 alt.placement.slot_expert,
-                                 alt.placement.slot_share, topo, cost)
+  plan, taken = _take_cheaper(plan, loads_MLDE, layers, split_MLS[:, layers],
+                              split_flows_MLS[:, layers], cur_LS[layers],
+                              topo, cost, config, price)
+  from_split_L[taken] = True
+  return plan._replace(from_split_L=from_split_L)
+
+
+def _take_cheaper(plan: StepPlan, loads_MLDE, layers, alt_MLS, alt_flows_MLS,
+                  cur_LS, topo: Topology, cost: CostModel,
+                  config: ForeMoEConfig, price: float
+                  ) -> tuple[StepPlan, np.ndarray]:
+  """(`plan` with layers `layers` replaced by another placement where its
+  exact counts cost less, the layers replaced).
+
+  alt_MLS, alt_flows_MLS, cur_LS: the other plan's placements and flows,
+  and the placement before the step, of `layers` only. Both plans are
+  priced on exact counts (`step_cost_s`, plus the all-to-alls when
+  `row_bytes` is set); the other plan's are assembled here, the costly
+  part, which is why callers pass only the layers worth it."""
+  alt = assemble_plan(loads_MLDE[:, layers], alt_MLS, alt_flows_MLS, topo,
+                      cost, cur_LS, config.prefer_local_node)
+
+  def cost_L(p_MLS, loads_MLD, share_MLDS):
+    out = step_cost_s(loads_MLD, p_MLS, cur_LS, topo, cost, price)
+    if cost.row_bytes:
+      out = out + _a2a_s(loads_MLDE[:, layers], p_MLS, share_MLDS, topo, cost)
+    return out
+
+  ours_L = cost_L(np.asarray(plan.placement.slot_expert)[:, layers],
+                  plan.loads_MLD[:, layers],
+                  np.asarray(plan.placement.slot_share)[:, layers])
+  theirs_L = cost_L(np.asarray(alt.placement.slot_expert), alt.loads_MLD,
+                    alt.placement.slot_share)
   take = theirs_L < ours_L
   if not take.any():
-    return plan._replace(from_split_L=from_split_L)
-  from_split_L[layers[take]] = True
-  return _merged(plan, alt, layers[take], take, cost)._replace(
-      from_split_L=from_split_L)
+    return plan, layers[take]
+  return _merged(plan, alt, layers[take], take, cost), layers[take]
 
 
 def _merged(plan: StepPlan, alt: StepPlan, layers, take, cost: CostModel
@@ -747,25 +766,9 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
                        & (flows_L < ours_all_L))
   if not len(sub):
     return plan
-  layers = tried[sub]
-  se_MLS, x_MLS, cur_LS = se_MLS[:, sub], x_MLS[:, sub], cur_LS[sub]
-  alt = assemble_plan(loads_MLDE[:, layers], se_MLS, x_MLS, topo, cost,
-                      cur_LS, config.prefer_local_node)
-
-  def cost_L(p_MLS, loads_MLD, share_MLDS):
-    out = step_cost_s(loads_MLD, p_MLS, cur_LS, topo, cost, price)
-    if cost.row_bytes:
-      out = out + _a2a_s(loads_MLDE[:, layers], p_MLS, share_MLDS, topo, cost)
-    return out
-
-  ours_L = cost_L(ours_MLS[:, sub], plan.loads_MLD[:, layers],
-                  np.asarray(plan.placement.slot_share)[:, layers])
-  theirs_L = cost_L(np.asarray(alt.placement.slot_expert), alt.loads_MLD,
-                    alt.placement.slot_share)
-  take = theirs_L < ours_L
-  if not take.any():
-    return plan
-  return _merged(plan, alt, layers[take], take, cost)
+  return _take_cheaper(plan, loads_MLDE, tried[sub], se_MLS[:, sub],
+                       x_MLS[:, sub], cur_LS[sub], topo, cost, config,
+                       price)[0]
 
 
 def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
