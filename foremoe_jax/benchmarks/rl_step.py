@@ -189,6 +189,14 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
          for m in METHODS}
   rl = ctx.rl_step
   hlo_bytes, params_after = {}, {}
+  # The simulator's calibration runs are timed in the same repetitions as
+  # the methods, after them, so that a host growing slower or faster over
+  # the run moves both alike: the fit and what it is judged on are measured
+  # side by side. They compile here, before the compile log opens (the
+  # step's compile count is the methods').
+  calib = (_calibration_setup(ctx, rl, state0, batch, config, cfg,
+                              calibration_skews)
+           if extras is not None and calibration_skews else None)
   compile_log = compiles_lib.CompileLog().__enter__()
   try:
     for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
@@ -246,6 +254,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         r['plan_s'].append(planned.plan_s)
         r['recompute_plan_s'].append(rplan.plan_s)
         r['plan_wait_s'].append(max(0.0, t_plan - t_rec))
+      if rep and calib is not None:
+        _time_calibration(rl, state0, calib)
       if rep:
         log(f'repetition {rep}/{cfg.repeats}: ' + ', '.join(
             f"{m} {res[m]['step_s'][-1]:.3f}s" for m in METHODS))
@@ -256,9 +266,12 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
                                      ('recompute', 'recompute_logps'))}
   for p in planners.values():
     p.close()
-  if extras is not None and calibration_skews:
-    extras['calibration_runs'] = _calibration_runs(
-        ctx, rl, state0, batch, batches[1][2], config, cfg, calibration_skews)
+  if calib is not None:
+    extras['calibration_runs'] = [
+        dict(loads_MLDE=r['loads_MLDE'], capacity=r['capacity'],
+             skew=r['skew'], update_s=float(np.median(r['times'])),
+             recompute_s=float(np.median(r['recompute_times'])))
+        for r in calib['runs']]
   if extras is not None:
     extras['loads_MLDE'] = loads_MLDE
     extras['loads_MGLDE'] = np.asarray(loads_MGLDE)
@@ -336,11 +349,12 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
       / out['foremoe']['step_s'])
 
 
-def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
+def _calibration_setup(ctx, rl, state0, batch, config, cfg, skews) -> dict:
   """Static-layout updates and recomputes (the home layout at the same
   bucket, as the static method runs them) on synthetic routes of each
-  skew: [{loads_MLDE, capacity, update_s, recompute_s}], medians over
-  interleaved repetitions."""
+  skew, compiled once: {'runs': [{loads_MLDE, capacity, cell, skew, batch,
+  plan, times, recompute_times}], 'logps'}; `_time_calibration` times one
+  repetition of them."""
   from foremoe_jax.sim import calibrate  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(cfg.seed + 1)
   m = config.model
@@ -380,25 +394,27 @@ def _calibration_runs(ctx, rl, state0, batch, mbs, config, cfg, skews):
                      plan=plan, times=[], recompute_times=[]))
   # The same update program as the methods': the reference log-probs of
   # the step (their values do not change the time).
-  logps = rl.recompute(state0, batch)
-  for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
-    for r in runs:
-      state = jax.tree.map(jnp.copy, state0)
-      jax.block_until_ready(state)
-      t0 = time.perf_counter()
-      jax.block_until_ready(rl.recompute(state, r['batch'],
-                                         step_lib.CanonicalLayout(
-                                             r['capacity'], r['cell'])))
-      t1 = time.perf_counter()
-      jax.block_until_ready(rl.update(state, r['batch'], logps, r['plan']))
-      if rep:
-        r['recompute_times'].append(t1 - t0)
-        r['times'].append(time.perf_counter() - t1)
-  del mbs
-  return [dict(loads_MLDE=r['loads_MLDE'], capacity=r['capacity'],
-               skew=r['skew'], update_s=float(np.median(r['times'])),
-               recompute_s=float(np.median(r['recompute_times'])))
-          for r in runs]
+  calib = dict(runs=runs, logps=rl.recompute(state0, batch))
+  _time_calibration(rl, state0, calib, record=False)  # Compiles.
+  return calib
+
+
+def _time_calibration(rl, state0, calib: dict, record: bool = True):
+  """One repetition of the calibration runs: each run's recompute, then
+  its update, from the step's initial state."""
+  for r in calib['runs']:
+    state = jax.tree.map(jnp.copy, state0)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    jax.block_until_ready(rl.recompute(state, r['batch'],
+                                       step_lib.CanonicalLayout(
+                                           r['capacity'], r['cell'])))
+    t1 = time.perf_counter()
+    jax.block_until_ready(rl.update(state, r['batch'], calib['logps'],
+                                    r['plan']))
+    if record:
+      r['recompute_times'].append(t1 - t0)
+      r['times'].append(time.perf_counter() - t1)
 
 
 class _NoCheckpoint:

@@ -12,7 +12,10 @@ moves or timing:
   static layout (no planner, no moves) on the benchmark's batch with its
   routes replaced by synthetic ones of several skews. What it is fitted on
   is held out from what it is judged on: the judged runs are the methods'
-  updates and recomputes on the sampled routes, which no fit sees.
+  updates and recomputes on the sampled routes, which no fit sees. The
+  two are timed side by side, each repetition running the methods and
+  then the calibration runs, so that drift in a shared host's speed over
+  the half hour of runs biases neither against the other.
 
 `bench_rl_step` then times every method's real update and recompute, and
 `simulate.time_step` predicts each from the benchmark's own plans, move
@@ -45,7 +48,8 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # slots. 3: the chunked prefill in place, and the CPU exchange picking items
 # as its rounds send them. 4: the emulated dispatch pads
 # each pair to the step's pair bucket (`StepPlan.cell`), not the routing bound.
-CACHE_FORMAT = 4
+# 5: the calibration runs timed in the methods' repetitions, after them.
+CACHE_FORMAT = 5
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
