@@ -139,8 +139,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   planner, no moves) on this batch with its routes replaced by synthetic
   ones of these skews (`calibrate.skewed_routes`), into
   extras['calibration_runs'] (the loads, bucket and median seconds of
-  each): data the simulator may fit on, disjoint from what it is judged
-  on (the methods' runs on the sampled routes)."""
+  each), timed in each repetition after the methods: data the simulator
+  may fit on, disjoint from what it is judged on (the methods' runs on
+  the sampled routes)."""
   config = bench_config(cfg)
   config_lib.validate_config(config)
   task = task_from_config(config)
@@ -192,8 +193,10 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   # The simulator's calibration runs are timed in the same repetitions as
   # the methods, after them, so that a host growing slower or faster over
   # the run moves both alike: the fit and what it is judged on are measured
-  # side by side. They compile here, before the compile log opens (the
-  # step's compile count is the methods').
+  # side by side. They compile here, before the compile log opens, so the
+  # log counts no calibration compile; a method whose bucket a calibration
+  # run shares then finds it compiled (with calibration_skews only: the
+  # benchmark itself passes none).
   calib = (_calibration_setup(ctx, rl, state0, batch, config, cfg,
                               calibration_skews)
            if extras is not None and calibration_skews else None)
