@@ -537,16 +537,31 @@ def render_simulate_cluster(res: dict) -> str:
           f" {_f(summ['speedup_64gpu_foremoe_vs_static_padded'])}x and"
           f" {_f(summ['speedup_64gpu_foremoe_vs_eplb_step_padded'])}x. The"
           f" paper reports up to {_f(summ['paper_speedup_64gpu'])}x on 64 GPUs."]
-  if 'sender_max_over_mean_64gpu' in summ:
+  if 'inter_node_recv_max_over_mean_64gpu_foremoe' in summ:
     out += [f"- What bounds it: the all-to-alls are"
             f" {100 * summ['all_to_all_share_of_update_64gpu_foremoe']:.0f}%"
-            f" of ForeMoE's update, and the device that sends the most"
-            f" holds {_f(summ['sender_max_over_mean_64gpu'])}x the mean"
-            f" rows (a device sends its own tokens' rows: no placement"
-            f" lowers that floor), while ForeMoE's receivers are at"
-            f" {_f(summ['microstep_max_over_mean_64gpu_foremoe'])}x and"
-            f" EPLB-step's at"
-            f" {_f(summ.get('microstep_max_over_mean_64gpu_eplb_step', 0))}x."]
+            f" of ForeMoE's update, and across nodes they run at the"
+            f" inter-node link's rate, so the rows that cross nodes set"
+            f" their time, not the rows a device computes or sends in all."
+            f" ForeMoE balances what devices compute"
+            f" ({_f(summ['microstep_max_over_mean_64gpu_foremoe'])}x the"
+            f" mean; EPLB-step"
+            f" {_f(summ.get('microstep_max_over_mean_64gpu_eplb_step', 0))}x)"
+            f" and keeps"
+            f" {100 * summ['on_node_row_fraction_64gpu_foremoe']:.0f}% of"
+            f" the rows inside their node (EPLB-step"
+            f" {100 * summ.get('on_node_row_fraction_64gpu_eplb_step', 0):.0f}%),"
+            f" but the rows that cross are not balanced: the busiest"
+            f" inter-node receiver takes"
+            f" {_f(summ['inter_node_recv_max_over_mean_64gpu_foremoe'])}x the"
+            f" mean and the busiest inter-node sender"
+            f" {_f(summ['inter_node_send_max_over_mean_64gpu_foremoe'])}x,"
+            f" where the rows a device sends in all vary only"
+            f" {_f(summ['sender_max_over_mean_64gpu'])}x. An expert's only"
+            f" copy draws rows from every other node, while a replica"
+            f" serves its own node's sources first (means over micro-steps"
+            f" and layers: `inter_node_*` and `on_node_row_fraction` in the"
+            f" rows)."]
   if 'wire_bytes_over_useful_max' in summ:
     shares = summ['transfer_exposed_share_of_update_max']
     out += [f"- Expert moves ({summ['transfer_mode']} transfers): experts on"

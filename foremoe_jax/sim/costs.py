@@ -88,6 +88,18 @@ def all_to_all_time(bytes_SD, hw: HardwareProfile):
   return t + latency
 
 
+def node_traffic(rows_SD, hw: HardwareProfile):
+  """Where one all-to-all's rows go (rows_SD[s, d]: source s to device d):
+  (rows each device sends to other nodes [D], rows each device receives
+  from other nodes [D], rows that stay inside their node). The inter-node
+  link is the slow tier, so these, not the rows a device computes or
+  sends in all, set `all_to_all_time` once several nodes take part."""
+  x = np.asarray(rows_SD, np.float64)
+  _, inter = _node_masks(x.shape[-1], hw)
+  inter_x = x * inter
+  return inter_x.sum(axis=1), inter_x.sum(axis=0), float(x.sum() - inter_x.sum())
+
+
 def padded_cells(num_devices: int, capacity: int) -> np.ndarray:
   """Rows per (source, destination) cell in the padded layer: all C."""
   return np.full((num_devices, num_devices), float(capacity))

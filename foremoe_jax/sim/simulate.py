@@ -238,7 +238,9 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
 def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
                  hw: HardwareProfile, spd: int, mode: str, passes: int,
                  tokens_per_device: int):
-  """Per micro-step expert compute and all-to-all seconds: ([M], [M])."""
+  """Per micro-step expert compute and all-to-all seconds, and where the
+  dispatched rows go: ([M], [M], `_traffic_stats` of the exact dispatch's
+  rows, or None for the padded layer, whose cells are all C)."""
   num_micro, num_layers, num_dev, _ = np.shape(loads_MLDE)
   act_bytes = model.d_model * model.bytes_per_param
   num_a2a = 2 if passes == 1 else 4  # Forward: dispatch, combine.
@@ -252,7 +254,7 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
         costs.padded_cells(num_dev, capacity) * act_bytes, hw)
     moe_M[:] = num_layers * layer_moe
     a2a_M[:] = num_layers * num_a2a * layer_a2a
-    return moe_M, a2a_M
+    return moe_M, a2a_M, None
   if mode != 'exact':
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}.')
   if hw.emulated_exchange:
@@ -268,9 +270,11 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
         tokens_per_device * min(model.top_k, spd), capacity, cell))
     layer_a2a = costs.all_to_all_time(chunk * act_bytes, hw)
   tile = default_tile(capacity, spd) if hw.tiled_gemm else 1
+  traffic = []
   for m in range(num_micro):
     p = placement_of(m)
     cells_LSD = placement_lib.cell_counts(loads_MLDE[m], p)
+    traffic += [costs.node_traffic(c, hw) for c in cells_LSD]
     if hw.tiled_gemm:
       # Whole tiles per slot (`grouped_swiglu` 'tiles_lockstep').
       rows_LS = placement_lib.slot_counts(loads_MLDE[m], p).sum(axis=1)
@@ -288,7 +292,20 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
     else:
       a2a_M[m] = num_a2a * sum(costs.all_to_all_time(c * act_bytes, hw)
                                for c in cells_LSD)
-  return moe_M, a2a_M
+  return moe_M, a2a_M, _traffic_stats(traffic)
+
+
+def _traffic_stats(traffic) -> dict:
+  """Means over (micro-step, layer) of `costs.node_traffic`'s parts: the
+  busiest device's inter-node sends and receives over the mean (1.0 where
+  no row crosses nodes), and the share of rows that stay in their node."""
+  send = [placement_lib.max_over_mean(t[0]) for t in traffic]
+  recv = [placement_lib.max_over_mean(t[1]) for t in traffic]
+  total = [t[0].sum() + t[2] for t in traffic]
+  on_node = [t[2] / n if n > 0 else 1.0 for t, n in zip(traffic, total)]
+  return dict(inter_node_send_max_over_mean=float(np.mean(send)),
+              inter_node_recv_max_over_mean=float(np.mean(recv)),
+              on_node_row_fraction=float(np.mean(on_node)))
 
 
 def _transition_s(t, model, hw, num_dev, lead=()) -> np.ndarray:
@@ -431,9 +448,9 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       tokens * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
       / prof.nonexpert_flops_per_s
       + model.num_layers * prof.layer_overhead_s * (1 + (passes > 1)))
-  moe_M, a2a_M = _moe_and_a2a(loads_MLDE, plan.microstep, mp.capacity[mode],
-                              model, hw, spd, mode, passes=3,
-                              tokens_per_device=tokens)
+  moe_M, a2a_M, traffic = _moe_and_a2a(
+      loads_MLDE, plan.microstep, mp.capacity[mode], model, hw, spd, mode,
+      passes=3, tokens_per_device=tokens)
   compute_M = moe_M + nonexpert(3)
   move_M = np.zeros(num_micro)  # Moves into micro-step m + 1.
   for m in range(num_micro - 1):
@@ -485,10 +502,10 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       recompute_fill_s = (_fill_s(mp.recompute_transfer, model, hw, num_dev,
                                   num_layers, spd)
                           + empty_slots_s(model, hw, num_layers, spd))
-    rmoe_M, ra2a_M = _moe_and_a2a(loads_MLDE, placement_of,
-                                  mp.recompute_capacity[mode], model, fwd,
-                                  spd, mode, passes=1,
-                                  tokens_per_device=tokens)
+    rmoe_M, ra2a_M, _ = _moe_and_a2a(loads_MLDE, placement_of,
+                                     mp.recompute_capacity[mode], model,
+                                     fwd, spd, mode, passes=1,
+                                     tokens_per_device=tokens)
     rec_parts = dict(moe=passes * float(rmoe_M.sum()),
                      a2a=passes * float(ra2a_M.sum()),
                      nonexpert=passes * num_micro * nonexpert(1, fwd))
@@ -545,4 +562,11 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       # floor, mean over micro-steps and layers.
       sender_max_over_mean=float(placement_lib.max_over_mean(
           loads_MLDE.sum(axis=3)).mean()),
+      # The update's rows by node (exact dispatch; None for padded): on
+      # several nodes the all-to-all follows the inter-node rows, which the
+      # placement does move (a replica on a source's node keeps its rows
+      # there, while an expert's only copy draws from every other node).
+      **(traffic or dict.fromkeys(('inter_node_send_max_over_mean',
+                                   'inter_node_recv_max_over_mean',
+                                   'on_node_row_fraction'))),
       peak_bytes_per_device=mem.total, memory=mem.as_dict())

@@ -70,6 +70,47 @@ def test_all_to_all_two_nodes_by_hand():
   assert costs.all_to_all_time(b, HW) == pytest.approx(60e-6 + 1e-5)
 
 
+def test_node_traffic_by_hand():
+  """4 devices, 2 per node, 1 row to every device (itself included), and
+  device 3 sends device 0 4 more: each device sends 2 rows to the other
+  node, device 3 6; device 0 receives 6 from it, the others 2. Of the 20
+  rows, the 8 to a device's own node (itself included) stay."""
+  rows = np.ones((4, 4))
+  rows[3, 0] += 4
+  send, recv, on_node = costs.node_traffic(rows, HW)
+  np.testing.assert_allclose(send, [2, 2, 2, 6])
+  np.testing.assert_allclose(recv, [6, 2, 2, 2])
+  assert on_node == 8.0
+  # One node: nothing crosses.
+  send, recv, on_node = costs.node_traffic(
+      rows, dataclasses.replace(HW, devices_per_node=4))
+  assert not send.any() and not recv.any() and on_node == rows.sum()
+
+
+def test_inter_node_rows_follow_the_placement_by_hand():
+  """Two nodes of one device, every source sends the hot expert (home:
+  device 0) 30 rows. Home layout: device 1's 30 cross (it is the only
+  inter-node sender, device 0 the only receiver: 2x the mean each way),
+  half the rows stay. With a replica on device 1 each source keeps its
+  rows on its node: nothing crosses. The total rows a device sends, the
+  old floor, is 1.0x either way."""
+  topo = Topology(2, 1, 3)
+  hw = dataclasses.replace(HW, devices_per_node=1)
+  loads, static, spread = _hot_expert_plans(topo)
+  home = simulate.time_step(static, loads, MODEL, _work(), hw)
+  assert home['inter_node_send_max_over_mean'] == pytest.approx(2.0)
+  assert home['inter_node_recv_max_over_mean'] == pytest.approx(2.0)
+  assert home['on_node_row_fraction'] == pytest.approx(0.5)
+  local = simulate.time_step(spread, loads, MODEL, _work(), hw)
+  assert local['inter_node_send_max_over_mean'] == 1.0
+  assert local['on_node_row_fraction'] == 1.0
+  assert home['sender_max_over_mean'] == local['sender_max_over_mean'] == 1.0
+  assert local['all_to_all_s'] < home['all_to_all_s']
+  # The padded layer's cells are all C: no traffic split to report.
+  padded = simulate.time_step(static, loads, MODEL, _work(), hw, 'padded')
+  assert padded['on_node_row_fraction'] is None
+
+
 def test_one_round_by_hand():
   # Shift 1 on 4 devices: device 1 receives from device 0 (same node), then
   # a round of shift 2 where device 2 receives from device 0 (other node).
