@@ -408,6 +408,28 @@ def render_msa_from_dense(res: dict) -> str:
   return '\n'.join(lines)
 
 
+_CATEGORY_LABELS = {
+    'expert_ffn': 'expert SwiGLU', 'matmul': 'other matmuls',
+    'collective': 'collectives', 'copy': 'copies and slices',
+    'other': 'elementwise and other'}
+
+
+def render_profile_rl_step(res: dict) -> str:
+  """Shares of the update's op time by category, per method."""
+  cats = res['categories']
+  rows = [[_METHOD_NAMES.get(m, m), _f(r['update_s'], 3)]
+          + [f"{100 * r['shares'][c]:.0f}%" for c in cats]
+          for m, r in res['methods'].items()]
+  out = [_table(['method', 'update s (traced)']
+                + [_CATEGORY_LABELS.get(c, c) for c in cats], rows)]
+  for m, r in res['methods'].items():
+    top = r['top_ops'][:3]
+    out.append(f"- {_METHOD_NAMES.get(m, m)}, costliest ops: " + '; '.join(
+        f"`{o['op']}` ({o['category']}, {100 * o['share']:.1f}%,"
+        f" {o['count']} calls)" for o in top) + '.')
+  return '\n'.join(out)
+
+
 def render_sampler(res: dict) -> str:
   table = _table(
       ['decode', 'tokens/s'],
@@ -1067,6 +1089,7 @@ RENDERERS = {
     'bench_planner': render_planner,
     'bench_msa': render_msa,
     'bench_sampler': render_sampler,
+    'profile_rl_step': render_profile_rl_step,
     'msa_from_dense': render_msa_from_dense,
     'simulate_cluster': render_simulate_cluster,
     'simulate_cluster.validation': render_simulate_cluster_validation,

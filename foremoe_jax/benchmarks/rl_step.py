@@ -129,19 +129,24 @@ def _installed(transfer):
   return out
 
 
-def run(cfg: RLStepBench, log=print, extras: dict | None = None,
-        calibration_skews=()) -> dict:
-  """extras: when a dict, receives the step's loads ('loads_MLDE', and per
-  data group 'loads_MGLDE'), the canonical layout's bucket
-  ('static_capacity'), each method's host output ('planned': {method:
-  PlannedStep}) and the config, for the cluster simulator's validation.
-  calibration_skews: also time the update with the static layout (no
-  planner, no moves) on this batch with its routes replaced by synthetic
-  ones of these skews (`calibrate.skewed_routes`), into
-  extras['calibration_runs'] (the loads, bucket and median seconds of
-  each), timed in each repetition after the methods: data the simulator
-  may fit on, disjoint from what it is judged on (the methods' runs on
-  the sampled routes)."""
+@dataclasses.dataclass
+class Prepared:
+  """What every method's step starts from: the warm-started state, the
+  scored rollout as a device batch with its foresight loads, and one
+  planner per method whose history is the previous rollout's loads."""
+  config: ml_collections.ConfigDict
+  ctx: trainer.RLContext
+  state0: step_lib.TrainState
+  batch: dict
+  loads_MGLDE: np.ndarray
+  loads_MLDE: np.ndarray
+  planners: dict
+  history0: dict
+
+
+def prepare(cfg: RLStepBench, log=print, methods=METHODS) -> Prepared:
+  """Warm start, two rollouts (EPLB-step plans the second from the
+  first's loads), and the planners: the setup `run` times the step on."""
   config = bench_config(cfg)
   config_lib.validate_config(config)
   task = task_from_config(config)
@@ -161,7 +166,6 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   ctx.planner.close()
   state0 = step_lib.init_train_state(graphdef, params, ctx.rl_step.tx, mesh,
                                      with_ref=config.rl.beta > 0)
-  # Two rollouts: EPLB-step plans the second from the first's loads.
   batches = []
   for i in range(2):
     prompts, ro = trainer.rollout(ctx, state0.params, rng, jax.random.key(i))
@@ -171,9 +175,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     batches.append((trainer.device_batch(trainer.rl_batch_from_rollout(
         ro, rewards, mbs), mesh), loads, mbs))
   batch, loads_MGLDE, _ = batches[1]
-  loads_MLDE = trainer.planner_loads(loads_MGLDE)
   planners = {}
-  for method in METHODS:
+  for method in methods:
     p = planner_lib.StepPlanner(method, ctx.topo, ctx.cost, ctx.identity,
                                 deadline_s=config.planner.deadline_ms / 1e3,
                                 carry_over=False, budget=ctx.budget)
@@ -182,7 +185,52 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     planners[method] = p
   # Every repetition plans the same step from the same history (a plan
   # updates its planner's history; EPLB-step would drift rep to rep).
-  history0 = {m: p.history_LE for m, p in planners.items()}
+  return Prepared(config, ctx, state0, batch, loads_MGLDE,
+                  trainer.planner_loads(loads_MGLDE), planners,
+                  {m: p.history_LE for m, p in planners.items()})
+
+
+def planned_step(prep: Prepared, method: str, state):
+  """As the trainer orders them: the step-level plan and the recompute on
+  it, then the micro-step plan made while it runs. Returns (logps, the
+  recompute's plan, the planner's output, the device StepPlan, and the
+  times (start, plan ready, recompute ready))."""
+  ctx = prep.ctx
+  ctx.planner = prep.planners[method]
+  ctx.planner.history_LE = prep.history0[method]
+  t0 = time.perf_counter()
+  logps, rplan = trainer.recompute(ctx, state, prep.batch, prep.loads_MGLDE)
+  ticket = trainer.plan_async(ctx, prep.loads_MGLDE, fallback=rplan.plan,
+                              start_LS=rplan.prefill_LS)
+  clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
+  planned = ticket.result()
+  t_plan = time.perf_counter()
+  t_rec = clock.wait()
+  ctx.recompute_s = t_rec - t0
+  plan = step_lib.StepPlan(
+      step_lib.device_placement(planned.plan.placement, ctx.mesh),
+      step_lib.device_transfer(planned.transfer, ctx.mesh),
+      planned.capacity, planned.cell)
+  return logps, rplan, planned, plan, (t0, t_plan, t_rec)
+
+
+def run(cfg: RLStepBench, log=print, extras: dict | None = None,
+        calibration_skews=()) -> dict:
+  """extras: when a dict, receives the step's loads ('loads_MLDE', and per
+  data group 'loads_MGLDE'), the canonical layout's bucket
+  ('static_capacity'), each method's host output ('planned': {method:
+  PlannedStep}) and the config, for the cluster simulator's validation.
+  calibration_skews: also time the update with the static layout (no
+  planner, no moves) on this batch with its routes replaced by synthetic
+  ones of these skews (`calibrate.skewed_routes`), into
+  extras['calibration_runs'] (the loads, bucket and median seconds of
+  each), timed in each repetition after the methods: data the simulator
+  may fit on, disjoint from what it is judged on (the methods' runs on
+  the sampled routes)."""
+  prep = prepare(cfg, log)
+  config, ctx, state0, batch = prep.config, prep.ctx, prep.state0, prep.batch
+  loads_MGLDE, loads_MLDE = prep.loads_MGLDE, prep.loads_MLDE
+  planners = prep.planners
   num_micro = loads_MLDE.shape[0]
   expert_elems = cfg.d_model * cfg.moe_d_ff
   res = {m: dict(update_s=[], installed_s=[], recompute_s=[], step_s=[],
@@ -204,25 +252,10 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   try:
     for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
       for method in METHODS:
-        ctx.planner = planners[method]
-        ctx.planner.history_LE = history0[method]
         state = jax.tree.map(jnp.copy, state0)
         jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        # As the trainer orders them: the recompute (its step-level plan,
-        # then the dispatch), then the micro-step plan made while it runs.
-        logps, rplan = trainer.recompute(ctx, state, batch, loads_MGLDE)
-        ticket = trainer.plan_async(ctx, loads_MGLDE, fallback=rplan.plan,
-                                    start_LS=rplan.prefill_LS)
-        clock = trainer._ReadyClock(logps)  # pylint: disable=protected-access
-        planned = ticket.result()
-        t_plan = time.perf_counter()
-        t_rec = clock.wait()
-        ctx.recompute_s = t_rec - t0
-        plan = step_lib.StepPlan(
-            step_lib.device_placement(planned.plan.placement, ctx.mesh),
-            step_lib.device_transfer(planned.transfer, ctx.mesh),
-            planned.capacity, planned.cell)
+        logps, rplan, planned, plan, (t0, t_plan, t_rec) = planned_step(
+            prep, method, state)
         new_state, m = rl.update(state, batch, logps, plan)
         jax.block_until_ready(new_state)
         t_done = time.perf_counter()

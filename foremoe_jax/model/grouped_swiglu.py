@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 KINDS = ('tiles_static', 'tiles', 'tiles_lockstep', 'ragged_dot')
+SCOPE = 'grouped_swiglu'
 
 
 def default_tile(num_rows: int, slots_per_device: int) -> int:
@@ -244,8 +245,11 @@ def grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, *, tile: int,
   non-empty tiles); None: computed here.
   """
   w_sXY = (wg_sMF, wu_sMF, wd_sFM)
-  if kind in ('tiles_static', 'tiles', 'tiles_lockstep'):
-    return _tiles(x_RM, label_R, w_sXY, tile, kind, mesh_axes, num_tiles)
-  if kind == 'ragged_dot':
-    return _ragged(x_RM, label_R, w_sXY)
+  # The scope names these ops (and their transposes) in profiles
+  # (`utils.op_profile`: the expert compute, apart from the rest).
+  with jax.named_scope(SCOPE):
+    if kind in ('tiles_static', 'tiles', 'tiles_lockstep'):
+      return _tiles(x_RM, label_R, w_sXY, tile, kind, mesh_axes, num_tiles)
+    if kind == 'ragged_dot':
+      return _ragged(x_RM, label_R, w_sXY)
   raise ValueError(f'grouped GEMM kind must be one of {KINDS}, got {kind!r}.')
