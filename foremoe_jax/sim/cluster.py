@@ -149,8 +149,7 @@ def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
     out[f'all_to_all_share_of_update_64gpu_foremoe{suffix}'] = (
         r['all_to_all_s'] / r['update_s'])
     out[f'sender_max_over_mean_64gpu{suffix}'] = r['sender_max_over_mean']
-    for key in ('inter_node_send_max_over_mean',
-                'inter_node_recv_max_over_mean', 'on_node_row_fraction'):
+    for key in simulate.TRAFFIC_KEYS:
       if r.get(key) is not None:  # The exact dispatch's rows by node.
         out[f'{key}_64gpu_foremoe{suffix}'] = r[key]
     out[f'wire_bytes_over_useful_64gpu_foremoe{suffix}'] = r[
@@ -164,7 +163,7 @@ def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
                   mode=mode, method='eplb_step')
       out[f'microstep_max_over_mean_64gpu_eplb_step{suffix}'] = eplb[
           'microstep_max_over_mean']
-      for key in ('inter_node_recv_max_over_mean', 'on_node_row_fraction'):
+      for key in simulate.TRAFFIC_KEYS[1:]:  # Receives and on-node share.
         if eplb.get(key) is not None:
           out[f'{key}_64gpu_eplb_step{suffix}'] = eplb[key]
     except KeyError:

@@ -235,12 +235,18 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
   return out
 
 
+# What `_traffic_stats` reports (None in a row where it does not apply).
+TRAFFIC_KEYS = ('inter_node_send_max_over_mean',
+                'inter_node_recv_max_over_mean', 'on_node_row_fraction')
+
+
 def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
                  hw: HardwareProfile, spd: int, mode: str, passes: int,
-                 tokens_per_device: int):
-  """Per micro-step expert compute and all-to-all seconds, and where the
-  dispatched rows go: ([M], [M], `_traffic_stats` of the exact dispatch's
-  rows, or None for the padded layer, whose cells are all C)."""
+                 tokens_per_device: int, traffic: bool = False):
+  """Per micro-step expert compute and all-to-all seconds, and with
+  `traffic` where the dispatched rows go: ([M], [M], `_traffic_stats` of
+  the exact dispatch's rows, or None: not asked, or the padded layer,
+  whose cells are all C)."""
   num_micro, num_layers, num_dev, _ = np.shape(loads_MLDE)
   act_bytes = model.d_model * model.bytes_per_param
   num_a2a = 2 if passes == 1 else 4  # Forward: dispatch, combine.
@@ -270,11 +276,12 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
         tokens_per_device * min(model.top_k, spd), capacity, cell))
     layer_a2a = costs.all_to_all_time(chunk * act_bytes, hw)
   tile = default_tile(capacity, spd) if hw.tiled_gemm else 1
-  traffic = []
+  by_node = []
   for m in range(num_micro):
     p = placement_of(m)
     cells_LSD = placement_lib.cell_counts(loads_MLDE[m], p)
-    traffic += [costs.node_traffic(c, hw) for c in cells_LSD]
+    if traffic:
+      by_node += [costs.node_traffic(c, hw) for c in cells_LSD]
     if hw.tiled_gemm:
       # Whole tiles per slot (`grouped_swiglu` 'tiles_lockstep').
       rows_LS = placement_lib.slot_counts(loads_MLDE[m], p).sum(axis=1)
@@ -292,7 +299,7 @@ def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
     else:
       a2a_M[m] = num_a2a * sum(costs.all_to_all_time(c * act_bytes, hw)
                                for c in cells_LSD)
-  return moe_M, a2a_M, _traffic_stats(traffic)
+  return moe_M, a2a_M, _traffic_stats(by_node) if traffic else None
 
 
 def _traffic_stats(traffic) -> dict:
@@ -303,9 +310,8 @@ def _traffic_stats(traffic) -> dict:
   recv = [placement_lib.max_over_mean(t[1]) for t in traffic]
   total = [t[0].sum() + t[2] for t in traffic]
   on_node = [t[2] / n if n > 0 else 1.0 for t, n in zip(traffic, total)]
-  return dict(inter_node_send_max_over_mean=float(np.mean(send)),
-              inter_node_recv_max_over_mean=float(np.mean(recv)),
-              on_node_row_fraction=float(np.mean(on_node)))
+  return dict(zip(TRAFFIC_KEYS, (float(np.mean(send)), float(np.mean(recv)),
+                                 float(np.mean(on_node)))))
 
 
 def _transition_s(t, model, hw, num_dev, lead=()) -> np.ndarray:
@@ -450,7 +456,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       + model.num_layers * prof.layer_overhead_s * (1 + (passes > 1)))
   moe_M, a2a_M, traffic = _moe_and_a2a(
       loads_MLDE, plan.microstep, mp.capacity[mode], model, hw, spd, mode,
-      passes=3, tokens_per_device=tokens)
+      passes=3, tokens_per_device=tokens, traffic=True)
   compute_M = moe_M + nonexpert(3)
   move_M = np.zeros(num_micro)  # Moves into micro-step m + 1.
   for m in range(num_micro - 1):
@@ -566,7 +572,5 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       # several nodes the all-to-all follows the inter-node rows, which the
       # placement does move (a replica on a source's node keeps its rows
       # there, while an expert's only copy draws from every other node).
-      **(traffic or dict.fromkeys(('inter_node_send_max_over_mean',
-                                   'inter_node_recv_max_over_mean',
-                                   'on_node_row_fraction'))),
+      **(traffic or dict.fromkeys(TRAFFIC_KEYS)),
       peak_bytes_per_device=mem.total, memory=mem.as_dict())
