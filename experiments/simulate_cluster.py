@@ -42,7 +42,9 @@ _PROFILES = flags.DEFINE_list('profiles', ['h100', 'h800', 'tpu_v5p'],
 _METHODS = flags.DEFINE_list(
     'methods', list(simulate.METHODS) + list(simulate.ABLATIONS),
     'Methods (foremoe_before_fixes: ForeMoE as it planned before the '
-    'simulator: weight copies priced alone, rounds ignored).')
+    'simulator: weight copies priced alone, rounds ignored; '
+    'foremoe_compute_anchor: its anchor packs replicas on compute rows '
+    'alone, blind to the per-node demand).')
 _VALIDATE = flags.DEFINE_bool('validate', True,
                               'Run the CPU validation (about 4 minutes).')
 _GRID = flags.DEFINE_bool('grid', True, 'Run the scale-out grid (off: the '

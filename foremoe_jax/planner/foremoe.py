@@ -133,6 +133,15 @@ class ForeMoEConfig:
   """The shed is tried on layers whose planned max/mean exceeds 1 plus
   this on average over the micro-steps (the others have little to gain,
   and the shed costs planning time)."""
+  anchor_inter_node_weight: float = 1.0
+  """Home-anchored on several nodes: the anchor places each replica on the
+  device least loaded in compute rows plus this times the rows its slots
+  take from other nodes, from the foresight's per-node demand
+  (`packing.home_anchored_placement`'s `node_demand_LNE`). 0 packs on
+  compute rows alone, as EPLB-step does (it has no per-node demand). At
+  Qwen3-30B-A3B on 64 H100s the update's all-to-alls are three quarters
+  of it and bound by inter-node rows; 1.0 was the best of 0.3-2 there
+  (`simulate_cluster`'s ``foremoe_compute_anchor`` ablation is 0)."""
   shed: bool = True
   """Home-anchored: also plan each layer by `packing.shed_placement` per
   micro-step (every redundant slot re-chosen for the micro-step's loads,
@@ -149,6 +158,9 @@ class ForeMoEConfig:
                        f'{self.transfer_mode!r}.')
     if not self.shed_tol >= 0:
       raise ValueError(f'shed_tol must be >= 0, got {self.shed_tol}.')
+    if not self.anchor_inter_node_weight >= 0:
+      raise ValueError(f'anchor_inter_node_weight must be >= 0, got '
+                       f'{self.anchor_inter_node_weight}.')
     for name in ('microstep_degree', 'moves_per_layer', 'anchor_rounds',
                  'max_moves_per_device'):
       value = getattr(self, name)
@@ -164,7 +176,7 @@ def _move_tokens(new_LS, prev_LS, topo: Topology, cost: CostModel):
 
 
 def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
-                cost: CostModel, cfg: ForeMoEConfig):
+                cost: CostModel, cfg: ForeMoEConfig, node_demand_LNE=None):
   """Per layer, the current placement or the step-level hierarchical one.
 
   `graph` holds the current placement with the step's total loads. Layers
@@ -172,7 +184,10 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
   their placement; for the others the hierarchical placement (steps 1-3) is
   adopted when the step's straggler load it removes is worth more than
   copying it in (home-anchored: more than filling and flushing its replicas,
-  which happens every step). Returns (slot_expert [L, S], changed layers [L]).
+  which happens every step). node_demand_LNE: the step's tokens per layer,
+  source node and expert, which the home-anchored packing weighs
+  (`ForeMoEConfig.anchor_inter_node_weight`; None: compute rows alone).
+  Returns (slot_expert [L, S], changed layers [L]).
   """
   current_LS = np.asarray(current_LS, np.int64)
   changed_L = np.zeros(current_LS.shape[0], bool)
@@ -186,7 +201,10 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
   if cfg.home_anchor:
     target_LS = packing.home_anchored_placement(
         w_LE, topo, cost if cfg.price_gradient_returns else None,
-        cfg.anchor_rounds)
+        cfg.anchor_rounds,
+        node_demand_LNE=(None if node_demand_LNE is None
+                         else np.asarray(node_demand_LNE)[bad]),
+        inter_node_weight=cfg.anchor_inter_node_weight)
   else:
     target_LS = packing.hierarchical_placement(w_LE, topo)
     target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
@@ -432,6 +450,25 @@ def _claim_sources(layer, expert, device, held_LDE, sends_LD, degree: int,
   return keep
 
 
+def _fits_returns(layer, home, device, returns_LD, degree: int):
+  """Which proposed copies' evictions can still send their gradient home
+  within `degree` (a replica evicted on its home device sends nothing):
+  `_propose_moves` checks each against the returns before the round, so
+  two in one round may return to one home. Taken in order, one per layer
+  at a time, as `_claim_sources` takes them; returns_LD is not changed
+  (the caller counts the moves it keeps). Returns a keep mask."""
+  returns_LD = returns_LD.copy()
+  rank = _rank_in_layer(layer)
+  keep = np.ones(len(layer), bool)
+  remote = home != device
+  for wave in range(int(rank.max()) + 1):
+    n = np.flatnonzero((rank == wave) & remote)
+    ok = returns_LD[layer[n], home[n]] < degree
+    keep[n[~ok]] = False
+    returns_LD[layer[n[ok]], home[n[ok]]] += 1
+  return keep
+
+
 def _fractions(x_LS, se_LS, w_LE):
   w_LS = np.take_along_axis(w_LE, se_LS, 1)
   return np.where(w_LS > 0, x_LS / np.maximum(w_LS, 1e-300), 0.0)
@@ -495,6 +532,10 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
       layer, slot, expert, device, tokens = (
           a[keep] for a in (layer, slot, expert, device, tokens))
     if cfg.microstep_degree is not None and len(layer):
+      keep = _fits_returns(layer, se_LS[layer, slot] // h, device, returns_LD,
+                           cfg.microstep_degree)
+      layer, slot, expert, device, tokens = (
+          a[keep] for a in (layer, slot, expert, device, tokens))
       keep = _claim_sources(layer, expert, device, held_LDE, sends_LD,
                             cfg.microstep_degree, topo)
       layer, slot, expert, device, tokens = (
@@ -752,6 +793,17 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
     x_list.append(x_LS)
     prev_LS = se_LS
   se_MLS, x_MLS = np.stack(se_list), np.stack(x_list)
+  # The shed charges each copy to its expert's home, but the schedule may
+  # source it from another holder on the receiver's node, which can then
+  # send more than the degree: such a layer keeps its plan, so what the
+  # planner returns always fits the engine's budget between micro-steps.
+  from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
+  num_experts = w_MLE.shape[2]
+  fits_L = np.ones(len(tried), bool)
+  for m in range(1, num_micro):
+    fits_L &= schedule.rounds_needed(
+        se_MLS[m - 1], se_MLS[m], num_experts, topo,
+        config.transfer_mode) <= config.microstep_degree
   ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)[:, tried]
   price = cost.return_factor if config.price_gradient_returns else 1.0
   cur_LS = np.asarray(current_LS)[tried]
@@ -763,7 +815,7 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
   ours_all_L = _step_cost_s(plan.loads_MLD[:, tried],
                             _copy_s(ours_MLS, cur_LS, topo, cost, price), cost)
   sub = np.flatnonzero((se_MLS != ours_MLS).any(axis=(0, 2))
-                       & (flows_L < ours_all_L))
+                       & (flows_L < ours_all_L) & fits_L)
   if not len(sub):
     return plan
   return _take_cheaper(plan, loads_MLDE, tried[sub], se_MLS[:, sub],
@@ -804,7 +856,11 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
   w_MLE = loads_MLDE.sum(axis=2).astype(np.float64)
   graph = split.FlowGraph(cur_LS, w_MLE.sum(axis=0), topo)
   if config.step_anchor:
-    se_LS, changed_L = step_anchor(graph, cur_LS, topo, cost, config)
+    node_demand_LNE = loads_MLDE.sum(axis=0, dtype=np.float64).reshape(
+        num_layers, topo.num_nodes, topo.devices_per_node, num_experts
+    ).sum(axis=2)
+    se_LS, changed_L = step_anchor(graph, cur_LS, topo, cost, config,
+                                   node_demand_LNE)
     if changed_L.any():
       anchored = split.FlowGraph(se_LS, w_MLE[0], topo)
       anchored.colour_like(graph, changed_L)

@@ -142,7 +142,9 @@ def hierarchical_placement(w_LE: np.ndarray, topo: Topology) -> np.ndarray:
 
 def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
                             cost: CostModel | None = None,
-                            max_rounds: int | None = None) -> np.ndarray:
+                            max_rounds: int | None = None,
+                            node_demand_LNE: np.ndarray | None = None,
+                            inter_node_weight: float = 1.0) -> np.ndarray:
   """slot_expert [L, S] that keeps every expert on its home device.
 
   For a transfer engine that refills slots from the canonical experts each
@@ -164,6 +166,16 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
   devices go to a shift already in use; with `max_rounds`, a replica that
   would push the fill or the return past that many rounds is not placed
   (the engine's static budget), so the placement always fits it.
+
+  With `node_demand_LNE` (token-assignments per layer, node and expert:
+  where the tokens come from, which the foresight knows) and several
+  nodes, a device's key also counts `inter_node_weight` times the rows
+  its slots would take from other nodes. Sources send to a replica on
+  their own node first (`split.split_tokens`), so a copy takes from its
+  node's demand not yet served there and the rest of its share
+  (w / replicas) crosses nodes; the inter-node link is the all-to-all's
+  slow tier, and compute rows alone leave it unbalanced (a device of
+  single-copy experts takes 7/8 of its rows from other nodes on 8 nodes).
   """
   w_LE = np.asarray(w_LE, np.float64)
   num_layers, num_experts = w_LE.shape
@@ -205,6 +217,22 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
   order_LI = np.full((num_layers, width), -1)
   for l, x in enumerate(extras):
     order_LI[l, :len(x)] = x[np.argsort(-per_LE[l, x], kind='stable')]
+  track = (node_demand_LNE is not None and topo.num_nodes > 1
+           and inter_node_weight > 0)
+  if track:
+    dem_LNE = np.asarray(node_demand_LNE, np.float64)
+    if dem_LNE.shape != (num_layers, topo.num_nodes, num_experts):
+      raise ValueError(f'node_demand_LNE is {dem_LNE.shape}, expected '
+                       f'{(num_layers, topo.num_nodes, num_experts)}.')
+    # Each home copy serves its own node's demand first; served_LNE is what
+    # the copies placed so far take on their nodes, remote_LD the rows a
+    # device's copies take from other nodes.
+    node_E = node_of[home_D]
+    served_LE = np.minimum(per_LE, dem_LNE[:, node_E, np.arange(num_experts)])
+    served_LNE = np.zeros_like(dem_LNE)
+    served_LNE[:, node_E, np.arange(num_experts)] = served_LE
+    remote_LD = np.stack([np.bincount(home_D, per_LE[l] - served_LE[l],
+                                      minlength=d) for l in range(num_layers)])
   for i in range(width):
     e_L = order_LI[:, i]
     act_L = e_L >= 0
@@ -230,6 +258,13 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
     if cost is not None:
       key_LD = key_LD + (add_fill_LD * cost.move_tokens(inter_LD)
                          + add_ret_LD * cost.return_tokens(inter_LD))
+    if track:
+      cell_LD = (lk[:, None] * topo.num_nodes + node_of[None, :]) * num_experts
+      cell_LD = cell_LD + e_L[:, None]
+      local_LD = np.clip(dem_LNE.ravel()[cell_LD] - served_LNE.ravel()[cell_LD],
+                         0.0, per_L[:, None])
+      key_LD = key_LD + inter_node_weight * (remote_LD + per_L[:, None]
+                                             - local_LD)
     dev_L = np.argmin(np.where(ok_LD, key_LD, np.inf), axis=1)
     l, e, home, dev = lk[go_L], e_L[go_L], home_L[go_L], dev_L[go_L]
     k = (dev - home) % d
@@ -241,6 +276,10 @@ def home_anchored_placement(w_LE: np.ndarray, topo: Topology,
     free_LD[l, dev] -= 1
     held_LDE[l, dev, e] = True
     load_LD[l, dev] += per_L[go_L]
+    if track:
+      local = local_LD[l, dev]
+      served_LNE[l, node_of[dev], e] += local
+      remote_LD[l, dev] += per_L[go_L] - local
   return se_LDs.reshape(num_layers, -1).astype(np.int32)
 
 

@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 COLORS = {'static': '#888888', 'eplb_step': '#1f77b4',
           'eplb_microstep': '#2ca02c', 'foresight_split': '#9467bd',
           'foremoe': '#d62728',
-          'foremoe_before_fixes': '#ff9896'}
+          'foremoe_before_fixes': '#ff9896',
+          'foremoe_compute_anchor': '#e377c2'}
 PARTS = (('moe_compute_s', 'expert compute'), ('all_to_all_s', 'all-to-all'),
          ('nonexpert_s', 'non-expert compute'),
          ('transfer_exposed_s', 'exposed expert moves'),

@@ -44,8 +44,11 @@ from foremoe_jax.transfer import schedule
 
 METHODS = guard.METHODS
 # ForeMoE as it planned before the simulator (weight copies priced alone,
-# shift rounds ignored): ask for it by name to see the fixes' effect.
-ABLATIONS = ('foremoe_before_fixes',)
+# shift rounds ignored), and ForeMoE whose anchor packs replicas on compute
+# rows alone, blind to where the tokens come from
+# (`ForeMoEConfig.anchor_inter_node_weight` = 0): ask for them by name to
+# see what the fixes and the node-aware anchor add.
+ABLATIONS = ('foremoe_before_fixes', 'foremoe_compute_anchor')
 MODES = config_lib.DISPATCHES  # ('exact', 'padded'); exact is the default.
 DEFAULT_MODE = 'exact'
 
@@ -179,7 +182,9 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
                        f'{METHODS + ABLATIONS}.')
     planner = guard.StepPlanner(
         'foremoe' if method in ABLATIONS else method, topo, cost, home,
-        config=config, carry_over=False, budget=budget, layer_pool=pool)
+        config=(dataclasses.replace(config, anchor_inter_node_weight=0.0)
+                if method == 'foremoe_compute_anchor' else config),
+        carry_over=False, budget=budget, layer_pool=pool)
     planner.history_LE = history_LE
     try:
       t0 = time.perf_counter()

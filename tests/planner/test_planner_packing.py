@@ -132,3 +132,60 @@ def test_home_anchored_layers_are_packed_independently(priced):
   for l in range(w_LE.shape[0]):
     alone = packing.home_anchored_placement(w_LE[l:l + 1], topo, cost, cap)
     np.testing.assert_array_equal(whole[l], alone[0])
+
+
+def test_home_anchored_replicas_go_where_their_tokens_come_from():
+  """By hand: 2 nodes x 2 devices, one home expert and one redundant slot
+  each; experts 0 and 1 (homes on node 0) are hot, and all their tokens
+  come from node 1. On compute rows alone the first replica of expert 0
+  ties everywhere and goes to its home's node (device 1); weighing the
+  rows taken from other nodes, both of its replicas go to node 1, where
+  they serve their node's tokens without crossing nodes."""
+  topo = Topology(2, 2, 2)
+  w_LE = np.array([[3.0, 3.0, 1.0, 1.0]])
+  dem_LNE = np.array([[[0.0, 0.0, 1.0, 1.0], [3.0, 3.0, 0.0, 0.0]]])
+  holders = lambda se_LS, e: set(np.flatnonzero(
+      (se_LS[0] == e).reshape(4, 2).any(axis=1)).tolist())
+  blind = packing.home_anchored_placement(w_LE, topo)
+  assert holders(blind, 0) == {0, 1, 2}
+  aware = packing.home_anchored_placement(w_LE, topo, node_demand_LNE=dem_LNE)
+  assert holders(aware, 0) == {0, 2, 3}
+  # Weight 0 is the compute-only packing, demand or not.
+  np.testing.assert_array_equal(
+      packing.home_anchored_placement(w_LE, topo, node_demand_LNE=dem_LNE,
+                                      inter_node_weight=0.0), blind)
+  with pytest.raises(ValueError, match='node_demand_LNE'):
+    packing.home_anchored_placement(w_LE, topo, node_demand_LNE=dem_LNE[0])
+
+
+def test_node_aware_anchor_keeps_rows_on_node():
+  """On a 4-node trace, the node-aware anchor's placement, split as the
+  layer splits tokens (local replicas first) and counted cell by cell,
+  keeps more rows on their node than the compute-only one, and its
+  busiest device sends or receives fewer rows over the inter-node link,
+  at about the same compute balance."""
+  trace = lib.small_trace(num_experts=64, num_devices=16, top_k=8,
+                          num_layers=4, seed=1, hot_share_range=(0.05, 0.08))
+  topo = Topology(4, 4, 64 // 16 + 1)
+  loads_LDE = trace.step(0).sum(axis=0)
+  w_LE = loads_LDE.sum(axis=1).astype(np.float64)
+  dem_LNE = loads_LDE.reshape(4, 4, 4, 64).sum(axis=2).astype(np.float64)
+  same_node = np.kron(np.eye(4, dtype=bool), np.ones((4, 4), bool))
+
+  def traffic(se_LS):
+    x_LS, y_LD = split.balanced_flows(se_LS, w_LE, topo)
+    share, _, _ = split.split_tokens(loads_LDE, se_LS, x_LS, topo, True)
+    cells_LSD = placement_lib.cell_counts(
+        loads_LDE, placement_lib.Placement(se_LS.astype(np.int32), share))
+    on_node = (cells_LSD * same_node).sum() / cells_LSD.sum()
+    cross_LSD = cells_LSD * ~same_node
+    busiest_L = np.maximum(cross_LSD.sum(axis=2).max(axis=1),
+                           cross_LSD.sum(axis=1).max(axis=1))
+    return on_node, busiest_L.mean(), placement_lib.max_over_mean(y_LD).mean()
+
+  blind = traffic(packing.home_anchored_placement(w_LE, topo))
+  aware = traffic(packing.home_anchored_placement(
+      w_LE, topo, node_demand_LNE=dem_LNE))
+  assert aware[0] > blind[0] + 0.02
+  assert aware[1] < blind[1]
+  assert aware[2] < blind[2] + 0.02

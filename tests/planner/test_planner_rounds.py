@@ -181,10 +181,14 @@ def test_microstep_degree_bounds_every_device_not_the_layer():
   the trainer sets it): every transition's degree, counted by the transfer
   schedule itself, stays within it on one node and on several (sources
   picked as the schedule picks them), while a layer may take more copies
-  than the budget, spread over devices."""
+  than the budget, spread over devices. Seeds 5-7 of the two-node shape
+  once broke it: the shed charged a copy to the home while the schedule
+  sourced it from another holder, and two moves of one round each sent a
+  gradient home to one device."""
   most_copies = 0
-  for seed, (experts, devices, nodes, top_k) in enumerate(
-      [(64, 32, 4, 4), (64, 8, 1, 2), (128, 16, 2, 8)]):
+  shapes = [(0, (64, 32, 4, 4)), (1, (64, 8, 1, 2)), (2, (128, 16, 2, 8))]
+  shapes += [(seed, (128, 16, 2, 8)) for seed in (5, 6, 7)]
+  for seed, (experts, devices, nodes, top_k) in shapes:
     trace = lib.small_trace(num_experts=experts, num_devices=devices,
                             top_k=top_k, num_layers=3, num_microsteps=4,
                             seed=seed, hot_share_range=(0.05, 0.08))
