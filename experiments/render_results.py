@@ -584,6 +584,17 @@ def render_simulate_cluster(res: dict) -> str:
             f" serves its own node's sources first (means over micro-steps"
             f" and layers: `inter_node_*` and `on_node_row_fraction` in the"
             f" rows)."]
+    if 'speedup_64gpu_foremoe_vs_compute_anchor' in summ:
+      out[-1] += (
+          f" ForeMoE's anchor therefore places replicas where their tokens"
+          f" come from (`ForeMoEConfig.anchor_inter_node_weight`): packed on"
+          f" compute rows alone (the `foremoe_compute_anchor` row) they keep"
+          f" {100 * summ['on_node_row_fraction_64gpu_compute_anchor']:.0f}%"
+          f" of the rows on node, the busiest inter-node receiver takes"
+          f" {_f(summ['inter_node_recv_max_over_mean_64gpu_compute_anchor'])}x"
+          f" the mean, and the step is"
+          f" {_f(summ['speedup_64gpu_foremoe_vs_compute_anchor'], 3)}x"
+          f" slower: fewer rows cross, though less evenly.")
   if 'wire_bytes_over_useful_max' in summ:
     shares = summ['transfer_exposed_share_of_update_max']
     out += [f"- Expert moves ({summ['transfer_mode']} transfers): experts on"

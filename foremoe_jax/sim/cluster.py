@@ -168,6 +168,16 @@ def headline(rows, model='qwen3_30b_a3b', devices=64, profile='h100') -> dict:
           out[f'{key}_64gpu_eplb_step{suffix}'] = eplb[key]
     except KeyError:
       pass
+    try:  # The ablation: the anchor blind to where tokens come from.
+      blind = find(rows, model=model, devices=devices, profile=profile,
+                   mode=mode, method='foremoe_compute_anchor')
+      out[f'speedup_64gpu_foremoe_vs_compute_anchor{suffix}'] = (
+          blind['step_s'] / r['step_s'])
+      for key in simulate.TRAFFIC_KEYS:
+        if blind.get(key) is not None:
+          out[f'{key}_64gpu_compute_anchor{suffix}'] = blind[key]
+    except KeyError:
+      pass
   return out
 
 

@@ -13,7 +13,7 @@ import pytest
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.planner import plan as plan_lib
 from foremoe_jax.planner.topology import CostModel, Topology
-from foremoe_jax.sim import costs, hardware, simulate, workload
+from foremoe_jax.sim import cluster, costs, hardware, simulate, workload
 from foremoe_jax.transfer import schedule
 
 # A toy machine with round numbers: 1 TFLOP/s, memory fast enough that the
@@ -673,3 +673,31 @@ def test_tiled_grouped_gemm_rounds_each_slot_to_tiles_by_hand():
     b = simulate.time_step(mp, loads, MODEL, _work(), tiled)['moe_compute_s']
     assert a == pytest.approx(2 * rows * ROW_S)
     assert b == pytest.approx(2 * tiles * ROW_S)
+
+
+def test_headline_reports_the_compute_anchor_ablation():
+  """The headline's ablation keys are the ablation row's step over
+  ForeMoE's and its rows by node, read from the rows themselves."""
+  from foremoe_jax.sim import cluster
+
+  def row(method, step_s, on_node):
+    return dict(model='qwen3_30b_a3b', devices=64, profile='h100',
+                mode='exact', method=method, step_s=step_s,
+                update_s=step_s / 2, all_to_all_s=step_s / 4,
+                peak_bytes_per_device=1.0, sender_max_over_mean=1.0,
+                wire_bytes_over_useful=1.0, transfer_exposed_s=0.0,
+                microstep_max_over_mean=1.0,
+                inter_node_send_max_over_mean=1.5,
+                inter_node_recv_max_over_mean=1.25,
+                on_node_row_fraction=on_node)
+
+  rows = [row('static', 40.0, 0.1), row('eplb_step', 24.0, 0.1),
+          row('foremoe', 16.0, 0.4), row('foremoe_compute_anchor', 18.0, 0.3)]
+  cluster._add_speedups(rows)  # pylint: disable=protected-access
+  out = cluster.headline(rows)
+  assert out['speedup_64gpu_foremoe_vs_compute_anchor'] == pytest.approx(1.125)
+  assert out['speedup_64gpu_foremoe_vs_eplb_step'] == pytest.approx(1.5)
+  assert out['on_node_row_fraction_64gpu_compute_anchor'] == 0.3
+  assert out['on_node_row_fraction_64gpu_foremoe'] == 0.4
+  rows.pop()
+  assert 'speedup_64gpu_foremoe_vs_compute_anchor' not in cluster.headline(rows)
