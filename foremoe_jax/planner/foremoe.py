@@ -137,8 +137,10 @@ class ForeMoEConfig:
   """Home-anchored on several nodes: the anchor places each replica on the
   device least loaded in compute rows plus this times the rows its slots
   take from other nodes, from the foresight's per-node demand
-  (`packing.home_anchored_placement`'s `node_demand_LNE`). 0 packs on
-  compute rows alone, as EPLB-step does (it has no per-node demand). At
+  (`packing.home_anchored_placement`'s `node_demand_LNE`), where the cost
+  model prices the all-to-alls (`CostModel.row_bytes` > 0, as the
+  simulator's does); without that price, or at 0, it packs on compute
+  rows alone, as EPLB-step does (it has no per-node demand). At
   Qwen3-30B-A3B on 64 H100s the update's all-to-alls are three quarters
   of it and bound by inter-node rows; 1.0 was the best of 0.3-2 there
   (`simulate_cluster`'s ``foremoe_compute_anchor`` ablation is 0)."""
@@ -204,7 +206,9 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
         cfg.anchor_rounds,
         node_demand_LNE=(None if node_demand_LNE is None
                          else np.asarray(node_demand_LNE)[bad]),
-        inter_node_weight=cfg.anchor_inter_node_weight)
+        # Rows crossing nodes count where the all-to-alls are priced.
+        inter_node_weight=(cfg.anchor_inter_node_weight if cost.row_bytes
+                           else 0.0))
   else:
     target_LS = packing.hierarchical_placement(w_LE, topo)
     target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
