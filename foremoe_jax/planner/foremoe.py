@@ -142,7 +142,7 @@ class ForeMoEConfig:
   simulator's does); without that price, or at 0, it packs on compute
   rows alone, as EPLB-step does (it has no per-node demand). At
   Qwen3-30B-A3B on 64 H100s the update's all-to-alls are three quarters
-  of it and bound by inter-node rows; 1.0 was the best of 0.3-2 there
+  of it and bound by inter-node rows; 1.0 was the best of 0.3-30 there
   (`simulate_cluster`'s ``foremoe_compute_anchor`` ablation is 0)."""
   shed: bool = True
   """Home-anchored: also plan each layer by `packing.shed_placement` per
@@ -206,9 +206,7 @@ def step_anchor(graph: split.FlowGraph, current_LS, topo: Topology,
         cfg.anchor_rounds,
         node_demand_LNE=(None if node_demand_LNE is None
                          else np.asarray(node_demand_LNE)[bad]),
-        # Rows crossing nodes count where the all-to-alls are priced.
-        inter_node_weight=(cfg.anchor_inter_node_weight if cost.row_bytes
-                           else 0.0))
+        inter_node_weight=cfg.anchor_inter_node_weight)
   else:
     target_LS = packing.hierarchical_placement(w_LE, topo)
     target_LS = packing.align_to_current(target_LS, current_LS[bad], topo)
@@ -801,13 +799,14 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
   # source it from another holder on the receiver's node, which can then
   # send more than the degree: such a layer keeps its plan, so what the
   # planner returns always fits the engine's budget between micro-steps.
+  # (Imported here: transfer.schedule imports the planner package.)
   from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
-  num_experts = w_MLE.shape[2]
-  fits_L = np.ones(len(tried), bool)
-  for m in range(1, num_micro):
-    fits_L &= schedule.rounds_needed(
-        se_MLS[m - 1], se_MLS[m], num_experts, topo,
-        config.transfer_mode) <= config.microstep_degree
+  num_slots = se_MLS.shape[2]
+  fits_L = (schedule.rounds_needed(
+      se_MLS[:-1].reshape(-1, num_slots), se_MLS[1:].reshape(-1, num_slots),
+      w_MLE.shape[2], topo, config.transfer_mode).reshape(num_micro - 1,
+                                                           len(tried))
+            <= config.microstep_degree).all(axis=0)
   ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)[:, tried]
   price = cost.return_factor if config.price_gradient_returns else 1.0
   cur_LS = np.asarray(current_LS)[tried]
@@ -860,9 +859,13 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
   w_MLE = loads_MLDE.sum(axis=2).astype(np.float64)
   graph = split.FlowGraph(cur_LS, w_MLE.sum(axis=0), topo)
   if config.step_anchor:
-    node_demand_LNE = loads_MLDE.sum(axis=0, dtype=np.float64).reshape(
-        num_layers, topo.num_nodes, topo.devices_per_node, num_experts
-    ).sum(axis=2)
+    node_demand_LNE = None
+    if (config.home_anchor and cost.row_bytes and topo.num_nodes > 1
+        and config.anchor_inter_node_weight > 0):
+      # Rows crossing nodes count where the all-to-alls are priced.
+      node_demand_LNE = loads_MLDE.sum(axis=0, dtype=np.float64).reshape(
+          num_layers, topo.num_nodes, topo.devices_per_node, num_experts
+      ).sum(axis=2)
     se_LS, changed_L = step_anchor(graph, cur_LS, topo, cost, config,
                                    node_demand_LNE)
     if changed_L.any():

@@ -678,7 +678,6 @@ def test_tiled_grouped_gemm_rounds_each_slot_to_tiles_by_hand():
 def test_headline_reports_the_compute_anchor_ablation():
   """The headline's ablation keys are the ablation row's step over
   ForeMoE's and its rows by node, read from the rows themselves."""
-  from foremoe_jax.sim import cluster
 
   def row(method, step_s, on_node):
     return dict(model='qwen3_30b_a3b', devices=64, profile='h100',
