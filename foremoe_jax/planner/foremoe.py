@@ -785,28 +785,34 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
     return plan
   num_micro = w_MLE.shape[0]
   sweeps = config.sweeps + config.final_sweeps
+  # The shed charges each copy to its expert's home, but the schedule may
+  # source it from another holder on the receiver's node, which can then
+  # send more than the degree: such a layer's transition reverts its
+  # least useful new slots to the micro-step before until it fits
+  # (`schedule.fit_layers`), before the split and the costing, so what the
+  # planner returns fits the engine's budget between micro-steps and the
+  # next micro-step sheds from what is really there.
+  # (Imported here: transfer.schedule imports the planner package.)
+  from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
+  num_experts = w_MLE.shape[2]
   se_list, x_list, prev_LS = [], [], np.asarray(start_LS)[tried]
   for m in range(num_micro):
     se_LS = packing.shed_placement(w_MLE[m, tried], prev_LS, topo,
-                                   config.microstep_degree)
+                                   config.microstep_degree).astype(np.int64)
+    if m > 0:
+      bad = np.flatnonzero(schedule.rounds_needed(
+          prev_LS, se_LS, num_experts, topo, config.transfer_mode)
+                           > config.microstep_degree)
+      if len(bad):
+        se_LS[bad] = schedule.fit_layers(
+            prev_LS[bad], se_LS[bad], prev_LS[bad], config.microstep_degree,
+            num_experts, topo, config.transfer_mode)
     x_LS, _ = split.balanced_flows(se_LS, w_MLE[m, tried], topo,
                                    sweeps=sweeps)
     se_list.append(se_LS)
     x_list.append(x_LS)
     prev_LS = se_LS
   se_MLS, x_MLS = np.stack(se_list), np.stack(x_list)
-  # The shed charges each copy to its expert's home, but the schedule may
-  # source it from another holder on the receiver's node, which can then
-  # send more than the degree: such a layer keeps its plan, so what the
-  # planner returns always fits the engine's budget between micro-steps.
-  # (Imported here: transfer.schedule imports the planner package.)
-  from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
-  num_slots = se_MLS.shape[2]
-  fits_L = (schedule.rounds_needed(
-      se_MLS[:-1].reshape(-1, num_slots), se_MLS[1:].reshape(-1, num_slots),
-      w_MLE.shape[2], topo, config.transfer_mode).reshape(num_micro - 1,
-                                                           len(tried))
-            <= config.microstep_degree).all(axis=0)
   ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)[:, tried]
   price = cost.return_factor if config.price_gradient_returns else 1.0
   cur_LS = np.asarray(current_LS)[tried]
@@ -818,7 +824,7 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
   ours_all_L = _step_cost_s(plan.loads_MLD[:, tried],
                             _copy_s(ours_MLS, cur_LS, topo, cost, price), cost)
   sub = np.flatnonzero((se_MLS != ours_MLS).any(axis=(0, 2))
-                       & (flows_L < ours_all_L) & fits_L)
+                       & (flows_L < ours_all_L))
   if not len(sub):
     return plan
   return _take_cheaper(plan, loads_MLDE, tried[sub], se_MLS[:, sub],

@@ -466,9 +466,10 @@ def shed_placement(w_LE: np.ndarray, prev_LS, topo: Topology,
   charged to its expert's home, which always holds it) and gets at most
   this many gradients of evicted replicas back. The transition from
   `prev_LS` then fits the budget when the schedule sources each copy from
-  its home; it may pick another holder, so the budget fit
-  (`transfer.schedule.fit_plan_to_budget`) can still undo a slot (None:
-  no bound).
+  its home; it may pick another holder, so the planner fits each
+  transition afterwards (`transfer.schedule.fit_layers`, reverting the
+  least useful new slots) before it splits and costs it (None: no
+  bound).
   """
   w_LE = np.asarray(w_LE, np.float64)
   prev_LS = np.asarray(prev_LS, np.int64)

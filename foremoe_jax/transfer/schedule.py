@@ -780,7 +780,7 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
   return StepTransfer(fill, steps, flush, budget)
 
 
-def _fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,
+def fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,
                 mode='exact'):
   """Each layer of next_LS with changed slots reverted to ref_LS until it
   fits: those whose revert alone needs fewest rounds first, 1, 2, 4, ...
@@ -823,7 +823,7 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
 
   Greedy over micro-steps: an over-budget layer's changed slots go back to
   the reference (the home layout for the fill, else the fitted previous
-  micro-step), the most useful first (`_fit_layers`). A layer whose flush
+  micro-step), the most useful first (`fit_layers`). A layer whose flush
   does not fit keeps, from the last micro-step whose placement can flush,
   that placement to the end of the step (home all step only when none
   can). The input plan itself is returned when everything fits.
@@ -854,7 +854,7 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
     num_rounds = budget.step_rounds if m == 0 else budget.microstep_rounds
     bad = np.flatnonzero(~fits(prev_LS, out[m], num_rounds))
     if len(bad):
-      out[m, bad] = _fit_layers(prev_LS[bad], out[m, bad], ref_LS[bad],
+      out[m, bad] = fit_layers(prev_LS[bad], out[m, bad], ref_LS[bad],
                                 num_rounds, num_experts, topo, mode)
   # The flush returns every replica. A layer whose flush does not fit holds
   # an earlier micro-step's placement for the rest of the step (the latest
