@@ -298,10 +298,28 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   n_cold = min(n_pairs + 2, num_devices)
   cold_key_LD = np.where(can_take_LD, y_LD, np.inf)
   cold_LQ = np.argsort(cold_key_LD, axis=1, kind='stable')[:, :n_cold]
-  y_hot_LP, y_cold_LQ = y_LD[lk, hot_LP], y_LD[lk, cold_LQ]
   hot_ok_LP = hot_LD[lk, hot_LP]
   cold_ok_LQ = (np.isfinite(cold_key_LD[lk, cold_LQ])
                 & (np.arange(n_cold) < n_pairs_L[:, None] + 2))
+  if topo.num_nodes > 1:
+    # And the coldest on each hot device's node: a copy over the node's own
+    # link costs a fraction of one across nodes, so when the coldest devices
+    # all sit on other nodes a near one a little warmer is the better buy.
+    node_D = topo.node_of_device()
+    near_key_LPD = np.where(node_D[None, None, :] == node_D[hot_LP][..., None],
+                            cold_key_LD[:, None, :], np.inf)
+    near_LP = np.argmin(near_key_LPD, axis=2)
+    earlier_PP = np.tril(np.ones((n_pairs, n_pairs), bool), k=-1)
+    near_ok_LP = (np.isfinite(np.min(near_key_LPD, axis=2))
+                  & (np.arange(n_pairs) < n_pairs_L[:, None])
+                  & ~((near_LP[:, :, None] == cold_LQ[:, None, :])
+                      & cold_ok_LQ[:, None, :]).any(axis=2)
+                  & ~((near_LP[:, :, None] == near_LP[:, None, :])
+                      & earlier_PP).any(axis=2))
+    cold_LQ = np.concatenate([cold_LQ, near_LP], axis=1)
+    cold_ok_LQ = np.concatenate([cold_ok_LQ, near_ok_LP], axis=1)
+    n_cold = cold_LQ.shape[1]
+  y_hot_LP, y_cold_LQ = y_LD[lk, hot_LP], y_LD[lk, cold_LQ]
   slot_hot_LPi = hot_LP[..., None] * s + np.arange(s)
   slot_cold_LQk = cold_LQ[..., None] * s + np.arange(s)
   e_hot_LPi, x_hot_LPi = se_LS[l3, slot_hot_LPi], x_LS[l3, slot_hot_LPi]

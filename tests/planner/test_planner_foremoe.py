@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from foremoe_jax import placement as placement_lib
-from foremoe_jax.planner import baselines, evaluate, foremoe
-from foremoe_jax.planner.topology import CostModel
+from foremoe_jax.planner import baselines, evaluate, foremoe, split
+from foremoe_jax.planner.topology import CostModel, Topology
 
 import planner_testlib as lib
 
@@ -109,3 +109,31 @@ def test_baselines_are_valid():
   assert step.moves_MLD[1:].sum() == 0
   micro = baselines.plan_eplb_microstep(loads, topo, lib.COST, current)
   lib.check_plan(micro, loads, topo)
+
+
+def test_hot_device_copies_to_a_near_device_when_far_ones_cost_too_much():
+  """Two nodes of four devices. Device 0 is hot (300 tokens), its node's
+  other devices hold 200, the other node's 190: the coldest devices are all
+  across nodes, where a copy (priced with its gradient's return) costs more
+  than the 55 tokens it saves, while on device 0's node it saves 50 for 10.
+  By hand: one copy of expert 0 to a node-0 device, straggler 300 -> 250;
+  none crosses nodes."""
+  topo = Topology(2, 4, 3)
+  w_LE = np.full((1, 16), 100.0)
+  w_LE[0, 0] = 200.0
+  w_LE[0, 8:] = 95.0
+  # Moves cost 5 tokens on the node, 40 across (1 us per token).
+  cost = CostModel(token_time_s=1e-6, bytes_per_expert=1e3,
+                   intra_node_bw=2e8, inter_node_bw=2.5e7)
+  assert cost.move_tokens(False) == pytest.approx(5.0)
+  assert cost.move_tokens(True) == pytest.approx(40.0)
+  home_LS = placement_lib.identity_placement(1, 16, 8, 3).slot_expert
+  graph = split.FlowGraph(home_LS, w_LE, topo)
+  new, _, y_LD = foremoe.refine_microstep(
+      graph, w_LE, topo, cost, foremoe.ForeMoEConfig(max_rounds=1))
+  se_DS = new.slot_expert_LS[0].reshape(8, 3)
+  holders = np.flatnonzero((se_DS == 0).any(axis=1))
+  assert holders[0] == 0 and len(holders) == 2 and holders[1] < 4
+  np.testing.assert_allclose(y_LD.max(), 250.0)
+  # Each node's devices hold only their own node's experts.
+  assert (se_DS[4:] >= 8).all()
