@@ -282,6 +282,9 @@ def render_planner_alt(res: dict) -> str:
         f'{_f(float(np.mean(free)), 4)} ({_f(max(free), 4)})',
         _f(float(np.mean([mm(c, 'eplb_step') for c in cs])), 4),
         _f(float(np.mean([mm(c, 'eplb_microstep') for c in cs])), 4)])
+  copies = lambda m: float(np.mean(
+      [c['methods'][m]['copies_per_device_per_microstep_per_layer']
+       for c in res['alt_configs']]))
   table = _table(['shape', 'redundant slots / device', 'target',
                   'ForeMoE in training: rows met', 'mean (worst)',
                   'ForeMoE alone: rows met', 'mean (worst)',
@@ -292,9 +295,15 @@ def render_planner_alt(res: dict) -> str:
       ' around it; exponents 0.6 / 1.0 / 1.4 and concentrations 0.3 / 3 /'
       ' 30 per shape, 2,048 tokens per device per micro-step):', '', table,
       '', f"- All met: in training {_f(res['alt_all_targets_met_constrained'])},"
-      f" ForeMoE alone {_f(res['alt_all_targets_met'])}. EPLB per"
-      ' micro-step re-packs every micro-step from its exact loads (about'
-      ' ten copies per device, layer and micro-step): a bound, not a'
+      f" ForeMoE alone {_f(res['alt_all_targets_met'])}. ForeMoE alone"
+      " plans each step from the last one's placement with no round"
+      " budget, so without the home anchor's shed of each micro-step's"
+      " excess; the trainer, the simulator and bench_rl_step all plan"
+      " as in training. Copies per device, layer and micro-step: in"
+      f" training {_f(copies('foremoe_constrained'), 3)}, EPLB step"
+      f" {_f(copies('eplb_step'), 3)}. EPLB per"
+      ' micro-step re-packs every micro-step from its exact loads'
+      f" ({_f(copies('eplb_microstep'), 3)} copies): a bound, not a"
       ' peer.'])
 
 
