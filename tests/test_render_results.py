@@ -118,17 +118,23 @@ def test_save_keeps_numpy_numbers_as_numbers(tmp_path):
 def test_planner_alt_rows_group_by_shape_and_slots():
   """The alt-trace summary by hand: two rows of one shape and slot count,
   one meeting the target in training and both missing it alone."""
-  row = lambda name, con, free, ok: dict(
+  row = lambda name, con, free, ok, copies: dict(
       name=name, redundant_slots_per_device=1, target_max_over_mean=1.08,
       meets_target_constrained=ok, meets_target=False,
-      methods={'foremoe_constrained': {'mean_max_over_mean': con},
-               'foremoe': {'mean_max_over_mean': free},
-               'eplb_step': {'mean_max_over_mean': 1.5},
-               'eplb_microstep': {'mean_max_over_mean': 1.0}})
+      methods={m: {'mean_max_over_mean': v,
+                   'copies_per_device_per_microstep_per_layer': c * copies}
+               for m, v, c in [('foremoe_constrained', con, 1),
+                               ('foremoe', free, 1),
+                               ('eplb_step', 1.5, 4),
+                               ('eplb_microstep', 1.0, 16)]})
   text = render_results.render_planner_alt(dict(
-      alt_configs=[row('alt_zipf1.0_c3_E64_D8_top2_r1', 1.06, 1.10, True),
-                   row('alt_zipf0.6_c30_E64_D8_top2_r1', 1.12, 1.20, False)],
+      alt_configs=[row('alt_zipf1.0_c3_E64_D8_top2_r1', 1.06, 1.10, True, 0.5),
+                   row('alt_zipf0.6_c30_E64_D8_top2_r1', 1.12, 1.20, False,
+                       0.75)],
       alt_all_targets_met=False, alt_all_targets_met_constrained=False))
   assert ('| E64_D8_top2 | 1 | 1.08 | 1 / 2 | 1.090 (1.120) | 0 / 2 |'
           ' 1.150 (1.200) | 1.500 | 1.000 |') in text
   assert 'All met: in training no, ForeMoE alone no.' in text
+  # Copies averaged over the rows: (0.5 + 0.75) / 2, x4, x16.
+  assert 'in training 0.625, EPLB step 2.50.' in text
+  assert '(10.0 copies)' in text
