@@ -24,13 +24,21 @@ _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Interleaved repetitions.')
 _WARM = flags.DEFINE_integer('warmstart_steps', 100,
                              'SFT steps before sampling (skews routing).')
+_PROMPTS = flags.DEFINE_integer(
+    'prompts', rl_step.RLStepBench.prompts, 'Prompts per RL step (times '
+    'the generations, over the micro-steps, sets the tokens per micro-step).')
+_MICROBATCHES = flags.DEFINE_integer(
+    'microbatches', rl_step.RLStepBench.microbatches,
+    'Micro-steps per RL step.')
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   cfg = rl_step.RLStepBench(repeats=_REPEATS.value,
-                            warmstart_steps=_WARM.value)
+                            warmstart_steps=_WARM.value,
+                            prompts=_PROMPTS.value,
+                            microbatches=_MICROBATCHES.value)
   run = print_run_info({'bench': 'rl_step', **dataclasses.asdict(cfg)})
   quiet = lambda *a, **k: None
   result = rl_step.run(cfg, log=quiet if _JSON.value else print)
