@@ -153,6 +153,16 @@ class ForeMoEConfig:
   chain of replicas; the shed finds those chains. It keeps the ``exact``
   engine's degree (`microstep_degree`), so it runs only where that is set;
   the ``rounds`` engine's per-layer budget is one it cannot keep."""
+  node_split_slack: float | None = 0.1
+  """On several nodes, where the cost model prices the all-to-alls
+  (`CostModel.row_bytes` > 0): a last pass re-spreads each replicated
+  expert's tokens towards replicas its own node's sources can fill
+  (`split.node_aware_flows`), letting a device compute up to this much
+  over the busiest one's load; a layer keeps it only where its exact
+  compute + all-to-all seconds drop (`_take_cheaper`). The placement and
+  its copies are unchanged: only which replica takes how many tokens.
+  None: off (the step-level plan, on the recompute's critical path, skips
+  it)."""
 
   def __post_init__(self):
     if self.transfer_mode not in ('exact', 'rounds'):
@@ -160,6 +170,9 @@ class ForeMoEConfig:
                        f'{self.transfer_mode!r}.')
     if not self.shed_tol >= 0:
       raise ValueError(f'shed_tol must be >= 0, got {self.shed_tol}.')
+    if self.node_split_slack is not None and not self.node_split_slack >= 0:
+      raise ValueError(f'node_split_slack must be None or >= 0, got '
+                       f'{self.node_split_slack}.')
     if not self.anchor_inter_node_weight >= 0:
       raise ValueError(f'anchor_inter_node_weight must be >= 0, got '
                        f'{self.anchor_inter_node_weight}.')
@@ -928,8 +941,38 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
     # Moves allowed only: foresight_split (max_rounds=0) holds its anchor.
     plan = _shed_per_layer(plan, loads_MLDE, w_MLE, start_LS, cur_LS, topo,
                            cost, config)
-  if not with_split:
+  if with_split:
+    plan = _cheaper_per_layer(plan, loads_MLDE, flows_MLS,
+                              split_graph.slot_expert_LS,
+                              np.stack(split_x_list), cur_LS, topo, cost,
+                              config)
+  if (config.node_split_slack is not None and cost.row_bytes
+      and topo.num_nodes > 1):
+    plan = _node_split(plan, loads_MLDE, cur_LS, topo, cost, config)
+  return plan
+
+
+def _node_split(plan: StepPlan, loads_MLDE, cur_LS, topo: Topology,
+                cost: CostModel, config: ForeMoEConfig) -> StepPlan:
+  """`plan` with each layer's tokens re-spread over its replicas by
+  `split.node_aware_flows` where that lowers its exact compute +
+  all-to-all seconds over the step (same placements, same copies)."""
+  se_MLS = np.asarray(plan.placement.slot_expert, np.int64)
+  x_MLS = np.asarray(plan.slot_loads_MLS, np.float64)
+  # A row received from another node, in rows of expert compute.
+  remote_weight = (cost.a2a_passes * cost.row_bytes / cost.inter_node_bw
+                   / cost.token_time_s)
+  new_list, changed_L = [], np.zeros(se_MLS.shape[1], bool)
+  for m in range(se_MLS.shape[0]):
+    x_LS, kept_L = split.node_aware_flows(
+        se_MLS[m], x_MLS[m], loads_MLDE[m], topo, remote_weight,
+        config.node_split_slack)
+    new_list.append(x_LS)
+    changed_L |= ~kept_L
+  layers = np.flatnonzero(changed_L)
+  if not len(layers):
     return plan
-  return _cheaper_per_layer(plan, loads_MLDE, flows_MLS,
-                            split_graph.slot_expert_LS,
-                            np.stack(split_x_list), cur_LS, topo, cost, config)
+  price = cost.return_factor if config.price_gradient_returns else 1.0
+  return _take_cheaper(plan, loads_MLDE, layers, se_MLS[:, layers],
+                       np.stack(new_list)[:, layers], cur_LS[layers], topo,
+                       cost, config, price)[0]

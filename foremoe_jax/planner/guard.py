@@ -103,7 +103,8 @@ def step_level(method: str, topo: Topology, cost: CostModel,
                       history_LE, deadline=None)
   else:
     plan = foremoe.plan_step(step_1LDE, topo, cost, current,
-                             dataclasses.replace(config, max_rounds=0))
+                             dataclasses.replace(config, max_rounds=0,
+                                                 node_split_slack=None))
   one = plan.microstep(0)
   tile = lambda x: np.repeat(np.asarray(x)[None], num_micro, axis=0)
   return assemble_plan(

@@ -316,6 +316,65 @@ class FlowGraph:
         y_flat[fy] = base_LKR
     return x_LX[:, :-1], device_totals(x_LX[:, :-1], self.topo)
 
+  def remote_sweep(self, x_LS, local_LS, cap_L, sweeps=2, iters=16):
+    """Gauss-Seidel sweeps that cut each device's rows from other nodes,
+    no device computing more than `cap_L`; returns x_LS.
+
+    A replica takes the first `local_LS` of its flow from its own node's
+    sources (`split_tokens` fills replicas on the source's node first), the
+    rest from other nodes. For one expert, everything else fixed, its load
+    is spread to minimise the highest remote intake among its devices: a
+    replica takes up to its local share at no remote cost, then its device's
+    remote intake rises one for one, and it never passes its device's room
+    under the cap (`iters` bisection steps on the level). An expert keeps
+    its flows where none of its replicas takes rows from other nodes, or
+    where the cap leaves too little room in all.
+    """
+    if self._tables is None:
+      self._tables = self._colour_tables()
+    if self._amounts is None:
+      self._amounts = [np.where(ok_LK, self.w_LE[lk_e], 0.0)
+                       for _, _, lk_e, ok_LK in self._tables]
+    topo, num_layers = self.topo, self.num_layers
+    pad = lambda a, v: np.concatenate([a, np.full((num_layers, 1), v)], 1)
+    x_flat = pad(x_LS, 0.0).reshape(-1)
+    l_flat = pad(np.asarray(local_LS, np.float64), 0.0).reshape(-1)
+    y_flat = pad(device_totals(x_LS, topo), _WALL).reshape(-1)
+    r_flat = pad(device_totals(np.maximum(x_LS - local_LS, 0.0), topo),
+                 0.0).reshape(-1)
+    cap_L11 = np.asarray(cap_L, np.float64)[:, None, None]
+    for _ in range(sweeps):
+      for (fx, fy, _, ok_LK), amount_LK in zip(self._tables, self._amounts):
+        x_old = x_flat[fx]
+        own_r = np.maximum(x_old - l_flat[fx], 0.0)
+        base_r = r_flat[fy] - own_r
+        base_y = y_flat[fy] - x_old
+        room = np.maximum(cap_L11 - base_y, 0.0)
+        move_LK = (ok_LK & (room.sum(axis=2) >= amount_LK)
+                   & (x_old > l_flat[fx] + 1e-9).any(axis=2))
+        if not move_LK.any():
+          continue
+        lo = np.where(room > 0, base_r, np.inf).min(axis=2)
+        hi = np.where(room > 0, base_r, -np.inf).max(axis=2) + amount_LK + 1
+        lo = np.where(move_LK, lo, 0.0)
+        hi = np.where(move_LK, hi, 1.0)
+        for _ in range(iters):
+          mid = 0.5 * (lo + hi)
+          take = np.minimum(room, l_flat[fx] + np.maximum(
+              mid[..., None] - base_r, 0.0)).sum(axis=2)
+          over = take > amount_LK
+          hi = np.where(over, mid, hi)
+          lo = np.where(over, lo, mid)
+        new = np.minimum(room, l_flat[fx] + np.maximum(hi[..., None] - base_r,
+                                                       0.0))
+        new *= (amount_LK / np.maximum(new.sum(axis=2), 1e-300))[..., None]
+        new = np.where(move_LK[..., None], new, x_old)
+        # Devices of one colour are distinct (padding writes the spare).
+        x_flat[fx] = new
+        y_flat[fy] = base_y + new
+        r_flat[fy] = base_r + np.maximum(new - l_flat[fx], 0.0)
+    return x_flat.reshape(num_layers, -1)[:, :-1]
+
   def refill(self, x_LS, layer_N, expert_N):
     """Water-fills the listed (layer, expert) pairs over their replicas, all
     at once against the same device loads, then recomputes the loads.
@@ -347,6 +406,52 @@ def balanced_flows(slot_expert_LS, w_LE, topo: Topology, frac_LS=None,
   """Per-slot flows that level device loads: (x_LS, y_LD)."""
   graph = FlowGraph(slot_expert_LS, w_LE, topo)
   return graph.sweep(graph.initial_flows(frac_LS), sweeps)
+
+
+def node_aware_flows(slot_expert_LS, x_LS, loads_LDE, topo: Topology,
+                     remote_weight: float, slack: float = 0.1, sweeps=2,
+                     graph: 'FlowGraph | None' = None):
+  """Flows that take fewer rows across nodes where that pays: (x_LS, kept
+  bool [L]: the layers that keep `x_LS`).
+
+  Once all-to-alls cross nodes, a row a device receives from another node
+  costs `remote_weight` rows of compute (the slow link, every pass), so
+  compute balance alone leaves the all-to-all to the device whose replicas
+  serve other nodes most. `FlowGraph.remote_sweep` re-spreads each
+  replicated expert towards the replicas its own node's sources can fill
+  (each replica's local share: its node's demand for the expert over the
+  replicas there), no device above (1 + slack) x the busiest device's
+  load. A layer takes the new flows only where they lower busiest compute
+  + remote_weight x busiest remote intake (both counted as
+  `split_tokens` will fill them, local first).
+  """
+  se = np.asarray(slot_expert_LS, np.int64)
+  loads_LDE = np.asarray(loads_LDE, np.float64)
+  num_layers, _, num_experts = loads_LDE.shape
+  if graph is None:
+    graph = FlowGraph(se, loads_LDE.sum(axis=1), topo)
+  node_S = topo.node_of_device()[topo.device_of_slot()]
+  demand_LNE = loads_LDE.reshape(num_layers, topo.num_nodes,
+                                 topo.devices_per_node, num_experts).sum(2)
+  lk = np.arange(num_layers)[:, None]
+  # Replicas of each expert per node (second copies on a device take none).
+  counted_LS = ~second_copies(se, topo.slots_per_device)
+  per_node = np.zeros((num_layers, topo.num_nodes, num_experts))
+  np.add.at(per_node, (np.broadcast_to(lk, se.shape), node_S[None], se),
+            counted_LS.astype(np.float64))
+  local_LS = np.where(counted_LS, demand_LNE[lk, node_S[None], se]
+                      / np.maximum(per_node[lk, node_S[None], se], 1.0), 0.0)
+  y_LD = device_totals(x_LS, topo)
+  new_LS = graph.remote_sweep(x_LS, local_LS, y_LD.max(axis=1) * (1 + slack),
+                              sweeps)
+
+  def score(x):
+    remote_LD = device_totals(np.maximum(x - local_LS, 0.0), topo)
+    return (device_totals(x, topo).max(axis=1)
+            + remote_weight * remote_LD.max(axis=1))
+
+  kept_L = score(new_LS) >= score(x_LS)
+  return np.where(kept_L[:, None], x_LS, new_LS), kept_L
 
 
 def first_replica(slot_expert_LS) -> np.ndarray:

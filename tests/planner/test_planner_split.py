@@ -101,3 +101,70 @@ def test_uniform_flows_is_even_split():
   w = np.array([[6.0, 4.0, 1.0]])
   np.testing.assert_allclose(split.uniform_flows(se, w),
                              [[2.0, 2.0, 2.0, 1.0, 2.0, 2.0]])
+
+
+def _remote_rows(loads_LDE, se_LS, x_LS, topo):
+  """Rows each device receives from other nodes once `split_tokens` fills
+  the flows (local first), counted from the exact cells: [L, D]."""
+  share, _, _ = split.split_tokens(loads_LDE, se_LS, x_LS, topo)
+  cells = placement_lib.cell_counts(loads_LDE,
+                                    placement_lib.Placement(se_LS, share))
+  node = topo.node_of_device()
+  return (cells * (node[:, None] != node[None, :])).sum(axis=1)
+
+
+def test_node_aware_flows_serve_each_node_from_its_own_replicas():
+  """Two nodes of one device, both experts on both devices; node 0 routes
+  100 tokens to expert 0, node 1 100 to expert 1. The even split keeps
+  both devices at 100 rows but each takes 50 from the other node; the
+  node-aware split (by hand) gives each expert to its own node's replica:
+  still 100 rows each, none across."""
+  topo = Topology(2, 1, 2)
+  se_LS = np.array([[0, 1, 1, 0]])  # d0: e0, e1; d1: e1, e0.
+  loads_LDE = np.array([[[100.0, 0.0], [0.0, 100.0]]])
+  even = split.uniform_flows(se_LS, loads_LDE.sum(axis=1))
+  np.testing.assert_allclose(_remote_rows(loads_LDE, se_LS, even, topo),
+                             [[50, 50]])
+  # Under the cap (1.1 x 100) each sweep moves part of the way: the
+  # default two sweeps already cut the rows across nodes, and the sweeps
+  # converge to the split by hand.
+  x_LS, kept_L = split.node_aware_flows(se_LS, even, loads_LDE, topo,
+                                        remote_weight=5.0, slack=0.1)
+  assert not kept_L[0]
+  assert _remote_rows(loads_LDE, se_LS, x_LS, topo).max() < 50
+  x_LS, _ = split.node_aware_flows(se_LS, even, loads_LDE, topo,
+                                   remote_weight=5.0, slack=0.1, sweeps=30)
+  np.testing.assert_allclose(x_LS, [[100, 0, 100, 0]], atol=0.01)
+  np.testing.assert_allclose(_remote_rows(loads_LDE, se_LS, x_LS, topo),
+                             [[0, 0]])
+
+
+def test_node_aware_flows_stay_under_the_compute_cap():
+  """Node 0 routes 150 tokens to expert 0, node 1 50 to expert 1: all on
+  their own nodes would load device 0 with 150 rows, past the cap of
+  1.1 x 100. By hand the best under the cap: device 0 takes 110 of expert
+  0 (its own node's), device 1 the other 40 (from node 0) and expert 1's
+  50: 40 rows across nodes instead of the balanced split's 50. At a
+  remote weight of 0.5 the 10 extra rows of compute cost more than the 10
+  remote rows save, and the layer keeps its flows."""
+  topo = Topology(2, 1, 2)
+  se_LS = np.array([[0, 1, 1, 0]])
+  loads_LDE = np.array([[[150.0, 0.0], [0.0, 50.0]]])
+  balanced = np.array([[100.0, 0.0, 50.0, 50.0]])
+  np.testing.assert_allclose(
+      _remote_rows(loads_LDE, se_LS, balanced, topo).max(), 50)
+  x_LS, kept_L = split.node_aware_flows(se_LS, balanced, loads_LDE, topo,
+                                        remote_weight=5.0, slack=0.1,
+                                        sweeps=30)
+  assert not kept_L[0]
+  y_D = split.device_totals(x_LS, topo)[0]
+  assert y_D.max() <= 110 + 1e-6
+  # Each expert's tokens are all placed.
+  np.testing.assert_allclose(x_LS[0, [0, 3]].sum(), 150, atol=1e-6)
+  np.testing.assert_allclose(x_LS[0, [1, 2]].sum(), 50, atol=1e-6)
+  np.testing.assert_allclose(
+      _remote_rows(loads_LDE, se_LS, x_LS, topo).max(), 40, atol=1.0)
+  same, kept_L = split.node_aware_flows(se_LS, balanced, loads_LDE, topo,
+                                        remote_weight=0.5, slack=0.1)
+  assert kept_L[0]
+  np.testing.assert_array_equal(same, balanced)
