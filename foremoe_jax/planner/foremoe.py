@@ -949,7 +949,39 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
   if (config.node_split_slack is not None and cost.row_bytes
       and topo.num_nodes > 1):
     plan = _node_split(plan, loads_MLDE, cur_LS, topo, cost, config)
+    if with_split and not plan.from_split_L.all():
+      # The split changes what each layer costs, so foresight_split, split
+      # the same way, is offered again where the moves' plan won: ForeMoE
+      # stays never worse than it.
+      own = np.flatnonzero(~plan.from_split_L)
+      split_MLS = np.broadcast_to(split_graph.slot_expert_LS[own],
+                                  (num_micro, len(own), topo.num_slots))
+      alt_MLS = _node_split_flows(split_MLS, np.stack(split_x_list)[:, own],
+                                  loads_MLDE[:, own], topo, cost, config)[0]
+      price = cost.return_factor if config.price_gradient_returns else 1.0
+      plan, taken = _take_cheaper(plan, loads_MLDE, own, split_MLS, alt_MLS,
+                                  cur_LS[own], topo, cost, config, price)
+      from_split_L = plan.from_split_L.copy()
+      from_split_L[taken] = True
+      plan = plan._replace(from_split_L=from_split_L)
   return plan
+
+
+def _node_split_flows(se_MLS, x_MLS, loads_MLDE, topo: Topology,
+                      cost: CostModel, config: ForeMoEConfig):
+  """`split.node_aware_flows` of every micro-step: (flows [M, L, S],
+  changed [L]: layers whose flows changed in some micro-step)."""
+  # A row received from another node, in rows of expert compute.
+  remote_weight = (cost.a2a_passes * cost.row_bytes / cost.inter_node_bw
+                   / cost.token_time_s)
+  new_list, changed_L = [], np.zeros(np.shape(se_MLS)[1], bool)
+  for m in range(np.shape(se_MLS)[0]):
+    x_LS, kept_L = split.node_aware_flows(
+        se_MLS[m], x_MLS[m], loads_MLDE[m], topo, remote_weight,
+        config.node_split_slack)
+    new_list.append(x_LS)
+    changed_L |= ~kept_L
+  return np.stack(new_list), changed_L
 
 
 def _node_split(plan: StepPlan, loads_MLDE, cur_LS, topo: Topology,
@@ -958,21 +990,13 @@ def _node_split(plan: StepPlan, loads_MLDE, cur_LS, topo: Topology,
   `split.node_aware_flows` where that lowers its exact compute +
   all-to-all seconds over the step (same placements, same copies)."""
   se_MLS = np.asarray(plan.placement.slot_expert, np.int64)
-  x_MLS = np.asarray(plan.slot_loads_MLS, np.float64)
-  # A row received from another node, in rows of expert compute.
-  remote_weight = (cost.a2a_passes * cost.row_bytes / cost.inter_node_bw
-                   / cost.token_time_s)
-  new_list, changed_L = [], np.zeros(se_MLS.shape[1], bool)
-  for m in range(se_MLS.shape[0]):
-    x_LS, kept_L = split.node_aware_flows(
-        se_MLS[m], x_MLS[m], loads_MLDE[m], topo, remote_weight,
-        config.node_split_slack)
-    new_list.append(x_LS)
-    changed_L |= ~kept_L
+  new_MLS, changed_L = _node_split_flows(
+      se_MLS, np.asarray(plan.slot_loads_MLS, np.float64), loads_MLDE, topo,
+      cost, config)
   layers = np.flatnonzero(changed_L)
   if not len(layers):
     return plan
   price = cost.return_factor if config.price_gradient_returns else 1.0
   return _take_cheaper(plan, loads_MLDE, layers, se_MLS[:, layers],
-                       np.stack(new_list)[:, layers], cur_LS[layers], topo,
-                       cost, config, price)[0]
+                       new_MLS[:, layers], cur_LS[layers], topo, cost, config,
+                       price)[0]

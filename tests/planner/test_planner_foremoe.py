@@ -174,3 +174,40 @@ def test_node_split_cuts_rows_across_nodes_and_never_costs_more():
   assert (ours_L <= theirs_L * (1 + 1e-9)).all()
   assert (ours_L < theirs_L * (1 - 1e-3)).any()
   assert ours_rows < theirs_rows
+
+
+def test_node_split_keeps_foremoe_no_worse_than_foresight_split():
+  """The node-aware split changes what each layer costs, so where the
+  moves' plan had won, foresight_split (split the same way) is offered
+  again: per layer, ForeMoE's compute and copy seconds (`step_cost_s`)
+  plus its all-to-alls (from the exact cells) never exceed
+  foresight_split's. On this
+  trace both steps broke that without the second offer."""
+  trace = lib.small_trace(num_experts=64, num_devices=8, top_k=4,
+                          num_layers=3, num_microsteps=4, seed=11,
+                          hot_share_range=(0.05, 0.08))
+  topo = Topology(2, 4, 64 // 8 + 2)
+  cost = dataclasses.replace(lib.COST, row_bytes=4096.0)
+  home = lib.identity_for(trace, topo)
+  cur = np.asarray(home.slot_expert)
+  node = topo.node_of_device()
+  cfg = foremoe.ForeMoEConfig(home_anchor=True, microstep_degree=2,
+                              anchor_rounds=8)
+  for r in (1, 2):
+    loads = trace.step(r)
+
+    def seconds(plan):
+      # The planner's own price of compute and copies (copies hidden under
+      # the micro-step before), plus the all-to-alls of the exact cells.
+      total = foremoe.step_cost_s(plan.loads_MLD, plan.placement.slot_expert,
+                                  cur, topo, cost, cost.return_factor)
+      for m in range(plan.num_microsteps):
+        cells_LSD = placement_lib.cell_counts(loads[m], plan.microstep(m))
+        total = total + cost.all_to_all_s(cells_LSD, node)
+      return total
+
+    ours = foremoe.plan_step(loads, topo, cost, home, cfg)
+    split_only = foremoe.plan_step(loads, topo, cost, home,
+                                   dataclasses.replace(cfg, max_rounds=0))
+    lib.check_plan(ours, loads, topo)
+    assert (seconds(ours) <= seconds(split_only) * (1 + 1e-9)).all(), r
