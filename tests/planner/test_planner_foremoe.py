@@ -150,7 +150,7 @@ def test_node_split_cuts_rows_across_nodes_and_never_costs_more():
   home = lib.identity_for(trace, topo)
   loads = trace.step(1)
   cfg = foremoe.ForeMoEConfig(home_anchor=True, microstep_degree=2,
-                              anchor_rounds=8)
+                              anchor_rounds=8, node_split_slack=0.1)
   with_split = foremoe.plan_step(loads, topo, cost, home, cfg)
   without = foremoe.plan_step(loads, topo, cost, home, dataclasses.replace(
       cfg, node_split_slack=None))
@@ -192,7 +192,7 @@ def test_node_split_keeps_foremoe_no_worse_than_foresight_split():
   cur = np.asarray(home.slot_expert)
   node = topo.node_of_device()
   cfg = foremoe.ForeMoEConfig(home_anchor=True, microstep_degree=2,
-                              anchor_rounds=8)
+                              anchor_rounds=8, node_split_slack=0.1)
   for r in (1, 2):
     loads = trace.step(r)
 
