@@ -170,6 +170,11 @@ class ForeMoEConfig:
   The step-level plan (the recompute's, on its critical path) never runs
   it."""
 
+  def copy_price(self, cost: CostModel) -> float:
+    """What a copy costs over its weights alone: with
+    `price_gradient_returns`, the gradient it later sends home too."""
+    return cost.return_factor if self.price_gradient_returns else 1.0
+
   def __post_init__(self):
     if self.transfer_mode not in ('exact', 'rounds'):
       raise ValueError(f"transfer_mode must be 'exact' or 'rounds', got "
@@ -320,6 +325,8 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   hot_ok_LP = hot_LD[lk, hot_LP]
   cold_ok_LQ = (np.isfinite(cold_key_LD[lk, cold_LQ])
                 & (np.arange(n_cold) < n_pairs_L[:, None] + 2))
+  # Pair p may clash only with the hotter pairs before it.
+  earlier_PP = np.tril(np.ones((n_pairs, n_pairs), bool), k=-1)
   if topo.num_nodes > 1:
     # And the coldest on each hot device's node: a copy over the node's own
     # link costs a fraction of one across nodes, so when the coldest devices
@@ -328,7 +335,6 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
     near_key_LPD = np.where(node_D[None, None, :] == node_D[hot_LP][..., None],
                             cold_key_LD[:, None, :], np.inf)
     near_LP = np.argmin(near_key_LPD, axis=2)
-    earlier_PP = np.tril(np.ones((n_pairs, n_pairs), bool), k=-1)
     near_ok_LP = (np.isfinite(np.min(near_key_LPD, axis=2))
                   & (np.arange(n_pairs) < n_pairs_L[:, None])
                   & ~((near_LP[:, :, None] == cold_LQ[:, None, :])
@@ -403,7 +409,7 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
         & (gain > cfg.min_gain_frac * mean_L[:, None, None, None]))
   # The copy's bytes fit the window; its price also counts the gradient it
   # sends home later (at eviction or at the final flush).
-  price = cost.return_factor if cfg.price_gradient_returns else 1.0
+  price = cfg.copy_price(cost)
   net = np.where(ok, gain - price * cost_LPQi, -np.inf)
   # Hottest device chooses first; a cold device takes one copy per round,
   # an expert loses one replica per round (so never its last).
@@ -413,7 +419,6 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
   # cold device or evict the same expert, the hottest wins and the others
   # choose again among what is left (so an expert never loses its last
   # replica in one round).
-  earlier_PP = np.tril(np.ones((n_pairs, n_pairs), bool), k=-1)
   free_LPQ = np.ones(best_net_LPQ.shape, bool)
   done_LP = np.zeros((num_layers, n_pairs), bool)
   picks = []
@@ -727,7 +732,7 @@ def _cheaper_per_layer(plan: StepPlan, loads_MLDE, flows_MLS, split_LS,
               ).any(axis=(0, 2))
   if not differ_L.any():
     return plan._replace(from_split_L=from_split_L)
-  price = cost.return_factor if config.price_gradient_returns else 1.0
+  price = config.copy_price(cost)
   cur_LS = np.asarray(current_LS)
   ours_copy_ML = _copy_s(se_MLS, cur_LS, topo, cost, price)
   theirs_copy_ML = _copy_s(split_MLS, cur_LS, topo, cost, price)
@@ -851,7 +856,7 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
     prev_LS = se_LS
   se_MLS, x_MLS = np.stack(se_list), np.stack(x_list)
   ours_MLS = np.asarray(plan.placement.slot_expert, np.int64)[:, tried]
-  price = cost.return_factor if config.price_gradient_returns else 1.0
+  price = config.copy_price(cost)
   cur_LS = np.asarray(current_LS)[tried]
   # Assembling exact counts is the costly part: only layers whose flows
   # already beat ForeMoE's exact counts on compute and copies are.
@@ -906,9 +911,8 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
     if (config.home_anchor and cost.row_bytes and topo.num_nodes > 1
         and config.anchor_inter_node_weight > 0):
       # Rows crossing nodes count where the all-to-alls are priced.
-      node_demand_LNE = loads_MLDE.sum(axis=0, dtype=np.float64).reshape(
-          num_layers, topo.num_nodes, topo.devices_per_node, num_experts
-      ).sum(axis=2)
+      node_demand_LNE = split.node_demand(
+          loads_MLDE.sum(axis=0, dtype=np.float64), topo)
     se_LS, changed_L = step_anchor(graph, cur_LS, topo, cost, config,
                                    node_demand_LNE)
     if changed_L.any():
@@ -947,29 +951,16 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
     # Moves allowed only: foresight_split (max_rounds=0) holds its anchor.
     plan = _shed_per_layer(plan, loads_MLDE, w_MLE, start_LS, cur_LS, topo,
                            cost, config)
+  split_LS = split_flows_MLS = None
   if with_split:
-    plan = _cheaper_per_layer(plan, loads_MLDE, flows_MLS,
-                              split_graph.slot_expert_LS,
-                              np.stack(split_x_list), cur_LS, topo, cost,
-                              config)
+    split_LS, split_flows_MLS = split_graph.slot_expert_LS, np.stack(
+        split_x_list)
+    plan = _cheaper_per_layer(plan, loads_MLDE, flows_MLS, split_LS,
+                              split_flows_MLS, cur_LS, topo, cost, config)
   if (config.node_split_slack is not None and cost.row_bytes
       and topo.num_nodes > 1):
-    plan = _node_split(plan, loads_MLDE, cur_LS, topo, cost, config)
-    if with_split and not plan.from_split_L.all():
-      # The split changes what each layer costs, so foresight_split, split
-      # the same way, is offered again where the moves' plan won: ForeMoE
-      # stays never worse than it.
-      own = np.flatnonzero(~plan.from_split_L)
-      split_MLS = np.broadcast_to(split_graph.slot_expert_LS[own],
-                                  (num_micro, len(own), topo.num_slots))
-      alt_MLS = _node_split_flows(split_MLS, np.stack(split_x_list)[:, own],
-                                  loads_MLDE[:, own], topo, cost, config)[0]
-      price = cost.return_factor if config.price_gradient_returns else 1.0
-      plan, taken = _take_cheaper(plan, loads_MLDE, own, split_MLS, alt_MLS,
-                                  cur_LS[own], topo, cost, config, price)
-      from_split_L = plan.from_split_L.copy()
-      from_split_L[taken] = True
-      plan = plan._replace(from_split_L=from_split_L)
+    plan = _node_split(plan, loads_MLDE, cur_LS, topo, cost, config,
+                       split_LS, split_flows_MLS)
   return plan
 
 
@@ -991,18 +982,35 @@ def _node_split_flows(se_MLS, x_MLS, loads_MLDE, topo: Topology,
 
 
 def _node_split(plan: StepPlan, loads_MLDE, cur_LS, topo: Topology,
-                cost: CostModel, config: ForeMoEConfig) -> StepPlan:
+                cost: CostModel, config: ForeMoEConfig, split_LS=None,
+                split_flows_MLS=None) -> StepPlan:
   """`plan` with each layer's tokens re-spread over its replicas by
   `split.node_aware_flows` where that lowers its exact compute +
-  all-to-all seconds over the step (same placements, same copies)."""
+  all-to-all seconds over the step (same placements, same copies).
+
+  With the foresight_split plan (`split_LS`, its flows), that plan, split
+  the same way, is offered again on the layers where the moves' plan had
+  won: the split changes what each layer costs, and ForeMoE stays never
+  worse than foresight_split."""
   se_MLS = np.asarray(plan.placement.slot_expert, np.int64)
   new_MLS, changed_L = _node_split_flows(
       se_MLS, np.asarray(plan.slot_loads_MLS, np.float64), loads_MLDE, topo,
       cost, config)
   layers = np.flatnonzero(changed_L)
-  if not len(layers):
+  price = config.copy_price(cost)
+  if len(layers):
+    plan = _take_cheaper(plan, loads_MLDE, layers, se_MLS[:, layers],
+                         new_MLS[:, layers], cur_LS[layers], topo, cost,
+                         config, price)[0]
+  if split_LS is None or plan.from_split_L.all():
     return plan
-  price = cost.return_factor if config.price_gradient_returns else 1.0
-  return _take_cheaper(plan, loads_MLDE, layers, se_MLS[:, layers],
-                       new_MLS[:, layers], cur_LS[layers], topo, cost, config,
-                       price)[0]
+  own = np.flatnonzero(~plan.from_split_L)
+  split_MLS = np.broadcast_to(split_LS[own],
+                              (se_MLS.shape[0], len(own), topo.num_slots))
+  alt_MLS = _node_split_flows(split_MLS, split_flows_MLS[:, own],
+                              loads_MLDE[:, own], topo, cost, config)[0]
+  plan, taken = _take_cheaper(plan, loads_MLDE, own, split_MLS, alt_MLS,
+                              cur_LS[own], topo, cost, config, price)
+  from_split_L = plan.from_split_L.copy()
+  from_split_L[taken] = True
+  return plan._replace(from_split_L=from_split_L)

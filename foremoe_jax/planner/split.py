@@ -267,6 +267,14 @@ class FlowGraph:
         f_LER * w_LE[..., None])
     return x_LS[:, :-1]
 
+  def _prepare(self):
+    """Builds the colour tables and the loads they pour, once."""
+    if self._tables is None:
+      self._tables = self._colour_tables()
+    if self._amounts is None:
+      self._amounts = [np.where(ok_LK, self.w_LE[lk_e], 0.0)
+                       for _, _, lk_e, ok_LK in self._tables]
+
   def sweep(self, x_LS, sweeps=1, skip_LE=None, layers=None):
     """Gauss-Seidel sweeps of per-expert water-fills; returns (x_LS, y_LD).
 
@@ -275,11 +283,7 @@ class FlowGraph:
     rows here are stale (see `refill`). With `layers`, only those layers
     are swept (the others keep their flows).
     """
-    if self._tables is None:
-      self._tables = self._colour_tables()
-    if self._amounts is None:
-      self._amounts = [np.where(ok_LK, self.w_LE[lk_e], 0.0)
-                       for _, _, lk_e, ok_LK in self._tables]
+    self._prepare()
     tables = self._tables
     if skip_LE is not None and skip_LE.any():
       tables = []
@@ -330,11 +334,7 @@ class FlowGraph:
     its flows where none of its replicas takes rows from other nodes, or
     where the cap leaves too little room in all.
     """
-    if self._tables is None:
-      self._tables = self._colour_tables()
-    if self._amounts is None:
-      self._amounts = [np.where(ok_LK, self.w_LE[lk_e], 0.0)
-                       for _, _, lk_e, ok_LK in self._tables]
+    self._prepare()
     topo, num_layers = self.topo, self.num_layers
     pad = lambda a, v: np.concatenate([a, np.full((num_layers, 1), v)], 1)
     x_flat = pad(x_LS, 0.0).reshape(-1)
@@ -408,9 +408,16 @@ def balanced_flows(slot_expert_LS, w_LE, topo: Topology, frac_LS=None,
   return graph.sweep(graph.initial_flows(frac_LS), sweeps)
 
 
+def node_demand(loads_LDE, topo: Topology) -> np.ndarray:
+  """Tokens per layer, source node and expert: [L, N, E]."""
+  loads_LDE = np.asarray(loads_LDE)
+  num_layers, _, num_experts = loads_LDE.shape
+  return loads_LDE.reshape(num_layers, topo.num_nodes, topo.devices_per_node,
+                           num_experts).sum(axis=2)
+
+
 def node_aware_flows(slot_expert_LS, x_LS, loads_LDE, topo: Topology,
-                     remote_weight: float, slack: float = 0.1, sweeps=2,
-                     graph: 'FlowGraph | None' = None):
+                     remote_weight: float, slack: float = 0.1, sweeps=2):
   """Flows that take fewer rows across nodes where that pays: (x_LS, kept
   bool [L]: the layers that keep `x_LS`).
 
@@ -428,11 +435,9 @@ def node_aware_flows(slot_expert_LS, x_LS, loads_LDE, topo: Topology,
   se = np.asarray(slot_expert_LS, np.int64)
   loads_LDE = np.asarray(loads_LDE, np.float64)
   num_layers, _, num_experts = loads_LDE.shape
-  if graph is None:
-    graph = FlowGraph(se, loads_LDE.sum(axis=1), topo)
+  graph = FlowGraph(se, loads_LDE.sum(axis=1), topo)
   node_S = topo.node_of_device()[topo.device_of_slot()]
-  demand_LNE = loads_LDE.reshape(num_layers, topo.num_nodes,
-                                 topo.devices_per_node, num_experts).sum(2)
+  demand_LNE = node_demand(loads_LDE, topo)
   lk = np.arange(num_layers)[:, None]
   # Replicas of each expert per node (second copies on a device take none).
   counted_LS = ~second_copies(se, topo.slots_per_device)
