@@ -153,6 +153,17 @@ class ForeMoEConfig:
   chain of replicas; the shed finds those chains. It keeps the ``exact``
   engine's degree (`microstep_degree`), so it runs only where that is set;
   the ``rounds`` engine's per-layer budget is one it cannot keep."""
+  anchor_refine_rounds: int = 4
+  """Rounds of moves that refine the step-level anchor on the step's
+  total loads (`refine_microstep` once, before the first micro-step):
+  the anchor packs replicas by per-replica load, blind to the split that
+  follows and to homes that cannot shed (at the benchmark's shape it left
+  two devices at 1.25x the mean, and a redundant slot copying its own home
+  expert); a few hot-to-cold copies fix that. The refined placement is
+  what foresight_split holds for the whole step, and so what the
+  recompute runs on (`guard.step_level`), and where ForeMoE's moves start;
+  like the anchor's, its copies happen between RL steps and count in
+  micro-step 0's moves. 0 (or no `step_anchor`): the anchor alone."""
   node_split_slack: float | None = None
   """Opt-in (None: off). On several nodes, where the cost model prices the
   all-to-alls (`CostModel.row_bytes` > 0): a last pass re-spreads each
@@ -187,6 +198,9 @@ class ForeMoEConfig:
     if not self.anchor_inter_node_weight >= 0:
       raise ValueError(f'anchor_inter_node_weight must be >= 0, got '
                        f'{self.anchor_inter_node_weight}.')
+    if not self.anchor_refine_rounds >= 0:
+      raise ValueError(f'anchor_refine_rounds must be >= 0, got '
+                       f'{self.anchor_refine_rounds}.')
     for name in ('microstep_degree', 'moves_per_layer', 'anchor_rounds',
                  'max_moves_per_device'):
       value = getattr(self, name)
@@ -919,6 +933,10 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
       anchored = split.FlowGraph(se_LS, w_MLE[0], topo)
       anchored.colour_like(graph, changed_L)
       graph = anchored
+  if config.step_anchor and config.anchor_refine_rounds:
+    graph = refine_microstep(
+        graph, w_MLE.sum(axis=0), topo, cost,
+        dataclasses.replace(config, max_rounds=config.anchor_refine_rounds))[0]
   start_LS = graph.slot_expert_LS
   # foresight_split, planned alongside: the same anchor, no moves.
   with_split = config.max_rounds > 0

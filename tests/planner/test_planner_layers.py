@@ -1,6 +1,7 @@
 """Layers planned apart (planner.layers): the same plan as all at once, and a
 late or failing chunk costs only its own layers."""
 import concurrent.futures
+import dataclasses
 import threading
 
 import numpy as np
@@ -279,3 +280,23 @@ def test_step_level_plan_in_threads_is_the_plan_in_one(method):
                          history)
   assert_same_plan(guard.step_level(method, topo, lib.COST, config, loads,
                                     current, history, threads=3), one)
+
+
+@pytest.mark.parametrize('machine', ['one_node', 'two_nodes'])
+def test_step_level_plan_holds_foresight_splits_placement(machine):
+  """The recompute runs on the step-level plan while the update's plan is
+  made; for the foresight methods it holds the placement foresight_split
+  holds for the whole step (the anchor, refined on the step's totals), so
+  a forward is balanced as the foresight_split update is."""
+  trace, topo = getattr(lib, machine)()
+  current = lib.identity_for(trace, topo)
+  config = foremoe.ForeMoEConfig(home_anchor=True, anchor_rounds=8,
+                                 microstep_degree=2)
+  for r in range(1, trace.num_steps):
+    loads = trace.step(r)
+    held = foremoe.plan_step(loads, topo, lib.COST, current,
+                             dataclasses.replace(config, max_rounds=0))
+    got = guard.step_level('foremoe', topo, lib.COST, config, loads, current,
+                           None)
+    np.testing.assert_array_equal(got.placement.slot_expert,
+                                  held.placement.slot_expert)
