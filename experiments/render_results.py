@@ -136,6 +136,10 @@ def render_rl_step(res: dict) -> str:
       f" Update alone: {_f(res['speedup_update_vs_static'])}x,"
       f" {_f(res['speedup_update_vs_eplb_step'])}x and"
       f" {_f(res['speedup_update_vs_foresight_split'])}x.",
+      f"- Shape: {_f(res['microsteps'])} micro-steps of"
+      f" {_f(res['sequences_per_microstep'])} sequences,"
+      f" {_f(res['tokens_per_microstep'])} tokens per micro-step"
+      f" ({_f(res['tokens_per_microstep'] // res['devices'])} per device).",
       f"- Dispatch: {res['dispatch']}-count, buckets"
       f" {res['capacity_buckets']}. Recompute forward passes:"
       f" {_f(res['recompute_forward_passes'])}. Compiles over the whole run"
