@@ -7,7 +7,9 @@ StepPlan). It follows the hierarchical decomposition of docs/design.md §5.2:
 * Step level (steps 1-3, ``step_anchor``): a hierarchical placement of the
   step's total loads (replica counts, node packing, device packing), relabelled
   to overlap the current placement. A layer adopts it only when the balance it
-  gains over the step outweighs the copies it needs.
+  gains over the step outweighs the copies it needs. The anchor is then
+  refined once on the step's totals (``anchor_refine_rounds`` rounds of
+  the micro-step moves below), and that is the step-level placement.
 * Micro-step level (steps 4-5, ``refine_microstep``), starting from the
   previous micro-step's placement: the token split levels device loads over
   the replicas there are (``split.FlowGraph``); then, in a few vectorised
@@ -25,8 +27,8 @@ counted in micro-step 0's moves.
 The moves are greedy, one micro-step at a time, so a layer's moves can
 cost more over the step than they save (a copy made for one micro-step's
 skew is in the wrong place for the next). ``plan_step`` therefore also
-plans each layer as ``foresight_split`` does (the anchor held for every
-micro-step, its tokens split per micro-step, no moves: ForeMoE with
+plans each layer as ``foresight_split`` does (the refined anchor held for
+every micro-step, its tokens split per micro-step, no moves: ForeMoE with
 ``max_rounds=0``) and keeps, per layer, the cheaper of the two under one
 cost (``step_cost_s``): ForeMoE is never worse than foresight_split.
 
@@ -938,7 +940,7 @@ def plan_step(loads_MLDE, topo: Topology, cost: CostModel,
         graph, w_MLE.sum(axis=0), topo, cost,
         dataclasses.replace(config, max_rounds=config.anchor_refine_rounds))[0]
   start_LS = graph.slot_expert_LS
-  # foresight_split, planned alongside: the same anchor, no moves.
+  # foresight_split, planned alongside: the same refined anchor, no moves.
   with_split = config.max_rounds > 0
   no_moves = dataclasses.replace(config, max_rounds=0)
   split_graph, split_frac_LS, split_x_list = graph, None, []

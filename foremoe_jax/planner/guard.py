@@ -278,7 +278,7 @@ class StepPlanner:
     forward runs balanced while the micro-step plan is made): static the
     home layout, EPLB-step its history (its update's plan, tokens split
     evenly over replicas), the foresight methods the step's exact loads
-    (the anchor and one token split, no moves). Made in this
+    (the refined anchor and one token split, no moves). Made in this
     thread even with workers: its output is mostly the shares of every
     micro-step, and copying them back from two processes made it slower
     than one thread (DeepSeek-V3-like, EP 256: 5.2 s vs 4.5 s, docs/
