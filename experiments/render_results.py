@@ -108,6 +108,19 @@ _METHOD_NAMES = {'static': 'static EP', 'eplb_step': 'EPLB, step-level',
                  'foremoe': 'ForeMoE'}
 
 
+def _per_repetition(res) -> list[str]:
+  """The step's ratios within each repetition (its methods ran back to
+  back), lowest to highest: the host's noise around the medians' ratio."""
+  reps = res.get('speedup_step_per_repetition')
+  if not reps:
+    return []
+  span = lambda b: f"{_f(min(reps[b]))}-{_f(max(reps[b]))}x"
+  return [f"- Within each of the {len(reps['static'])} repetitions (the"
+          f" methods back to back), whole step: {span('static')} vs static"
+          f" EP, {span('eplb_step')} vs step-level EPLB,"
+          f" {span('foresight_split')} vs foresight split."]
+
+
 def render_rl_step(res: dict) -> str:
   rows = []
   for m, name in _METHOD_NAMES.items():
@@ -136,6 +149,7 @@ def render_rl_step(res: dict) -> str:
       f" Update alone: {_f(res['speedup_update_vs_static'])}x,"
       f" {_f(res['speedup_update_vs_eplb_step'])}x and"
       f" {_f(res['speedup_update_vs_foresight_split'])}x.",
+      *_per_repetition(res),
       f"- Shape: {_f(res['microsteps'])} micro-steps of"
       f" {_f(res['sequences_per_microstep'])} sequences,"
       f" {_f(res['tokens_per_microstep'])} tokens per micro-step"

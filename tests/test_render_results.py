@@ -138,3 +138,25 @@ def test_planner_alt_rows_group_by_shape_and_slots():
   # Copies averaged over the rows: (0.5 + 0.75) / 2, x4, x16.
   assert 'in training 0.625, EPLB step 2.50.' in text
   assert '(10.0 copies)' in text
+
+
+def test_rl_step_shows_the_spread_of_its_repetitions():
+  with open(os.path.join(ROOT, 'results', 'bench_rl_step.json')) as f:
+    res = json.load(f)['result']
+  res = dict(res, speedup_step_per_repetition={
+      'static': [1.8184, 1.5554, 1.7052], 'eplb_step': [1.1662, 1.1177, 1.1432],
+      'foresight_split': [1.0179, 0.9687, 0.9368]})
+  text = render_results.render_rl_step(res)
+  assert ('Within each of the 3 repetitions (the methods back to back),'
+          ' whole step: 1.56-1.82x vs static EP, 1.12-1.17x vs step-level'
+          ' EPLB, 0.937-1.02x vs foresight split.') in text
+  # An older results file (no per-repetition ratios) renders without it.
+  res.pop('speedup_step_per_repetition')
+  assert 'Within each' not in render_results.render_rl_step(res)
+
+
+def test_recorded_command_leaves_out_where_the_file_went():
+  argv = ['/x/experiments/bench_rl_step.py', '--json', '--results_dir=/tmp/a',
+          '--repeats', '5', '--results_dir', '/tmp/b', '--prompts=64']
+  assert results.command_line(argv) == (
+      'python -m experiments.bench_rl_step --json --repeats 5 --prompts=64')

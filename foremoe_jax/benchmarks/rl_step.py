@@ -360,6 +360,11 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     diff = max(diff, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)))
   static_mom = out['static']['microstep_max_over_mean_mean']
   ratio = lambda k, base: out[base][k] / out['foremoe'][k]
+  # The same ratios within each repetition, whose methods ran back to back:
+  # their spread is the host's noise, beside the ratios of the medians.
+  per_rep = lambda k, base: [float(b / f) for b, f in
+                             zip(res[base][k], res['foremoe'][k])]
+  baselines = ('static', 'eplb_step', 'foresight_split')
   return dict(
       devices=8, experts=cfg.num_experts, layers=cfg.num_layers,
       dispatch=config.parallel.dispatch, capacity_buckets=list(ctx.buckets),
@@ -380,6 +385,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
       speedup_update_vs_static=ratio('update_s', 'static'),
       speedup_update_vs_eplb_step=ratio('update_s', 'eplb_step'),
       speedup_update_vs_foresight_split=ratio('update_s', 'foresight_split'),
+      speedup_step_per_repetition={b: per_rep('step_s', b)
+                                   for b in baselines},
       max_rel_param_diff=diff,
       plan_wait_frac_of_step=out['foremoe']['plan_wait_s']
       / out['foremoe']['step_s'])

@@ -29,7 +29,18 @@ def command_line(argv: list[str] | None = None) -> str:
     folder, name = os.path.split(os.path.abspath(prog))
     if os.path.basename(folder) == 'experiments':
       prog = f'-m experiments.{name[:-3]}'
-  return ' '.join(['python', prog, *map(shlex.quote, argv[1:])]).strip()
+  # Where the file was written is not part of what ran: a run written to a
+  # scratch folder and copied into results/ names the command that
+  # regenerates it in place.
+  args, skip = [], False
+  for a in argv[1:]:
+    if skip:
+      skip = False
+    elif a == '--results_dir':
+      skip = True
+    elif not a.startswith('--results_dir='):
+      args.append(a)
+  return ' '.join(['python', prog, *map(shlex.quote, args)]).strip()
 
 
 def _plain(x):
