@@ -110,16 +110,28 @@ def _abstract(x, sharding_):
 
 
 def compiled_update(report: MemoryReport, num_layers: int):
-  """(compiled update, seconds to lower + compile) at this depth."""
+  """(compiled update, seconds to build, lower and compile) at this depth."""
+  t0 = time.perf_counter()
+  compiled = lowered_update(report, num_layers).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def lowered_update(report: MemoryReport, num_layers: int, *,
+                   exchange: str = 'footprint', platforms=None):
+  """The update at this depth, lowered from abstract arrays.
+
+  exchange: the dispatch's ('footprint': XLA:CPU compiles no ragged
+  all-to-all, so the memory report lowers the step with a stand-in that
+  holds the real collective's buffers, `dispatch_exact`; 'ragged': the
+  GPU/TPU collective, to lower for `platforms`, e.g. ('cuda',)).
+  """
   cfg = model_config(report, num_layers)
   m = cfg.model
   mesh = expert_parallel.make_mesh(1, report.ep)
   abstract = shapes.abstract_model(m, mesh)
-  # XLA:CPU compiles no ragged all-to-all: lower the step with a stand-in
-  # that holds the real collective's buffers (dispatch_exact).
   for _, module in _modules(abstract):
     if isinstance(module, moe.MoE):
-      module.exchange = 'footprint'
+      module.exchange = exchange
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
   shard = jax.tree.leaves(sharding.state_shardings(
@@ -174,9 +186,8 @@ def compiled_update(report: MemoryReport, num_layers: int):
                            _capacity_rows(report, m))
   rl_step = step_lib.make_rl_step(tx, num_generations=8, eps_low=0.2,
                                   eps_high=0.28, beta=0.0)
-  t0 = time.perf_counter()
-  compiled = rl_step.update.lower(train_state, batch, {}, plan).compile()
-  return compiled, time.perf_counter() - t0
+  return rl_step.update.trace(train_state, batch, {}, plan).lower(
+      lowering_platforms=platforms)
 
 
 def xla_bytes(compiled) -> dict:

@@ -121,7 +121,10 @@ def footprint_exchange(operand, output, *, axis_name: str):
   rows = operand.shape[0] // num_ep * num_ep
   moved = jax.lax.all_to_all(operand[:rows], axis_name, 0, 0, tiled=True)
   take = min(rows, output.shape[0])
-  return output.at[:take].set(moved[:take].astype(output.dtype))
+  # An update-slice, not `.at[:take].set`: that scatter of an all-to-all's
+  # result crashes XLA:CPU in jaxlib 0.11.2 (a segfault while compiling).
+  return jax.lax.dynamic_update_slice(
+      output, moved[:take].astype(output.dtype), (0,) * output.ndim)
 
 
 def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,

@@ -130,12 +130,24 @@ def collectives(hlo_text: str) -> list[dict]:
 
 
 def _group_size(line: str) -> int:
-  """Devices in each replica group of a collective (0: not stated)."""
+  """Devices in each replica group of a collective (0: not stated).
+
+  Three spellings: explicit groups `{{0,1},...}`, iota groups `[G,N]<=...`,
+  and (XLA from jax 0.11) mesh axes `mesh['data'=2,'expert'=4] {'data'}`,
+  whose groups span the named axes."""
   m = re.search(r'replica_groups=\{\{([0-9,]*)\}', line)
   if m:
     return len(m.group(1).split(','))
   m = re.search(r'replica_groups=\[([0-9]+),([0-9]+)\]', line)
-  return int(m.group(2)) if m else 0
+  if m:
+    return int(m.group(2))
+  m = re.search(r'replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}', line)
+  if m:
+    sizes = {name: int(size) for name, size in
+             re.findall(r"'([^']+)'=([0-9]+)", m.group(1))}
+    return int(np.prod([sizes[a] for a in re.findall(r"'([^']+)'",
+                                                     m.group(2))]))
+  return 0
 
 
 def all_reduces(hlo_text: str) -> list[dict]:

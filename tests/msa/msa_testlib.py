@@ -7,6 +7,9 @@ vectorised reference it checks.
 Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
 D head dim, I index head dim, K selected blocks.
 """
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,32 @@ SHAPES = {
     'gqa': (2, 96, 96, 2, 2, 16, 8, 16, 3, 0),
     'ragged_chunk': (1, 40, 100, 2, 3, 16, 8, 16, 4, 60),
 }
+
+
+def cuda_lowering():
+  """A context in which Triton kernels lower for CUDA on a host with no GPU.
+
+  From jax 0.11 the Triton lowering asks the device for its compute
+  capability, and with no GPU it must be told the target: an abstract H100
+  (the GPU the kernels are sized for). A no-op where a GPU is present.
+  """
+  if jax.default_backend() == 'gpu':
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind='NVIDIA H100',
+                                       num_cores=None, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('lowering',),
+                                   (jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def with_cuda_lowering(test):
+  """Runs `test` inside cuda_lowering()."""
+  @functools.wraps(test)
+  def wrapped(*args, **kwargs):
+    with cuda_lowering():
+      return test(*args, **kwargs)
+  return wrapped
 
 
 def make_inputs(b, t, s, g, r, d, di, *, dtype=jnp.float32, seed=0):

@@ -125,6 +125,7 @@ def test_bf16_dots_on_random_inputs_keep_the_margin_rule():
 
 
 @pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32])
+@lib.with_cuda_lowering
 def test_both_kernels_lower_for_cuda(dtype):
   f = functools.partial(index_kernel.select_blocks_BGTK, block_size=128,
                         top_k=16, interpret=False)

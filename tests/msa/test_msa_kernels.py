@@ -5,6 +5,7 @@ Both lowerings run: 'tpu' (Mosaic grid with scalar prefetch) and 'gpu'
 the grid step by step. The lowering tests compile nothing; they check that
 Mosaic and Triton accept the kernels for real device shapes.
 """
+import contextlib
 import functools
 
 import jax
@@ -137,15 +138,17 @@ def test_kernels_lower_for_device(backend, platform, dtype):
       return out.astype(jnp.float32).sum()
     return jax.grad(loss, argnums=(0, 1, 2))(q, keys, values)
 
-  text = jax.jit(train_step).trace(q, kv, kv, qi, ki).lower(
-      lowering_platforms=(platform,)).as_text()
   decode = functools.partial(pallas_path.msa_decode, block_size=c, top_k=k,
                              backend=backend, interpret=False)
-  text += jax.jit(decode).trace(
-      jax.ShapeDtypeStruct((b, g * r, d), bf), kv, kv,
-      jax.ShapeDtypeStruct((b, g, di), jnp.float32), ki,
-      jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
-          lowering_platforms=(platform,)).as_text()
+  with (lib.cuda_lowering() if backend == 'gpu'
+        else contextlib.nullcontext()):
+    text = jax.jit(train_step).trace(q, kv, kv, qi, ki).lower(
+        lowering_platforms=(platform,)).as_text()
+    text += jax.jit(decode).trace(
+        jax.ShapeDtypeStruct((b, g * r, d), bf), kv, kv,
+        jax.ShapeDtypeStruct((b, g, di), jnp.float32), ki,
+        jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
+            lowering_platforms=(platform,)).as_text()
   marker = 'tpu_custom_call' if backend == 'tpu' else 'triton'
   # select, forward, dq + dkv (TPU) or fused backward (GPU), decode.
   assert text.count(marker) >= 4, text[:2000]

@@ -216,6 +216,7 @@ def test_split_k_decode_equals_reference(dtype, tol):
 
 
 @pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32])
+@lib.with_cuda_lowering
 def test_kernels_lower_for_cuda(dtype):
   b, t, g, r, d, c, k = 1, 2048, 4, 16, 128, 128, 16
   shape = jax.ShapeDtypeStruct
