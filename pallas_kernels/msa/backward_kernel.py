@@ -152,7 +152,7 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, valid_BS, do_BGTX,
   def q_map(bb, gg, ii, uu, *_):
     return bb, gg, ii, 0
 
-  dq = pl.pallas_call(
+  dq = kc.pallas_call(
       functools.partial(_tpu_dq_kernel, n_qtiles=nq, width=width, **common),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,
@@ -193,7 +193,7 @@ def backward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, valid_BS, do_BGTX,
   def valid_own_map(bb, gg, nn, uu, *_):
     return bb, nn, 0, 0
 
-  dk, dv = pl.pallas_call(
+  dk, dv = kc.pallas_call(
       functools.partial(_tpu_dkv_kernel, n_blocks=n_blocks, width=vwidth,
                         **common),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -295,13 +295,13 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   args = (off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK, do_BTGRD,
           lse_BTGR, delta_BTGR)
   if not with_dkv:
-    return pl.pallas_call(
+    return kc.pallas_call(
         kernel, grid=(t, b, g), in_specs=in_specs, out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_BTGRD.shape, q_BTGRD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                              num_stages=num_stages),
         interpret=interpret, name='msa_backward_dq_gpu')(*args)
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid=(t, b, g),
       in_specs=[*in_specs, kv_spec, kv_spec],

@@ -101,7 +101,7 @@ def decode_tpu(q_BGRD, k_cache_BSGD, v_cache_BSGD, sel_BGK, lengths_B,
   row_map = lambda bb, gg, kk, *_: (bb, gg, 0, 0)
   kernel = functools.partial(_tpu_kernel, block_size=block_size, scale=scale,
                              n_groups=g, top_k=top_k)
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,

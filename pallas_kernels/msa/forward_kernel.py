@@ -108,7 +108,7 @@ def forward_tpu(q_BGTX, k_BGSD, v_BGSD, sel_BGTK, off_B, valid_BS, *,
   kernel = functools.partial(
       _tpu_kernel, block_size=block_size, n_heads=n_heads, head_dim=d,
       scale=scale, n_groups=g, n_qtiles=nq, width=width)
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,
@@ -193,7 +193,7 @@ def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   kernel = functools.partial(
       _gpu_kernel, block_size=block_size, top_k=kp, scale=scale,
       precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid=(t, b, g),
       in_specs=[

@@ -138,7 +138,7 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
   kernel = functools.partial(_scores_kernel, block_size=block_size,
                              groups=groups, row_base=row_base, scale=scale,
                              precision=precision, key_sub=key_sub)
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid=(b, q // row_tile, n_blocks_p // nb),
       in_specs=[
@@ -164,7 +164,7 @@ def _topk_call(offset_B, scores_BNQ, *, block_size: int, groups: int,
   kp = kc.next_pow2(top_k)
   kernel = functools.partial(_topk_kernel, block_size=block_size,
                              groups=groups, row_base=row_base, top_k=top_k)
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid=(b, q // topk_rows),
       in_specs=[

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 # Finite stand-in for -inf: keeps exp() NaN-free on rows that have not met a
 # visible key yet (the convention of jax's own flash kernels).
@@ -35,6 +36,28 @@ def like_inputs(init, *refs):
     todo = tuple(sorted(axes - _varying(x)))
     return jax.lax.pcast(x, todo, to='varying') if todo else x
   return jax.tree.map(vary, init)
+
+
+def pallas_call(kernel, *, out_shape, **kwargs):
+  """`pl.pallas_call` whose outputs vary over the mesh axes its operands
+  vary over.
+
+  Run per device inside a shard_map that checks varying axes (the RL
+  step's), a kernel's outputs must say how they vary, and a plain
+  ShapeDtypeStruct says nothing (jax refuses to trace it). A kernel's
+  outputs are per device exactly when some operand is. Outside a shard_map
+  this is `pl.pallas_call` as is.
+  """
+  def call(*args):
+    axes = frozenset().union(*(_varying(a) for a in jax.tree.leaves(args)))
+    if not axes:
+      return pl.pallas_call(kernel, out_shape=out_shape, **kwargs)(*args)
+    kind = jax.sharding.ManualAxisType(varying=axes)
+    typed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, manual_axis_type=kind), out_shape)
+    return pl.pallas_call(kernel, out_shape=typed, **kwargs)(
+        *like_inputs(args, args))
+  return call
 
 
 def round_up(x: int, m: int) -> int:

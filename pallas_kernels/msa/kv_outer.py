@@ -281,7 +281,7 @@ def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
       scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret),
       reload_kv=_reload_kv(q_BXD.dtype))
   # Each program writes only its own tiles of the (sequence, group) slab.
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid=(b, g, n_items),
       in_specs=_work_specs(b, g, n_items, (n_tiles, w), x, dp,
@@ -437,7 +437,9 @@ def _sum_items(part_BGUCD, first_item_BGN, items_BGN):
     x = jnp.take_along_axis(part_BGUCD, idx[..., None, None], axis=2)
     return acc + jnp.where((i < items_BGN)[..., None, None], x, 0.0)
 
-  zeros = jnp.zeros((b, g, n, *part_BGUCD.shape[3:]), jnp.float32)
+  zeros = kc.like_inputs(jnp.zeros((b, g, n, *part_BGUCD.shape[3:]),
+                                   jnp.float32),
+                         part_BGUCD, first_item_BGN, items_BGN)
   return jax.lax.fori_loop(0, jnp.max(items_BGN), add, zeros)
 
 
@@ -475,7 +477,7 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
       _dkv_kernel, block_size=block_size, rows_per_token=g * rp, scale=scale,
       precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret),
       reload_kv=_reload_kv(q_BTGRD.dtype), parts=parts)
-  dk_u, dv_u = pl.pallas_call(
+  dk_u, dv_u = kc.pallas_call(
       kernel,
       grid=(b, g, n_items * parts),
       in_specs=[

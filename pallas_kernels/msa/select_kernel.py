@@ -138,7 +138,7 @@ def _select_tpu(qi_BGTI, ki_BSI, valid_BS, offset_B, *, block_size, top_k,
 
   kernel = functools.partial(_tpu_kernel, block_size=block_size, chunk=chunk,
                              top_k=top_k, scale=scale)
-  return pl.pallas_call(
+  return kc.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
@@ -208,7 +208,7 @@ def _select_gpu(qi_BGTI, ki_BSI, valid_BS, offset_B, *, block_size, top_k,
   kernel = functools.partial(_gpu_kernel, block_size=block_size, top_k=top_k,
                              scale=scale,
                              n_blocks=sp // block_size)
-  sel = pl.pallas_call(
+  sel = kc.pallas_call(
       kernel,
       grid=(b, g, tp // q_tile),
       in_specs=[

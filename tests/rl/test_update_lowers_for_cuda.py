@@ -2,35 +2,59 @@
 
 The one-GPU machine `make gpu-check` runs on has a single device, so there
 the exact dispatch's ragged all-to-all and the transfer engine's ragged
-fills and returns never cross a device boundary. Here the update of an
-8-device EP mesh is traced and lowered for CUDA with the choices a GPU
-backend makes (`jax.lax.ragged_all_to_all` for the exchanges,
-`jax.lax.ragged_dot` for the grouped GEMM): every shape, dtype and
-transpose rule of that path is checked by jax's own abstract evaluation,
-at no device time. It cannot compile here (XLA:CPU has no ragged
-all-to-all), so what runs on a GPU is left to the gpu tests.
+fills and returns never cross a device boundary, and the MSA kernels never
+run inside the sharded step. Here the update of an 8-device EP mesh is
+traced and lowered for CUDA with the choices a GPU backend makes
+(`jax.lax.ragged_all_to_all` for the exchanges, `jax.lax.ragged_dot` for the
+grouped GEMM, the Pallas Triton MSA kernels): every shape, dtype, varying
+axis and transpose rule of that path is checked by jax's own abstract
+evaluation, at no device time. It cannot compile here (XLA:CPU has no
+ragged all-to-all), so what runs on a GPU is left to the gpu tests.
 """
 import collections
 import re
 
+import pytest
+
 from foremoe_jax.benchmarks import memory_report
 from foremoe_jax.model import dispatch_exact, grouped_swiglu
+from pallas_kernels.msa import api as msa_api
 
 
-def test_the_update_lowers_for_cuda_with_ragged_exchanges(monkeypatch):
-  # What a GPU backend picks when nothing is named (the defaults read
-  # jax.default_backend(), which is 'cpu' here).
+@pytest.fixture
+def gpu_choices(monkeypatch):
+  """What a GPU backend picks when nothing is named (the defaults read
+  jax.default_backend(), which is 'cpu' here)."""
   monkeypatch.setattr(dispatch_exact, 'default_exchange',
                       lambda backend=None: 'ragged')
   monkeypatch.setattr(grouped_swiglu, 'default_kind',
                       lambda backend=None: 'ragged_dot')
+  monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
+      'pallas' if impl == 'auto' else impl, 'gpu', False))
+  # From jax 0.11 the Triton lowering asks the device for its compute
+  # capability. The public way to name one with no GPU (an abstract mesh
+  # with a GPU device) clashes with the step's own shard_map mesh, so the
+  # H100 is named through jax's GPU table (absent before 0.11, which needs
+  # no target).
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  monkeypatch.setattr(gpu_info, 'get_gpu_info', lambda: h100)
+
+
+def _lowered_text(config: str, tokens_per_seq: int) -> str:
   report = memory_report.MemoryReport(
-      config='tiny', ep=8, seqs_per_device=2, tokens_per_seq=24,
+      config=config, ep=8, seqs_per_device=2, tokens_per_seq=tokens_per_seq,
       microsteps=2, redundant_slots_per_device=1)
-  text = memory_report.lowered_update(
+  return memory_report.lowered_update(
       report, 2, exchange='ragged', platforms=('cuda',)).as_text()
-  # (collective, element type of its result) for every collective that
-  # moves rows or weights between devices.
+
+
+def _moved(text: str) -> collections.Counter:
+  """(collective, element type of its result) for every collective that
+  moves rows or weights between devices."""
   moved = collections.Counter()
   for line in text.split('\n'):
     m = re.search(r'stablehlo\.(all_to_all|all_gather|collective_permute)'
@@ -40,6 +64,12 @@ def test_the_update_lowers_for_cuda_with_ragged_exchanges(monkeypatch):
     elif 'ragged_all_to_all' in line and 'custom_call' in line:
       moved['ragged_all_to_all',
             re.search(r'-> tensor<[0-9x]*x([a-z0-9]+)>', line).group(1)] += 1
+  return moved
+
+
+def test_the_update_lowers_for_cuda_with_ragged_exchanges(gpu_choices):
+  del gpu_choices
+  moved = _moved(_lowered_text('tiny', 24))
   # Tokens to their slots and back, forward and backward, and the engine's
   # fills and gradient returns: every float crosses a device boundary in a
   # ragged all-to-all. The fixed-size collectives carry only the int32
@@ -47,4 +77,25 @@ def test_the_update_lowers_for_cuda_with_ragged_exchanges(monkeypatch):
   assert moved['ragged_all_to_all', 'f32'] >= 4, moved
   assert {dtype for kind, dtype in moved
           if kind != 'ragged_all_to_all'} <= {'i32'}, moved
+
+
+def test_the_msa_update_lowers_its_triton_kernels_per_device(gpu_choices,
+                                                            monkeypatch):
+  """The MSA model's update, its attention run per device inside the step's
+  shard_map: every Pallas kernel's outputs must say which mesh axes they
+  vary over (`kernel_common.pallas_call`), and the loops around them must
+  keep one carry type."""
+  del gpu_choices
+  config = memory_report.model_config
+
+  def gpu_blocks(report, num_layers=None):
+    cfg = config(report, num_layers)
+    cfg.model.msa_block_size = 16  # The Triton kernels' smallest tile.
+    return cfg
+  monkeypatch.setattr(memory_report, 'model_config', gpu_blocks)
+  text = _lowered_text('tiny_msa', 63)
+  for name in ('msa_index_scores', 'msa_index_topk', 'msa_kv_outer_forward',
+               'msa_kv_outer_dkv', 'msa_backward_dq_gpu'):
+    assert name in text, name
   assert 'ragged_dot' in text
+  assert _moved(text)['ragged_all_to_all', 'f32'] >= 4
