@@ -1,4 +1,4 @@
-"""One GRPO step of the tiny config on one NVIDIA GPU (a 1 x 1 mesh).
+"""One GRPO step of the tiny config (dense, and with MSA) on one NVIDIA GPU.
 
 Run by `make gpu-check`; skipped without a GPU. Sample with the routing
 record, recompute log-probs with replayed routes (they must equal the
@@ -27,14 +27,29 @@ pytestmark = pytest.mark.gpu
 
 
 def test_tiny_rl_step_on_gpu():
+  _one_rl_step(importlib.import_module('configs.tiny').get_config(),
+               get_task('addition'))
+
+
+def test_tiny_msa_rl_step_on_gpu():
+  """The same with MiniMax Sparse Attention from layer 1 on: the Triton
+  kernels in the sampler (prefill, split-K decode), in the log-prob check,
+  and per device inside the step's shard_map (recompute and update). The
+  sort task's 33-token sequences span 3 key blocks of 16, so top-2 is
+  sparse for the last block's queries."""
+  cfg = importlib.import_module('configs.tiny_msa').get_config()
+  cfg.model.msa_block_size = 16  # The Triton kernels' smallest tile.
+  cfg.model.max_seq_len = 64
+  _one_rl_step(cfg, get_task('sort', num_digits=15))
+
+
+def _one_rl_step(cfg, task):
   assert jax.devices()[0].platform == 'gpu'
-  cfg = importlib.import_module('configs.tiny').get_config()
   num_layers, num_experts = cfg.model.num_layers, cfg.model.num_experts
   mesh = ep.make_mesh(1, 1)
   with jax.default_matmul_precision('highest'):
     model = transformer.Transformer(cfg.model, mesh, rngs=nnx.Rngs(3))
     graphdef, params = sharding.split_model(model, mesh)
-    task = get_task('addition')
     sp = sampler_lib.SamplingParams(max_new_tokens=task.completion_len,
                                     num_generations=4)
     sampler = sampler_lib.Sampler(graphdef, cfg.model, mesh, sp)
