@@ -46,12 +46,10 @@ def pallas_call(kernel, *, out_shape, **kwargs):
   step's), a kernel's outputs must say how they vary, and a plain
   ShapeDtypeStruct says nothing (jax refuses to trace it). A kernel's
   outputs are per device exactly when some operand is. Outside a shard_map
-  this is `pl.pallas_call` as is.
+  the type is ignored: this is `pl.pallas_call` as is.
   """
   def call(*args):
     axes = frozenset().union(*(_varying(a) for a in jax.tree.leaves(args)))
-    if not axes:
-      return pl.pallas_call(kernel, out_shape=out_shape, **kwargs)(*args)
     kind = jax.sharding.ManualAxisType(varying=axes)
     typed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
         s.shape, s.dtype, manual_axis_type=kind), out_shape)
