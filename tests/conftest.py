@@ -118,3 +118,31 @@ def pytest_xdist_make_scheduler(config, log):
   from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
   config.option.loadscopereorder = False  # Keep the order sorted above.
   return LoadFileScheduling(config, log)
+
+
+@pytest.fixture
+def gpu_choices(monkeypatch):
+  """What a GPU backend picks when nothing is named (the defaults read
+  jax.default_backend(), which is 'cpu' here): the ragged exchanges, the
+  ragged_dot grouped GEMM and the Pallas Triton MSA kernels, for tests
+  that trace or lower the GPU path on this host."""
+  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.model import dispatch_exact, grouped_swiglu
+  from pallas_kernels.msa import api as msa_api
+  monkeypatch.setattr(dispatch_exact, 'default_exchange',
+                      lambda backend=None: 'ragged')
+  monkeypatch.setattr(grouped_swiglu, 'default_kind',
+                      lambda backend=None: 'ragged_dot')
+  monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
+      'pallas' if impl == 'auto' else impl, 'gpu', False))
+  # From jax 0.11 the Triton lowering asks the device for its compute
+  # capability. The public way to name one with no GPU (an abstract mesh
+  # with a GPU device) clashes with the step's own shard_map mesh, so the
+  # H100 is named through jax's GPU table (absent before 0.11, which needs
+  # no target).
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  monkeypatch.setattr(gpu_info, 'get_gpu_info', lambda: h100)

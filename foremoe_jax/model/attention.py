@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from foremoe_jax.model import layers
 from pallas_kernels import msa
@@ -106,7 +107,11 @@ def dense_attention(q_BTHD, k_BSGD, v_BSGD, mask_BTS):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg, layer_type: str = 'dense', *, rngs: nnx.Rngs):
+  def __init__(self, cfg, layer_type: str = 'dense', *, rngs: nnx.Rngs,
+               mesh=None):
+    """mesh: the model's device mesh, over which an MSA layer called
+    outside a shard_map runs its kernels per device (`_per_device`); None:
+    as called."""
     m, h, g, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     kw = dict(use_bias=False, param_dtype=pdt, dtype=cdt, rngs=rngs)
@@ -147,6 +152,7 @@ class Attention(nnx.Module):
       self.gpu_kernels = cfg.get('msa_gpu_kernels', 'kv_outer')
     self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
     self.rope_theta = cfg.rope_theta
+    self.mesh = mesh
 
   def __call__(self, x_BTM, positions_BT, *, cache: KVCache | None = None,
                cache_index=None, indexer_weight_BT=None, valid_BT=None):
@@ -258,9 +264,10 @@ class Attention(nnx.Module):
       if valid_BT is not None:
         mask = mask & valid_BT[:, None, :]
       return dense_attention(q, k, v, mask), None, stats
-    out, aux = msa.msa_attention(qs, ks, vs, qis, kis, top_k=self.top_k,
-                                 kv_valid_BS=kv_valid_BS,
-                                 gpu_kernels=self.gpu_kernels, **kw)
+    out, aux = self._per_device(
+        lambda *a, **k: msa.msa_attention(*a, **k, top_k=self.top_k,
+                                          gpu_kernels=self.gpu_kernels, **kw),
+        qs, ks, vs, qis, kis, kv_valid_BS=kv_valid_BS)
     sg = jax.lax.stop_gradient
     index_loss = msa.msa_indexer_kl_loss(sg(qs), sg(ks), qis, kis,
                                          jax.tree.map(sg, aux),
@@ -282,6 +289,31 @@ class Attention(nnx.Module):
                           put(cache.valid_BS, kv_valid_BS), shift_B)
     return out, new_cache, index_loss
 
+  def _per_device(self, fn, *args, **kwargs):
+    """fn(*args, **kwargs), every array's leading axis the batch, run on
+    each device's rows inside a shard_map over the whole mesh when the MSA
+    kernels are Pallas calls and this is not already per device.
+
+    A Pallas kernel is a custom call that XLA's partitioner cannot split:
+    jit'd on rows spread over the mesh (the sampler's prefill and decode,
+    a sharded forward), XLA would gather every device's rows, and in
+    decode the whole KV cache, to each device and run the kernel on all of
+    them. The XLA path (CPU) partitions like any jnp code and runs as
+    called, as does a call inside the RL step's own shard_map.
+    """
+    mesh, b = self.mesh, args[0].shape[0]
+    if (mesh is None or mesh.size == 1 or b % mesh.size
+        or jax.sharding.get_abstract_mesh().manual_axes
+        or msa.api.resolve_impl('auto')[0] != 'pallas'):
+      return fn(*args, **kwargs)
+    rows = P(tuple(mesh.axis_names))
+    # Every output varies over the rows; unchecked, because jax's Pallas
+    # interpreter (the kernels on CPU, in the tests) rejects the checked
+    # form's mixed varying axes.
+    return jax.shard_map(lambda a, k: fn(*a, **k), mesh=mesh,
+                         in_specs=rows, out_specs=rows,
+                         check_vma=False)(args, kwargs)
+
   def _msa_decode(self, q, k, v, qi, ki, positions_BT, cache, valid_BT):
     """One token per row, written at cache slot (column - shift) of its row."""
     b = q.shape[0]
@@ -300,9 +332,10 @@ class Attention(nnx.Module):
       mask = ((jnp.arange(k_all.shape[1])[None, :] < lengths_B[:, None])
               & new_cache.valid_BS)[:, None, :]
       return dense_attention(q, k_all, v_all, mask), new_cache, 0.0
-    out, _ = msa.msa_decode(q[:, 0], k_all, v_all, qi[:, 0], new_cache.ki_BSI,
-                            lengths_B, top_k=self.top_k,
-                            block_size=self.block_size,
-                            kv_valid_BS=new_cache.valid_BS,
-                            gpu_kernels=self.gpu_kernels)
+    out, _ = self._per_device(
+        lambda *a, **k: msa.msa_decode(*a, **k, top_k=self.top_k,
+                                       block_size=self.block_size,
+                                       gpu_kernels=self.gpu_kernels),
+        q[:, 0], k_all, v_all, qi[:, 0], new_cache.ki_BSI, lengths_B,
+        kv_valid_BS=new_cache.valid_BS)
     return out[:, None], new_cache, 0.0

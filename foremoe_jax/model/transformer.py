@@ -93,7 +93,8 @@ class Block(nnx.Module):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.attn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
                                     param_dtype=pdt, dtype=cdt)
-    self.attn = attention.Attention(cfg, attention_type, rngs=rngs)
+    self.attn = attention.Attention(cfg, attention_type, rngs=rngs,
+                                    mesh=mesh)
     self.ffn_norm = layers.RMSNorm(cfg.d_model, eps=cfg.norm_eps,
                                    param_dtype=pdt, dtype=cdt)
     self.is_moe = is_moe

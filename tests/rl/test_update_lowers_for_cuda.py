@@ -5,6 +5,7 @@ the exact dispatch's ragged all-to-all and the transfer engine's ragged
 fills and returns never cross a device boundary, and the MSA kernels never
 run inside the sharded step. Here the update of an 8-device EP mesh is
 traced and lowered for CUDA with the choices a GPU backend makes
+(the `gpu_choices` fixture, tests/conftest.py)
 (`jax.lax.ragged_all_to_all` for the exchanges, `jax.lax.ragged_dot` for the
 grouped GEMM, the Pallas Triton MSA kernels): every shape, dtype, varying
 axis and transpose rule of that path is checked by jax's own abstract
@@ -14,34 +15,7 @@ ragged all-to-all), so what runs on a GPU is left to the gpu tests.
 import collections
 import re
 
-import pytest
-
 from foremoe_jax.benchmarks import memory_report
-from foremoe_jax.model import dispatch_exact, grouped_swiglu
-from pallas_kernels.msa import api as msa_api
-
-
-@pytest.fixture
-def gpu_choices(monkeypatch):
-  """What a GPU backend picks when nothing is named (the defaults read
-  jax.default_backend(), which is 'cpu' here)."""
-  monkeypatch.setattr(dispatch_exact, 'default_exchange',
-                      lambda backend=None: 'ragged')
-  monkeypatch.setattr(grouped_swiglu, 'default_kind',
-                      lambda backend=None: 'ragged_dot')
-  monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
-      'pallas' if impl == 'auto' else impl, 'gpu', False))
-  # From jax 0.11 the Triton lowering asks the device for its compute
-  # capability. The public way to name one with no GPU (an abstract mesh
-  # with a GPU device) clashes with the step's own shard_map mesh, so the
-  # H100 is named through jax's GPU table (absent before 0.11, which needs
-  # no target).
-  try:
-    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return
-  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-  monkeypatch.setattr(gpu_info, 'get_gpu_info', lambda: h100)
 
 
 def _lowered_text(config: str, tokens_per_seq: int) -> str:
