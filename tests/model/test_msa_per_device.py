@@ -1,4 +1,4 @@
-"""The sampler's MSA kernels run per device on a multi-GPU mesh.
+"""The MSA layer's kernels run per device on a multi-GPU mesh.
 
 The sampler's prefill and decode are jit'd on rows split over the mesh, and
 let XLA partition attention. XLA cannot split a Pallas kernel (a custom
@@ -8,7 +8,8 @@ them. So the MSA layer runs its kernels inside a shard_map over the rows
 (`attention.Attention._per_device`). Checked here on the traced prefill
 and decode of the tiny MSA model on 8 devices, with the choices a GPU
 backend makes, and lowered for CUDA (no device needed); interpreted on CPU, the per-device
-kernels sample what the XLA path samples.
+kernels sample what the XLA path samples, and a sharded training step
+(the warm start's form: jit, no shard_map of its own) gets its gradients.
 """
 import importlib
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from foremoe_jax.benchmarks import remat
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model import sharding, transformer
 from foremoe_jax.rollout import sampler as sampler_lib
@@ -101,3 +103,32 @@ def test_per_device_kernels_sample_what_the_xla_path_samples(msa_sampler,
   got = make()(state, prompts_NP, jax.random.key(1))
   np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
   np.testing.assert_allclose(got.logp_BC, want.logp_BC, atol=1e-5)
+
+
+def test_per_device_kernels_give_the_xla_paths_gradients(monkeypatch):
+  # Gradients flow back through the layer's shard_map and the kernels'
+  # custom VJPs (interpreted) to every parameter: as the XLA path's.
+  cfg = importlib.import_module('configs.tiny_msa').get_config().model
+  cfg.msa_block_size = 16
+  mesh = ep.make_mesh(1, 8)
+  tokens_BT = jax.random.randint(jax.random.key(1), (8, 33), 0,
+                                 cfg.vocab_size)
+  out = {}
+  for mode in ('xla', 'kernels'):
+    if mode == 'kernels':
+      monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
+          'pallas' if impl == 'auto' else impl, 'gpu', True))
+    params, loss_of = remat.loss_fn(cfg, mesh, tokens_BT)
+    grad_fn = jax.value_and_grad(loss_of)
+    sites = _kernel_sites(jax.make_jaxpr(grad_fn)(params).jaxpr)
+    loss, grads = jax.jit(grad_fn)(params)
+    out[mode] = (float(loss), jax.tree.leaves(grads), sites)
+  assert not out['xla'][2]
+  # Forward and backward kernels, all per device.
+  assert len(out['kernels'][2]) >= 5, out['kernels'][2]
+  assert all(set(axes) == {ep.DATA, ep.EXPERT}
+             for _, axes in out['kernels'][2]), out['kernels'][2]
+  np.testing.assert_allclose(out['kernels'][0], out['xla'][0], rtol=1e-6)
+  for got, want in zip(out['kernels'][1], out['xla'][1]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4,
+                               atol=1e-6)
