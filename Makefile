@@ -40,8 +40,13 @@ demo-results: venv
 	  --name=demo_dataset
 	$(PY) -m experiments.render_results
 
+# --max-worker-restart=0: a test that kills its worker (an XLA segfault)
+# fails once, and the other worker finishes the suite. xdist's default
+# restarts the worker and hands it the same file again (9 times, measured):
+# a crash at compile time then repeats for the better part of an hour and
+# looks like a hang.
 test: venv
-	$(PY) -m pytest -q -n 2 --durations=15 tests
+	$(PY) -m pytest -q -n 2 --max-worker-restart=0 --durations=15 tests
 
 bench: venv
 	$(PY) -m experiments.bench_rl_step --json
