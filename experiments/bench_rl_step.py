@@ -20,7 +20,7 @@ from experiments import common
 from foremoe_jax.benchmarks import rl_step
 from foremoe_jax.utils.run_info import print_run_info
 
-_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line (progress on stderr).')
 # Five, not three: on a shared 2-core host one method's step moves by 5-10%
 # between repetitions, and a median of three still carried that into the
 # ratios (1.60x and 1.73x vs static for the same code in two runs).
@@ -43,8 +43,7 @@ def main(argv):
                             prompts=_PROMPTS.value,
                             microbatches=_MICROBATCHES.value)
   run = print_run_info({'bench': 'rl_step', **dataclasses.asdict(cfg)})
-  quiet = lambda *a, **k: None
-  result = rl_step.run(cfg, log=quiet if _JSON.value else print)
+  result = rl_step.run(cfg, log=common.progress(_JSON.value))
   common.finish('bench_rl_step', run, result)
 
 

@@ -1,5 +1,6 @@
 """Flags every benchmark shares, and the one call that ends each of them."""
 import json
+import sys
 
 from absl import flags
 
@@ -17,3 +18,13 @@ def finish(bench: str, run: dict, result: dict) -> None:
   if path:
     print(f'# saved: {path}', flush=True)
   print(json.dumps(result), flush=True)
+
+
+def progress(json_mode: bool):
+  """Where a benchmark's progress lines go: stdout for a run people read;
+  stderr under --json, so stdout stays the setup and one JSON line while a
+  long run (the RL step's repetitions, the simulator's validation) still
+  shows it is alive."""
+  if not json_mode:
+    return print
+  return lambda *a, **k: print(*a, file=sys.stderr, flush=True)

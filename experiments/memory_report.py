@@ -24,7 +24,7 @@ from experiments import common  # pylint: disable=g-import-not-at-top
 from foremoe_jax.benchmarks import memory_report  # pylint: disable=g-import-not-at-top
 from foremoe_jax.utils.run_info import print_run_info  # pylint: disable=g-import-not-at-top
 
-_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line (progress on stderr).')
 _CONFIG = flags.DEFINE_string('config_name', 'qwen3_30b_a3b',
                               'A module of configs/.')
 _EP = flags.DEFINE_integer('ep', 64, 'EP group (simulated devices).')
@@ -45,8 +45,7 @@ def main(argv):
       compile_layers=tuple(int(x) for x in _LAYERS.value))
   run = print_run_info({'bench': 'memory_report',
                         **dataclasses.asdict(report)})
-  quiet = lambda *a, **k: None
-  result = memory_report.run(report, log=quiet if _JSON.value else print)
+  result = memory_report.run(report, log=common.progress(_JSON.value))
   common.finish('memory_report', run, result)
 
 

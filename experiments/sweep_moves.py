@@ -218,7 +218,8 @@ def _define_flags() -> dict:
   from experiments import common  # pylint: disable=g-import-not-at-top
   return dict(
       json=flags.DEFINE_bool('json', False,
-                             'Print only setup + one JSON line.'),
+                             'Print only setup + one JSON line (progress '
+                             'on stderr).'),
       models=flags.DEFINE_list('models', ['qwen3_30b_a3b', 'mixtral_8x7b'],
                               'Model shapes.'),
       devices=flags.DEFINE_list('devices', ['8', '64'], 'Device counts.'),
@@ -242,7 +243,7 @@ def main(argv, f: dict):
       'methods': list(METHODS), 'dispatch': simulate.DEFAULT_MODE,
       'num_microsteps': micro, 'redundant_slots': list(REDUNDANT),
       'token_configs': [list(c) for c in TOKEN_CONFIGS]})
-  log = (lambda *a, **k: None) if f['json'].value else print
+  log = common.progress(f['json'].value)
   t0 = time.perf_counter()
   rows, grid_rows = run_sweep(models, devices, profile, micro, log=log)
   os.makedirs(f['out_dir'].value, exist_ok=True)

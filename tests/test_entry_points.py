@@ -157,3 +157,15 @@ def test_benchmark_writes_its_results_file_and_the_renderer_reads_it(tmp_path):
   assert record['command'] in block
   for c in record['result']['configs']:
     assert c['name'] in block
+
+
+def test_progress_goes_to_stderr_under_json():
+  # --json keeps stdout to the setup and one JSON line; a long run's
+  # progress still shows, on stderr. (A subprocess: experiments.common
+  # defines absl flags that other experiments' modules define too.)
+  code = ('from experiments import common; '
+          'common.progress(True)("repetition 1/5"); '
+          'common.progress(False)("a table row")')
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
+                       capture_output=True, text=True, check=True)
+  assert (out.stdout, out.stderr) == ('a table row\n', 'repetition 1/5\n')
