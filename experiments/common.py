@@ -1,5 +1,6 @@
 """Flags every benchmark shares, and the one call that ends each of them."""
 import json
+import os
 import sys
 
 from absl import flags
@@ -28,3 +29,13 @@ def progress(json_mode: bool):
   if not json_mode:
     return print
   return lambda *a, **k: print(*a, file=sys.stderr, flush=True)
+
+
+def plot_dir(out_dir: str, bench: str) -> str | None:
+  """Where a benchmark's PNGs go: --out_dir when given, else a folder named
+  for the benchmark beside its JSON (<results_dir>/<bench>, so
+  results/<bench> by default): a run written to a scratch --results_dir
+  leaves the committed plots alone. None (no plots) when neither is set."""
+  if out_dir:
+    return out_dir
+  return os.path.join(RESULTS_DIR.value, bench) if RESULTS_DIR.value else None

@@ -9,7 +9,7 @@ Stages, each logged (unless --json):
   2. the grid: models x device counts x methods on each hardware profile
      (foremoe_jax/sim), with the repository's planner timed on this host;
   3. outputs: results/simulate_cluster.json (run info, summary, validation,
-     every row) and PNG plots in --out_dir;
+     every row) and PNG plots in --out_dir (default: beside the JSON);
      `python -m experiments.render_results` turns them into README tables.
 The last line printed is one JSON object: `validation` (with
 `max_rel_error_update` and `max_rel_error_recompute`),
@@ -82,8 +82,9 @@ _PREFILL = flags.DEFINE_bool(
     'prefill', True, 'The recompute fills the update\'s slots under its '
     'forward (the trainer\'s transfer.prefill); off: the update opens with '
     'the whole fill.')
-_OUT = flags.DEFINE_string('out_dir', 'results/simulate_cluster',
-                           'Where the PNGs go.')
+_OUT = flags.DEFINE_string('out_dir', '', 'Where the PNGs go; empty: '
+                           '<results_dir>/simulate_cluster (none when '
+                           '--results_dir is empty too).')
 
 PAPER_SPEEDUP_64GPU = 1.45  # ForeMoE's reported best, 64 GPUs.
 
@@ -129,7 +130,9 @@ def main(argv):
                             transfer_mode=_TRANSFER.value,
                             planner_workers=_WORKERS.value,
                             prefill=_PREFILL.value, log=log)
-    pngs = plots.write_plots(rows, _OUT.value, profiles[0].name)
+    out_dir = common.plot_dir(_OUT.value, 'simulate_cluster')
+    if out_dir:
+      pngs = plots.write_plots(rows, out_dir, profiles[0].name)
   for r in rows:
     if r['mode'] == 'exact' and r['profile'] == profiles[0].name:
       log(f"{r['model']:>17} {r['devices']:>4} {r['method']:>14}: step "

@@ -226,13 +226,15 @@ def _define_flags() -> dict:
       profile=flags.DEFINE_string('profile', 'h100', 'Hardware profile.'),
       microsteps=flags.DEFINE_integer('microsteps', 8,
                                       'Micro-steps per RL step.'),
-      out_dir=flags.DEFINE_string('out_dir', 'results/sweep_moves',
-                                  'Where the PNG goes.'),
+      out_dir=flags.DEFINE_string('out_dir', '', 'Where the PNG goes; '
+                                  'empty: <results_dir>/sweep_moves (none '
+                                  'when --results_dir is empty too).'),
       results_dir=common.RESULTS_DIR)
 
 
 def main(argv, f: dict):
   del argv
+  from experiments import common  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   profile = hardware.get_profile(f['profile'].value)
   models, micro = f['models'].value, f['microsteps'].value
@@ -246,10 +248,12 @@ def main(argv, f: dict):
   log = common.progress(f['json'].value)
   t0 = time.perf_counter()
   rows, grid_rows = run_sweep(models, devices, profile, micro, log=log)
-  os.makedirs(f['out_dir'].value, exist_ok=True)
-  png = plots.moves_ratio_plot(
-      rows, os.path.join(f['out_dir'].value,
-                         'foremoe_vs_foresight_split_step.png'), profile.name)
+  out_dir, pngs = common.plot_dir(f['out_dir'].value, 'sweep_moves'), []
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    pngs.append(plots.moves_ratio_plot(
+        rows, os.path.join(out_dir, 'foremoe_vs_foresight_split_step.png'),
+        profile.name))
   summary = {
       **summarize(rows),
       'target_ratio': TARGET_RATIO,
@@ -260,7 +264,7 @@ def main(argv, f: dict):
           'trace': 'synthetic (foremoe_jax/sim/workload.HOT_SHARE), seed 0',
           'planner_time': 'measured on this host, one thread; in step_s',
       },
-      'plots': [png],
+      'plots': pngs,
       'seconds': time.perf_counter() - t0,
   }
   # Every row goes to the file; the printed line is the summary alone.

@@ -169,3 +169,20 @@ def test_progress_goes_to_stderr_under_json():
   out = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
                        capture_output=True, text=True, check=True)
   assert (out.stdout, out.stderr) == ('a table row\n', 'repetition 1/5\n')
+
+
+def test_a_scratch_run_keeps_its_plots_beside_its_results(tmp_path):
+  # With --results_dir elsewhere, the PNGs go there too (<results_dir>/
+  # <bench>), never over the committed ones; progress goes to stderr
+  # under --json, the summary is stdout's last line.
+  cmd = [sys.executable, '-m', 'experiments.sweep_moves', '--json',
+         '--models=qwen3_30b_a3b', '--devices=8', f'--results_dir={tmp_path}']
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 0, out.stderr[-3000:]
+  summary = json.loads(out.stdout.strip().splitlines()[-1])
+  png = tmp_path / 'sweep_moves' / 'foremoe_vs_foresight_split_step.png'
+  assert summary['plots'] == [str(png)] and png.stat().st_size > 0
+  saved = json.load(open(tmp_path / 'sweep_moves.json'))
+  assert saved['result']['summary'] == summary
+  assert 'qwen3_30b_a3b' in out.stderr
