@@ -20,7 +20,8 @@ from experiments import common
 from foremoe_jax.benchmarks import rl_step
 from foremoe_jax.utils.run_info import print_run_info
 
-_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line (progress on stderr).')
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line '
+                          '(progress on stderr).')
 # Five, not three: on a shared 2-core host one method's step moves by 5-10%
 # between repetitions, and a median of three still carried that into the
 # ratios (1.60x and 1.73x vs static for the same code in two runs).

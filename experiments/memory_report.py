@@ -24,7 +24,8 @@ from experiments import common  # pylint: disable=g-import-not-at-top
 from foremoe_jax.benchmarks import memory_report  # pylint: disable=g-import-not-at-top
 from foremoe_jax.utils.run_info import print_run_info  # pylint: disable=g-import-not-at-top
 
-_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line (progress on stderr).')
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line '
+                          '(progress on stderr).')
 _CONFIG = flags.DEFINE_string('config_name', 'qwen3_30b_a3b',
                               'A module of configs/.')
 _EP = flags.DEFINE_integer('ep', 64, 'EP group (simulated devices).')

@@ -33,7 +33,8 @@ from foremoe_jax.benchmarks import rl_step  # pylint: disable=g-import-not-at-to
 from foremoe_jax.utils import op_profile  # pylint: disable=g-import-not-at-top
 from foremoe_jax.utils.run_info import print_run_info  # pylint: disable=g-import-not-at-top
 
-_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line (progress on stderr).')
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line '
+                          '(progress on stderr).')
 _METHODS = flags.DEFINE_list('methods', ['static', 'foremoe'],
                              f'Planner methods, of {", ".join(rl_step.METHODS)}.')
 _WARM = flags.DEFINE_integer('warmstart_steps', 100,

@@ -33,7 +33,8 @@ from foremoe_jax.sim import cluster, hardware, plots, simulate  # pylint: disabl
 from foremoe_jax.utils import results  # pylint: disable=g-import-not-at-top
 from foremoe_jax.utils.run_info import print_run_info  # pylint: disable=g-import-not-at-top
 
-_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line (progress on stderr).')
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line '
+                          '(progress on stderr).')
 _MODELS = flags.DEFINE_list('models', list(cluster.MODELS), 'Model shapes.')
 _DEVICES = flags.DEFINE_list('devices', [str(d) for d in cluster.DEVICE_COUNTS],
                              'Device counts.')
