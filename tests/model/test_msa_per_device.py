@@ -7,9 +7,10 @@ decode the whole KV cache, to each device and run the kernel on all of
 them. So the MSA layer runs its kernels inside a shard_map over the rows
 (`attention.Attention._per_device`). Checked here on the traced prefill
 and decode of the tiny MSA model on 8 devices, with the choices a GPU
-backend makes, and lowered for CUDA (no device needed); interpreted on CPU, the per-device
-kernels sample what the XLA path samples, and a sharded training step
-(the warm start's form: jit, no shard_map of its own) gets its gradients.
+backend makes, and lowered for CUDA (no device needed); interpreted on
+CPU, the per-device kernels sample what the XLA path samples, and a
+sharded training step (the warm start's form: jit, no shard_map of its
+own) gets its gradients.
 """
 import importlib
 
@@ -41,6 +42,12 @@ def _kernel_sites(jaxpr, manual=()):
     for sub in jax_core.jaxprs_in_params(eqn.params):
       out.extend(_kernel_sites(sub, inner))
   return out
+
+
+def _interpret_gpu_kernels(monkeypatch):
+  """MSA's 'auto' takes the Pallas GPU kernels, interpreted on this CPU."""
+  monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
+      'pallas' if impl == 'auto' else impl, 'gpu', True))
 
 
 @pytest.fixture(scope='module')
@@ -98,8 +105,7 @@ def test_per_device_kernels_sample_what_the_xla_path_samples(msa_sampler,
   make = lambda: sampler_lib.Sampler(sampler.graphdef, sampler.cfg,
                                      sampler.mesh, params)
   want = make()(state, prompts_NP, jax.random.key(1))
-  monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
-      'pallas' if impl == 'auto' else impl, 'gpu', True))
+  _interpret_gpu_kernels(monkeypatch)
   got = make()(state, prompts_NP, jax.random.key(1))
   np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
   np.testing.assert_allclose(got.logp_BC, want.logp_BC, atol=1e-5)
@@ -116,8 +122,7 @@ def test_per_device_kernels_give_the_xla_paths_gradients(monkeypatch):
   out = {}
   for mode in ('xla', 'kernels'):
     if mode == 'kernels':
-      monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
-          'pallas' if impl == 'auto' else impl, 'gpu', True))
+      _interpret_gpu_kernels(monkeypatch)
     params, loss_of = remat.loss_fn(cfg, mesh, tokens_BT)
     grad_fn = jax.value_and_grad(loss_of)
     sites = _kernel_sites(jax.make_jaxpr(grad_fn)(params).jaxpr)

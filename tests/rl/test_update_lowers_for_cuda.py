@@ -4,10 +4,10 @@ The one-GPU machine `make gpu-check` runs on has a single device, so there
 the exact dispatch's ragged all-to-all and the transfer engine's ragged
 fills and returns never cross a device boundary, and the MSA kernels never
 run inside the sharded step. Here the update of an 8-device EP mesh is
-traced and lowered for CUDA with the choices a GPU backend makes
-(the `gpu_choices` fixture, tests/conftest.py)
-(`jax.lax.ragged_all_to_all` for the exchanges, `jax.lax.ragged_dot` for the
-grouped GEMM, the Pallas Triton MSA kernels): every shape, dtype, varying
+traced and lowered for CUDA with the choices a GPU backend makes (the
+`gpu_choices` fixture of tests/conftest.py: `jax.lax.ragged_all_to_all` for
+the exchanges, `jax.lax.ragged_dot` for the grouped GEMM, the Pallas Triton
+MSA kernels): every shape, dtype, varying
 axis and transpose rule of that path is checked by jax's own abstract
 evaluation, at no device time. It cannot compile here (XLA:CPU has no
 ragged all-to-all), so what runs on a GPU is left to the gpu tests.
