@@ -360,6 +360,17 @@ def chunk_slices_s(model: ModelShape, hw: HardwareProfile, num_layers: int,
           / hw.hbm_bw)
 
 
+def in_place(t, hw: HardwareProfile, returns: bool = False) -> bool:
+  """Whether the engine applies transition `t`'s fills (or, `returns`,
+  its returns) to the stacked slot buffers in place, item by item: on the
+  CPU's emulated exchange, for a single-stage ``exact`` transition
+  (`transfer.engine._fill_inplace`). It then touches only the items it
+  moves: no layer slices, no receive buffer."""
+  if not (hw.emulated_exchange and isinstance(t, schedule.ExactTransition)):
+    return False
+  return (t.ret_count_LPDD if returns else t.count_LPDD).shape[-3] == 1
+
+
 def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
                     num_layers, spd, num_home: int) -> tuple[float, float]:
   """(seconds, exposed seconds) of the recompute's prefill of the update's
@@ -376,10 +387,12 @@ def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
   hidden_M = np.minimum(chunk_M,
                         move_overlap(recompute_transfer, hw) * compute_M)
   # Zeroing the buffers and slicing the chunks is local memory work on the
-  # compute's own stream: it hides under nothing.
-  local_s = (empty_slots_s(model, hw, num_layers, spd)
-             + chunk_slices_s(model, hw, num_layers, num_micro, spd,
-                              num_home))
+  # compute's own stream: it hides under nothing. (A fill in place slices
+  # nothing.)
+  local_s = empty_slots_s(model, hw, num_layers, spd)
+  if not in_place(recompute_transfer.fill, hw):
+    local_s += chunk_slices_s(model, hw, num_layers, num_micro, spd,
+                              num_home)
   return (float(chunk_M.sum() + local_s),
           float((chunk_M - hidden_M).sum() + local_s))
 
@@ -416,14 +429,17 @@ def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
 
 
 def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
-                    spd: int) -> float:
+                    spd: int, num_home: int) -> float:
   """Seconds per micro-step the flush's place in the backward costs when
   it sends nothing (every micro-step but the last runs it switched off):
   per layer, the slots' float32 gradient sum (read the accumulated and
   the new gradient, write the sum) and, in ``exact`` mode, per stage of
   its returns the gather of the send buffer's items and the zeroed
-  receive buffer (`schedule.flush_form`)."""
+  receive buffer (`schedule.flush_form`). In place (`in_place`: the CPU's
+  single-stage flush) only the home experts' zero cotangent is written."""
   num_layers = flush.local_src_LS.shape[0]
+  if in_place(flush, hw, returns=True):
+    return num_layers * num_home * model.params_per_expert * 4 / hw.hbm_bw
   items = 3 * spd
   if isinstance(flush, schedule.ExactTransition):
     _, stages, _, send_w = flush.ret_send_LPDR.shape
@@ -489,7 +505,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
             * (1.5 if shards > 1 else 1.0)
             + (costs.allreduce_time(4.0 * expert_params, groups, hw)
                if groups > 1 else 0.0))
-  hook_s = num_micro * flush_hook_time(mp.transfer.flush, model, hw, spd)
+  hook_s = num_micro * flush_hook_time(mp.transfer.flush, model, hw, spd,
+                                       num_experts // num_dev)
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum()
                    + flush_exposed_s + hook_s + optimizer_s + sync_s)
   # The recompute: the forwards the step needs, each on the method's

@@ -22,7 +22,9 @@ to the next:
     Only experts that move cross the wire. XLA:CPU has no ragged
     all-to-all; there the same contract runs as cyclic-shift ppermute
     rounds derived on device from the counts, idle rounds skipped
-    (`EXCHANGES`).
+    (`EXCHANGES`), and a single-stage transition reads and writes the
+    stacked buffers in place, item by item, so it costs what it moves
+    (`_fill_inplace`).
   - ``rounds`` (Transition): R rounds, R static. In round r every device
     sends at most one expert to the device `shift[r]` places after it and
     receives at most one. A round is one `jax.lax.ppermute` whose cyclic
@@ -472,6 +474,210 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   return _zero_evicted(gslots, t, spd), gcanon
 
 
+
+# ---------------------------------------------------------- in place (CPU)
+#
+# On CPU the exchange is emulated by rounds and every collective is
+# synchronous, so what a transition costs is the memory it touches. The
+# per-layer form above slices each layer's slots and canonical experts out
+# of the stacked buffers, zeroes a receive buffer, scatters it back and
+# restacks every layer (a scan's outputs are fresh buffers): every slot's
+# weights copied several times per transition whether it changes or not.
+# For the single-stage transitions (the moves between micro-steps, and a
+# fill or flush with one stage) the functions below read and write the
+# stacked buffers item by item, in place: a transition costs the items it
+# moves. Sources are read before anything is written (received items and
+# local copies are staged first), so a slot that sends its old expert and
+# takes a new one in the same transition reads as it was, as the
+# per-layer form guarantees by reading its input.
+
+
+def _item(x, at):
+  """x[at] for a tuple of scalar indices into x's leading axes."""
+  return jax.lax.dynamic_slice(
+      x, tuple(at) + (0,) * (x.ndim - len(at)),
+      (1,) * len(at) + x.shape[len(at):]).reshape(x.shape[len(at):])
+
+
+def _put(x, at, v):
+  """x with x[at] = v (in place where x is a loop's carry)."""
+  return jax.lax.dynamic_update_slice(
+      x, v.reshape((1,) * len(at) + v.shape).astype(x.dtype),
+      tuple(at) + (0,) * (x.ndim - len(at)))
+
+
+def _valid_first(mask):
+  """(indices with mask first, in order; how many): a loop over the first
+  n entries visits exactly the True ones."""
+  order = jnp.argsort(~mask, stable=True).astype(jnp.int32)
+  return order, mask.sum().astype(jnp.int32)
+
+
+def _rounds_inplace(send_item, receive, carry, cnt: _Counts, me,
+                    num_items: int):
+  """One single-stage exchange by cyclic-shift rounds, idle rounds skipped
+  (`_exchange_by_rounds`' rounds): in shift k's round r this device sends
+  send_item(carry, row), its r-th item for device me + k (a clipped row
+  when it has none: the receiver ignores it), and receive(carry, q, got)
+  takes what device me - k sent, q its row in this device's receive
+  order (-1: nothing was sent). The buffers the items are read from
+  may travel in the carry (send_item reads them from it)."""
+  num_devices = cnt.send_D.shape[0]
+  in_off_D = jnp.cumsum(cnt.send_D) - cnt.send_D
+  recv_off_D = jnp.cumsum(cnt.recv_D) - cnt.recv_D
+
+  def one_round(k, r, carry):
+    dst, src = (me + k) % num_devices, (me - k) % num_devices
+    row = jnp.clip(in_off_D[dst] + r, 0, num_items - 1)
+    got = _shifted(send_item(carry, row), k, num_devices)
+    q = jnp.where(r < cnt.recv_D[src], recv_off_D[src] + r, -1)
+    return receive(carry, q, got)
+
+  def shift(k, carry):
+    return jax.lax.fori_loop(0, cnt.depth_K[k],
+                             lambda r, c: one_round(k, r, c), carry)
+  return jax.lax.fori_loop(1, num_devices, shift, carry)
+
+
+def _single_stage(t: dict, pre: str = '') -> bool:
+  """Whether an ``exact`` transition's fills (pre '') or returns (pre
+  'ret_') run as one exchange (no broadcast or reduction tree)."""
+  return _is_exact(t) and t[f'{pre}send_LPDR'].shape[-3] == 1
+
+
+def _fill_inplace(slots, canon, ids_h, t, me, spd: int, layers=None):
+  """`fill_slots_local` of a single-stage ``exact`` transition with the
+  emulated exchange, on the stacked buffers in place (comment above).
+
+  slots: (weights [L, s, X...]..., ids [L, s]); canon: weights [L, h,
+  X...]; ids_h: the home experts' ids [h]; layers: None (all) or the
+  (first, end) layers to fill (traced is fine; the others are left as
+  they are). Per layer: the rounds stage what this device receives, the
+  local copies stage their sources, then both are written into their
+  slots."""
+  weights, ids = tuple(slots[:-1]), slots[-1]
+  num_layers = ids.shape[0]
+  recv_w = t['recv_LPDR'].shape[-1]
+  send_w = t['send_LPDR'].shape[-1]
+  # Staging rows: [received items (recv_w), local copies (s), one row that
+  # takes what is not kept]. Carried from layer to layer: a layer reads
+  # only the rows it wrote, so the buffer is zeroed once per transition.
+  rows = recv_w + spd + 1
+  stage = (tuple(_zero_rows(w[0], rows) for w in weights),
+           vary(jnp.zeros((rows,), jnp.int32), varying_axes(ids) | {EXPERT}))
+
+  def source(bufs, l, index):
+    """Entry `index` of layer l's local list [slots..., homes...]."""
+    weights, ids = bufs
+    in_slot = index < spd
+    i_s = jnp.clip(index, 0, spd - 1)
+    i_h = jnp.clip(index - spd, 0, ids_h.shape[0] - 1)
+    w = tuple(jnp.where(in_slot, _item(a, (l, i_s)), _item(b, (l, i_h)))
+              for a, b in zip(weights, canon))
+    return w, jnp.where(in_slot, _item(ids, (l, i_s)), ids_h[i_h])
+
+  def stage_put(stage, q, item):
+    w, i = item
+    return (tuple(_put(x, (q,), v) for x, v in zip(stage[0], w)),
+            _put(stage[1], (q,), i))
+
+  def layer(l, carry):
+    bufs, stage = carry
+    t_l = jax.tree.map(lambda x: _item(x, (l,)), t)
+    send_R, dst_R = t_l['send_LPDR'][0, 0], t_l['recv_LPDR'][0, 0]
+    cnt = _my_counts(t_l, 0)
+    # Reads: what this device receives and its local copies' sources.
+    bufs, stage = _rounds_inplace(
+        lambda c, row: source(c[0], l, send_R[row]),
+        lambda c, q, got: (c[0], stage_put(c[1], jnp.where(q >= 0, q,
+                                                           rows - 1), got)),
+        (bufs, stage), cnt, me, send_w)
+    local_s = t_l['local_src_LS']
+    order_s, num_local = _valid_first(local_s >= 0)
+    bufs, stage = jax.lax.fori_loop(
+        0, num_local, lambda i, c: (c[0], stage_put(
+            c[1], recv_w + i, source(c[0], l, local_s[order_s[i]]))),
+        (bufs, stage))
+
+    # Then the writes (they read the staged rows, so XLA orders them after
+    # every read of the buffers and updates these in place).
+    def write(bufs, j, q, keep=False):
+      """Slot j of layer l takes staged row q (keep: stays as it is)."""
+      w, i = bufs
+      jc = jnp.maximum(j, 0)
+      pick = lambda x, v: jnp.where(keep, _item(x, (l, jc)), _item(v, (q,)))
+      return (tuple(_put(x, (l, jc), pick(x, v)) for x, v in zip(w, stage[0])),
+              _put(i, (l, jc), pick(i, stage[1])))
+    # A received row the schedule gives no slot (never, as built) writes
+    # its slot back unchanged.
+    bufs = jax.lax.fori_loop(
+        0, cnt.recv_D.sum(),
+        lambda q, b: write(b, dst_R[q], q, keep=dst_R[q] < 0), bufs)
+    bufs = jax.lax.fori_loop(
+        0, num_local, lambda i, b: write(b, order_s[i], recv_w + i), bufs)
+    return bufs, stage
+
+  first, end = (0, num_layers) if layers is None else layers
+  (weights, ids), _ = jax.lax.fori_loop(first, end, layer,
+                                        ((weights, ids), stage))
+  return weights + (ids,)
+
+
+def _returns_inplace(get, add_home, carry, t_l, me, spd: int,
+                     count_rounds: bool = False):
+  """One layer's single-stage returns onto the homes, item by item: the
+  local returns, then the rounds. get(carry, j): slot j's gradient (a
+  tree of [X...]); add_home(carry, i, v): the carry with home i's
+  gradient plus v (v zero where nothing arrived). Reads only slots and
+  writes only homes, so nothing is staged. count_rounds: returns (carry,
+  the number of rounds run)."""
+  local_s = t_l['ret_local_LS']  # [s]: s + home index, or -1.
+  order_s, num_local = _valid_first(local_s >= spd)
+  carry = jax.lax.fori_loop(
+      0, num_local, lambda i, c: add_home(
+          c, local_s[order_s[i]] - spd, get(c, order_s[i])), carry)
+  send_R, dst_R = t_l['ret_send_LPDR'][0, 0], t_l['ret_recv_LPDR'][0, 0]
+
+  def receive(c, q, got):
+    c, n = c
+    home = jnp.where(q >= 0, dst_R[jnp.maximum(q, 0)], -1) - spd
+    keep = home >= 0
+    got = jax.tree.map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), got)
+    return add_home(c, jnp.maximum(home, 0), got), n + 1
+  carry, n = _rounds_inplace(
+      lambda c, row: get(c[0], jnp.clip(send_R[row], 0, spd - 1)), receive,
+      (carry, jnp.int32(0)), _my_counts(t_l, 0, 'ret_'), me, send_R.shape[0])
+  return (carry, n) if count_rounds else carry
+
+
+def _return_grads_inplace(gslots, gcanon, t, me, spd: int):
+  """`return_grads_local` of a single-stage ``exact`` transition with the
+  emulated exchange, in place: evicted slots' gradients added into their
+  homes', then zeroed; untouched slots cost nothing."""
+  num_layers = gslots[0].shape[0]
+
+  def layer(l, bufs):
+    t_l = jax.tree.map(lambda x: _item(x, (l,)), t)
+    get = lambda c, j: tuple(_item(x, (l, j)) for x in c[0])
+    add = lambda c, i, v: (c[0], tuple(_put(x, (l, i), _item(x, (l, i)) + g)
+                                       for x, g in zip(c[1], v)))
+    (gs, gc), rounds = _returns_inplace(get, add, bufs, t_l, me, spd,
+                                        count_rounds=True)
+    order_s, num_evict = _valid_first(t_l['evict_LS'])
+    # The zeroing would read nothing the returns computed, and XLA, free to
+    # run it first, would copy the slots' buffers for the returns to read
+    # (every layer, every transition). A trip count that waits for the
+    # rounds (min(rounds, 0) is 0) orders it after them: in place.
+    num_evict = num_evict + jnp.minimum(rounds, 0)
+    gs = jax.lax.fori_loop(
+        0, num_evict, lambda i, g: tuple(
+            _put(x, (l, order_s[i]), jnp.zeros(x.shape[2:], x.dtype))
+            for x in g), gs)
+    return gs, gc
+  return jax.lax.fori_loop(0, num_layers, layer,
+                           (tuple(gslots), tuple(gcanon)))
+
+
 @jax.custom_vjp
 def returns_in_backward(slot_w, canon_w, acc, t_l, active):
   """Identity on one layer's slot weights (a tuple of [s, X...]), whose
@@ -502,8 +708,23 @@ def _returns_bwd(res, ct_w):
   canon_w, acc, t_l, active = res
   me = jax.lax.axis_index(EXPERT)
   spd = acc[0].shape[0]
-  total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
   t_l = _only_where(t_l, active, 'returns')
+  if default_exchange() == 'emulated' and _single_stage(t_l, 'ret_'):
+    # In place (CPU): each returned item is its slot's sum read as it is
+    # sent, and the homes' cotangent holds only what arrives, so a
+    # switched-off flush (every micro-step but the last) writes only the
+    # zero cotangent.
+    zero = tuple(vary(jnp.zeros(c.shape, a.dtype),
+                      varying_axes(a) | varying_axes(c) | {EXPERT})
+                 for c, a in zip(canon_w, acc))
+    get = lambda _, j: tuple(_item(a, (j,)) + _item(c, (j,)).astype(a.dtype)
+                             for a, c in zip(acc, ct_w))
+    add = lambda g, i, v: tuple(_put(x, (i,), _item(x, (i,)) + u)
+                                for x, u in zip(g, v))
+    got = _returns_inplace(get, add, zero, t_l, me, spd)
+    return (ct_w, tuple(g.astype(c.dtype) for g, c in zip(got, canon_w)),
+            None, None, None)
+  total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
   zero = tuple(jnp.zeros(c.shape, a.dtype) for c, a in zip(canon_w, acc))
   zero = tuple(vary(z, varying_axes(a) | varying_axes(z))
                for z, a in zip(zero, total))
@@ -613,6 +834,9 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
     return tuple(_layer_fill(slots_l, canon_l, t_l, me, spd, num_devices))
 
   if chunk is None:
+    if exchange == 'emulated' and _single_stage(t):
+      return _fill_inplace(slots, canon, ids_h, t, me, spd)
+
     def layer(_, xs):
       slots_l, canon_l, t_l = xs
       return None, fill(tuple(slots_l), tuple(canon_l) + (ids_h,), t_l)
@@ -621,8 +845,10 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   # The CPU emulation's and the rounds engine's collectives sit in
   # conditionals anyway: there a switched-off layer skips its fill, send
   # buffer included; else the masks switch it off outside any conditional.
-  skip = exchange == 'emulated' or not _is_exact(t)
   first, end = _chunk_layers(chunk, num_layers, num_chunks)
+  if exchange == 'emulated' and _single_stage(t):
+    return _fill_inplace(slots, canon, ids_h, t, me, spd, (first, end))
+  skip = exchange == 'emulated' or not _is_exact(t)
   for j in range(-(-num_layers // num_chunks)):  # The largest chunk.
     l = jnp.minimum(first + j, num_layers - 1)
     active = first + j < end
@@ -679,6 +905,8 @@ def return_grads_local(gslots, gcanon, t, *, num_devices: int,
   exchange = exchange or default_exchange()
   me = jax.lax.axis_index(EXPERT)
   spd = gslots[0].shape[1]
+  if exchange == 'emulated' and _single_stage(t, 'ret_'):
+    return _return_grads_inplace(gslots, gcanon, t, me, spd)
 
   def layer(_, xs):
     gs, gc, t_l = xs

@@ -591,8 +591,17 @@ def test_flush_inside_the_last_backward_by_hand():
   # items: R <= s + h = 5, so one collective), f32, once per micro-step.
   _, _, spread = _hot_expert_plans(Topology(1, 2, 3))
   assert spread.transfer.fill.send_LPDR.shape[-1] == 4
-  assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3) == (
+  assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3, 2) == (
       pytest.approx(1 * (3 * 3 + 3 + 4) * MODEL.params_per_expert * 4 / 1e15))
+  # On the CPU's emulated exchange this one-stage flush runs in place: it
+  # reads each item as it sends it, so switched off it writes only the
+  # h = 2 home experts' zero cotangent.
+  cpu = dataclasses.replace(HW, emulated_exchange=True)
+  assert spread.transfer.flush.ret_count_LPDD.shape[1] == 1
+  assert simulate.in_place(spread.transfer.flush, cpu, returns=True)
+  assert not simulate.in_place(spread.transfer.flush, HW, returns=True)
+  assert simulate.flush_hook_time(spread.transfer.flush, MODEL, cpu, 3, 2) == (
+      pytest.approx(1 * 2 * MODEL.params_per_expert * 4 / 1e15))
 
 
 def test_validation_cache_is_read_only_for_its_bench_skews_and_format(
@@ -657,6 +666,13 @@ def test_fills_from_empty_buffers_and_the_prefill_chunks_by_hand():
   # ones, nothing to move into the same placement); the prefill pays the
   # whole fill, empty buffers included, and the chunk slices.
   b_slow = simulate.time_step(pre, loads, MODEL, _work(), slow)
+  # On the CPU's emulated exchange the one-stage prefill fills its chunks
+  # in place (`simulate.in_place`): no slices, only the empty buffers.
+  cpu_slow = dataclasses.replace(slow, emulated_exchange=True)
+  assert simulate.in_place(pre.recompute_transfer.fill, cpu_slow)
+  c_slow = simulate.time_step(pre, loads, MODEL, _work(), cpu_slow)
+  assert c_slow['prefill_s'] == pytest.approx(
+      b_slow['prefill_s'] - simulate.chunk_slices_s(MODEL, slow, 1, 2, 3, 2))
   assert b_slow['fill_s'] == 0.0
   assert b_slow['prefill_s'] == pytest.approx(a_slow['fill_s'] + 49.152e-3)
 

@@ -33,37 +33,66 @@ def random_placements(rng, num_micro, num_layers, num_experts, num_slots):
   return out
 
 
+def _sources_also_written(steps, spd: int) -> int:
+  """(micro-step, layer, device, slot)s of an ExactTransition stack that
+  send or locally copy their slot's old expert and are overwritten in the
+  same transition."""
+  num_micro, num_layers = steps.local_src_LS.shape[:2]
+  count = 0
+  for m in range(num_micro):
+    for l in range(num_layers):
+      for d in range(D):
+        local = steps.local_src_LS[m, l, d * spd:(d + 1) * spd]
+        read = ({int(x) for x in steps.send_LPDR[m, l, 0, d] if 0 <= x < spd}
+                | {int(x) for x in local if 0 <= x < spd})
+        written = ({int(x) for x in steps.recv_LPDR[m, l, 0, d] if x >= 0}
+                   | {j for j in range(spd) if local[j] >= 0})
+        count += len(read & written)
+  return count
+
+
 @pytest.fixture(scope='module')
 def mesh():
   return ep.make_mesh(1, D)
 
 
-@pytest.mark.parametrize('mode,exchange,num_nodes,spd,num_experts',
-                         [('exact', 'emulated', 1, 2, 8),
-                          ('exact', 'emulated', 2, 3, 16),
-                          ('exact', 'a2a', 2, 3, 16),
-                          ('rounds', None, 2, 3, 16)])
+@pytest.mark.parametrize('mode,exchange,num_nodes,spd,num_experts,tree',
+                         [('exact', 'emulated', 1, 2, 8, True),
+                          ('exact', 'emulated', 2, 3, 16, True),
+                          ('exact', 'emulated', 1, 2, 8, False),
+                          ('exact', 'emulated', 2, 3, 16, False),
+                          ('exact', 'a2a', 2, 3, 16, True),
+                          ('rounds', None, 2, 3, 16, True)])
 def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode, exchange,
                                                           num_nodes, spd,
-                                                          num_experts):
+                                                          num_experts, tree):
+  """tree: a fill/flush budget large enough for the flush to be a
+  reduction tree and the first fill a broadcast tree (schedule.flush_form,
+  fill_form): 32 or 48 against s + h = 3 or 5; else one stage each, which
+  the CPU's emulated exchange runs in place (`engine._fill_inplace`), as
+  it does every move between micro-steps. The moves include slots that
+  send their old expert and take a new one in the same transition."""
   rng = np.random.default_rng(spd)
   num_micro, num_layers = 4, 2
   topo = Topology(num_nodes, D // num_nodes, spd)
   se_MLS = random_placements(rng, num_micro, num_layers, num_experts,
                              topo.num_slots)
-  # A fill/flush budget large enough for the flush to be a reduction tree
-  # and the first fill a broadcast tree (schedule.flush_form, fill_form):
-  # 32 or 48 against s + h = 3 or 5.
-  budget = schedule.TransferBudget(step_rounds=16 * spd,
+  budget = schedule.TransferBudget(step_rounds=(16 if tree else 4) * spd,
                                    microstep_rounds=4 * spd, mode=mode)
   st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
   assert st.remote_fills_M()[1:].sum() > 0  # The sequence really moves experts.
-  if mode == 'exact':  # The flush runs as a reduction tree, the first
-    # fill as a broadcast tree.
-    assert st.flush.ret_count_LPDD.shape[1] > 1
-    assert st.flush.ret_count_LPDD[:, 1:].sum() > 0
-    assert st.fill.count_LPDD.shape[1] > 1
-    assert st.fill.count_LPDD[:, 1:].sum() > 0
+  if mode == 'exact':
+    # The moves: one stage, with slots that are both a source and a
+    # destination of the same transition.
+    assert st.steps.count_LPDD.shape[2] == 1
+    assert _sources_also_written(st.steps, spd) > 0
+    stages = (st.flush.ret_count_LPDD.shape[1], st.fill.count_LPDD.shape[1])
+    if tree:
+      assert min(stages) > 1
+      assert st.flush.ret_count_LPDD[:, 1:].sum() > 0
+      assert st.fill.count_LPDD[:, 1:].sum() > 0
+    else:
+      assert stages == (1, 1)
   # Two leaves of different shapes, stacked over the layers as the model
   # stores them: [L, E, ...].
   canon = (jnp.asarray(rng.standard_normal((num_layers, num_experts, 3, 2)),
