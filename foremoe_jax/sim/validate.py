@@ -49,7 +49,8 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # as its rounds send them. 4: the emulated dispatch pads
 # each pair to the step's pair bucket (`StepPlan.cell`), not the routing bound.
 # 5: the calibration runs timed in the methods' repetitions, after them.
-CACHE_FORMAT = 5
+# 6: the CPU engine's single-stage transitions in place.
+CACHE_FORMAT = 6
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
