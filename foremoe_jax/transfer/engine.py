@@ -474,7 +474,6 @@ def _layer_returns(gslots, gcanon, t, me, spd: int, num_devices: int):
   return _zero_evicted(gslots, t, spd), gcanon
 
 
-
 # ---------------------------------------------------------- in place (CPU)
 #
 # On CPU the exchange is emulated by rounds and every collective is
