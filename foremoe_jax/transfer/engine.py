@@ -282,8 +282,7 @@ def _exchange(pick, num_items: int, cnt: _Counts, me, exchange: str,
   recv_off_D = jnp.cumsum(cnt.recv_D) - cnt.recv_D
 
   if exchange == 'emulated':
-    return _exchange_by_rounds(pick, num_items, cnt, me, in_off_D,
-                               recv_off_D, out_rows)
+    return _exchange_by_rounds(pick, num_items, cnt, me, out_rows)
 
   def one(x):
     flat = x.reshape(x.shape[0], -1)
@@ -304,8 +303,8 @@ def _exchange(pick, num_items: int, cnt: _Counts, me, exchange: str,
   return jax.tree.map(one, pick(jnp.arange(num_items, dtype=jnp.int32)))
 
 
-def _exchange_by_rounds(pick, num_items: int, cnt: _Counts, me, in_off_D,
-                        recv_off_D, out_rows: int):
+def _exchange_by_rounds(pick, num_items: int, cnt: _Counts, me,
+                        out_rows: int):
   """`_exchange` on CPU: the same result by cyclic-shift ppermute rounds,
   idle rounds skipped. Shift k takes as many rounds as its busiest pair
   (c, c + k) has items (cnt.depth_K), each carrying one expert per device
@@ -313,25 +312,19 @@ def _exchange_by_rounds(pick, num_items: int, cnt: _Counts, me, in_off_D,
   nothing and one with few moves little, where an all_to_all padded to R
   items per pair would copy D x R experts per device every layer. (The
   rounds sit in conditionals, which on CPU costs nothing: its collectives
-  are synchronous anyway.)"""
-  num_devices = cnt.send_D.shape[0]
+  are synchronous anyway.) The rounds are `_rounds_inplace`'s, into a
+  receive buffer."""
+  def send_item(_, row):
+    return jax.tree.map(lambda x: x[0], pick(row[None]))
 
-  def one_round(k, r, out):
-    dst, src = (me + k) % num_devices, (me - k) % num_devices
-    row = jnp.clip(in_off_D[dst] + r, 0, num_items - 1)
-    item = jax.tree.map(lambda x: x[0], pick(row[None]))
-    got = _shifted(item, k, num_devices)
-    at = jnp.where(r < cnt.recv_D[src], recv_off_D[src] + r, out_rows)
+  def receive(out, q, got):
+    at = jnp.where(q >= 0, q, out_rows)
     return jax.tree.map(lambda o, g: o.at[at].set(g, mode='drop'), out, got)
-
-  def shift(k, out):
-    return jax.lax.fori_loop(0, cnt.depth_K[k],
-                             lambda r, o: one_round(k, r, o), out)
   # The receive buffer, shaped (and varying) like the items; the one-row
   # pick is only read for its type, so it is never computed.
   like = pick(jnp.zeros((1,), jnp.int32))
   out = jax.tree.map(lambda x: _zero_rows(x, out_rows), like)
-  return jax.lax.fori_loop(1, num_devices, shift, out)
+  return _rounds_inplace(send_item, receive, out, cnt, me, num_items)
 
 
 def _local_copies(slots, canon, t, spd: int):
