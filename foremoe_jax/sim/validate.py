@@ -129,7 +129,8 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
   regressor's seconds of those parts (a profile that prices only one
   thing, e.g. the FLOPs: seconds at 1 FLOP/s and nothing else). If a
   regressor after the first comes out negative (too few or too alike runs
-  to separate it), the extra ones are dropped: coefficient 0. known: a
+  to separate it), the extra ones are dropped: coefficient 0; if the fixed
+  seconds come out negative, the fit is redone through 0. known: a
   profile pricing what of the parts is already fitted (taken off too)."""
   xs, ys = [], []
   for r in runs:
@@ -146,15 +147,27 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
       y -= sum(pred[k] for k in parts)
     ys.append(y)
   xs, ys = np.asarray(xs), np.asarray(ys)
-  fit = lambda n: np.linalg.lstsq(
-      np.concatenate([xs[:, :n], np.ones((len(ys), 1))], axis=1), ys,
-      rcond=None)[0]
-  sol = fit(len(regressors))
-  if (sol[1:-1] <= 0).any():  # The FLOPs stay; the extra regressors go.
-    one = fit(1)
-    sol = np.concatenate([one[:1], np.zeros(len(regressors) - 1), one[1:]])
+
+  def fit(n, intercept=True):
+    cols = [xs[:, :n]] + ([np.ones((len(ys), 1))] if intercept else [])
+    sol = np.linalg.lstsq(np.concatenate(cols, axis=1), ys, rcond=None)[0]
+    return sol if intercept else np.append(sol, 0.0)
+
+  def solve(intercept):
+    sol = fit(len(regressors), intercept)
+    if (sol[1:-1] <= 0).any():  # The FLOPs stay; the extra regressors go.
+      one = fit(1, intercept)
+      sol = np.concatenate([one[:1], np.zeros(len(regressors) - 1), one[1:]])
+    return sol
+
+  sol = solve(True)
+  # A fixed cost cannot be negative. Clamping the intercept to 0 while
+  # keeping the slope fitted beside the negative one would tilt every
+  # prediction up; the constrained least squares is the fit through 0.
+  if sol[-1] < 0:
+    sol = solve(False)
   coef = [max(float(sol[0]), 1e-30)] + [float(c) for c in sol[1:-1]]
-  return coef, max(float(sol[-1]), 0.0)
+  return coef, float(sol[-1])
 
 
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):

@@ -481,6 +481,38 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
   assert bare.forward_profile() == bare
 
 
+def test_validation_refit_never_takes_a_negative_fixed_cost():
+  """Recomputes that grow faster than their FLOPs (the largest run 30%
+  slow: noise, or a cost the model lacks) pull the free least-squares
+  intercept below 0. The refit then takes the least squares through 0: no
+  per-layer overhead, and the rate satisfies that fit's normal equation,
+  sum over runs of (measured - predicted) x FLOP seconds = 0. Clamping
+  only the intercept would keep the slope fitted beside the negative one,
+  which fails that equation (checked: by 15% of sum x^2)."""
+  from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
+  topo, cost = Topology(1, 2, 3), CostModel()
+  work = _work(num_micro=2, recompute_forward_passes=1, fsdp_all=False)
+  truth = dataclasses.replace(HW, peak_flops_per_s=3e9, layer_overhead_s=2e-3,
+                              forward_flops_per_s=1.5e9,
+                              forward_layer_overhead_s=0.0)
+  given = dataclasses.replace(HW, peak_flops_per_s=1e12, layer_overhead_s=0.0)
+  runs = _timed_static_runs(truth, (10, 40, 70, 100), topo, cost, work)
+  runs[-1] = dict(runs[-1], recompute_s=1.3 * runs[-1]['recompute_s'])
+  fit = validate.refit_compute(given, runs, topo, cost, MODEL, work)
+  assert fit.forward_layer_overhead_s == 0.0
+  # The free fit's intercept is indeed negative here (numpy, by hand).
+  pred = lambda prof, r: simulate.time_step(
+      validate._static_plan(r['loads_MLDE'], r['capacity'], topo, cost),  # pylint: disable=protected-access
+      r['loads_MLDE'], MODEL, work, prof)['recompute_s']
+  inf = dataclasses.replace(fit, forward_flops_per_s=1e30)
+  x = np.array([pred(fit, r) - pred(inf, r) for r in runs])  # FLOP seconds.
+  y = np.array([r['recompute_s'] - pred(inf, r) for r in runs])
+  free = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)[0]
+  assert free[1] < 0
+  assert abs(np.sum((y - x) * x)) < 1e-6 * np.sum(x * x)
+  assert fit.forward_flops_per_s < 1.5e9  # The slow run still counts.
+
+
 def test_validation_refit_separates_the_tiles_from_the_rows():
   """With the tiled grouped GEMM, a tile costs a fixed time besides its
   rows, and the tile grows with the bucket: the refit on runs whose
