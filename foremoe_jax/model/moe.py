@@ -71,9 +71,10 @@ class MoE(nnx.Module):
     placement without them, the slots are gathered from the canonical
     experts (`expert_parallel.routed_experts`: an all-gather, kept as the
     reference path; the RL step always passes slot weights).
-    slot_returns: per device, (accumulated slot gradients, one layer of a
-    device transition, active): the slots' gradients go home in this
-    layer's backward, arriving as the canonical weights' cotangent
+    slot_returns: per device, (the canonical experts' gradient sums so
+    far, accumulated slot gradients, one layer of a device transition,
+    active): the slots' gradients go home in this layer's backward, the
+    sums' cotangent being the sums with what arrived added
     (`transfer.engine.returns_in_backward`; the RL update's flush)."""
     b, t, m = x_BTM.shape
     n = b * t
@@ -110,8 +111,9 @@ class MoE(nnx.Module):
       if slot_returns is not None:
         # pylint: disable-next=g-import-not-at-top
         from foremoe_jax.transfer import engine
+        home_acc, acc, t_l, active = slot_returns
         slot_weights = engine.returns_in_backward(
-            tuple(slot_weights), tuple(args[4:7]), *slot_returns)
+            tuple(slot_weights), tuple(home_acc), acc, t_l, active)
       args = args[:4] + tuple(slot_weights) + args[7:]
     kw = dict(capacity=capacity, dispatch=self.dispatch)
     if self.dispatch == 'exact' and self.exchange:

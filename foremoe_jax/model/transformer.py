@@ -183,9 +183,10 @@ class Transformer(nnx.Module):
     slot_weights: the MoE layers' slot weights (w_gate [L, S, M, F], w_up
     [L, S, M, F], w_down [L, S, F, M]) for `placement`; None with a
     placement gathers them from the canonical experts (the reference path).
-    slot_returns: per device, with slot_weights, (accumulated slot
-    gradients [L, S, ...] tuple, a device transition [L, ...] whose returns
-    run in each MoE layer's backward, active bool []): `MoE.__call__`.
+    slot_returns: per device, with slot_weights, (the canonical experts'
+    gradient sums [L, h, ...] tuple, accumulated slot gradients [L, S, ...]
+    tuple, a device transition [L, ...] whose returns run in each MoE
+    layer's backward, active bool []): `MoE.__call__`.
     indexer_weight_BT: float weights of the query positions in each MSA
     layer's indexer KL (`pallas_kernels.msa.msa_indexer_kl_loss`), e.g. the
     loss mask over its sum, so padding and prompt positions do not count;
@@ -264,8 +265,9 @@ class Transformer(nnx.Module):
       if slot_weights is not None:
         xs['slot_weights'] = tuple(w[lo:hi] for w in slot_weights)
         if slot_returns is not None:
-          acc, t, active = slot_returns
+          home_acc, acc, t, active = slot_returns
           xs['slot_returns'] = (
+              tuple(h[lo:hi] for h in home_acc),
               tuple(a[lo:hi] for a in acc),
               {k: v[lo:hi] for k, v in t.items()},
               jnp.broadcast_to(active, (hi - lo,)))

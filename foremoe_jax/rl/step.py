@@ -515,8 +515,10 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   A slot's gradient accumulates while it keeps its expert and goes home
   when the slot is refilled, or at the final flush; the canonical expert
   gradients are then summed over 'data' once. Only the non-expert
-  parameters and the slot buffers are differentiated: the canonical
-  experts get exactly the returned sums, and no zero-filled carry.
+  parameters, the slot buffers and the canonical experts' gradient sums
+  are differentiated: the sums' cotangent is the sums plus what the
+  backward returned, so the canonical experts get exactly the returned
+  sums, and no micro-step makes a zero-filled gradient of them.
 
   Gradients are float32 sums over micro-steps and devices whatever the
   compute dtype. The policy loss is aggregated by `loss_agg_mode` with
@@ -561,11 +563,13 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                 if k in logps})
   extra_specs = {k: P(None, rows) for k in extra}
 
-  def micro_loss(nonexp_l, slot_w, experts_l, slot_returns, toks, valid,
-                 routes, placement, mask, adv, old, ref, rollout, denoms):
-    # The canonical experts reach the loss only through the slots'
-    # returns in the backward (`engine.returns_in_backward`): their
-    # gradient is exactly the slot gradients sent home.
+  def micro_loss(nonexp_l, slot_w, home_acc, experts_l, slot_returns, toks,
+                 valid, routes, placement, mask, adv, old, ref, rollout,
+                 denoms):
+    # The canonical experts do not reach the loss (the slots compute) and
+    # are not differentiated. Their gradient sums so far, home_acc, are:
+    # the slots' returns in the backward (`engine.returns_in_backward`)
+    # make home_acc's cotangent those sums plus what arrived.
     params = nnx.merge_state(nonexp_l, experts_l)
     # The indexer KL over the loss's positions (completion tokens), each
     # sequence's token mean over num_total: aggregated like the policy loss.
@@ -575,7 +579,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
                            routes, model_capacity(plan), slot_weights=slot_w,
                            indexer_weight_bT=index_w,
-                           slot_returns=slot_returns)
+                           slot_returns=(home_acc,) + slot_returns)
     if old is None:  # One epoch: the old policy is this one.
       old = jax.lax.stop_gradient(logp)
     loss, metrics = grpo.policy_loss(
@@ -633,9 +637,6 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
     add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
-    # Per data row, like the slots: their gradients (the returned slot
-    # gradients) are summed over 'data' once, after the last micro-step.
-    experts_v = jax.tree.map(lambda x: ep_lib.vary(x, (DATA,)), experts_l)
     num_micro = bt['tokens_MbT'].shape[0]
 
     def body(carry, xs):
@@ -647,10 +648,12 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       # backward, so each layer's return travels while the layers before
       # it still backpropagate.
       flush = (tuple(gslots), transfer['flush'], m == num_micro - 1)
-      (g, g_slots, g_experts), metrics = grad_fn(
-          nonexp_l, slots[:3], experts_v, flush, toks, valid, routes, pl,
-          mask, adv, old, ref, rollout, denoms)
-      gcanon = add(gcanon, canonical_experts(g_experts, moe_segments))
+      # gcanon's cotangent is gcanon with the flush's arrivals added (every
+      # micro-step but the last: gcanon, passed through).
+      (g, g_slots, gcanon), metrics = grad_fn(
+          nonexp_l, slots[:3], gcanon, experts_l, flush, toks, valid, routes,
+          pl, mask, adv, old, ref, rollout, denoms)
+      gcanon = tuple(gcanon)
       # Which micro-step went non-finite, so the host can name it.
       metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
                                 & all_finite((g, g_slots)))).astype(jnp.int32)
@@ -667,7 +670,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
           gslots, gcanon, moves, num_devices=num_devices)
       return (add(g_acc, g), next_slots, gslots, gcanon), metrics
 
-    # Slot gradients are per data row until the end: so are their sums.
+    # Slot gradients are per data row until the end: so are their sums,
+    # summed over 'data' once, after the last micro-step.
     gcanon0 = tuple(ep_lib.vary(g, (DATA,)) for g in acc(canon))
     carry = (acc(nonexp_l), slots, acc(slots[:3]), gcanon0)
     xs = (bt['tokens_MbT'], bt['valid_MbT'], bt['routes_MLbTK'],

@@ -68,9 +68,10 @@ class MemoryBreakdown:
   nonexpert_grads: float  # float32 gradient sums of the step
   nonexpert_gathered: float  # FSDP: the whole parameters, gathered per step
   expert_state: float  # canonical experts: master + moments
-  expert_grads: float  # float32 canonical gradient sums, and one micro-
-  #                      step's returned slot gradients (the canonical
-  #                      experts' cotangent, `engine.returns_in_backward`)
+  expert_grads: float  # float32 canonical gradient sums, twice: the
+  #                      carried sums and the new sums a micro-step's
+  #                      backward writes (their cotangent,
+  #                      `engine.returns_in_backward`)
   slot_weights: float  # two copies of the slot buffers (moved dtype)
   slot_grads: float  # float32 slot gradient sums
   saved_activations: float  # what the backward keeps, all layers

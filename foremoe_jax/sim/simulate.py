@@ -436,7 +436,9 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   the new gradient, write the sum) and, in ``exact`` mode, per stage of
   its returns the gather of the send buffer's items and the zeroed
   receive buffer (`schedule.flush_form`). In place (`in_place`: the CPU's
-  single-stage flush) only the home experts' zero cotangent is written."""
+  single-stage flush) the home experts' gradient sums only pass through
+  as their own cotangent: priced as one write of them, the most XLA's
+  copy of a loop carry costs."""
   num_layers = flush.local_src_LS.shape[0]
   if in_place(flush, hw, returns=True):
     return num_layers * num_home * model.params_per_expert * 4 / hw.hbm_bw

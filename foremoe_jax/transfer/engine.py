@@ -671,7 +671,7 @@ def _return_grads_inplace(gslots, gcanon, t, me, spd: int):
 
 
 @jax.custom_vjp
-def returns_in_backward(slot_w, canon_w, acc, t_l, active):
+def returns_in_backward(slot_w, home_acc, acc, t_l, active):
   """Identity on one layer's slot weights (a tuple of [s, X...]), whose
   backward sends the slots' gradients home: per device, inside the layer's
   step of the model's scan, so the return of layer l is issued in the
@@ -679,34 +679,38 @@ def returns_in_backward(slot_w, canon_w, acc, t_l, active):
   while it travels (the final flush under the last micro-step's backward,
   instead of after it).
 
-  canon_w: this device's canonical experts of the layer ([h, X...]): the
-  returned gradients arrive as their cotangent (so the caller must not
-  differentiate them any other way). acc: the slots' float32 gradients
-  accumulated over the earlier micro-steps; t_l: one layer of a device
-  transition whose returns run (`device_transition` of the flush);
-  active: a traced bool, False: nothing is sent, and the slots' gradient
-  flows on as usual. When active, each slot sends acc + its gradient home
-  and its own cotangent still flows (the caller drops it).
+  home_acc: this device's float32 gradient sums of its canonical experts
+  of the layer so far ([h, X...]); its cotangent is those sums plus the
+  gradients that arrive, so the caller, differentiating it, gets the new
+  sums: when nothing is sent (every micro-step but the last) they pass
+  through, and no zero-filled gradient of the canonical experts is made or
+  added. (The canonical weights themselves are not an input: with slot
+  weights they do not reach the loss, so nothing differentiates them.)
+  acc: the slots' float32 gradients accumulated over the earlier
+  micro-steps; t_l: one layer of a device transition whose returns run
+  (`device_transition` of the flush); active: a traced bool, False:
+  nothing is sent, and the slots' gradient flows on as usual. When active,
+  each slot sends acc + its gradient home and its own cotangent still
+  flows (the caller drops it).
   """
-  del canon_w, acc, t_l, active
+  del home_acc, acc, t_l, active
   return slot_w
 
 
-def _returns_fwd(slot_w, canon_w, acc, t_l, active):
-  return slot_w, (canon_w, acc, t_l, active)
+def _returns_fwd(slot_w, home_acc, acc, t_l, active):
+  return slot_w, (home_acc, acc, t_l, active)
 
 
 def _returns_bwd(res, ct_w):
-  canon_w, acc, t_l, active = res
+  canon_w, acc, t_l, active = res  # canon_w: the homes' sums so far.
   me = jax.lax.axis_index(EXPERT)
   spd = acc[0].shape[0]
   t_l = _only_where(t_l, active, 'returns')
   if default_exchange() == 'emulated' and _single_stage(t_l, 'ret_'):
     # In place (CPU): each returned item is its slot's sum read as it is
-    # sent, and the homes' cotangent holds only what arrives, so a
-    # switched-off flush (every micro-step but the last) writes only the
-    # zero cotangent.
-    zero = tuple(vary(jnp.zeros(c.shape, a.dtype),
+    # sent and added to its home's sum, so a switched-off flush (every
+    # micro-step but the last) passes the homes' sums through untouched.
+    zero = tuple(vary(c.astype(a.dtype),
                       varying_axes(a) | varying_axes(c) | {EXPERT})
                  for c, a in zip(canon_w, acc))
     get = lambda _, j: tuple(_item(a, (j,)) + _item(c, (j,)).astype(a.dtype)
@@ -717,9 +721,8 @@ def _returns_bwd(res, ct_w):
     return (ct_w, tuple(g.astype(c.dtype) for g, c in zip(got, canon_w)),
             None, None, None)
   total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
-  zero = tuple(jnp.zeros(c.shape, a.dtype) for c, a in zip(canon_w, acc))
-  zero = tuple(vary(z, varying_axes(a) | varying_axes(z))
-               for z, a in zip(zero, total))
+  zero = tuple(vary(c.astype(a.dtype), varying_axes(a) | varying_axes(c))
+               for c, a in zip(canon_w, total))
   # Switched off by the masks, so the exchange stays outside any
   # conditional, where the scheduler may overlap it. (A lax.cond around
   # the CPU emulation's return made tracing the bf16 update's backward
