@@ -321,10 +321,14 @@ def test_recompute_runs_only_the_forwards_the_step_needs(mu, source, beta,
 def test_lean_step_equals_the_step_with_a_recompute(setup, mu):
   """At one update epoch the update's own detached log-probs stand in for
   the old ones (no forward: the recompute returns nothing); at two, the
-  sampler's log-probs do. Both give the parameters the step with a
-  recomputed old policy gives."""
+  sampler's log-probs do. Both give the losses, gradients and parameters
+  the step with a recomputed old policy gives. At mu = 1 the optimizer is
+  SGD with rate 1, so the parameters' change is the whole gradient, leaf
+  by leaf; at mu = 2 it is Adam, whose second epoch runs on the first's
+  parameters (each epoch's loss and gradient norm are compared)."""
   cfg, mesh, graphdef, params, rollout, rewards = setup
-  tx = step_lib.make_optimizer(1e-3, 1.0)
+  lr = 1e-3
+  tx = optax.sgd(1.0) if mu == 1 else step_lib.make_optimizer(lr, 1.0)
   kw = dict(num_generations=4, eps_low=0.2, eps_high=0.28, beta=0.0,
             num_update_epochs=mu)
   batch = trainer.device_batch(trainer.rl_batch_from_rollout(
@@ -356,18 +360,35 @@ def test_lean_step_equals_the_step_with_a_recompute(setup, mu):
       logps = {'old_logp_MbT': jax.device_put(
           logps['old_logp_MbT'], batch['rollout_logp_MbT'].sharding)}
     new_state, m = rl_step.update(state, batch, logps, plan)
-    out[name] = (jax.device_get(new_state.params), m)
+    out[name] = (jax.device_get(new_state.params), jax.device_get(m))
   (p_lean, m_lean), (p_full, m_full) = out['lean'], out['full']
   # The sampler's log-probs are the recompute's up to rounding.
   assert float(m_lean['rollout_vs_update_logp_max_abs']) < 1e-4
   np.testing.assert_allclose(m_lean['ratio_mean_U'], m_full['ratio_mean_U'],
                              rtol=1e-4)
-  # Adam moves every parameter by about the learning rate an epoch, whatever
-  # its gradient's size, so the old log-probs' rounding (< 1e-4) can tilt a
-  # tiny gradient's step: bound the difference by a fraction of one step.
-  lr = 1e-3
-  for a, b in zip(jax.tree.leaves(p_lean), jax.tree.leaves(p_full)):
-    assert float(np.abs(a - b).max()) <= 2e-2 * lr
+  # The loss is a cancellation of normalised advantages: compared at a
+  # tolerance scaled to its terms. The old log-probs' rounding (< 1e-4)
+  # moves each ratio by about as much, so the gradients agree to ~1e-4.
+  np.testing.assert_allclose(m_lean['loss_U'], m_full['loss_U'], rtol=1e-3,
+                             atol=1e-4 * float(m_full['adv_abs_mean']))
+  np.testing.assert_allclose(m_lean['grad_norm_U'], m_full['grad_norm_U'],
+                             rtol=1e-3)
+  assert float(m_full['grad_norm_U'][0]) > 1e-3  # A gradient to compare.
+  p0 = jax.device_get(params)
+  if mu == 1:
+    # SGD at rate 1: each parameter moved by minus its gradient.
+    for w0, a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p_lean),
+                        jax.tree.leaves(p_full)):
+      g_lean, g_full = w0 - a, w0 - b
+      np.testing.assert_allclose(
+          g_lean, g_full, rtol=1e-3,
+          atol=1e-3 * float(np.abs(g_full).max()) + 1e-7)
+  else:
+    # Adam moves every parameter by about the learning rate an epoch,
+    # whatever its gradient's size, so the old log-probs' rounding can tilt
+    # a tiny gradient's step: bound the difference by a fraction of a step.
+    for a, b in zip(jax.tree.leaves(p_lean), jax.tree.leaves(p_full)):
+      assert float(np.abs(a - b).max()) <= 2e-2 * lr
 
 
 def test_recompute_on_a_step_level_plan_equals_the_canonical_layout(setup):
