@@ -9,6 +9,14 @@ reach the host; the planner's loads per micro-step are sums of them
 (`loads.loads_from_sample_counts`), and the record stays on device for
 the RL step to replay.
 
+Why per sample, and not the [M, G, L, D, E] loads themselves: which
+samples share a micro-step is chosen on the host after the rollout
+(`composition`, from the verifier's output and these counts), so the
+device cannot sum by micro-step before that choice. The per-sample array
+is b times the loads' size, b the samples per device per micro-step: at
+the scale above, 256 samples x 48 layers x 128 experts x 4 B = 6.3 MB
+per step, against 1.6 GB of int32 routing ids.
+
 Shape letters: L MoE layers, B samples, T tokens, K top-k, E experts, b
 samples on one device.
 """
