@@ -500,7 +500,11 @@ def render_simulate_cluster_validation(res: dict) -> str:
       "- Fitted on: the static layout's update and recompute on synthetic"
       " routes of skews "
       + ', '.join(f"{r['skew']:g}" for r in val['calibration']['fitted_on'])
-      + f"; judged on (held out): {val['held_out']}.",
+      + (' (buckets ' + ', '.join(str(b) for b in val['fit_buckets']) + ')'
+         if 'fit_buckets' in val else '')
+      + f"; judged on (held out): {val['held_out']}"
+      + (' (buckets ' + ', '.join(str(b) for b in val['judged_buckets'])
+         + ')' if 'judged_buckets' in val else '') + '.',
       f"- Target: within 15% on every method, update and recompute. Largest"
       f" error {100 * worst:.1f}%: "
       + (f"**missed** by {', '.join(missed)}." if missed else 'met.'),

@@ -241,13 +241,13 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   # The simulator's calibration runs are timed in the same repetitions as
   # the methods, after them, so that a host growing slower or faster over
   # the run moves both alike: the fit and what it is judged on are measured
-  # side by side. They compile here, before the compile log opens, so the
-  # log counts no calibration compile; a method whose bucket a calibration
-  # run shares then finds it compiled (with calibration_skews only: the
+  # side by side. They are set up after repetition 0, which fixes the
+  # methods' buckets, so that no calibration run shares a bucket with what
+  # it is judged on, and they compile with the compile log closed, so the
+  # log counts no calibration compile (with calibration_skews only: the
   # benchmark itself passes none).
-  calib = (_calibration_setup(ctx, rl, state0, batch, config, cfg,
-                              calibration_skews)
-           if extras is not None and calibration_skews else None)
+  calibrate_here = extras is not None and bool(calibration_skews)
+  calib = None
   compile_log = compiles_lib.CompileLog().__enter__()
   try:
     for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
@@ -290,6 +290,12 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         r['plan_s'].append(planned.plan_s)
         r['recompute_plan_s'].append(rplan.plan_s)
         r['plan_wait_s'].append(max(0.0, t_plan - t_rec))
+      if rep == 0 and calibrate_here:
+        judged = judged_buckets(res)
+        compile_log.__exit__(None, None, None)
+        calib = _calibration_setup(ctx, rl, state0, batch, config, cfg,
+                                   calibration_skews, avoid=judged, log=log)
+        compile_log.__enter__()
       if rep and calib is not None:
         _time_calibration(rl, state0, calib)
       if rep:
@@ -305,7 +311,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   if calib is not None:
     extras['calibration_runs'] = [
         dict(loads_MLDE=r['loads_MLDE'], capacity=r['capacity'],
-             skew=r['skew'], update_s=float(np.median(r['times'])),
+             skew=r['skew'], requested_skew=r['requested_skew'],
+             update_s=float(np.median(r['times'])),
              recompute_s=float(np.median(r['recompute_times'])))
         for r in calib['runs']]
   if extras is not None:
@@ -392,21 +399,58 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
       / out['foremoe']['step_s'])
 
 
-def _calibration_setup(ctx, rl, state0, batch, config, cfg, skews) -> dict:
+def judged_buckets(res: dict) -> set[int]:
+  """The buckets the methods' updates and recomputes ran at (repetition
+  0's plans: res[method]['plan'].capacity and 'recompute_capacity'): what
+  the simulator's validation is judged on."""
+  return ({int(r['plan'].capacity) for r in res.values()}
+          | {int(r['recompute_capacity']) for r in res.values()})
+
+
+# How far a calibration run's skew moves, per try, off a bucket it must
+# not take; and the most it may reach.
+SKEW_STEP, MAX_SKEW = 0.02, 0.95
+
+
+def held_out_skews(skews, bucket_of, avoid) -> list[tuple[float, float]]:
+  """[(requested skew, skew used)]: each requested skew, raised by
+  SKEW_STEP until `bucket_of(skew)` (the static layout's bucket of that
+  skew's synthetic routes) is neither in `avoid` (the judged buckets) nor
+  taken by an earlier run, so that the fit and what it is judged on never
+  share a bucket. Raises ValueError past MAX_SKEW."""
+  taken, out = set(avoid), []
+  for want in skews:
+    skew = float(want)
+    while bucket_of(skew) in taken:
+      skew = round(skew + SKEW_STEP, 6)
+      if skew > MAX_SKEW:
+        raise ValueError(
+            f'no calibration skew from {want} up to {MAX_SKEW} lands on a '
+            f'bucket outside {sorted(taken)}')
+    taken.add(bucket_of(skew))
+    out.append((float(want), skew))
+  return out
+
+
+def _calibration_setup(ctx, rl, state0, batch, config, cfg, skews,
+                       avoid=(), log=print) -> dict:
   """Static-layout updates and recomputes (the home layout at the same
   bucket, as the static method runs them) on synthetic routes of each
-  skew, compiled once: {'runs': [{loads_MLDE, capacity, cell, skew, batch,
-  plan, times, recompute_times}], 'logps'}; `_time_calibration` times one
-  repetition of them."""
+  skew (moved off the buckets in `avoid`: `held_out_skews`), compiled
+  once: {'runs': [{loads_MLDE, capacity, cell, skew, requested_skew,
+  batch, plan, times, recompute_times}], 'logps'}; `_time_calibration`
+  times one repetition of them."""
   from foremoe_jax.sim import calibrate  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(cfg.seed + 1)
   m = config.model
   routes = np.asarray(jax.device_get(batch['routes_MLbTK']))
   num_micro, num_layers, per_mb, tlen, top_k = routes.shape
   valid = np.asarray(jax.device_get(batch['valid_MbT']))[:, :, :-1]
   homes = np.arange(m.num_experts // ctx.topo.num_devices)
-  runs = []
-  for skew in skews:
+
+  def synthetic(skew):
+    # Seeded by the skew, so that a skew's routes (and bucket) are the
+    # same however it was reached.
+    rng = np.random.default_rng((cfg.seed + 1, int(round(skew * 1e6))))
     synth = calibrate.skewed_routes(rng, num_layers, num_micro * per_mb * tlen,
                                     m.num_experts, top_k, homes, skew)
     synth_MLbTK = np.moveaxis(synth.reshape(num_layers, num_micro, per_mb,
@@ -423,7 +467,23 @@ def _calibration_setup(ctx, rl, state0, batch, config, cfg, skews) -> dict:
     order = [np.arange(i * per_mb, (i + 1) * per_mb) for i in range(num_micro)]
     loads_MGLDE = loads_lib.loads_from_sample_counts(
         counts_BLE, order, config.parallel.num_data, config.parallel.num_expert)
-    cap = trainer.static_capacity(ctx, loads_MGLDE)
+    return synth_MLbTK, loads_MGLDE, trainer.static_capacity(ctx, loads_MGLDE)
+
+  made = {}
+
+  def bucket_of(skew):
+    if skew not in made:
+      made[skew] = synthetic(skew)
+    return made[skew][2]
+
+  chosen = held_out_skews(skews, bucket_of, avoid)
+  log(f'calibration: skews {[c[1] for c in chosen]} (asked '
+      f'{[c[0] for c in chosen]}), buckets '
+      f'{[bucket_of(c[1]) for c in chosen]}, none of the judged '
+      f'{sorted(avoid)}')
+  runs = []
+  for want, skew in chosen:
+    synth_MLbTK, loads_MGLDE, cap = made[skew]
     cell = trainer.cell_capacity(ctx, loads_MGLDE, ctx.identity)
     ident = placement_lib.stack_placements([ctx.identity] * num_micro)
     plan = step_lib.make_step_plan(ident, ctx.num_experts, ctx.topo,
@@ -432,7 +492,7 @@ def _calibration_setup(ctx, rl, state0, batch, config, cfg, skews) -> dict:
         jnp.asarray(synth_MLbTK, batch['routes_MLbTK'].dtype),
         batch['routes_MLbTK'].sharding))
     runs.append(dict(loads_MLDE=trainer.planner_loads(loads_MGLDE),
-                     capacity=cap, cell=cell, skew=float(skew),
+                     capacity=cap, cell=cell, skew=skew, requested_skew=want,
                      batch=synth_batch,
                      plan=plan, times=[], recompute_times=[]))
   # The same update program as the methods': the reference log-probs of

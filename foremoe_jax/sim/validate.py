@@ -12,7 +12,10 @@ moves or timing:
   static layout (no planner, no moves) on the benchmark's batch with its
   routes replaced by synthetic ones of several skews. What it is fitted on
   is held out from what it is judged on: the judged runs are the methods'
-  updates and recomputes on the sampled routes, which no fit sees. The
+  updates and recomputes on the sampled routes, which no fit sees, and no
+  calibration run shares a capacity bucket with them (each skew is moved
+  off the judged buckets, `rl_step.held_out_skews`; `held_out_buckets`
+  refuses a measurement where they meet). The
   two are timed side by side, each repetition running the methods and
   then the calibration runs, so that drift in a shared host's speed over
   the half hour of runs biases neither against the other.
@@ -49,8 +52,10 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # as its rounds send them. 4: the emulated dispatch pads
 # each pair to the step's pair bucket (`StepPlan.cell`), not the routing bound.
 # 5: the calibration runs timed in the methods' repetitions, after them.
-# 6: the CPU engine's single-stage transitions in place.
-CACHE_FORMAT = 6
+# 6: the CPU engine's single-stage transitions in place. 7: the
+# calibration runs' skews moved off the buckets the methods are judged at
+# (`rl_step.held_out_skews`).
+CACHE_FORMAT = 7
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
@@ -170,6 +175,21 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
   return coef, float(sol[-1])
 
 
+def held_out_buckets(runs, extras) -> tuple[list[int], list[int]]:
+  """(the calibration runs' buckets, the buckets the methods' updates and
+  recomputes are judged at), sorted; raises ValueError when they share
+  one: a fit judged where it was fitted would hide its error there."""
+  fit = sorted({int(r['capacity']) for r in runs})
+  judged = sorted({int(p.capacity) for p in extras['planned'].values()}
+                  | {int(c) for c in extras['recompute_capacity'].values()})
+  shared = set(fit) & set(judged)
+  if shared:
+    raise ValueError(f'calibration buckets {fit} and judged buckets {judged} '
+                     f'share {sorted(shared)}: the validation would not hold '
+                     'out what it fits on')
+  return fit, judged
+
+
 def _measure(bench, config, tokens_per_seq, seqs_per_device, skews, log):
   """Everything the validation measures on this machine (the slow part)."""
   kernels, raw = calibrate.cpu_profile(
@@ -256,6 +276,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
         # fill then starts from them).
         prefilled=extras['prefilled'][method])
   runs = extras['calibration_runs']
+  fit_buckets, judged = held_out_buckets(runs, extras)
   update_fit = refit_compute(kernels, runs, topo, cost, model, work)
   log(f'calibrate: update fit on {len(runs)} static-layout runs of synthetic '
       f'routes (skews {[r["skew"] for r in runs]}): GEMM '
@@ -288,12 +309,16 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
   return dict(
       bench=dataclasses.asdict(bench), profile=describe(update_fit),
       kernels_profile=describe(kernels), calibration=dict(
-          raw, fitted_on=[dict(skew=r['skew'], capacity=r['capacity'],
+          raw, fitted_on=[dict(skew=r['skew'],
+                               requested_skew=r.get('requested_skew'),
+                               capacity=r['capacity'],
                                update_s=r['update_s'],
                                recompute_s=r.get('recompute_s'))
                           for r in runs]),
-      held_out='the methods\' updates and recomputes on the sampled routes '
-               '(the fit saw only the static layout on synthetic routes)',
+      held_out='the methods\' updates and recomputes on the sampled routes, '
+               'at buckets no calibration run used (the fit saw only the '
+               'static layout on synthetic routes)',
+      fit_buckets=fit_buckets, judged_buckets=judged,
       methods=methods,
       max_rel_error_update=max(abs(m['rel_error_update'])
                                for m in methods.values()),

@@ -1,6 +1,7 @@
 """The validation's calibration runs are timed one repetition at a time,
 so `rl_step.run` can interleave them with the methods' repetitions."""
 import numpy as np
+import pytest
 
 from foremoe_jax.benchmarks import rl_step
 
@@ -46,3 +47,34 @@ def test_the_compiling_pass_records_nothing():
   assert len(rl.calls) == 4
   assert all(not r['times'] and not r['recompute_times']
              for r in calib['runs'])
+
+
+def _ladder_bucket(skew):
+  """A stand-in bucket of a skew: the rung of the ladder 1000, 1250, 1563,
+  1954, 2443, 3054, ... (x1.25, rounded up) that holds 1000 * (1 + 4 *
+  skew) rows (skew 0: the balanced bucket)."""
+  rows, b = 1000 * (1 + 4 * skew), 1000
+  while b < rows - 1e-9:
+    b = int(np.ceil(b * 1.25))
+  return b
+
+
+def test_calibration_skews_are_moved_off_the_judged_buckets():
+  judged = {_ladder_bucket(0.0), _ladder_bucket(0.2)}
+  assert judged == {1000, 1954}
+  chosen = rl_step.held_out_skews((0.0, 0.2, 0.22), _ladder_bucket, judged)
+  assert [c[0] for c in chosen] == [0.0, 0.2, 0.22]
+  buckets = [_ladder_bucket(c[1]) for c in chosen]
+  # Disjoint from the judged ones and from each other.
+  assert not set(buckets) & judged and len(set(buckets)) == 3
+  # Each moved by the fewest SKEW_STEPs that do it, by hand: skew 0 leaves
+  # 1000 at 0.02 (1080 rows: 1250); 0.2 leaves 1954 at 0.24 (1960 rows:
+  # 2443); 0.22 (1880 rows: 1954, judged) reaches 2443 at 0.24 too, taken
+  # by the run before, and leaves it at 0.38 (2520 rows: 3054).
+  assert [c[1] for c in chosen] == [0.02, 0.24, 0.38]
+  assert buckets == [1250, 2443, 3054]
+
+
+def test_calibration_skews_that_cannot_be_held_out_raise():
+  with pytest.raises(ValueError, match='no calibration skew'):
+    rl_step.held_out_skews((0.9,), lambda s: 7, {7})

@@ -659,6 +659,22 @@ def test_validation_cache_is_read_only_for_its_bench_skews_and_format(
   assert sum('measuring again' in l for l in lines) == 4
 
 
+def test_validation_refuses_a_fit_bucket_it_is_judged_at():
+  """The validation's calibration buckets and the methods' update and
+  recompute buckets are reported apart, and a measurement where one
+  calibration run took a judged bucket (update or recompute) is refused."""
+  from foremoe_jax.sim import validate  # pylint: disable=import-outside-toplevel
+  planned = lambda c: type('Planned', (), {'capacity': c})()
+  extras = dict(planned={'static': planned(3896), 'foremoe': planned(1280)},
+                recompute_capacity={'static': 3896, 'foremoe': 1600})
+  runs = [dict(capacity=c) for c in (6080, 2000, 3120)]
+  assert validate.held_out_buckets(runs, extras) == (
+      [2000, 3120, 6080], [1280, 1600, 3896])
+  for shared in (1280, 1600):  # An update's bucket, a recompute's.
+    with pytest.raises(ValueError, match=f'share \\[{shared}\\]'):
+      validate.held_out_buckets(runs + [dict(capacity=shared)], extras)
+
+
 def test_best_of_keeps_the_first_result_and_the_least_time(monkeypatch):
   """The recompute's plan, on the step's critical path, is timed as the
   best of its runs; the plan used is the first run's."""
