@@ -39,6 +39,12 @@ Assumptions, each a property of the code as built:
   broadcast tree of (s + h) + s a stage: `fill_form`) runs before the
   update's first forward, or under the recompute, and is gone by the
   backward's peak, so it is not counted;
+* each micro-step's backward writes its gradients of the non-expert
+  parameters and of the slots afresh, in float32, and only then are they
+  added into the step's sums (`update_grads`' scan body), so one
+  micro-step's worth of them is live beside the sums at the backward's
+  end; the canonical experts' sums are the backward's own output
+  (`engine.returns_in_backward`), counted twice (carried and new);
 * each device holds its own rows of the step's transitions
   (`engine.transition_specs`): per layer and transition, its sends and
   receives, count rows [D] and shift depths [D] per exchange (a flush
@@ -74,6 +80,10 @@ class MemoryBreakdown:
   #                      `engine.returns_in_backward`)
   slot_weights: float  # two copies of the slot buffers (moved dtype)
   slot_grads: float  # float32 slot gradient sums
+  microstep_grads: float  # one micro-step's float32 gradients of the
+  #                         non-expert parameters and the slots, fresh
+  #                         from its backward before they are added into
+  #                         the sums
   saved_activations: float  # what the backward keeps, all layers
   layer_transient: float  # the largest layer's live intermediates
   logp_transient: float  # one chunk of float32 logits and their gradient
@@ -175,6 +185,7 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
       expert_grads=2 * expert_params * F32,
       slot_weights=2 * slot_params * model.bytes_per_param,
       slot_grads=slot_params * F32,
+      microstep_grads=(nonexp + slot_params) * F32,
       saved_activations=saved, layer_transient=layer_transient,
       logp_transient=logp_transient, batch=batch, exchange_buffers=exchange,
       transfer_schedule=schedule)

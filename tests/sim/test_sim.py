@@ -395,6 +395,8 @@ def test_memory_model_by_hand():
   # The step's sums and a micro-step's returned gradients, f32.
   assert mem.expert_grads == 2 * 2 * ppe * 4
   assert mem.slot_weights == 2 * 3 * ppe * 4 and mem.slot_grads == 3 * ppe * 4
+  # One micro-step's fresh f32 gradients: the non-expert ones and the slots'.
+  assert mem.microstep_grads == (MODEL.nonexpert_params() + 3 * ppe) * 4
   assert mem.nonexpert_state == MODEL.nonexpert_params() * 12
   assert mem.saved_activations == 8 * 8 * 4  # One layer, 8 tokens x 8 f32.
   # The larger of the attention scores (3 x 1 seq x 1 head x 8 x 8 f32)
