@@ -802,9 +802,12 @@ def render_memory_report(res: dict) -> str:
       f" device per micro-step, remat {rep['remat_policy']}.",
       f"- At {res['num_layers']} layers: model {_bytes(full['total'])}"
       f" (largest: " + ', '.join(f'{k} {_bytes(v)}' for v, k in top) + ');'
-      f" XLA's peak extrapolated along its per-layer slope"
-      f" ({_bytes(res['xla_bytes_per_layer'])} a layer, model"
-      f" {_bytes(res['model_bytes_per_layer'])})"
+      + (f" XLA's compiled step {_bytes(res['xla_full_depth'])}, compiled in"
+         f" {_f(res['compile_s_full_depth'])} s;"
+         if res.get('xla_full_depth_compiled') else '')
+      + f" XLA's peak extrapolated from the reduced depths along its"
+      f" per-layer slope ({_bytes(res['xla_bytes_per_layer'])} a layer,"
+      f" model {_bytes(res['model_bytes_per_layer'])})"
       f" {_bytes(res['xla_extrapolated_full_depth'])}.",
       f"- Peak per device (the larger): **{_bytes(peak)}**; fits an 80 GB"
       f" H100 with 10% headroom: {_f(res['fits_80gb_with_10pct_headroom'])}.",

@@ -325,7 +325,7 @@ def test_fsdp_data_spec():
 @pytest.mark.parametrize('fsdp,fsdp_axes', [(False, 'data'), (True, 'data'),
                                             (True, 'data+expert')])
 def test_gradients_are_reduced_once_per_step(dp_run, fsdp, fsdp_axes):
-  """The compiled update (4 micro-steps on the (2, 4) mesh) sums the
+  """The compiled update (NUM_MB micro-steps on the (2, 4) mesh) sums the
   non-expert gradients over the mesh in exactly one all-reduce, after the
   micro-step loop, never inside it; no floating-point value is reduced
   inside the loop at all (the per-layer statistics are reduced once, at
@@ -355,6 +355,8 @@ def test_gradients_are_reduced_once_per_step(dp_run, fsdp, fsdp_axes):
   big = [r for r in reduces if r['elements'] >= num_rest
          and r['group_size'] == 8]
   assert len(big) == 1 and not big[0]['in_loop'], big
+  # In float32 (the gradient sums' dtype, whatever the compute dtype).
+  assert {d for d in big[0]['dtypes'] if d.startswith(('f', 'bf'))} == {'f32'}
   # Over the 2 data rows: the canonical experts' gradients, also once.
   num_experts = sum(x.size for x in jax.tree.leaves(experts)) // 4
   rows = [r for r in reduces if r['group_size'] == 2
