@@ -84,6 +84,12 @@ class HardwareProfile:
   tile is a whole [M, F] matrix per weight, written and added into the
   slot's sum). Tiles grow with the bucket (`default_tile`), so without
   this term a fit on large buckets prices small ones' rows too low."""
+  forward_tile_overhead_s: float | None = None
+  """With `tiled_gemm`: fixed seconds per tile of a forward-only pass (the
+  recompute); None means `tile_overhead_s`. Measured apart on CPU, where
+  the update's per-tile cost is mostly its backward's (a tile's weight
+  gradients written and added into the slot's sum) and a forward tile is
+  a slice and two GEMMs."""
   hbm_bytes: float = 80e9
   """Device memory (H100/H800: 80 GB)."""
   """All devices on one 3D torus (TPU ICI): all-to-all pays the hop count."""
@@ -109,6 +115,9 @@ class HardwareProfile:
     if self.forward_layer_overhead_s is not None:
       out = dataclasses.replace(out,
                                 layer_overhead_s=self.forward_layer_overhead_s)
+    if self.forward_tile_overhead_s is not None:
+      out = dataclasses.replace(out,
+                                tile_overhead_s=self.forward_tile_overhead_s)
     return out
 
   @property

@@ -107,27 +107,34 @@ def refit_compute(profile: HardwareProfile, runs, topo, cost,
           2 * model.num_layers * work.num_microsteps),
       tile_overhead_s=coef[1] if len(coef) > 1 else 0.0)
   # The forward-only pass (the recompute) the same way, on the same runs'
-  # recomputes: its own GEMM rate and per-layer overhead (the tiles' cost
-  # per pass is the update's).
+  # recomputes: its own GEMM rate, per-tile and per-layer overheads. Its
+  # tiles are priced apart from the update's: there a tile's cost is mostly
+  # its backward's (the weight gradients written into the slot's sum), and
+  # borrowing it for the forward pulled the forward's fixed cost below 0
+  # (fitted through 0: 8-15% residuals on the calibration runs themselves).
   passes = work.recompute_forward_passes
   timed = [r for r in runs if r.get('recompute_s')]
   if not passes or len(timed) < 2:
     return fit
   fast_f = dataclasses.replace(fit, forward_flops_per_s=1e30,
-                               forward_layer_overhead_s=0.0)
-  count_f = dataclasses.replace(fast_f, forward_flops_per_s=1.0, hbm_bw=1e30,
-                                tile_overhead_s=0.0)
-  tiles_f = dataclasses.replace(fast_f, hbm_bw=1e30)  # Only the tiles.
-  coef, fixed = _fit_phase(timed, fast_f, [count_f], 'recompute_s',
+                               forward_layer_overhead_s=0.0,
+                               forward_tile_overhead_s=0.0)
+  regressors_f = [dataclasses.replace(fast_f, forward_flops_per_s=1.0,
+                                      hbm_bw=1e30)]
+  if profile.tiled_gemm:
+    regressors_f.append(dataclasses.replace(
+        fast_f, forward_tile_overhead_s=1.0, hbm_bw=1e30))
+  coef, fixed = _fit_phase(timed, fast_f, regressors_f, 'recompute_s',
                            ('recompute_moe_s', 'recompute_nonexpert_s'),
-                           topo, cost, model, work, known=tiles_f)
+                           topo, cost, model, work)
   return dataclasses.replace(
       fit, forward_flops_per_s=1.0 / coef[0], forward_layer_overhead_s=fixed / (
-          passes * model.num_layers * work.num_microsteps))
+          passes * model.num_layers * work.num_microsteps),
+      forward_tile_overhead_s=coef[1] if len(coef) > 1 else None)
 
 
 def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
-               work, known=None):
+               work):
   """(coefficients, fixed seconds) of one phase (`total`, e.g. 'update_s')
   by least squares: each run's measured seconds less what `fast` (infinite
   F, no overheads) predicts outside the compute `parts`, against each
@@ -135,8 +142,7 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
   thing, e.g. the FLOPs: seconds at 1 FLOP/s and nothing else). If a
   regressor after the first comes out negative (too few or too alike runs
   to separate it), the extra ones are dropped: coefficient 0; if the fixed
-  seconds come out negative, the fit is redone through 0. known: a
-  profile pricing what of the parts is already fitted (taken off too)."""
+  seconds come out negative, the fit is redone through 0."""
   xs, ys = [], []
   for r in runs:
     mp = _static_plan(r['loads_MLDE'], r['capacity'], topo, cost)
@@ -147,9 +153,6 @@ def _fit_phase(runs, fast, regressors, total, parts, topo, cost, model,
       row.append(sum(pred[k] for k in parts))
     xs.append(row)
     y = r[total] - (base[total] - sum(base[k] for k in parts))
-    if known is not None:
-      pred = simulate.time_step(mp, r['loads_MLDE'], model, work, known)
-      y -= sum(pred[k] for k in parts)
     ys.append(y)
   xs, ys = np.asarray(xs), np.asarray(ys)
 
@@ -285,7 +288,8 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
       f'{update_fit.tile_overhead_s * 1e3:.2f} ms per tile and pass, '
       f'forward-only {(update_fit.forward_flops_per_s or 0.0) / 1e9:.2f} '
       f'GFLOP/s, {(update_fit.forward_layer_overhead_s or 0.0) * 1e3:.2f} ms '
-      f'per layer')
+      f'per layer, {(update_fit.forward_tile_overhead_s or 0.0) * 1e3:.2f} '
+      f'ms per tile')
   methods = {}
   for method, mp in plans.items():
     meas = measured['methods'][method]

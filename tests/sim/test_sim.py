@@ -481,6 +481,8 @@ def test_validation_refit_recovers_the_constants_it_was_timed_with():
   assert bare.forward_flops_per_s is None
   assert bare.forward_layer_overhead_s is None
   assert bare.forward_profile() == bare
+  # Untiled, a forward pass has no tiles to price.
+  assert fit.forward_tile_overhead_s is None and bare.forward_tile_overhead_s is None
 
 
 def test_validation_refit_never_takes_a_negative_fixed_cost():
@@ -520,7 +522,9 @@ def test_validation_refit_separates_the_tiles_from_the_rows():
   rows, and the tile grows with the bucket: the refit on runs whose
   buckets straddle tile sizes gives back the GEMM rate, the per-tile and
   the per-layer overheads it was timed with (the tile count is not a
-  multiple of the rows there), and the recompute's own rate on top."""
+  multiple of the rows there), and the recompute's own rate, per-tile and
+  per-layer overheads on top (a forward tile costs less than an update's,
+  whose backward writes the tile's weight gradients)."""
   from foremoe_jax.sim import validate  # pylint: disable=g-import-not-at-top
   from foremoe_jax.model.grouped_swiglu import default_tile  # pylint: disable=g-import-not-at-top
   topo, cost = Topology(1, 2, 3), CostModel()
@@ -529,7 +533,8 @@ def test_validation_refit_separates_the_tiles_from_the_rows():
   truth = dataclasses.replace(tiled, peak_flops_per_s=3e9,
                               layer_overhead_s=2e-3, tile_overhead_s=4e-4,
                               forward_flops_per_s=1.5e9,
-                              forward_layer_overhead_s=5e-4)
+                              forward_layer_overhead_s=5e-4,
+                              forward_tile_overhead_s=1e-4)
   given = dataclasses.replace(tiled, peak_flops_per_s=1e12,
                               layer_overhead_s=0.0)
   runs = _timed_static_runs(truth, (10, 40, 70, 100, 300), topo, cost, work)
@@ -540,6 +545,15 @@ def test_validation_refit_separates_the_tiles_from_the_rows():
   assert fit.layer_overhead_s == pytest.approx(2e-3, rel=1e-6)
   assert fit.forward_flops_per_s == pytest.approx(1.5e9, rel=1e-6)
   assert fit.forward_layer_overhead_s == pytest.approx(5e-4, rel=1e-6)
+  assert fit.forward_tile_overhead_s == pytest.approx(1e-4, rel=1e-6)
+  # A forward that borrowed the update's per-tile cost would price every
+  # recompute high, by the tiles' 3e-4 s each.
+  plan = lambda r: validate._static_plan(r['loads_MLDE'], r['capacity'],  # pylint: disable=protected-access
+                                         topo, cost)
+  borrowed = dataclasses.replace(fit, forward_tile_overhead_s=None)
+  for r in runs:
+    assert simulate.time_step(plan(r), r['loads_MLDE'], MODEL, work,
+                              borrowed)['recompute_s'] > r['recompute_s']
   # The tiles' cost is real: a profile without it misprices the update.
   t = simulate.time_step(validate._static_plan(  # pylint: disable=protected-access
       runs[0]['loads_MLDE'], runs[0]['capacity'], topo, cost),
