@@ -702,7 +702,7 @@ def _returns_fwd(slot_w, home_acc, acc, t_l, active):
 
 
 def _returns_bwd(res, ct_w):
-  canon_w, acc, t_l, active = res  # canon_w: the homes' sums so far.
+  home_acc, acc, t_l, active = res  # The homes' sums so far.
   me = jax.lax.axis_index(EXPERT)
   spd = acc[0].shape[0]
   t_l = _only_where(t_l, active, 'returns')
@@ -710,31 +710,31 @@ def _returns_bwd(res, ct_w):
     # In place (CPU): each returned item is its slot's sum read as it is
     # sent and added to its home's sum, so a switched-off flush (every
     # micro-step but the last) passes the homes' sums through untouched.
-    zero = tuple(vary(c.astype(a.dtype),
-                      varying_axes(a) | varying_axes(c) | {EXPERT})
-                 for c, a in zip(canon_w, acc))
+    homes = tuple(vary(c.astype(a.dtype),
+                       varying_axes(a) | varying_axes(c) | {EXPERT})
+                  for c, a in zip(home_acc, acc))
     get = lambda _, j: tuple(_item(a, (j,)) + _item(c, (j,)).astype(a.dtype)
                              for a, c in zip(acc, ct_w))
     add = lambda g, i, v: tuple(_put(x, (i,), _item(x, (i,)) + u)
                                 for x, u in zip(g, v))
-    got = _returns_inplace(get, add, zero, t_l, me, spd)
-    return (ct_w, tuple(g.astype(c.dtype) for g, c in zip(got, canon_w)),
+    got = _returns_inplace(get, add, homes, t_l, me, spd)
+    return (ct_w, tuple(g.astype(c.dtype) for g, c in zip(got, home_acc)),
             None, None, None)
   total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
-  zero = tuple(vary(c.astype(a.dtype), varying_axes(a) | varying_axes(c))
-               for c, a in zip(canon_w, total))
+  homes = tuple(vary(c.astype(a.dtype), varying_axes(a) | varying_axes(c))
+                for c, a in zip(home_acc, total))
   # Switched off by the masks, so the exchange stays outside any
   # conditional, where the scheduler may overlap it. (A lax.cond around
   # the CPU emulation's return made tracing the bf16 update's backward
   # run for tens of minutes.)
   if _is_exact(t_l):
-    _, got = _layer_returns_exact(total, zero, t_l, me, spd,
+    _, got = _layer_returns_exact(total, homes, t_l, me, spd,
                                   default_exchange())
   else:
-    _, got = _layer_returns(total, zero, t_l, me, spd,
+    _, got = _layer_returns(total, homes, t_l, me, spd,
                             jax.lax.axis_size(EXPERT))
-  ct_canon = tuple(g.astype(c.dtype) for g, c in zip(got, canon_w))
-  return (ct_w, ct_canon, None, None, None)
+  ct_homes = tuple(g.astype(c.dtype) for g, c in zip(got, home_acc))
+  return (ct_w, ct_homes, None, None, None)
 
 
 returns_in_backward.defvjp(_returns_fwd, _returns_bwd)
