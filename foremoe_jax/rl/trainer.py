@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -91,10 +92,40 @@ def rl_batch_from_rollout(rollout, rewards_B, microbatches) -> dict:
   return batch
 
 
-@jax.jit
 def _routes_by_microbatch(routes_LBTK, mb_Mb):
-  """[M, L, b, T-1, K] from the sampler's [L, Bp, T, K] record."""
-  return jnp.moveaxis(jnp.take(routes_LBTK[:, :, :-1], mb_Mb, axis=1), 1, 0)
+  """[M, L, b, T-1, K] from the sampler's [L, Bp, T, K] record, laid out
+  as `device_batch` lays it (each device its own rows of b) when the
+  record is a sharded device array.
+
+  Which samples a device needs is the host's choice (the composition), so
+  the gather reads rows other devices hold. It runs one layer at a time
+  (`lax.map`), each layer's result constrained to its final layout, so
+  what any device holds beyond its own share is one layer's record at
+  most, never the whole record replicated.
+  """
+  sharding_ = getattr(routes_LBTK, 'sharding', None)
+  mesh = getattr(sharding_, 'mesh', None)
+  return _routes_gather(mesh)(routes_LBTK, mb_Mb)
+
+
+@functools.cache
+def _routes_gather(mesh):
+  rows = (expert_parallel.DATA, expert_parallel.EXPERT)
+
+  def one_layer(r_BTK, mb_Mb):
+    out = jnp.take(r_BTK[:, :-1], mb_Mb, axis=0)  # [M, b, T-1, K]
+    if mesh is not None:
+      out = jax.lax.with_sharding_constraint(
+          out, NamedSharding(mesh, P(None, rows)))
+    return out
+
+  def gather(routes_LBTK, mb_Mb):
+    per_layer = jax.lax.map(lambda r: one_layer(r, mb_Mb), routes_LBTK)
+    return jnp.moveaxis(per_layer, 0, 1)  # [M, L, b, T-1, K]
+  if mesh is None:
+    return jax.jit(gather)
+  return jax.jit(gather, out_shardings=NamedSharding(
+      mesh, P(None, None, rows)))
 
 
 def device_batch(batch: dict, mesh) -> dict:

@@ -266,6 +266,10 @@ class Sampler:
       routes = jnp.zeros((num_layers, num_rows, total, top_k),
                          self.record_dtype)
       routes = routes.at[:, :, :plen].set(aux.routes_LBTK.astype(routes.dtype))
+      # Split by rows like the rest (never replicated: at scale the record
+      # is gigabytes), and so is every decode step's update of it.
+      routes = jax.lax.with_sharding_constraint(routes, NamedSharding(
+          self.mesh, P(None, (expert_parallel.DATA, expert_parallel.EXPERT))))
     return DecodeState(jnp.zeros((), jnp.int32), row_valid_B, row_valid_B,
                        tokens_BX, logp_BX, routes, cache)
 

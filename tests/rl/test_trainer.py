@@ -4,6 +4,8 @@ import importlib
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from foremoe_jax.foresight import expert_load
@@ -200,3 +202,32 @@ def test_compose_evens_device_tokens_only_when_asked():
   assert long_B[step[0]].sum() == num_dev
   assert per_dev(step)[1].max() < t - 1
   assert per_dev(step).max(1).sum() < per_dev(even).max(1).sum()
+
+
+def test_routes_gather_into_micro_batches_sharded_one_layer_at_a_time():
+  """The sampler's sharded routing record is gathered into micro-batch
+  order on device: the values numpy's gather gives, laid out as the RL
+  batch lays them out (each device its own rows), and no device ever holds
+  more than one layer's whole record (every all-gather of the compiled
+  program is at most one layer's [B, T, K])."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from foremoe_jax.model import expert_parallel as ep  # pylint: disable=import-outside-toplevel
+  from foremoe_jax.utils import hlo  # pylint: disable=import-outside-toplevel
+  mesh = ep.make_mesh(2, 4)
+  rows = (ep.DATA, ep.EXPERT)
+  num_layers, num_b, num_t, top_k = 6, 32, 9, 2
+  rng = np.random.default_rng(0)
+  routes = rng.integers(0, 16, (num_layers, num_b, num_t, top_k)).astype(
+      np.int32)
+  mb_Mb = np.stack(np.split(rng.permutation(num_b), 4)).astype(np.int32)
+  on_device = jax.device_put(routes, NamedSharding(mesh, P(None, rows)))
+  got = trainer._routes_by_microbatch(on_device, jnp.asarray(mb_Mb))  # pylint: disable=protected-access
+  want = np.moveaxis(routes[:, :, :-1][:, mb_Mb], 1, 0)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert got.sharding.is_equivalent_to(
+      NamedSharding(mesh, P(None, None, rows)), got.ndim)
+  text = trainer._routes_gather(mesh).lower(  # pylint: disable=protected-access
+      on_device, jnp.asarray(mb_Mb)).compile().as_text()
+  layer = num_b * num_t * top_k
+  assert all(n <= layer for _, n in hlo.all_gathers(text)), (
+      hlo.all_gathers(text))
