@@ -8,8 +8,9 @@ with the non-expert state split over the 64 devices (ZeRO, parallel.
 fsdp_axes='data+expert'; --fsdp_axes=none replicates it), with the
 memory model (foremoe_jax/sim/memory.py), checks the model
 against XLA's buffer assignment of the real compiled step at reduced
-depths (2, 4, 8 layers) on 64 simulated CPU devices, extrapolates XLA's
-peak to full depth along its per-layer slope, and times the compiles.
+depths (2, 4, 8 layers) and at full depth on 64 simulated CPU devices,
+extrapolates XLA's peak along its per-layer slope beside the compiled
+full depth, and times the compiles.
 The logic lives in foremoe_jax/benchmarks/memory_report.py.
 """
 import dataclasses

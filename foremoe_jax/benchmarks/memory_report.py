@@ -51,6 +51,10 @@ class MemoryReport:
   redundant_slots_per_device: int = 2
   check_layers: int = 2  # Depth of the step compiled against the model.
   compile_layers: tuple = (2, 4, 8)  # Depths compiled (times, XLA's slope).
+  # Also compile the config's whole depth (abstract arrays: nothing is
+  # allocated, and the scanned layers keep its compile as quick as 2's):
+  # XLA's own peak and compile time of the real step, not extrapolated.
+  full_depth: bool = True
   capacity_factor: float = 1.25  # Receive bucket over the uniform rows.
   remat_policy: str = 'full'
   # Non-expert master weights and Adam moments split over every device
@@ -205,15 +209,17 @@ def xla_bytes(compiled) -> dict:
 
 def run(report: MemoryReport = MemoryReport(), log=print) -> dict:
   """Model vs XLA at every compiled depth; the headline peak is the larger
-  of the model at full depth and XLA's peak extrapolated to full depth
-  along its own per-layer slope (a least-squares line through the compiled
-  depths: what does not grow with depth, XLA's transients, is its
-  intercept)."""
+  of the model at full depth and XLA's peak at full depth: compiled there
+  (`full_depth`), else extrapolated along XLA's own per-layer slope (a
+  least-squares line through the reduced depths: what does not grow with
+  depth, XLA's transients, is its intercept)."""
   num_layers = model_config(report).model.num_layers
   full = modelled(report)
   log(f"model: {full['total'] / 1e9:.1f} GB per device at {num_layers} "
       f'layers ({report.config}, EP {report.ep})')
-  depths = sorted(set(report.compile_layers) | {report.check_layers})
+  reduced = sorted(set(report.compile_layers) | {report.check_layers})
+  depths = sorted(set(reduced) | ({num_layers} if report.full_depth
+                                  else set()))
   compile_s, checks = {}, {}
   for depth in depths:
     compiled, secs = compiled_update(report, depth)
@@ -225,24 +231,31 @@ def run(report: MemoryReport = MemoryReport(), log=print) -> dict:
     log(f'{depth} layers: compiled in {secs:.1f} s; model '
         f"{model['total'] / 1e9:.2f} GB, XLA {xla['peak'] / 1e9:.2f} GB "
         f'({100 * rel:+.1f}%)')
-  peaks = np.array([checks[d]['xla']['peak'] for d in depths])
-  slope, intercept = np.polyfit(np.array(depths, float), peaks, 1)
-  xla_full = float(intercept + slope * num_layers)
-  model_slope = ((checks[depths[-1]]['model']['total']
-                  - checks[depths[0]]['model']['total'])
-                 / (depths[-1] - depths[0]))
+  peaks = np.array([checks[d]['xla']['peak'] for d in reduced])
+  slope, intercept = np.polyfit(np.array(reduced, float), peaks, 1)
+  xla_extrapolated = float(intercept + slope * num_layers)
+  compiled_full = num_layers in checks
+  xla_full = (checks[num_layers]['xla']['peak'] if compiled_full
+              else xla_extrapolated)
+  model_slope = ((checks[reduced[-1]]['model']['total']
+                  - checks[reduced[0]]['model']['total'])
+                 / (reduced[-1] - reduced[0]))
   peak = max(full['total'], xla_full)
   log(f'XLA per layer {slope / 1e9:.2f} GB (model {model_slope / 1e9:.2f});'
-      f' XLA extrapolated to {num_layers} layers {xla_full / 1e9:.1f} GB;'
-      f' peak {peak / 1e9:.1f} GB')
+      f' XLA extrapolated to {num_layers} layers '
+      f'{xla_extrapolated / 1e9:.1f} GB'
+      + (f', compiled there {xla_full / 1e9:.1f} GB' if compiled_full else '')
+      + f'; peak {peak / 1e9:.1f} GB')
   return dict(
       report=dataclasses.asdict(report), num_layers=num_layers,
       peak_bytes_per_device=peak, model_full_depth=full,
-      xla_extrapolated_full_depth=xla_full,
+      xla_full_depth=xla_full, xla_full_depth_compiled=compiled_full,
+      xla_extrapolated_full_depth=xla_extrapolated,
       xla_bytes_per_layer=float(slope), model_bytes_per_layer=model_slope,
       check={str(d): checks[d] for d in depths},
       rel_error_model_vs_xla=checks[report.check_layers][
           'rel_error_model_vs_xla'],
       compile_s_by_layers={str(d): compile_s[d] for d in depths},
       compile_growth=compile_s[depths[-1]] / compile_s[depths[0]],
+      compile_s_full_depth=compile_s.get(num_layers),
       fits_80gb_with_10pct_headroom=peak <= 0.9 * 80e9)

@@ -49,10 +49,13 @@ def test_report_takes_the_larger_of_model_and_extrapolated_xla(result):
   xla = {int(d): c['xla']['peak'] for d, c in res['check'].items()}
   slope = xla[3] - xla[2]
   assert res['xla_bytes_per_layer'] == pytest.approx(slope, rel=1e-6)
-  # tiny has 2 layers: the extrapolation is XLA's own peak at 2.
+  # tiny has 2 layers: the extrapolation is XLA's own peak at 2, and the
+  # full depth (compiled: full_depth is on) is that same program.
   assert res['xla_extrapolated_full_depth'] == pytest.approx(xla[2], rel=1e-6)
+  assert res['xla_full_depth_compiled'] and res['xla_full_depth'] == xla[2]
+  assert res['compile_s_full_depth'] == res['compile_s_by_layers']['2']
   assert res['peak_bytes_per_device'] == max(
-      res['model_full_depth']['total'], res['xla_extrapolated_full_depth'])
+      res['model_full_depth']['total'], res['xla_full_depth'])
   assert res['model_bytes_per_layer'] > 0 and slope > 0
 
 
