@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.planner.topology import Topology
@@ -303,3 +304,68 @@ def test_each_device_receives_only_its_own_rows(mesh, mode):
       (jnp.asarray(rng.standard_normal((2, num_experts, 4)), jnp.float32),),
       dev['fill'])
   np.testing.assert_array_equal(slots[-1], se_MLS[0])
+
+
+@pytest.mark.parametrize('mode,tree', [('exact', False), ('exact', True),
+                                       ('rounds', True)])
+def test_returns_in_backward_sends_the_flush_as_the_homes_cotangent(
+    mesh, mode, tree):
+  """`engine.returns_in_backward`, the RL update's flush hook: the forward
+  is the identity on the slots; in the backward the homes' gradient sums
+  so far come back as their cotangent, plus (flush active) every slot's
+  accumulated gradient and its new one, each summed at its expert (numpy
+  segment sum), or (inactive, every micro-step but the last) untouched:
+  no zero-filled canonical gradient is made. The slots' own cotangent
+  flows on either way. Single-stage exact is the CPU's in-place path;
+  tree and rounds are the exchange's."""
+  rng = np.random.default_rng(7)
+  spd, num_experts, num_layers = 3, 16, 2
+  topo = Topology(2, D // 2, spd)
+  se_MLS = random_placements(rng, 1, num_layers, num_experts, topo.num_slots)
+  budget = schedule.TransferBudget(step_rounds=(16 if tree else 4) * spd,
+                                   microstep_rounds=4 * spd, mode=mode)
+  st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
+  flush = engine.device_transition(st.flush)
+  shapes = ((3, 2), (2,))
+  slot_w = tuple(jnp.asarray(rng.standard_normal((num_layers, topo.num_slots)
+                                                 + s), jnp.float32)
+                 for s in shapes)
+  acc, ct = (tuple(jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+                   for w in slot_w) for _ in range(2))
+  home = tuple(jnp.asarray(rng.standard_normal((num_layers, num_experts) + s),
+                           jnp.float32) for s in shapes)
+  specs = lambda tree_: jax.tree.map(lambda _: P(None, ep.EXPERT), tree_)
+
+  def per_device(w, h, a, c, t, active):
+    outs = []
+    for l in range(num_layers):
+      at = lambda x: tuple(v[l] for v in x)
+      t_l = {k: v[l] for k, v in t.items()}
+      f = lambda w_l, h_l: engine.returns_in_backward(w_l, h_l, at(a), t_l,
+                                                      active)
+      y, vjp = jax.vjp(f, at(w), at(h))
+      for got, want in zip(y, at(w)):  # The forward is the identity.
+        assert got.shape == want.shape
+      outs.append(vjp(at(c)))
+    stack = lambda i: tuple(jnp.stack([o[i][j] for o in outs])
+                            for j in range(len(shapes)))
+    return stack(0), stack(1)
+
+  run = jax.jit(jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=(specs(slot_w), specs(home), specs(acc), specs(ct),
+                engine.transition_specs(flush), P()),
+      out_specs=(specs(slot_w), specs(home))))
+  for active in (False, True):
+    ct_w, ct_home = run(slot_w, home, acc, ct, flush, jnp.asarray(active))
+    for got, want in zip(ct_w, ct):
+      np.testing.assert_array_equal(got, want)
+    for leaf, (got, h) in enumerate(zip(ct_home, home)):
+      want = np.array(h)
+      if active:
+        sent = np.asarray(acc[leaf]) + np.asarray(ct[leaf])
+        for l in range(num_layers):
+          np.add.at(want[l], se_MLS[0, l], sent[l])
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+      else:
+        np.testing.assert_array_equal(got, want)
