@@ -165,7 +165,8 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
   p.slots_per_device = slots_per_device  # Homes + redundant replicas.
   # ZeRO over every device: the non-expert master and Adam moments would
   # otherwise be replicated on each (docs/design.md §4.7; the memory
-  # report's 67.9 GB per H100 for Qwen3-30B-A3B assumes it).
+  # report's peak per H100 for Qwen3-30B-A3B, results/memory_report.json,
+  # assumes it).
   p.fsdp = True
   p.fsdp_axes = 'data+expert'
   # Ragged all-to-all of exactly the routed rows (the GPU / TPU collective),

@@ -17,9 +17,9 @@ Shapes only (no weights allocated; also the cluster simulator's input):
 Cluster: 8 nodes x 8 H100 = 64 devices, mesh 1 data x 64 expert. With
 EP 64 each GPU holds 2 of the 128 experts' homes (+2 redundant slots), so
 the expert master and Adam moments take 5.4 GB a device instead of 43 GB at
-EP 8 (results/simulate_cluster.json); the update's peak is 67.9 GB of an
-80 GB H100 (experiments.memory_report, remat 'full', fsdp over every
-device), which EP 8 x data 8 would not meet. The all-to-all then crosses
+EP 8 (results/simulate_cluster.json); the update's peak is 62.5 GB of an
+80 GB H100 (XLA's compiled step at full depth, results/memory_report.json
+from experiments.memory_report; remat 'full', fsdp over every device), which EP 8 x data 8 would not meet. The all-to-all then crosses
 nodes, which the planner's two tiers (planner.num_nodes = 8) price.
 
 Smoke reductions (SMOKE_REDUCED below; configs/_real_rl.py lists the ones
@@ -74,8 +74,8 @@ def model_config() -> ml_collections.ConfigDict:
   # (WORKSPACE.md, "Mixed precision").
   m.dtype = 'bfloat16'
   m.param_dtype = 'bfloat16'
-  # Recompute each block in the backward pass: the memory report's 67.9 GB
-  # per device assumes it.
+  # Recompute each block in the backward pass: the memory report's peak
+  # per device (results/memory_report.json) assumes it.
   m.remat_policy = 'full'
   # MSA's shape, for tools that try it (attention stays dense: a Hugging
   # Face checkpoint has no MSA index weights).
