@@ -2,6 +2,7 @@
 import importlib
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -184,3 +185,34 @@ def test_qk_norm_init_sets_the_scales_that_bound_the_logits(scope):
     np.testing.assert_allclose(jnp.linalg.norm(q, axis=-1), np.sqrt(d) * g,
                                rtol=1e-4)
     assert float(jnp.abs(logits).max()) <= np.sqrt(d) * g * g * (1 + 1e-4)
+
+
+def _num_eqns(jaxpr) -> int:
+  """Equations of a jaxpr and of every jaxpr nested in it (scan bodies,
+  checkpoints, custom VJPs), each counted once per appearance."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += 1
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      n += _num_eqns(sub)
+  return n
+
+
+def test_training_forward_scans_its_layers_so_the_program_does_not_grow():
+  """The layers of a segment are one scan (as MaxText's scan_layers): the
+  traced loss and gradient of a 6-layer model has exactly as many
+  equations as a 2-layer one, so compile time does not grow with depth
+  (an unrolled stack would add every layer's equations)."""
+  mesh = ep.make_mesh(1, 1)
+  sizes = {}
+  for num_layers in (2, 6):
+    cfg = tiny_model_cfg(num_layers=num_layers)
+    model = transformer.Transformer(cfg, mesh, rngs=nnx.Rngs(0))
+    graphdef, state = sharding.split_model(model, mesh)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+
+    def loss(state):
+      logits, _, _ = nnx.merge(graphdef, state)(tokens)
+      return jnp.mean(logits)
+    sizes[num_layers] = _num_eqns(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
+  assert sizes[6] == sizes[2] > 0, sizes

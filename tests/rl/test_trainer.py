@@ -3,6 +3,7 @@ import glob
 import importlib
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from foremoe_jax.rl import trainer
 from foremoe_jax.utils import tensorboard
 
 
-def test_short_run_reward_rises_and_writes_outputs(tmp_path):
+def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
   cfg = importlib.import_module('configs.tiny').get_config()
   cfg.task = 'sort'
   cfg.warmstart.steps = 100
@@ -27,9 +28,26 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   cfg.parallel.cell_growth = 100.0
   workdir = str(tmp_path)
   summary = trainer.train(cfg, workdir)
+  out = capsys.readouterr().out
   lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   rl = [l for l in lines if l.get('phase') == 'rl']
   assert len(rl) == 40
+  # Every compile of a step program is logged with the buckets of the step
+  # that caused it: the first step's, and each update bucket the run had
+  # not compiled before (a new static shape: it must compile).
+  compiles = re.findall(r'compiled (.*) at step (\d+) \(capacity (\d+), '
+                        r'recompute (\d+)\)', out)
+  assert compiles and compiles[0][1] == '1', out[-2000:]
+  for names, step, cap, rcap in compiles:
+    r = rl[int(step) - 1]
+    assert (int(cap), int(rcap)) == (r['capacity'],
+                                     r['capacity_recompute']), names
+  compiled_update = {int(s) for n, s, _, _ in compiles if 'update ' in n}
+  seen = set()
+  for r in rl:
+    if r['capacity'] not in seen:
+      seen.add(r['capacity'])
+      assert r['step'] in compiled_update, (r['step'], r['capacity'])
   for key in ('step', 'reward_mean', 'kl', 'step_s', 'microstep_max_over_mean',
               'plan_wait_s', 'recompute_s', 'update_s',
               'weight_bytes_moved_per_device_per_microstep'):
