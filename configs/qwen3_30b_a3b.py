@@ -20,7 +20,8 @@ the expert master and Adam moments take 5.4 GB a device instead of 43 GB at
 EP 8 (results/simulate_cluster.json); the update's peak is 62.5 GB of an
 80 GB H100 (XLA's compiled step at full depth, results/memory_report.json
 from experiments.memory_report; remat 'full', fsdp over every device),
-which EP 8 x data 8 would not meet. The all-to-all then crosses nodes, which the planner's two tiers (planner.num_nodes = 8) price.
+which EP 8 x data 8 would not meet. The all-to-all then crosses nodes,
+which the planner's two tiers (planner.num_nodes = 8) price.
 
 Smoke reductions (SMOKE_REDUCED below; configs/_real_rl.py lists the ones
 every real config shares, layers and vocabulary among them):
