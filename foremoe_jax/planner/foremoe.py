@@ -115,7 +115,8 @@ class ForeMoEConfig:
   anchor_rounds: int | None = None
   """Home-anchored: the transfer engine's round budget for the fill and the
   flush (`TransferBudget.step_rounds`); the anchor never places a replica
-  that would need more (None: no limit)."""
+  that would need more, and (``exact``) no micro-step's moves or shed
+  leave a placement whose flush would (None: no limit)."""
   transfer_mode: str = 'exact'
   """How the engine carries a home-anchored layout's fills and gradient
   returns (`TransferBudget.mode`), which is what the anchor pays for them:
@@ -296,11 +297,12 @@ def _target_level(y_LD, move_tokens: float, cfg: ForeMoEConfig):
 
 def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
                    budget_LD, moves_LD, topo: Topology, cost: CostModel,
-                   cfg: ForeMoEConfig, returns_LD=None):
+                   cfg: ForeMoEConfig, returns_LD=None, away=None):
   """One round of moves in the given layers, at most one per cold device:
   accepted (layer, slot, expert, device, cost) arrays. returns_LD:
   gradients of evicted replicas each home gets this transition so far
-  (`ForeMoEConfig.microstep_degree`)."""
+  (`ForeMoEConfig.microstep_degree`); away: `_away_counts` of the
+  placement, when the flush's degree is bounded (`anchor_rounds`)."""
   # Work on the active layers only (later rounds have few).
   se_LS, x_LS, y_LD = se_LS[layers], x_LS[layers], y_LD[layers]
   budget_LD, moves_LD = budget_LD[layers], moves_LD[layers]
@@ -423,6 +425,11 @@ def _propose_moves(layers, se_LS, x_LS, y_LD, graph: split.FlowGraph,
         & (y_cold_LQ[:, None, :] < y_hot_LP[:, :, None])[..., None]
         & (cost_LPQi <= budget_LQ[:, None, :, None])
         & (gain > cfg.min_gain_frac * mean_L[:, None, None, None]))
+  if away is not None:
+    # The placement after the copy must still flush within the budget.
+    ok &= _flush_fits(l3[..., None], e_hot_LPi[:, :, None, :],
+                      e_ev_LQ[:, None, :, None], cold_LQ[:, None, :, None],
+                      away[0][layers], away[1][layers], cfg.anchor_rounds, h)
   # The copy's bytes fit the window; its price also counts the gradient it
   # sends home later (at eviction or at the final flush).
   price = cfg.copy_price(cost)
@@ -529,6 +536,59 @@ def _fits_returns(layer, home, device, returns_LD, degree: int):
   return keep
 
 
+def _away_counts(se_LS, topo: Topology, num_experts: int):
+  """What the flush of a placement sends, per layer and device: (slots
+  away from its home holding the device's experts [L, D], the gradients
+  it gets home; the device's slots holding experts homed elsewhere [L, D],
+  those it sends). Their max is the ``exact`` flush's degree, and that of
+  a fill from empty buffers (`transfer.schedule`: every replica away from
+  home straight from / to it)."""
+  h = num_experts // topo.num_devices
+  num_layers = se_LS.shape[0]
+  dev_S = topo.device_of_slot()
+  away_LS = se_LS // h != dev_S
+  l_N, j_N = np.nonzero(away_LS)
+  recv_LD = np.zeros((num_layers, topo.num_devices), np.int64)
+  send_LD = np.zeros_like(recv_LD)
+  np.add.at(recv_LD, (l_N, se_LS[l_N, j_N] // h), 1)
+  np.add.at(send_LD, (l_N, dev_S[j_N]), 1)
+  return recv_LD, send_LD
+
+
+def _flush_fits(layer, expert, evicted, device, recv_LD, send_LD,
+                cap: int, h: int):
+  """Whether copying `expert` into `device` over a slot of `evicted`
+  (arrays that broadcast together) leaves the flush within `cap`
+  (`_away_counts` before it: the copy adds one away replica unless it is
+  home, the eviction removes one unless it was)."""
+  home_new, home_old = expert // h, evicted // h
+  add, sub = home_new != device, home_old != device
+  recv_new = (recv_LD[layer, home_new] + add
+              - (sub & (home_old == home_new)))
+  send_new = send_LD[layer, device] + add - sub
+  return (recv_new <= cap) & (send_new <= cap)
+
+
+def _fits_flush(layer, expert, evicted, device, away, cap: int, h: int):
+  """Which proposed moves keep the flush within `cap` when taken in
+  order, one per layer at a time (`_fits_returns`' waves; two moves of
+  one round may add to one home). Returns a keep mask."""
+  recv_LD, send_LD = (x.copy() for x in away)
+  rank = _rank_in_layer(layer)
+  keep = np.zeros(len(layer), bool)
+  for wave in range(int(rank.max()) + 1):
+    n = np.flatnonzero(rank == wave)
+    l, e, v, d = layer[n], expert[n], evicted[n], device[n]
+    ok = _flush_fits(l, e, v, d, recv_LD, send_LD, cap, h)
+    keep[n[ok]] = True
+    l, e, v, d = l[ok], e[ok], v[ok], d[ok]
+    np.add.at(recv_LD, (l[e // h != d], e[e // h != d] // h), 1)
+    np.add.at(recv_LD, (l[v // h != d], v[v // h != d] // h), -1)
+    np.add.at(send_LD, (l, d), (e // h != d).astype(np.int64)
+              - (v // h != d))
+  return keep
+
+
 def _fractions(x_LS, se_LS, w_LE):
   w_LS = np.take_along_axis(w_LE, se_LS, 1)
   return np.where(w_LS > 0, x_LS / np.maximum(w_LS, 1e-300), 0.0)
@@ -582,9 +642,16 @@ def refine_microstep(graph: split.FlowGraph, w_LE, topo: Topology,
     active_L &= (placement_lib.max_over_mean(y_LD) > 1 + cfg.balance_tol)
     if not active_L.any():
       break
+    away = (None if cfg.anchor_rounds is None or cfg.transfer_mode != 'exact'
+            else _away_counts(se_LS, topo, w_LE.shape[1]))
     layer, slot, expert, device, tokens = _propose_moves(
         np.flatnonzero(active_L), se_LS, x_LS, y_LD, graph, budget_LD,
-        moves_LD, topo, cost, cfg, returns_LD)
+        moves_LD, topo, cost, cfg, returns_LD, away)
+    if away is not None and len(layer):
+      keep = _fits_flush(layer, expert, se_LS[layer, slot], device, away,
+                         cfg.anchor_rounds, h)
+      layer, slot, expert, device, tokens = (
+          a[keep] for a in (layer, slot, expert, device, tokens))
     if cfg.moves_per_layer is not None and len(layer):
       # Keep each layer's first proposals (hottest devices first) up to its cap.
       keep = (_rank_in_layer(layer)
@@ -853,18 +920,28 @@ def _shed_per_layer(plan: StepPlan, loads_MLDE, w_MLE, start_LS, current_LS,
   # (Imported here: transfer.schedule imports the planner package.)
   from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
   num_experts = w_MLE.shape[2]
+  # Each placement must also flush (and so fill from empty buffers) within
+  # the step's budget; the anchor it starts from does.
+  flush_rounds = config.anchor_rounds
   se_list, x_list, prev_LS = [], [], np.asarray(start_LS)[tried]
   for m in range(num_micro):
     se_LS = packing.shed_placement(w_MLE[m, tried], prev_LS, topo,
                                    config.microstep_degree).astype(np.int64)
+    over_L = np.zeros(len(tried), bool)
     if m > 0:
-      bad = np.flatnonzero(schedule.rounds_needed(
-          prev_LS, se_LS, num_experts, topo, config.transfer_mode)
-                           > config.microstep_degree)
-      if len(bad):
-        se_LS[bad] = schedule.fit_layers(
-            prev_LS[bad], se_LS[bad], prev_LS[bad], config.microstep_degree,
-            num_experts, topo, config.transfer_mode)
+      over_L |= schedule.rounds_needed(
+          prev_LS, se_LS, num_experts, topo, config.transfer_mode
+      ) > config.microstep_degree
+    if flush_rounds is not None:
+      over_L |= schedule.rounds_needed(
+          se_LS, None, num_experts, topo, config.transfer_mode) > flush_rounds
+    bad = np.flatnonzero(over_L)
+    if len(bad):
+      # Micro-step 0's transition is the fill, under the step's budget.
+      se_LS[bad] = schedule.fit_layers(
+          prev_LS[bad], se_LS[bad], prev_LS[bad],
+          config.microstep_degree if m > 0 else np.inf, num_experts, topo,
+          config.transfer_mode, flush_rounds)
     x_LS, _ = split.balanced_flows(se_LS, w_MLE[m, tried], topo,
                                    sweeps=sweeps)
     se_list.append(se_LS)

@@ -298,11 +298,14 @@ def _share_rounds(b_N, d_N, cand_NC, flex_N, num_devices):
 
 
 def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
-  """Greedy sources for fills with several candidates (``exact`` mode),
-  after the forced ones: the candidate that sends fewest so far in the
-  row, so the busiest sender, the degree that sizes the collective, stays
-  low. Rows advance together, one fill each (as `_share_rounds`)."""
-  del d_N
+  """Sources for fills with several candidates (``exact`` mode), after the
+  forced ones, so the busiest sender, the degree that sizes the
+  collective, is as low as any choice of candidates makes it: greedily
+  the candidate that sends fewest so far in the row (rows advance
+  together, one fill each, as `_share_rounds`), then, in a row whose
+  busiest sender sends more than its busiest receiver receives,
+  `_unload_busiest` (exact: a planner that found one assignment within a
+  degree can count on the schedule to meet it)."""
   src_N = cand_NC[:, 0].copy()
   rows = np.unique(b_N[flex_N])
   row_of_B = np.full(int(b_N.max()) + 1, -1)
@@ -325,7 +328,56 @@ def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
     c = c_nC[np.arange(len(n)), load_nC.argmin(1)]  # Ties: the first.
     sends_FD[f, c] += 1
     src_N[n] = c
+  recv_FD = np.zeros_like(sends_FD)
+  np.add.at(recv_FD, (f_N[f_N >= 0], d_N[f_N >= 0]), 1)
+  for f in np.flatnonzero(sends_FD.max(1) > recv_FD.max(1)):
+    n = flex[f_N[flex] == f]
+    src_N[n] = _unload_busiest(src_N[n], cand_NC[n], sends_FD[f])
   return src_N
+
+
+def _unload_busiest(src_n, cand_nC, sends_D):
+  """The sources of one row's flexible fills (n, candidates [n, C], -1
+  padded) re-chosen so the most any device sends (sends_D: all of the
+  row's sends, forced ones included) is the least possible.
+
+  Repeatedly finds a path from a busiest sender to one sending at least 2
+  fewer, each step a fill moving from its sender to another of its
+  candidates, and shifts the fills along it. None left means the devices
+  reachable from the busiest ones, whose fills can only be sent from
+  among them, all send max or max - 1: no choice does better (the
+  semi-matching optimality condition)."""
+  src_n, sends_D = src_n.copy(), sends_D.copy()
+  while True:
+    top = sends_D.max()
+    # Breadth-first over devices from the busiest: via[c] = the fill that
+    # moved into c's sends (-1 for a root, -2 unvisited).
+    via = np.full(len(sends_D), -2, np.int64)
+    frontier = np.flatnonzero(sends_D == top)
+    via[frontier] = -1
+    end = -1
+    while len(frontier) and end < 0:
+      n = np.flatnonzero(np.isin(src_n, frontier))
+      c_n, to_n = np.nonzero(cand_nC[n] >= 0)
+      fill, to = n[c_n], cand_nC[n[c_n], to_n]
+      new = via[to] == -2
+      fill, to = fill[new], to[new]
+      to, first = np.unique(to, return_index=True)
+      via[to] = fill[first]
+      low = to[sends_D[to] <= top - 2]
+      if len(low):
+        end = int(low[0])
+      frontier = to
+    if end < 0:
+      return src_n
+    c = end
+    while via[c] >= 0:  # Walk back to the root, moving each fill on.
+      fill = via[c]
+      prev = src_n[fill]
+      src_n[fill] = c
+      sends_D[c] += 1
+      sends_D[prev] -= 1
+      c = prev
 
 
 def _return_edges(prev_BS, next_BS, num_experts, topo: Topology):
@@ -781,10 +833,12 @@ def build_step_transfer(slot_expert_MLS, num_experts: int, topo: Topology,
 
 
 def fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,
-                mode='exact'):
+                mode='exact', flush_rounds=None):
   """Each layer of next_LS with changed slots reverted to ref_LS until it
   fits: those whose revert alone needs fewest rounds first, 1, 2, 4, ...
-  of them. Reverting all of them gives ref_LS, which always fits."""
+  of them. Reverting all of them gives ref_LS, which always fits.
+  flush_rounds: the placement must also flush within this many rounds
+  (None: not checked); ref_LS must then flush within it too."""
   num_layers, num_slots = next_LS.shape
   l_N, j_N = np.nonzero(next_LS != ref_LS)
   at = np.arange(len(l_N))
@@ -808,10 +862,13 @@ def fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,
   rows = np.arange(len(trial_BS))[:, None]
   held_BE = np.bincount((rows * num_experts + trial_BS).ravel(),
                         minlength=len(trial_BS) * num_experts)
-  ok_LP = ((held_BE.reshape(-1, num_experts).min(axis=1) > 0)
-           & (_rounds(np.repeat(prev_LS, width, axis=0), trial_BS,
-                      num_experts, topo, mode) <= num_rounds)
-           ).reshape(num_layers, width)
+  ok_B = ((held_BE.reshape(-1, num_experts).min(axis=1) > 0)
+          & (_rounds(np.repeat(prev_LS, width, axis=0), trial_BS,
+                     num_experts, topo, mode) <= num_rounds))
+  if flush_rounds is not None:
+    ok_B &= _rounds(trial_BS, _rows(None, trial_BS), num_experts, topo,
+                    mode) <= flush_rounds
+  ok_LP = ok_B.reshape(num_layers, width)
   return trial_LPS[np.arange(num_layers), ok_LP.argmax(axis=1)]
 
 

@@ -210,6 +210,38 @@ def test_microstep_degree_bounds_every_device_not_the_layer():
   assert most_copies > 2
 
 
+def test_trainer_plans_fill_move_and_flush_within_budget_by_construction():
+  """Under the trainer's constraints (`evaluate.trainer_planner_config`,
+  the ``exact`` engine), every transition of the plan fits the budget as
+  the transfer schedule counts it, the fill from empty buffers and the
+  final flush included, so `fit_plan_to_budget` changes nothing. These
+  are the bench_planner steps where it used to change slots: E128 / D8 /
+  top-8, step 2 (a layer's micro-step moves piled 9 replicas of one
+  home's experts, one more gradient than the flush's 8 rounds), and E256
+  / D64 on 8 nodes, step 2 (the schedule sourced a copy from a holder
+  that then sent 3, where the planner had found sources sending 2)."""
+  from foremoe_jax.planner import evaluate  # pylint: disable=g-import-not-at-top
+  for index, steps in ((2, (1, 2, 3)), (7, (2,))):
+    bc = evaluate.default_configs()[index]
+    topo, trace = bc.topology(), evaluate.config_trace(bc)
+    budget = bc.transfer_budget()
+    home = lib.identity_for(trace, topo)
+    cfg = evaluate.trainer_planner_config(topo, CostModel(), home, budget)
+    for r in steps:
+      loads = trace.step(r)
+      plan = foremoe.plan_step(loads, topo, CostModel(), home, cfg)
+      se = np.asarray(plan.placement.slot_expert)
+      e = bc.num_experts
+      need = lambda a, b: schedule.rounds_needed(a, b, e, topo, budget.mode)
+      assert (need(None, se[0]) <= budget.step_rounds).all(), (bc.name, r)
+      assert (need(se[-1], None) <= budget.step_rounds).all(), (bc.name, r)
+      for m in range(1, len(se)):
+        assert (need(se[m - 1], se[m]) <= budget.microstep_rounds).all()
+      assert schedule.fit_plan_to_budget(plan, loads, topo, CostModel(),
+                                         budget)[1] == 0
+      schedule.build_step_transfer(se, e, topo, budget)
+
+
 @pytest.mark.parametrize('kw,match', [
     (dict(transfer_mode='ring'), 'transfer_mode'),
     (dict(microstep_degree=0), 'microstep_degree'),
