@@ -66,9 +66,12 @@ def preempted_run(tmp_path_factory):
            # every step, not one compile per bucket.
            '--config.parallel.capacity_factors=(100,)',
            '--config.parallel.cell_factors=(100,)']
+  # The trace is of step 2, the first step with no compiles: a trace of
+  # step 1 also records every compile of the run's programs, which costs
+  # seconds to write and is no more a profile of the step.
   cmd = [sys.executable, '-m', 'experiments.rl_train',
          '--config=configs/tiny.py', *flags, '--config.rl.steps=50',
-         '--config.profile_steps=1']
+         '--config.profile_steps=2']
   # The run's compilation cache (tests/conftest.py) comes with os.environ.
   env = dict(os.environ, PYTHONPATH=ROOT)
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
@@ -175,8 +178,11 @@ def test_a_scratch_run_keeps_its_plots_beside_its_results(tmp_path):
   # With --results_dir elsewhere, the PNGs go there too (<results_dir>/
   # <bench>), never over the committed ones; progress goes to stderr
   # under --json, the summary is stdout's last line.
+  # Two micro-steps a cell (the default is 8): the same cells, rows and
+  # plot, a third less simulating.
   cmd = [sys.executable, '-m', 'experiments.sweep_moves', '--json',
-         '--models=qwen3_30b_a3b', '--devices=8', f'--results_dir={tmp_path}']
+         '--models=qwen3_30b_a3b', '--devices=8', '--microsteps=2',
+         f'--results_dir={tmp_path}']
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   assert out.returncode == 0, out.stderr[-3000:]
