@@ -11,7 +11,7 @@ canonical experts (no transfer). The layer always returns the ids it used
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ class MoEAux(NamedTuple):
   prob_sum_E: jax.Array  # float32 router probabilities summed over tokens.
   num_valid: jax.Array  # float32 valid tokens.
   stats: expert_parallel.DispatchStats
+  # With slot_fills: the layer's slot buffers for the next placement,
+  # (weights [s, X...]..., ids [s]) per device; else None.
+  next_slots: Any = None
 
 
 class ExpertWeight(nnx.Param):
@@ -65,7 +68,8 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTM, *, slot_expert_S=None, slot_share_DS=None,
                capacity: int | None = None, replay_ids_BTK=None,
-               valid_BT=None, slot_weights=None, slot_returns=None):
+               valid_BT=None, slot_weights=None, slot_returns=None,
+               slot_fills=None):
     """slot_weights: (w_gate [S, M, F], w_up [S, M, F], w_down [S, F, M])
     sharded over 'expert', holding the placement's experts. Given a
     placement without them, the slots are gathered from the canonical
@@ -75,7 +79,13 @@ class MoE(nnx.Module):
     far, accumulated slot gradients, one layer of a device transition,
     active): the slots' gradients go home in this layer's backward, the
     sums' cotangent being the sums with what arrived added
-    (`transfer.engine.returns_in_backward`; the RL update's flush)."""
+    (`transfer.engine.returns_in_backward`; the RL update's flush).
+    slot_fills: per device, (this layer's slot buffers with ids, its
+    canonical experts in the slot dtype, one layer of a device transition):
+    the next placement's slots are filled here, beside this layer's
+    compute and reading nothing it computes, and returned as
+    `MoEAux.next_slots` (`transfer.engine.fill_layer_local`; the RL
+    update's moves between micro-steps)."""
     b, t, m = x_BTM.shape
     n = b * t
     x_NM = x_BTM.reshape(n, m)
@@ -135,6 +145,14 @@ class MoE(nnx.Module):
       y_BTM = y_BTM + self.shared(x_BTM)
     counts_E = router.expert_counts(r.ids_NK, valid_N, self.num_experts)
     prob_sum_E, num_valid = router.prob_sums(r.probs_NE, valid_N)
+    next_slots = None
+    if slot_fills is not None:
+      # pylint: disable-next=g-import-not-at-top
+      from foremoe_jax.transfer import engine
+      slots_l, canon_l, t_l = slot_fills
+      next_slots = engine.fill_layer_local(
+          jax.lax.stop_gradient(tuple(slots_l)), tuple(canon_l), t_l,
+          num_devices=num_ep)
     aux = MoEAux(r.ids_NK.reshape(b, t, -1), counts_E, prob_sum_E, num_valid,
-                 stats)
+                 stats, next_slots)
     return y_BTM, aux

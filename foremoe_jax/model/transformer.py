@@ -69,6 +69,9 @@ class ModelAux(NamedTuple):
   # the recalls of each MSA layer's selection, float32 [L_msa] each
   # (pallas_kernels/msa/distill.py); else None.
   indexer_distill: distill.DistillStats | None = None
+  # With slot_fills: the MoE layers' slot buffers for the next placement
+  # ((weights [L, s, X...]..., ids [L, s]) per device); else None.
+  next_slots: tuple | None = None
 
   def reduced(self, axes) -> 'ModelAux':
     """The batch's facts from per-device ones (one reduction for all
@@ -177,7 +180,8 @@ class Transformer(nnx.Module):
                placement=None, replay_routes_LBTK=None,
                capacity: int | None = None, cache=None, cache_index=None,
                slot_weights=None, indexer_weight_BT=None,
-               return_hidden: bool = False, slot_returns=None):
+               return_hidden: bool = False, slot_returns=None,
+               slot_fills=None):
     """Returns (logits_BTV f32, ModelAux, new_cache or None).
 
     slot_weights: the MoE layers' slot weights (w_gate [L, S, M, F], w_up
@@ -187,6 +191,11 @@ class Transformer(nnx.Module):
     gradient sums [L, h, ...] tuple, accumulated slot gradients [L, S, ...]
     tuple, a device transition [L, ...] whose returns run in each MoE
     layer's backward, active bool []): `MoE.__call__`.
+    slot_fills: per device, with slot_weights, (the slot buffers with ids
+    [L, s, ...] tuple, the canonical experts [L, h, ...] tuple in the slot
+    dtype, a device transition [L, ...]): each MoE layer fills its slots
+    for the next placement beside its compute (`MoE.__call__`); they come
+    back as `ModelAux.next_slots`.
     indexer_weight_BT: float weights of the query positions in each MSA
     layer's indexer KL (`pallas_kernels.msa.msa_indexer_kl_loss`), e.g. the
     loss mask over its sum, so padding and prompt positions do not count;
@@ -207,7 +216,8 @@ class Transformer(nnx.Module):
     new_cache = None if cache is None else []
     for seg, stack in zip(self.layer_segments, self.segments):
       layer_xs = self._moe_inputs(seg, placement, slot_weights,
-                                  replay_routes_LBTK, slot_returns)
+                                  replay_routes_LBTK, slot_returns,
+                                  slot_fills)
       if cache is None:
         x, (index_loss_n, aux_n) = _scan_segment(
             stack, x, layer_xs, remat_policy=policy, **run_kw)
@@ -238,6 +248,10 @@ class Transformer(nnx.Module):
     if recalls:
       aux = aux._replace(indexer_distill=jax.tree.map(
           lambda *a: jnp.concatenate(a), *recalls))
+    if slot_fills is not None:
+      nxt = [a.next_slots for a in auxes]
+      aux = aux._replace(next_slots=nxt[0] if len(nxt) == 1 else tuple(
+          jnp.concatenate(x) for x in zip(*nxt)))
     out = x if return_hidden else self.unembed(x)
     return out, aux, new_cache
 
@@ -253,7 +267,7 @@ class Transformer(nnx.Module):
 
   @staticmethod
   def _moe_inputs(seg, placement, slot_weights, replay_routes_LBTK,
-                  slot_returns=None) -> dict:
+                  slot_returns=None, slot_fills=None) -> dict:
     """The per-layer MoE inputs of one segment ([n, ...] each)."""
     if not seg.moe:
       return {}
@@ -271,6 +285,11 @@ class Transformer(nnx.Module):
               tuple(a[lo:hi] for a in acc),
               {k: v[lo:hi] for k, v in t.items()},
               jnp.broadcast_to(active, (hi - lo,)))
+        if slot_fills is not None:
+          slots, canon, t = slot_fills
+          xs['slot_fills'] = (tuple(x[lo:hi] for x in slots),
+                              tuple(c[lo:hi] for c in canon),
+                              {k: v[lo:hi] for k, v in t.items()})
     if replay_routes_LBTK is not None:
       xs['replay_ids_BTK'] = replay_routes_LBTK[lo:hi]
     return xs

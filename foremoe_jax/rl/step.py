@@ -186,7 +186,7 @@ def target_logp(unembed, x_NM, targets_N, chunk: int = LOGP_CHUNK_TOKENS):
 
 def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
                capacity, slot_weights=None, indexer_weight_bT=None,
-               slot_returns=None):
+               slot_returns=None, slot_fills=None):
   """Log-probs of tokens[:, 1:] given tokens[:, :-1], with replayed routes.
 
   routes_LbTK covers the T-1 input positions (None: route freshly).
@@ -196,6 +196,8 @@ def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
   indexer_weight_bT: weights of the T-1 positions in the MSA indexer KL
   (see `Transformer.__call__`); None: the plain mean. slot_returns: slot
   gradients sent home in each MoE layer's backward (`Transformer.__call__`).
+  slot_fills: the next placement's slots filled in each MoE layer's
+  forward (`Transformer.__call__`), returned as `ModelAux.next_slots`.
   The vocabulary's logits are never all materialised (`target_logp`).
   Returns (logp_bT1, ModelAux).
   """
@@ -205,7 +207,8 @@ def token_logp(graphdef, params, tokens_bT, valid_bT, placement, routes_LbTK,
                          placement=placement, replay_routes_LBTK=routes_LbTK,
                          capacity=capacity, slot_weights=slot_weights,
                          indexer_weight_BT=indexer_weight_bT,
-                         return_hidden=True, slot_returns=slot_returns)
+                         return_hidden=True, slot_returns=slot_returns,
+                         slot_fills=slot_fills)
   b, t, m = hidden.shape
   logp = target_logp(model.unembed, hidden.reshape(b * t, m),
                      targets.reshape(b * t))
@@ -563,8 +566,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                 if k in logps})
   extra_specs = {k: P(None, rows) for k in extra}
 
-  def micro_loss(nonexp_l, slot_w, home_acc, experts_l, slot_returns, toks,
-                 valid, routes, placement, mask, adv, old, ref, rollout,
+  def micro_loss(nonexp_l, slot_w, home_acc, experts_l, slot_returns, fills,
+                 toks, valid, routes, placement, mask, adv, old, ref, rollout,
                  denoms):
     # The canonical experts do not reach the loss (the slots compute) and
     # are not differentiated. Their gradient sums so far, home_acc, are:
@@ -579,7 +582,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
                            routes, model_capacity(plan), slot_weights=slot_w,
                            indexer_weight_bT=index_w,
-                           slot_returns=(home_acc,) + slot_returns)
+                           slot_returns=(home_acc,) + slot_returns,
+                           slot_fills=fills)
     if old is None:  # One epoch: the old policy is this one.
       old = jax.lax.stop_gradient(logp)
     loss, metrics = grpo.policy_loss(
@@ -597,6 +601,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       aux = aux.reduced(rows)
     share = mb.shape[1] / num_total
     metrics['indexer_loss'] = jax.lax.stop_gradient(index_loss)
+    if fills is not None:
+      metrics['next_slots'] = aux.next_slots
     metrics['moe_sums'] = jax.lax.stop_gradient(
         (aux.counts_LE, aux.prob_sum_LE, aux.num_valid_L, aux.dropped_L,
          aux.max_rows_L))
@@ -638,6 +644,13 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
     num_micro = bt['tokens_MbT'].shape[0]
+    # The exact exchanges fill micro-step m + 1's slots inside micro-step
+    # m's forward, layer by layer, in the computation of the layer's
+    # matmuls, so the scheduler may overlap them (in a scan of their own
+    # they could only run before or after the forward); the CPU emulation
+    # fills in place after the backward (its collectives are synchronous
+    # anyway).
+    in_layer = transfer_engine.fills_in_forward(transfer['steps'])
 
     def body(carry, xs):
       g_acc, slots, gslots, gcanon = carry
@@ -650,9 +663,10 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       flush = (tuple(gslots), transfer['flush'], m == num_micro - 1)
       # gcanon's cotangent is gcanon with the flush's arrivals added (every
       # micro-step but the last: gcanon, passed through).
+      fills = (slots, canon, moves) if in_layer else None
       (g, g_slots, gcanon), metrics = grad_fn(
-          nonexp_l, slots[:3], gcanon, experts_l, flush, toks, valid, routes,
-          pl, mask, adv, old, ref, rollout, denoms)
+          nonexp_l, slots[:3], gcanon, experts_l, flush, fills, toks, valid,
+          routes, pl, mask, adv, old, ref, rollout, denoms)
       gcanon = tuple(gcanon)
       # Which micro-step went non-finite, so the host can name it.
       metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
@@ -662,8 +676,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       # (This device's count; summed over the mesh after the last step.)
       metrics['transfer_id_errors'] = transfer_engine.id_errors_local(
           slots[3], pl.slot_expert, reduce=False)
-      next_slots = transfer_engine.fill_slots_local(slots, canon, moves,
-                                                    num_devices=num_devices)
+      if in_layer:
+        next_slots = tuple(metrics.pop('next_slots'))
+      else:
+        next_slots = transfer_engine.fill_slots_local(
+            slots, canon, moves, num_devices=num_devices)
       # A slot's gradient has its weights' dtype; it is summed in float32.
       gslots = add(gslots, tuple(g_slots))
       gslots, gcanon = transfer_engine.return_grads_local(

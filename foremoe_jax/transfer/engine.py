@@ -47,7 +47,11 @@ min(s, R) + R.
 
 Overlap. The update issues micro-step m+1's fills in the same scan
 iteration as micro-step m's compute, reading only the buffers m computes
-with, so no data dependence orders them. Whether they then run concurrently
+with, so no data dependence orders them; with the exact exchanges each
+layer's fill runs inside that layer's step of the model's forward scan
+(`fill_layer_local`), in the computation of its matmuls, since a
+collective in a loop of its own cannot be scheduled across another
+loop's compute. Whether they then run concurrently
 is the scheduler's choice: on GPU, XLA's latency-hiding scheduler with
 asynchronous collectives (`--xla_gpu_enable_latency_hiding_scheduler=true`,
 on by default in recent jaxlib; `--xla_gpu_enable_pipelined_collectives`
@@ -859,6 +863,39 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
     slots = tuple(jax.lax.dynamic_update_index_in_dim(x, n, l, 0)
                   for x, n in zip(slots, new_l))
   return slots
+
+
+def fill_layer_local(slots_l, canon_l, t_l, *, num_devices: int,
+                     exchange: str | None = None):
+  """Per device: one layer's slots after one transition, for a caller that
+  runs inside the layer's own step of a scan (the model's, so that the
+  exchange sits in the same computation as the layer's compute and the
+  scheduler may overlap the two: `MoE.__call__`'s `slot_fills`).
+
+  slots_l: (weight buffers [s, X...]..., ids [s]); canon_l: the home
+  experts [h, X...]; t_l: one layer of `device_transition(...)`, this
+  device's rows. The ``exact`` exchanges only ('ragged' or 'a2a'): the CPU
+  emulation fills every layer in place (`fill_slots_local`)."""
+  exchange = exchange or default_exchange()
+  if exchange == 'emulated' or not _is_exact(t_l):
+    raise ValueError('fill_layer_local runs the exact exchanges (ragged, '
+                     f'a2a) only, got {exchange!r}.')
+  me = jax.lax.axis_index(EXPERT)
+  spd = slots_l[0].shape[0]
+  num_home = canon_l[0].shape[0]
+  ids_h = me * num_home + jnp.arange(num_home, dtype=jnp.int32)
+  axes = varying_axes(canon_l[0]) | {EXPERT}
+  slots_l = tuple(vary(x, axes | varying_axes(x)) for x in slots_l)
+  del num_devices  # The exact exchange reads the counts, not D.
+  return tuple(_layer_fill_exact(slots_l, tuple(canon_l) + (ids_h,), t_l,
+                                 me, spd, exchange))
+
+
+def fills_in_forward(t, exchange: str | None = None) -> bool:
+  """Whether a transition's fills run inside the model's layer scan
+  (`fill_layer_local`): the exact exchanges ('ragged' on GPU/TPU, the
+  'a2a' stand-in); the CPU emulation fills in place, apart."""
+  return (exchange or default_exchange()) != 'emulated' and _is_exact(t)
 
 
 def fill_slots(slots, canon, transition: dict, *, mesh,

@@ -508,7 +508,8 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   it with the forward's compute; in the update, every exchange (the
   fill, the moves, the returns, and the flush inside the last
   micro-step's backward over layers) sits in a loop and in no
-  conditional too."""
+  conditional too, and the moves' fills share their computation with the
+  layers' matmuls."""
   cfg, mesh, graphdef, params, rollout, rewards = setup
   monkeypatch.setattr(engine, 'default_exchange', lambda: 'a2a')
   tx = step_lib.make_optimizer(1e-3, 1.0)
@@ -543,11 +544,42 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
       state, batch, plan)
   moving = _step_plan(random_plan(np.random.default_rng(1), 4,
                                   cfg.model.num_layers))
-  text = jax.jit(update).lower(state, batch, logps, moving).compile(
-      ).as_text()
+  compiled = jax.jit(update).lower(state, batch, logps, moving).compile()
+  text = compiled.as_text()
   found = [c for c in hlo.collectives(text) if c['kind'] == 'all-to-all']
   # Fill, moves, returns and flush: four exchanges per layer's scan at
   # least, beside the token dispatch's.
   assert len(found) >= len(a2a[False]) + 4, found
   assert not any(c['in_conditional'] for c in found), found
   assert all(c['in_loop'] for c in found)
+  # The moves' fills run in micro-step m's forward, each layer's in the
+  # computation of its matmuls, where the latency-hiding scheduler may
+  # overlap them; in a scan of their own (as the CPU emulation runs them)
+  # they could only run before or after the forward, since a loop's
+  # collectives cannot leave its body. As many exchanges either way (the
+  # rematerialised backward does not fill again), 4 fewer (3 weights and
+  # the ids) where no matmul is.
+  monkeypatch.setattr(engine, 'fills_in_forward', lambda t: False)
+
+  def update_apart(*args):
+    return rl_step.update.__wrapped__(*args)
+  apart_text = jax.jit(update_apart).lower(state, batch, logps, moving
+                                           ).compile().as_text()
+  apart = [c for c in hlo.collectives(apart_text)
+           if c['kind'] == 'all-to-all']
+  no_matmul = lambda cs, t: sum(c['computation'] not in
+                                hlo.matmul_computations(t) for c in cs)
+  assert len(apart) == len(found)
+  assert no_matmul(apart, apart_text) == no_matmul(found, text) + 4
+  # And the numbers are the CPU emulation's (fills in place, returns
+  # added in another order: f32 rounding): the update this test compiled,
+  # run against the default one (both as test_moving_experts_changes_no_
+  # number and test_compiled_step_gathers_no_expert_weights compile them).
+  logps = rl_step.recompute(state, batch, moving)
+  got = compiled(state, batch, logps, moving)
+  want = rl_step.update(jax.tree.map(jnp.copy, state), batch, logps, moving)
+  assert int(got[1]['transfer_id_errors']) == 0
+  for a, b in zip(jax.tree.leaves(got[0].params),
+                  jax.tree.leaves(want[0].params)):
+    assert float(jnp.abs(a - b).max()) <= 1e-6 * float(jnp.abs(b).max())
+
