@@ -129,32 +129,25 @@ def collectives(hlo_text: str) -> list[dict]:
   return out
 
 
-def matmul_computations(hlo_text: str) -> set[str]:
-  """Names of the computations whose own instructions run a matmul: a dot
-  (or convolution) directly or inside a fusion or call they make, not
-  inside a loop or conditional they run (those are computations of their
-  own). A collective in one of them shares its computation, the unit the
-  latency-hiding scheduler orders, with matmuls it may overlap; one in a
-  computation without any can overlap none (a loop's collectives cannot
-  move out of its body)."""
+def compute_computations(hlo_text: str) -> set[str]:
+  """Names of the computations that run a matmul (a dot or convolution):
+  among their own instructions, in a fusion or call they make, or in a
+  loop or conditional they run. The latency-hiding scheduler orders one
+  computation's instructions, so an asynchronous collective may overlap
+  the matmuls its computation runs, a whole loop over layers included
+  while that loop is one instruction of it; a collective in a computation
+  not listed here (the body of a loop of transfers alone) can overlap no
+  matmul, since a loop's collectives cannot leave its body."""
   comps = _computations(hlo_text)
-  inline = re.compile(r'(?:calls|to_apply)=%([^\s,)]+)')
   has_dot = {}
 
-  def dots(c, stack=()):
+  def dots(c):
     if c not in has_dot:
-      has_dot[c] = False  # Cycles (there are none) count as no dot.
-      found = False
-      for line in comps.get(c, ()):
-        if re.search(r' (?:dot|convolution)\(', line):
-          found = True
-          break
-        if ' while(' in line or ' conditional(' in line:
-          continue
-        if any(dots(f) for f in inline.findall(line)):
-          found = True
-          break
-      has_dot[c] = found
+      has_dot[c] = False  # Cycles (there are none) count as no matmul.
+      has_dot[c] = any(
+          re.search(r' (?:dot|convolution)\(', line)
+          or any(dots(f) for f in _called(line))
+          for line in comps.get(c, ()))
     return has_dot[c]
   return {c for c in comps if dots(c)}
 

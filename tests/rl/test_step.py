@@ -524,15 +524,32 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   def recompute(*args, **kw):
     return step_lib.recompute_logps(*args, **kw)
   fn = jax.jit(recompute, static_argnames=('old', 'ref', 'prefill'))
-  a2a = {}
+  a2a, no_matmul, prefilled = {}, {}, None
   for prefill in (False, True):
-    text = fn.lower(state, batch, plan, old=False, ref=True,
-                    prefill=prefill).compile().as_text()
+    compiled = fn.lower(state, batch, plan, old=False, ref=True,
+                        prefill=prefill).compile()
+    text = compiled.as_text()
     a2a[prefill] = [c for c in hlo.collectives(text)
                     if c['kind'] == 'all-to-all']
+    computes = hlo.compute_computations(text)
+    no_matmul[prefill] = sum(c['computation'] not in computes
+                             for c in a2a[prefill])
+    if prefill:
+      prefilled = compiled(state, batch, plan)['prefill_slots']
   assert len(a2a[True]) > len(a2a[False])  # The prefill's exchanges.
   assert not any(c['in_conditional'] for c in a2a[True]), a2a[True]
   assert all(c['in_loop'] for c in a2a[True])
+  # ... all of them where the forward runs (beside its scan over layers,
+  # which an asynchronous collective may span).
+  assert no_matmul[True] == no_matmul[False], no_matmul
+  # And they fill what the plan says: the step-level placement's experts.
+  start_LS = np.asarray(level.slot_expert[0])
+  np.testing.assert_array_equal(prefilled[3], start_LS)
+  canon = step_lib.canonical_experts(state.params, step_lib._moe_layers(
+      graphdef, state.params)[1])
+  for w, c in zip(prefilled[:3], canon):
+    np.testing.assert_array_equal(w, np.take_along_axis(
+        np.asarray(c), start_LS[:, :, None, None], axis=1).astype(w.dtype))
   rl_step = _rl_step(1e-3, num_generations=4, eps_low=0.2, eps_high=0.28,
                      beta=0.05)
 
@@ -568,7 +585,7 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   apart = [c for c in hlo.collectives(apart_text)
            if c['kind'] == 'all-to-all']
   no_matmul = lambda cs, t: sum(c['computation'] not in
-                                hlo.matmul_computations(t) for c in cs)
+                                hlo.compute_computations(t) for c in cs)
   assert len(apart) == len(found)
   assert no_matmul(apart, apart_text) == no_matmul(found, text) + 4
   # And the numbers are the CPU emulation's (fills in place, returns

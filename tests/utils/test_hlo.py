@@ -44,3 +44,55 @@ def test_all_reduces_reads_every_replica_group_spelling():
       'in_loop': True, 'iota': False, 'axes': False, 'both': False}
   assert got['axes']['dtypes'] == ['f32', 'bf16']
   assert got['axes']['elements'] == 4 + 6
+
+
+_COMPUTE = """\
+HloModule m
+
+%fused_dot (a: f32[2,2], b: f32[2,2]) -> f32[2,2] {
+  %a = f32[2,2] parameter(0)
+  %b = f32[2,2] parameter(1)
+  ROOT %d = f32[2,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%layer_body (p: (s32[], f32[2,2])) -> (s32[], f32[2,2]) {
+  %p = (s32[], f32[2,2]) parameter(0)
+  %x = f32[2,2] get-tuple-element(%p), index=1
+  %f = f32[2,2]{1,0} fusion(%x, %x), kind=kOutput, calls=%fused_dot
+  %beside = f32[2,2]{1,0} all-to-all(%x), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  ROOT %t = (s32[], f32[2,2]) tuple(%i, %f)
+}
+
+%fill_body (p: (s32[], f32[2,2])) -> (s32[], f32[2,2]) {
+  %p = (s32[], f32[2,2]) parameter(0)
+  %x = f32[2,2] get-tuple-element(%p), index=1
+  %alone = f32[2,2]{1,0} all-to-all(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  ROOT %t = (s32[], f32[2,2]) tuple(%i, %alone)
+}
+
+%step_body (p: (s32[], f32[2,2])) -> (s32[], f32[2,2]) {
+  %p = (s32[], f32[2,2]) parameter(0)
+  %layers = (s32[], f32[2,2]) while(%p), condition=%cond, body=%layer_body
+  %fills = (s32[], f32[2,2]) while(%p), condition=%cond, body=%fill_body
+  %x = f32[2,2] get-tuple-element(%p), index=1
+  %around = f32[2,2]{1,0} all-to-all(%x), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+  ROOT %t = (s32[], f32[2,2]) tuple(%i, %around)
+}
+
+ENTRY %main (x: f32[2,2]) -> f32[2,2] {
+  %x = f32[2,2] parameter(0)
+  %w = (s32[], f32[2,2]) while(%init), condition=%cond, body=%step_body
+  ROOT %r = f32[2,2] add(%x, %x)
+}
+"""
+
+
+def test_compute_computations_follow_fusions_and_loops_not_transfer_loops():
+  """A collective beside a fused matmul, or beside a loop that runs one,
+  shares its computation with compute; one in a loop of transfers alone
+  does not."""
+  computes = hlo.compute_computations(_COMPUTE)
+  where = {c['computation'] for c in hlo.collectives(_COMPUTE)}
+  assert where == {'layer_body', 'fill_body', 'step_body'}
+  assert where & computes == {'layer_body', 'step_body'}
+  assert 'fused_dot' in computes and 'main' in computes
