@@ -817,13 +817,8 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   they are.
   """
   exchange = exchange or default_exchange()
-  me = jax.lax.axis_index(EXPERT)
+  me, ids_h, slots = _fill_setup(slots, canon[0].shape[1], canon[0])
   spd = slots[0].shape[1]
-  num_home = canon[0].shape[1]
-  ids_h = me * num_home + jnp.arange(num_home, dtype=jnp.int32)
-  # Fresh (empty) buffers differ per device once written: say so up front.
-  axes = varying_axes(canon[0]) | {EXPERT}
-  slots = tuple(vary(x, axes | varying_axes(x)) for x in slots)
   num_layers = canon[0].shape[0]
 
   def fill(slots_l, canon_l, t_l):
@@ -865,6 +860,16 @@ def fill_slots_local(slots, canon, t, *, num_devices: int,
   return slots
 
 
+def _fill_setup(slots, num_home: int, canon_like):
+  """(this device's index, the ids of its home experts [h], the slots
+  marked varying as what a fill writes into them is)."""
+  me = jax.lax.axis_index(EXPERT)
+  ids_h = me * num_home + jnp.arange(num_home, dtype=jnp.int32)
+  # Fresh (empty) buffers differ per device once written: say so up front.
+  axes = varying_axes(canon_like) | {EXPERT}
+  return me, ids_h, tuple(vary(x, axes | varying_axes(x)) for x in slots)
+
+
 def fill_layer_local(slots_l, canon_l, t_l, *, num_devices: int,
                      exchange: str | None = None):
   """Per device: one layer's slots after one transition, for a caller that
@@ -880,12 +885,8 @@ def fill_layer_local(slots_l, canon_l, t_l, *, num_devices: int,
   if exchange == 'emulated' or not _is_exact(t_l):
     raise ValueError('fill_layer_local runs the exact exchanges (ragged, '
                      f'a2a) only, got {exchange!r}.')
-  me = jax.lax.axis_index(EXPERT)
+  me, ids_h, slots_l = _fill_setup(slots_l, canon_l[0].shape[0], canon_l[0])
   spd = slots_l[0].shape[0]
-  num_home = canon_l[0].shape[0]
-  ids_h = me * num_home + jnp.arange(num_home, dtype=jnp.int32)
-  axes = varying_axes(canon_l[0]) | {EXPERT}
-  slots_l = tuple(vary(x, axes | varying_axes(x)) for x in slots_l)
   del num_devices  # The exact exchange reads the counts, not D.
   return tuple(_layer_fill_exact(slots_l, tuple(canon_l) + (ids_h,), t_l,
                                  me, spd, exchange))

@@ -433,6 +433,18 @@ def test_target_logp_in_chunks_equals_full_logits():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _assert_slots_hold(slots, slot_expert_LS, state, graphdef):
+  """The slot buffers hold the ids and the policy's weights of the
+  experts slot_expert_LS names."""
+  np.testing.assert_array_equal(slots[3], slot_expert_LS)
+  canon = step_lib.canonical_experts(state.params, step_lib._moe_layers(
+      graphdef, state.params)[1])
+  for w, c in zip(slots[:3], canon):
+    np.testing.assert_array_equal(w, np.take_along_axis(
+        np.asarray(c), slot_expert_LS[:, :, None, None], axis=1
+    ).astype(w.dtype))
+
+
 def test_recompute_prefill_is_the_update_fill(setup):
   """The recompute fills the policy's experts into its step-level slots
   (a chunk of layers per micro-step under its forward); the update starting
@@ -471,13 +483,7 @@ def test_recompute_prefill_is_the_update_fill(setup):
   np.testing.assert_array_equal(logps['ref_logp_MbT'], plain['ref_logp_MbT'])
   # The prefilled slots are the step-level placement's, with the policy's
   # weights (here the same as the reference's: with_ref copies them).
-  slots = logps['prefill_slots']
-  np.testing.assert_array_equal(slots[3], start_LS)
-  canon = step_lib.canonical_experts(state.params, step_lib._moe_layers(
-      graphdef, state.params)[1])
-  for w, c in zip(slots[:3], canon):
-    np.testing.assert_array_equal(w, np.take_along_axis(
-        np.asarray(c), start_LS[:, :, None, None], axis=1).astype(w.dtype))
+  _assert_slots_hold(logps['prefill_slots'], start_LS, state, graphdef)
   cached = rl_step.update._cache_size()
   out = {}
   for name, (lp, plan) in (('prefilled', (logps, delta)),
@@ -543,13 +549,8 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   # which an asynchronous collective may span).
   assert no_matmul[True] == no_matmul[False], no_matmul
   # And they fill what the plan says: the step-level placement's experts.
-  start_LS = np.asarray(level.slot_expert[0])
-  np.testing.assert_array_equal(prefilled[3], start_LS)
-  canon = step_lib.canonical_experts(state.params, step_lib._moe_layers(
-      graphdef, state.params)[1])
-  for w, c in zip(prefilled[:3], canon):
-    np.testing.assert_array_equal(w, np.take_along_axis(
-        np.asarray(c), start_LS[:, :, None, None], axis=1).astype(w.dtype))
+  _assert_slots_hold(prefilled, np.asarray(level.slot_expert[0]), state,
+                     graphdef)
   rl_step = _rl_step(1e-3, num_generations=4, eps_low=0.2, eps_high=0.28,
                      beta=0.05)
 
