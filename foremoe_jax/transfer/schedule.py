@@ -328,10 +328,22 @@ def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
     c = c_nC[np.arange(len(n)), load_nC.argmin(1)]  # Ties: the first.
     sends_FD[f, c] += 1
     src_N[n] = c
-  recv_FD = np.zeros_like(sends_FD)
+  # Rows the greedy may leave above the least busiest sender: it sends
+  # more than the busiest receiver receives (else the degree does not
+  # depend on it), more than its forced sends alone make it, and a
+  # busiest sender has a fill with a choice.
+  recv_FD, forced_FD = np.zeros_like(sends_FD), np.zeros_like(sends_FD)
   np.add.at(recv_FD, (f_N[f_N >= 0], d_N[f_N >= 0]), 1)
-  for f in np.flatnonzero(sends_FD.max(1) > recv_FD.max(1)):
-    n = flex[f_N[flex] == f]
+  np.add.at(forced_FD, (f_N[fixed], src_N[fixed]), 1)
+  top_F = sends_FD.max(1)
+  by_row = np.flatnonzero(flex_N)  # Sorted by row, as b_N is.
+  f_flex = f_N[by_row]
+  at_top_F = np.zeros(len(rows), bool)
+  at_top_F[f_flex[sends_FD[f_flex, src_N[by_row]] == top_F[f_flex]]] = True
+  bounds = np.searchsorted(f_flex, np.arange(len(rows) + 1))
+  for f in np.flatnonzero((top_F > recv_FD.max(1))
+                          & (top_F > forced_FD.max(1)) & at_top_F):
+    n = by_row[bounds[f]:bounds[f + 1]]
     src_N[n] = _unload_busiest(src_N[n], cand_NC[n], sends_FD[f])
   return src_N
 
