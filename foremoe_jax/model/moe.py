@@ -151,8 +151,7 @@ class MoE(nnx.Module):
       from foremoe_jax.transfer import engine
       slots_l, canon_l, t_l = slot_fills
       next_slots = engine.fill_layer_local(
-          jax.lax.stop_gradient(tuple(slots_l)), tuple(canon_l), t_l,
-          num_devices=num_ep)
+          jax.lax.stop_gradient(tuple(slots_l)), tuple(canon_l), t_l)
     aux = MoEAux(r.ids_NK.reshape(b, t, -1), counts_E, prob_sum_E, num_valid,
                  stats, next_slots)
     return y_BTM, aux

@@ -870,8 +870,7 @@ def _fill_setup(slots, num_home: int, canon_like):
   return me, ids_h, tuple(vary(x, axes | varying_axes(x)) for x in slots)
 
 
-def fill_layer_local(slots_l, canon_l, t_l, *, num_devices: int,
-                     exchange: str | None = None):
+def fill_layer_local(slots_l, canon_l, t_l, *, exchange: str | None = None):
   """Per device: one layer's slots after one transition, for a caller that
   runs inside the layer's own step of a scan (the model's, so that the
   exchange sits in the same computation as the layer's compute and the
@@ -887,16 +886,15 @@ def fill_layer_local(slots_l, canon_l, t_l, *, num_devices: int,
                      f'a2a) only, got {exchange!r}.')
   me, ids_h, slots_l = _fill_setup(slots_l, canon_l[0].shape[0], canon_l[0])
   spd = slots_l[0].shape[0]
-  del num_devices  # The exact exchange reads the counts, not D.
   return tuple(_layer_fill_exact(slots_l, tuple(canon_l) + (ids_h,), t_l,
                                  me, spd, exchange))
 
 
-def fills_in_forward(t, exchange: str | None = None) -> bool:
+def fills_in_forward(t) -> bool:
   """Whether a transition's fills run inside the model's layer scan
   (`fill_layer_local`): the exact exchanges ('ragged' on GPU/TPU, the
   'a2a' stand-in); the CPU emulation fills in place, apart."""
-  return (exchange or default_exchange()) != 'emulated' and _is_exact(t)
+  return default_exchange() != 'emulated' and _is_exact(t)
 
 
 def fill_slots(slots, canon, transition: dict, *, mesh,

@@ -314,6 +314,7 @@ def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
   sends_FD = np.zeros((len(rows), num_devices), np.int64)
   fixed = ~flex_N & (f_N >= 0)
   np.add.at(sends_FD, (f_N[fixed], src_N[fixed]), 1)
+  forced_FD = sends_FD.copy()
   flex = np.flatnonzero(flex_N)
   first = np.r_[True, b_N[flex][1:] != b_N[flex][:-1]]
   rank = np.arange(len(flex)) - np.maximum.accumulate(
@@ -332,9 +333,8 @@ def _spread_sends(b_N, d_N, cand_NC, flex_N, num_devices):
   # more than the busiest receiver receives (else the degree does not
   # depend on it), more than its forced sends alone make it, and a
   # busiest sender has a fill with a choice.
-  recv_FD, forced_FD = np.zeros_like(sends_FD), np.zeros_like(sends_FD)
+  recv_FD = np.zeros_like(sends_FD)
   np.add.at(recv_FD, (f_N[f_N >= 0], d_N[f_N >= 0]), 1)
-  np.add.at(forced_FD, (f_N[fixed], src_N[fixed]), 1)
   top_F = sends_FD.max(1)
   by_row = np.flatnonzero(flex_N)  # Sorted by row, as b_N is.
   f_flex = f_N[by_row]
