@@ -244,10 +244,18 @@ def test_gloo_connect_lines_are_dropped_even_interleaved():
                'ranks.  peer ranks. Expected number of connected peer ranks '
                'is :  is connected to Expected number of connected peer '
                'ranks is : ')
+  # A number run into the next thread's word (a CI run's output, verbatim).
+  noise.append('[Gloo] Rank 1 is connected to 3 peer ranks. [Gloo] Rank 3 is '
+               'connected to 3 peer ranks. [Gloo] Rank 2 is connected to '
+               '3Expected number of connected peer ranks is : 3 peer ranks. '
+               'Expected number of connected peer ranks is : 3Expected '
+               'number of connected peer ranks is : ')
+  kept.append('step 3Expected reward')
   assert all(launcher.is_gloo_noise(l) for l in noise)
   assert not any(launcher.is_gloo_noise(l) for l in kept)
-  # A message's last number alone on a line goes with it; a number that
-  # follows the job's own output stays.
-  lines = [noise[-1], '7', '7', 'step    1 | reward 0.5', '7']
+  # A message's tail alone on a line (its last number, its newline, a piece
+  # of its words) goes with it; the same after the job's own output stays.
+  lines = [noise[-1], '', '3', ' is connected to 7', 'step    1 | reward 0.5',
+           '7', '', ' is connected to ']
   assert list(launcher.drop_gloo_noise(lines)) == [
-      'step    1 | reward 0.5', '7']
+      'step    1 | reward 0.5', '7', '', ' is connected to ']

@@ -65,26 +65,34 @@ def process_env(base: dict, process_id: int, num_processes: int,
 # Its threads write unsynchronised, so lines come interleaved, word by word
 # ("[Gloo] Rank [Gloo] Rank 1 is connected ...", "... to 7[Gloo] Rank 2
 # ...", the other thread's tail alone, or its last number on a line of its
-# own). A line is gloo's when it carries the message's marker and nothing
-# but the message's words and numbers.
+# own). A number may run into the next thread's word ("to 3Expected"), so
+# a line is cut into its marker, words, numbers and punctuation, not at
+# spaces. A line is gloo's when it carries the message's marker and nothing
+# but the message's words, numbers and punctuation.
 _GLOO_WORDS = frozenset(['[Gloo]', 'Rank', 'is', 'connected', 'to', 'peer',
-                         'ranks.', 'ranks', 'Expected', 'number', 'of', ':'])
+                         'ranks', 'Expected', 'number', 'of', '.', ':'])
+_GLOO_TOKEN = re.compile(r'\[Gloo\]|[A-Za-z]+|\d+|\S')
+
+
+def _only_gloo_words(text: str) -> bool:
+  return all(w in _GLOO_WORDS or w.isdigit()
+             for w in _GLOO_TOKEN.findall(text))
 
 
 def is_gloo_noise(text: str) -> bool:
   """True for gloo's connect lines, whole or interleaved fragments."""
   if '[Gloo] Rank' not in text and 'peer ranks' not in text:
     return False
-  return all(w in _GLOO_WORDS or w.isdigit()
-             for w in text.replace('[Gloo]', ' [Gloo] ').split())
+  return _only_gloo_words(text)
 
 
 def drop_gloo_noise(lines):
-  """`lines` without gloo's connect lines, nor a bare number right after
-  one (a message's last word cut off by another thread's newline)."""
+  """`lines` without gloo's connect lines, nor what follows one with only
+  the message's words in it (a blank line, a bare number, " is connected
+  to ": a message's tail cut off by another thread's newline)."""
   after_noise = False
   for text in lines:
-    if is_gloo_noise(text) or (after_noise and text.strip().isdigit()):
+    if is_gloo_noise(text) or (after_noise and _only_gloo_words(text)):
       after_noise = True
       continue
     after_noise = False
