@@ -76,10 +76,11 @@ class MoE(nnx.Module):
     experts (`expert_parallel.routed_experts`: an all-gather, kept as the
     reference path; the RL step always passes slot weights).
     slot_returns: per device, (the canonical experts' gradient sums so
-    far, accumulated slot gradients, one layer of a device transition,
-    active): the slots' gradients go home in this layer's backward, the
-    sums' cotangent being the sums with what arrived added
-    (`transfer.engine.returns_in_backward`; the RL update's flush).
+    far, accumulated slot gradients, ((one layer of a device transition,
+    active), ...)): the slots' gradients go home in this layer's backward,
+    the sums' cotangent being the sums with what arrived added
+    (`transfer.engine.returns_in_backward`; the RL update's flush, and the
+    returns of the replicas the moves between micro-steps evict).
     slot_fills: per device, (this layer's slot buffers with ids, its
     canonical experts in the slot dtype, one layer of a device transition):
     the next placement's slots are filled here, beside this layer's
@@ -121,9 +122,9 @@ class MoE(nnx.Module):
       if slot_returns is not None:
         # pylint: disable-next=g-import-not-at-top
         from foremoe_jax.transfer import engine
-        home_acc, acc, t_l, active = slot_returns
+        home_acc, acc, returns = slot_returns
         slot_weights = engine.returns_in_backward(
-            tuple(slot_weights), tuple(home_acc), acc, t_l, active)
+            tuple(slot_weights), tuple(home_acc), acc, returns)
       args = args[:4] + tuple(slot_weights) + args[7:]
     kw = dict(capacity=capacity, dispatch=self.dispatch)
     if self.dispatch == 'exact' and self.exchange:

@@ -189,8 +189,8 @@ class Transformer(nnx.Module):
     placement gathers them from the canonical experts (the reference path).
     slot_returns: per device, with slot_weights, (the canonical experts'
     gradient sums [L, h, ...] tuple, accumulated slot gradients [L, S, ...]
-    tuple, a device transition [L, ...] whose returns run in each MoE
-    layer's backward, active bool []): `MoE.__call__`.
+    tuple, ((a device transition [L, ...], active bool []), ...) whose
+    returns run in each MoE layer's backward, in order): `MoE.__call__`.
     slot_fills: per device, with slot_weights, (the slot buffers with ids
     [L, s, ...] tuple, the canonical experts [L, h, ...] tuple in the slot
     dtype, a device transition [L, ...]): each MoE layer fills its slots
@@ -279,12 +279,13 @@ class Transformer(nnx.Module):
       if slot_weights is not None:
         xs['slot_weights'] = tuple(w[lo:hi] for w in slot_weights)
         if slot_returns is not None:
-          home_acc, acc, t, active = slot_returns
+          home_acc, acc, returns = slot_returns
           xs['slot_returns'] = (
               tuple(h[lo:hi] for h in home_acc),
               tuple(a[lo:hi] for a in acc),
-              {k: v[lo:hi] for k, v in t.items()},
-              jnp.broadcast_to(active, (hi - lo,)))
+              tuple(({k: v[lo:hi] for k, v in t.items()},
+                     jnp.broadcast_to(active, (hi - lo,)))
+                    for t, active in returns))
         if slot_fills is not None:
           slots, canon, t = slot_fills
           xs['slot_fills'] = (tuple(x[lo:hi] for x in slots),

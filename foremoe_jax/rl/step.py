@@ -645,11 +645,12 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
 
     num_micro = bt['tokens_MbT'].shape[0]
     # The exact exchanges fill micro-step m + 1's slots inside micro-step
-    # m's forward, layer by layer, in the computation of the layer's
-    # matmuls, so the scheduler may overlap them (in a scan of their own
-    # they could only run before or after the forward); the CPU emulation
-    # fills in place after the backward (its collectives are synchronous
-    # anyway).
+    # m's forward, and return the replicas the move evicts inside its
+    # backward, layer by layer, in the computation of the layer's matmuls,
+    # so the scheduler may overlap them (in a scan of their own they could
+    # only run before or after the forward and backward); the CPU
+    # emulation fills and returns in place after the backward (its
+    # collectives are synchronous anyway).
     in_layer = transfer_engine.fills_in_forward(transfer['steps'])
 
     def body(carry, xs):
@@ -658,15 +659,20 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
        rollout, m) = xs
       # The flush: in the last micro-step every slot's gradient (the
       # earlier ones' sum plus its own) goes home inside its layer's
-      # backward, so each layer's return travels while the layers before
-      # it still backpropagate.
-      flush = (tuple(gslots), transfer['flush'], m == num_micro - 1)
-      # gcanon's cotangent is gcanon with the flush's arrivals added (every
-      # micro-step but the last: gcanon, passed through).
+      # backward, in the computation of the layer's matmuls, where the
+      # scheduler may overlap it. With the exact exchanges the replicas
+      # the moves into m + 1 evict go home the same way, in m's backward.
+      last = m == num_micro - 1
+      returns = ((transfer['flush'], last),)
+      if in_layer:
+        returns += ((moves, ~last),)
+      # gcanon's cotangent is gcanon with the returns' arrivals added
+      # (nothing sent: gcanon, passed through).
       fills = (slots, canon, moves) if in_layer else None
       (g, g_slots, gcanon), metrics = grad_fn(
-          nonexp_l, slots[:3], gcanon, experts_l, flush, fills, toks, valid,
-          routes, pl, mask, adv, old, ref, rollout, denoms)
+          nonexp_l, slots[:3], gcanon, experts_l, (tuple(gslots), returns),
+          fills, toks, valid, routes, pl, mask, adv, old, ref, rollout,
+          denoms)
       gcanon = tuple(gcanon)
       # Which micro-step went non-finite, so the host can name it.
       metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
@@ -683,8 +689,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
             slots, canon, moves, num_devices=num_devices)
       # A slot's gradient has its weights' dtype; it is summed in float32.
       gslots = add(gslots, tuple(g_slots))
-      gslots, gcanon = transfer_engine.return_grads_local(
-          gslots, gcanon, moves, num_devices=num_devices)
+      if in_layer:  # The evicted slots' sums went home in the backward.
+        gslots = transfer_engine.zero_evicted_local(gslots, moves)
+      else:
+        gslots, gcanon = transfer_engine.return_grads_local(
+            gslots, gcanon, moves, num_devices=num_devices)
       return (add(g_acc, g), next_slots, gslots, gcanon), metrics
 
     # Slot gradients are per data row until the end: so are their sums,

@@ -675,70 +675,78 @@ def _return_grads_inplace(gslots, gcanon, t, me, spd: int):
 
 
 @jax.custom_vjp
-def returns_in_backward(slot_w, home_acc, acc, t_l, active):
+def returns_in_backward(slot_w, home_acc, acc, returns):
   """Identity on one layer's slot weights (a tuple of [s, X...]), whose
   backward sends the slots' gradients home: per device, inside the layer's
   step of the model's scan, so the return of layer l is issued in the
-  backward of layer l and the backward of the layers before it runs on
-  while it travels (the final flush under the last micro-step's backward,
-  instead of after it).
+  backward of layer l, in the computation of its matmuls, where the
+  scheduler may overlap it with the rest of that step (the final flush in
+  the last micro-step's backward, and the evicted replicas' returns of
+  the moves into micro-step m + 1 in micro-step m's, instead of in scans
+  of their own after them).
 
   home_acc: this device's float32 gradient sums of its canonical experts
   of the layer so far ([h, X...]); its cotangent is those sums plus the
   gradients that arrive, so the caller, differentiating it, gets the new
-  sums: when nothing is sent (every micro-step but the last) they pass
-  through, and no zero-filled gradient of the canonical experts is made or
-  added. (The canonical weights themselves are not an input: with slot
-  weights they do not reach the loss, so nothing differentiates them.)
+  sums: when nothing is sent they pass through, and no zero-filled
+  gradient of the canonical experts is made or added. (The canonical
+  weights themselves are not an input: with slot weights they do not
+  reach the loss, so nothing differentiates them.)
   acc: the slots' float32 gradients accumulated over the earlier
-  micro-steps; t_l: one layer of a device transition whose returns run
-  (`device_transition` of the flush); active: a traced bool, False:
-  nothing is sent, and the slots' gradient flows on as usual. When active,
-  each slot sends acc + its gradient home and its own cotangent still
-  flows (the caller drops it).
+  micro-steps; returns: ((t_l, active), ...), one layer of each device
+  transition whose returns may run (`device_transition` of the flush, of
+  a move), applied in order, each with a traced bool, False: it sends
+  nothing. A slot a return evicts sends acc + its gradient home, and its
+  own cotangent flows on either way (the caller drops it, or zeroes the
+  evicted slots' sums: `zero_evicted_local`).
   """
-  del home_acc, acc, t_l, active
+  del home_acc, acc, returns
   return slot_w
 
 
-def _returns_fwd(slot_w, home_acc, acc, t_l, active):
-  return slot_w, (home_acc, acc, t_l, active)
+def _returns_fwd(slot_w, home_acc, acc, returns):
+  return slot_w, (home_acc, acc, returns)
 
 
 def _returns_bwd(res, ct_w):
-  home_acc, acc, t_l, active = res  # The homes' sums so far.
+  home_acc, acc, returns = res  # The homes' sums so far.
   me = jax.lax.axis_index(EXPERT)
   spd = acc[0].shape[0]
-  t_l = _only_where(t_l, active, 'returns')
-  if default_exchange() == 'emulated' and _single_stage(t_l, 'ret_'):
+  returns = tuple(_only_where(t_l, active, 'returns')
+                  for t_l, active in returns)
+  if default_exchange() == 'emulated' and all(
+      _single_stage(t_l, 'ret_') for t_l in returns):
     # In place (CPU): each returned item is its slot's sum read as it is
     # sent and added to its home's sum, so a switched-off flush (every
     # micro-step but the last) passes the homes' sums through untouched.
-    homes = tuple(vary(c.astype(a.dtype),
-                       varying_axes(a) | varying_axes(c) | {EXPERT})
-                  for c, a in zip(home_acc, acc))
+    got = tuple(vary(c.astype(a.dtype),
+                     varying_axes(a) | varying_axes(c) | {EXPERT})
+                for c, a in zip(home_acc, acc))
     get = lambda _, j: tuple(_item(a, (j,)) + _item(c, (j,)).astype(a.dtype)
                              for a, c in zip(acc, ct_w))
     add = lambda g, i, v: tuple(_put(x, (i,), _item(x, (i,)) + u)
                                 for x, u in zip(g, v))
-    got = _returns_inplace(get, add, homes, t_l, me, spd)
+    for t_l in returns:
+      got = _returns_inplace(get, add, got, t_l, me, spd)
     return (ct_w, tuple(g.astype(c.dtype) for g, c in zip(got, home_acc)),
-            None, None, None)
+            None, None)
   total = tuple(a + c.astype(a.dtype) for a, c in zip(acc, ct_w))
-  homes = tuple(vary(c.astype(a.dtype), varying_axes(a) | varying_axes(c))
-                for c, a in zip(home_acc, total))
-  # Switched off by the masks, so the exchange stays outside any
-  # conditional, where the scheduler may overlap it. (A lax.cond around
+  got = tuple(vary(c.astype(a.dtype), varying_axes(a) | varying_axes(c))
+              for c, a in zip(home_acc, total))
+  # Switched off by the masks, so the exchanges stay outside any
+  # conditional, where the scheduler may overlap them. (A lax.cond around
   # the CPU emulation's return made tracing the bf16 update's backward
-  # run for tens of minutes.)
-  if _is_exact(t_l):
-    _, got = _layer_returns_exact(total, homes, t_l, me, spd,
-                                  default_exchange())
-  else:
-    _, got = _layer_returns(total, homes, t_l, me, spd,
-                            jax.lax.axis_size(EXPERT))
+  # run for tens of minutes.) Each return reads the slots' sums as the
+  # backward made them (a flush tree's partial sums stay its own).
+  for t_l in returns:
+    if _is_exact(t_l):
+      _, got = _layer_returns_exact(total, got, t_l, me, spd,
+                                    default_exchange())
+    else:
+      _, got = _layer_returns(total, got, t_l, me, spd,
+                              jax.lax.axis_size(EXPERT))
   ct_homes = tuple(g.astype(c.dtype) for g, c in zip(got, home_acc))
-  return (ct_w, ct_homes, None, None, None)
+  return (ct_w, ct_homes, None, None)
 
 
 returns_in_backward.defvjp(_returns_fwd, _returns_bwd)
@@ -945,6 +953,17 @@ def return_grads_local(gslots, gcanon, t, *, num_devices: int,
       return None, _layer_returns_exact(gs, gc, t_l, me, spd, exchange)
     return None, _layer_returns(gs, gc, t_l, me, spd, num_devices)
   return jax.lax.scan(layer, None, (tuple(gslots), tuple(gcanon), t))[1]
+
+
+def zero_evicted_local(gslots, t):
+  """Per device: the slots' gradient sums [L, s, X...] with the slots that
+  transition t evicts zeroed (their gradients went home in the backward:
+  `returns_in_backward`), so each starts accumulating for its new expert.
+  A select XLA fuses into the sum that produced gslots: no pass of its own.
+  """
+  evict_Ls = t['evict_LS']
+  return tuple(jnp.where(evict_Ls.reshape(evict_Ls.shape + (1,) * (g.ndim - 2)),
+                         jnp.zeros((), g.dtype), g) for g in gslots)
 
 
 def return_grads(gslots, gcanon, transition: dict, *, mesh,

@@ -514,8 +514,8 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   it with the forward's compute; in the update, every exchange (the
   fill, the moves, the returns, and the flush inside the last
   micro-step's backward over layers) sits in a loop and in no
-  conditional too, and the moves' fills share their computation with the
-  layers' matmuls."""
+  conditional too, and the moves' fills and returns share their
+  computation with the layers' matmuls."""
   cfg, mesh, graphdef, params, rollout, rewards = setup
   monkeypatch.setattr(engine, 'default_exchange', lambda: 'a2a')
   tx = step_lib.make_optimizer(1e-3, 1.0)
@@ -570,13 +570,15 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   assert len(found) >= len(a2a[False]) + 4, found
   assert not any(c['in_conditional'] for c in found), found
   assert all(c['in_loop'] for c in found)
-  # The moves' fills run in micro-step m's forward, each layer's in the
-  # computation of its matmuls, where the latency-hiding scheduler may
-  # overlap them; in a scan of their own (as the CPU emulation runs them)
-  # they could only run before or after the forward, since a loop's
+  # The moves' fills run in micro-step m's forward and the returns of the
+  # replicas they evict in its backward, each layer's in the computation
+  # of its matmuls, where the latency-hiding scheduler may overlap them;
+  # in scans of their own (as the CPU emulation runs them) they could only
+  # run before or after the forward and backward, since a loop's
   # collectives cannot leave its body. As many exchanges either way (the
-  # rematerialised backward does not fill again), 4 fewer (3 weights and
-  # the ids) where no matmul is.
+  # rematerialised backward does not fill again), 7 fewer where no matmul
+  # is: the fills' 4 (3 weights and the ids), the returns' 3 (the weights'
+  # gradients).
   monkeypatch.setattr(engine, 'fills_in_forward', lambda t: False)
 
   def update_apart(*args):
@@ -588,7 +590,7 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   no_matmul = lambda cs, t: sum(c['computation'] not in
                                 hlo.compute_computations(t) for c in cs)
   assert len(apart) == len(found)
-  assert no_matmul(apart, apart_text) == no_matmul(found, text) + 4
+  assert no_matmul(apart, apart_text) == no_matmul(found, text) + 7
   # And the numbers are the CPU emulation's (fills in place, returns
   # added in another order: f32 rounding): the update this test compiled,
   # run against the default one (both as test_moving_experts_changes_no_

@@ -341,8 +341,8 @@ def test_returns_in_backward_sends_the_flush_as_the_homes_cotangent(
     for l in range(num_layers):
       at = lambda x: tuple(v[l] for v in x)
       t_l = {k: v[l] for k, v in t.items()}
-      f = lambda w_l, h_l: engine.returns_in_backward(w_l, h_l, at(a), t_l,
-                                                      active)
+      f = lambda w_l, h_l: engine.returns_in_backward(w_l, h_l, at(a),
+                                                      ((t_l, active),))
       y, vjp = jax.vjp(f, at(w), at(h))
       for got, want in zip(y, at(w)):  # The forward is the identity.
         assert got.shape == want.shape
@@ -369,3 +369,73 @@ def test_returns_in_backward_sends_the_flush_as_the_homes_cotangent(
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
       else:
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize('exchange', ['emulated', 'a2a'])
+def test_returns_in_backward_chains_the_flush_and_a_moves_returns(
+    mesh, monkeypatch, exchange):
+  """With the exact exchanges the update returns the replicas a move
+  evicts in the backward too, after the (switched-off) flush in the same
+  hook: whichever return is active sends what it evicts (the flush every
+  slot, the move the slots it evicts, numpy segment sums of acc + the new
+  gradient), the other adds nothing, and `zero_evicted_local` then zeroes
+  exactly the move's evicted slots' sums. 'emulated' is the CPU's in-place
+  path, 'a2a' the ragged exchange's shape."""
+  monkeypatch.setattr(engine, 'default_exchange', lambda: exchange)
+  rng = np.random.default_rng(11)
+  spd, num_experts, num_layers = 3, 16, 2
+  topo = Topology(2, D // 2, spd)
+  se_MLS = random_placements(rng, 2, num_layers, num_experts, topo.num_slots)
+  budget = schedule.TransferBudget(step_rounds=4 * spd,
+                                   microstep_rounds=4 * spd, mode='exact')
+  st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
+  evict_LS = np.asarray(st.steps.evict_LS[0])
+  assert 0 < evict_LS.sum() < evict_LS.size  # A move, not a flush.
+  flush = engine.device_transition(st.flush)
+  move = engine.device_transition(jax.tree.map(lambda x: x[0], st.steps))
+  shapes = ((3, 2), (2,))
+  draw = lambda lead: tuple(
+      jnp.asarray(rng.standard_normal((num_layers, lead) + s), jnp.float32)
+      for s in shapes)
+  slot_w, acc, ct = draw(topo.num_slots), draw(topo.num_slots), draw(
+      topo.num_slots)
+  home = draw(num_experts)
+  specs = lambda tree_: jax.tree.map(lambda _: P(None, ep.EXPERT), tree_)
+
+  def per_device(w, h, a, c, tf, tm, on_flush, on_move):
+    outs = []
+    for l in range(num_layers):
+      at = lambda x: tuple(v[l] for v in x)
+      layer = lambda t: {k: v[l] for k, v in t.items()}
+      returns = ((layer(tf), on_flush), (layer(tm), on_move))
+      f = lambda w_l, h_l: engine.returns_in_backward(w_l, h_l, at(a),
+                                                      returns)
+      outs.append(jax.vjp(f, at(w), at(h))[1](at(c)))
+    stack = lambda i: tuple(jnp.stack([o[i][j] for o in outs])
+                            for j in range(len(shapes)))
+    summed = tuple(x + y for x, y in zip(a, c))
+    return stack(0), stack(1), engine.zero_evicted_local(summed, tm)
+
+  run = jax.jit(jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=(specs(slot_w), specs(home), specs(acc), specs(ct),
+                engine.transition_specs(flush), engine.transition_specs(move),
+                P(), P()),
+      out_specs=(specs(slot_w), specs(home), specs(acc))))
+  for on_flush, on_move in ((False, True), (True, False)):
+    ct_w, ct_home, zeroed = run(slot_w, home, acc, ct, flush, move,
+                                jnp.asarray(on_flush), jnp.asarray(on_move))
+    for leaf, (got, h) in enumerate(zip(ct_home, home)):
+      np.testing.assert_array_equal(ct_w[leaf], ct[leaf])
+      sent = np.asarray(acc[leaf]) + np.asarray(ct[leaf])
+      np.testing.assert_allclose(
+          zeroed[leaf], np.where(evict_LS.reshape(evict_LS.shape + (1,) * (
+              sent.ndim - 2)), 0.0, sent), rtol=1e-6)
+      want = np.array(h)
+      for l in range(num_layers):
+        # The flush returns the last placement's slots, the move the
+        # first's it evicts.
+        se_S = se_MLS[-1 if on_flush else 0, l]
+        sends = np.ones(topo.num_slots, bool) if on_flush else evict_LS[l]
+        np.add.at(want[l], se_S[sends], sent[l][sends])
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
