@@ -29,12 +29,15 @@ function states what it models; the module's assumptions, in one place:
   slowest link any of its pairs uses, plus that link's latency, and the
   rounds of a layer run one after another.
 * Moves into micro-step m + 1 run while micro-step m computes (the engine
-  double-buffers); in ``exact`` mode they hide under `transfer_overlap` of
-  m's compute and the rest is exposed; in ``rounds`` mode nothing hides
-  them (each round's permute sits in a conditional,
-  `simulate.move_overlap`). The first fill runs under the recompute's
-  forward where the step prefills (`simulate.prefill_exposed`), else it
-  is exposed; the last flush runs inside the last micro-step's backward
+  double-buffers); with ``exact`` mode's exchanges on GPU/TPU each layer's
+  fill runs in its step of m's forward and each layer's returns in its
+  step of m's backward, and hides under `transfer_overlap` of that step's
+  compute (`simulate.layer_windows`); the rest is exposed. Nothing hides
+  the CPU emulation's (in scans of their own) nor ``rounds`` mode's (each
+  round's permute sits in a conditional, `simulate.move_overlap`). The
+  first fill runs under the recompute's forward where the step prefills
+  (`simulate.prefill_exposed`), else it is exposed; the last flush runs
+  inside the last micro-step's backward, layer by layer
   (`simulate.flush_exposed`).
 """
 from __future__ import annotations
@@ -136,21 +139,24 @@ def exchange_time(count_DD, item_bytes: float, hw: HardwareProfile) -> float:
 
 
 def transition_time(t, layer_index, model: ModelShape, hw: HardwareProfile,
-                    num_devices: int, grad_bytes_per_param: int) -> float:
-  """Fills and gradient returns of one layer of one schedule Transition
-  (its arrays indexed by `layer_index`, a tuple), all devices at once."""
+                    num_devices: int, grad_bytes_per_param: int,
+                    fills: bool = True, returns: bool = True) -> float:
+  """Fills and (or, by `fills` / `returns`, only one of them) gradient
+  returns of one layer of one schedule Transition (its arrays indexed by
+  `layer_index`, a tuple), all devices at once."""
   grad_bytes = model.params_per_expert * grad_bytes_per_param
   if hasattr(t, 'count_LPDD'):  # An ExactTransition: exchanges in stages.
-    return (sum(exchange_time(c_DD, model.bytes_per_expert, hw)
-                for c_DD in t.count_LPDD[layer_index])
-            + sum(exchange_time(c_DD, grad_bytes, hw)
-                  for c_DD in t.ret_count_LPDD[layer_index]))
-  fills = rounds_time(t.shift_LR[layer_index], t.recv_LRD[layer_index],
-                      model.bytes_per_expert, hw, num_devices)
-  grads = rounds_time(t.ret_shift_LR[layer_index],
-                      t.ret_recv_LRD[layer_index], grad_bytes, hw,
-                      num_devices)
-  return fills + grads
+    fill_s = sum(exchange_time(c_DD, model.bytes_per_expert, hw)
+                 for c_DD in t.count_LPDD[layer_index])
+    grad_s = sum(exchange_time(c_DD, grad_bytes, hw)
+                 for c_DD in t.ret_count_LPDD[layer_index])
+  else:
+    fill_s = rounds_time(t.shift_LR[layer_index], t.recv_LRD[layer_index],
+                         model.bytes_per_expert, hw, num_devices)
+    grad_s = rounds_time(t.ret_shift_LR[layer_index],
+                         t.ret_recv_LRD[layer_index], grad_bytes, hw,
+                         num_devices)
+  return fill_s * fills + grad_s * returns
 
 
 def local_copy_time(num_copies_D, model: ModelShape, hw: HardwareProfile):

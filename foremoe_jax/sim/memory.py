@@ -32,9 +32,12 @@ Assumptions, each a property of the code as built:
   gradient return in float32 (it sits in every micro-step's backward,
   switched off but allocated in all but the last), one stage of it live
   at a time: s + (s + h) experts as a reduction tree where R = step_rounds
-  is large against s + h (`flush_form`), else min(s, R) + R; and a fill
-  between micro-steps in
-  the moved dtype beside it (R + min(s, R) experts, R = microstep_rounds).
+  is large against s + h (`flush_form`), else min(s, R) + R; beside it
+  the returns of the replicas the moves between micro-steps evict (in
+  the same hook with the exact exchanges on GPU/TPU), float32, min(s, R)
+  + R, R = microstep_rounds; and a fill between micro-steps in the moved
+  dtype (R + min(s, R) experts), counted beside them though it runs in
+  the forward (an upper bound).
   The step's first fill (one collective of R + min(s, R) experts, or a
   broadcast tree of (s + h) + s a stage: `fill_form`) runs before the
   update's first forward, or under the recompute, and is gone by the
@@ -158,7 +161,7 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
       r_step, model.num_experts, topo, flush)
   move = transfer_schedule.exchange_widths(microstep_rounds, topo)
   exchange = model.params_per_expert * (
-      (flush_send + flush_recv) * F32
+      (flush_send + flush_recv + move['ret_send'] + move['ret_recv']) * F32
       + (move['send'] + move['recv']) * model.bytes_per_param)
 
   # Per layer and transition (int32): the fills' sends and receives and

@@ -319,11 +319,14 @@ def _traffic_stats(traffic) -> dict:
                                  float(np.mean(on_node)))))
 
 
-def _transition_s(t, model, hw, num_dev, lead=()) -> np.ndarray:
-  """Seconds per layer of a Transition (lead: index of micro-step)."""
+def _transition_s(t, model, hw, num_dev, lead=(), fills=True,
+                  returns=True) -> np.ndarray:
+  """Seconds per layer of a Transition (lead: index of micro-step), its
+  fills and returns or (`fills` / `returns`) one of them."""
   num_layers = t.local_src_LS[lead].shape[0]
   return np.array([costs.transition_time(t, lead + (l,), model, hw, num_dev,
-                                         grad_bytes_per_param=4)
+                                         grad_bytes_per_param=4, fills=fills,
+                                         returns=returns)
                    for l in range(num_layers)])
 
 
@@ -397,23 +400,33 @@ def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
           float((chunk_M - hidden_M).sum() + local_s))
 
 
-def flush_exposed(flush_L, last_compute_s: float,
+def layer_windows(compute_s, nonexpert_s, num_layers: int):
+  """(forward, backward) seconds of one layer's step of a micro-step's
+  scan over layers that a transfer issued there may hide under: a loop's
+  collectives cannot leave its body, so a fill issued in layer l's
+  forward step hides under that step only (the forward: a third of the
+  fwd + bwd compute, per layer), and a return issued in layer l's
+  backward step (once the layer's experts have their weights' gradient)
+  under what that step runs after it, its non-expert part (attention sits
+  before the MoE in the forward, so after it in the backward). compute_s,
+  nonexpert_s: the micro-step's fwd + bwd compute and its non-expert
+  part; arrays work elementwise."""
+  return (np.asarray(compute_s) / (3.0 * num_layers),
+          2.0 * np.asarray(nonexpert_s) / (3.0 * num_layers))
+
+
+def flush_exposed(flush_L, window_s: float,
                   overlap: float) -> tuple[float, float]:
   """(seconds, exposed seconds) of the flush of the replicas' gradients
   home, which the update issues layer by layer inside the last
   micro-step's backward (`transfer.engine.returns_in_backward`): layer l's
-  return travels while layers l-1 .. 0 still backpropagate, so the
-  backward after the first layer's (the last (L-1)/L of it, about 2/3 of
-  the micro-step's fwd + bwd compute) hides it up to the overlap the
-  engine's schedule allows; the first layer's return, issued last, hides
-  under nothing."""
+  return hides under the rest of its own backward step, `window_s`
+  (`layer_windows`), up to the overlap the engine's schedule allows."""
   flush_L = np.asarray(flush_L, np.float64)
-  num_layers = len(flush_L)
   total = float(flush_L.sum())
   if not total:
     return 0.0, 0.0
-  window = overlap * (2.0 / 3.0) * last_compute_s * (num_layers - 1) / num_layers
-  return total, float(max(flush_L[0], total - window))
+  return total, float(np.maximum(flush_L - overlap * window_s, 0.0).sum())
 
 
 def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
@@ -428,8 +441,18 @@ def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
               flush=b.flush)
 
 
+def returns_in_backward(moves, hw: HardwareProfile) -> bool:
+  """Whether the returns of the replicas the moves between micro-steps
+  evict run in each micro-step's backward, in the flush's hook
+  (`rl/step.py`: with the exact exchanges, GPU/TPU's ragged one), rather
+  than in a scan of their own after it (the CPU emulation, the rounds
+  engine)."""
+  return isinstance(moves, schedule.ExactTransition) and not (
+      hw.emulated_exchange)
+
+
 def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
-                    spd: int, num_home: int) -> float:
+                    spd: int, num_home: int, moves=None) -> float:
   """Seconds per micro-step the flush's place in the backward costs when
   it sends nothing (every micro-step but the last runs it switched off):
   per layer, the slots' float32 gradient sum (read the accumulated and
@@ -438,7 +461,13 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   receive buffer (`schedule.flush_form`). In place (`in_place`: the CPU's
   single-stage flush) the home experts' gradient sums only pass through
   as their own cotangent: priced as one write of them, the most XLA's
-  copy of a loop carry costs."""
+  copy of a loop carry costs.
+
+  moves: the micro-step moves' transition ([M, L, ...]); where their
+  returns run in the same hook (`returns_in_backward`), its send and
+  receive buffers are gathered and zeroed there too, every micro-step
+  (the last's is a no-op it still runs switched off), on the same
+  gradient sum."""
   num_layers = flush.local_src_LS.shape[0]
   if in_place(flush, hw, returns=True):
     return num_layers * num_home * model.params_per_expert * 4 / hw.hbm_bw
@@ -446,19 +475,22 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   if isinstance(flush, schedule.ExactTransition):
     _, stages, _, send_w = flush.ret_send_LPDR.shape
     items += stages * (send_w + flush.ret_recv_LPDR.shape[-1])
+  if moves is not None and returns_in_backward(moves, hw):
+    *_, stages, _, send_w = moves.ret_send_LPDR.shape
+    items += stages * (send_w + moves.ret_recv_LPDR.shape[-1])
   return num_layers * items * model.params_per_expert * 4 / hw.hbm_bw
 
 
 def move_overlap(transfer: schedule.StepTransfer,
                  hw: HardwareProfile) -> float:
-  """Share of micro-step m's compute that the moves into m + 1 may hide
-  under, from where the engine issues them (transfer/engine.py): in
-  ``exact`` mode one collective per layer in the scan over layers, outside
-  any conditional and with no data dependence on m's compute, so the
-  profile's asynchronous-collective overlap; in ``rounds`` mode each
+  """Share of the compute beside it that a transfer may hide under, from
+  where the engine issues it (transfer/engine.py): in ``exact`` mode one
+  collective per layer, outside any conditional, so the profile's
+  asynchronous-collective overlap (of the compute of the computation it
+  sits in: `layer_windows`, `prefill_exposed`); in ``rounds`` mode each
   round's permute sits in the `lax.switch` that picks its shift, and XLA
-  schedules a conditional's collectives inside its branch, so nothing of
-  m's compute hides them."""
+  schedules a conditional's collectives inside its branch, so nothing
+  hides them."""
   if isinstance(transfer.steps, schedule.ExactTransition):
     return hw.transfer_overlap
   return 0.0
@@ -481,18 +513,30 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       loads_MLDE, plan.microstep, mp.capacity[mode], model, hw, spd, mode,
       passes=3, tokens_per_device=tokens, traffic=True)
   compute_M = moe_M + nonexpert(3)
-  move_M = np.zeros(num_micro)  # Moves into micro-step m + 1.
+  fwd_window_M, bwd_window_M = layer_windows(
+      compute_M, np.full(num_micro, nonexpert(3)), model.num_layers)
+  # Moves into micro-step m + 1: where they run in m's layer steps (fills
+  # in its forward, the evicted replicas' returns in its backward), each
+  # layer's hides under its own step; elsewhere nothing hides them.
+  steps = mp.transfer.steps
+  in_layers = returns_in_backward(steps, hw)
+  overlap = move_overlap(mp.transfer, hw)
+  move_M = np.zeros(num_micro)
+  hidden_M = np.zeros(num_micro)
   for m in range(num_micro - 1):
-    move_M[m] = _transition_s(mp.transfer.steps, model, hw, num_dev,
-                              (m,)).sum()
-  hidden_M = np.minimum(move_M, move_overlap(mp.transfer, hw) * compute_M)
+    fill_L = _transition_s(steps, model, hw, num_dev, (m,), returns=False)
+    ret_L = _transition_s(steps, model, hw, num_dev, (m,), fills=False)
+    move_M[m] = fill_L.sum() + ret_L.sum()
+    if in_layers:
+      hidden_M[m] = (np.minimum(fill_L, overlap * fwd_window_M[m]).sum()
+                     + np.minimum(ret_L, overlap * bwd_window_M[m]).sum())
   exposed_M = move_M - hidden_M
   fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
   if not mp.prefilled:  # The update's fill starts from empty buffers.
     fill_s += empty_slots_s(model, hw, num_layers, spd)
   flush_L = _transition_s(mp.transfer.flush, model, hw, num_dev)
-  flush_s, flush_exposed_s = flush_exposed(
-      flush_L, compute_M[-1], move_overlap(mp.transfer, hw))
+  flush_s, flush_exposed_s = flush_exposed(flush_L, bwd_window_M[-1],
+                                           overlap)
   groups = work.num_devices // num_dev
   expert_params = (model.num_moe_layers * model.params_per_expert
                    * num_experts / num_dev)
@@ -508,7 +552,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
             + (costs.allreduce_time(4.0 * expert_params, groups, hw)
                if groups > 1 else 0.0))
   hook_s = num_micro * flush_hook_time(mp.transfer.flush, model, hw, spd,
-                                       num_experts // num_dev)
+                                       num_experts // num_dev,
+                                       moves=mp.transfer.steps)
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum()
                    + flush_exposed_s + hook_s + optimizer_s + sync_s)
   # The recompute: the forwards the step needs, each on the method's

@@ -182,9 +182,12 @@ def test_single_hot_expert_by_hand():
 
 def test_moves_hidden_or_exposed():
   """A replica placed only in micro-step 1: the move into it runs during
-  micro-step 0, hidden when transfers overlap compute, exposed when not,
-  and always exposed with the rounds engine (its permutes sit in
-  conditionals, which XLA does not overlap with outside compute)."""
+  micro-step 0 (its fill in the layer's forward step; its gradient's
+  return, in the flush, in the last backward's), hidden when transfers
+  overlap compute, exposed when not, and always exposed with the CPU's
+  emulated exchange (its fills and returns run in scans of their own) and
+  the rounds engine (its permutes sit in conditionals, which XLA does not
+  overlap with outside compute)."""
   topo = Topology(1, 2, 3)
   loads = np.zeros((2, 1, 2, 4), np.int64)
   loads[..., 0] = 30
@@ -198,12 +201,21 @@ def test_moves_hidden_or_exposed():
   move = MODEL.bytes_per_expert / 1e9 + 1e-6
   slow = dataclasses.replace(HW, peak_flops_per_s=1e3)  # Compute >> move.
   hidden = simulate.time_step(mp, loads, MODEL, _work(), slow, 'exact')
-  assert hidden['transfer_hidden_s'] == pytest.approx(move)
+  assert hidden['moves_s'] == pytest.approx(move)
+  assert hidden['flush_s'] == pytest.approx(move)
+  assert hidden['transfer_hidden_s'] == pytest.approx(2 * move)
   exposed = simulate.time_step(
       mp, loads, MODEL, _work(), dataclasses.replace(slow, transfer_overlap=0.0),
       'exact')
   assert exposed['transfer_hidden_s'] == 0.0
-  assert exposed['update_s'] - hidden['update_s'] == pytest.approx(move)
+  assert exposed['update_s'] - hidden['update_s'] == pytest.approx(2 * move)
+  # The emulated exchange: the move hides under nothing (the flush's
+  # in-place return still sits in the backward: the profile's overlap).
+  cpu = simulate.time_step(
+      mp, loads, MODEL, _work(), dataclasses.replace(
+          slow, emulated_exchange=True), 'exact')
+  assert cpu['transfer_hidden_s'] == pytest.approx(move)
+  assert cpu['transfer_exposed_s'] - cpu['fill_s'] == pytest.approx(move)
   rounds = simulate.time_step(
       _method_plan(loads, se, flows, topo, transfer_mode='rounds'), loads,
       MODEL, _work(), slow, 'exact')
@@ -404,9 +416,11 @@ def test_memory_model_by_hand():
   moe = 2 * 16 * 8 * 4 + 3 * 16 * 16 * 4 + 4 * 8 * 1 * 8 * 4
   assert mem.layer_transient == max(3 * 64 * 4, moe) + 4 * 8 * 8 * 4
   assert mem.logp_transient == 2 * 8 * 16 * 4
-  # The flush's f32 send and receive buffers of R = ep = 2 experts, and a
-  # micro-step fill's of 2 (f32 toy weights).
-  assert mem.exchange_buffers == 2 * 2 * ppe * 4 + 2 * 2 * ppe * 4
+  # The flush's f32 send and receive buffers of R = ep = 2 experts, a
+  # micro-step move's returns' beside them (R = 2, min(s, R) = 2), and its
+  # fill's of 2 (f32 toy weights).
+  moves = (2 + 2) * ppe * 4 + 2 * 2 * ppe * 4
+  assert mem.exchange_buffers == 2 * 2 * ppe * 4 + moves
   # Per layer: fill and flush (R = 2), 2 micro-steps (R = 2): each
   # 4 x R int32 indices, 8 x D int32 count rows and depths, 3 slots x 9 B.
   per = 4 * 2 * 4 + 8 * 2 * 4 + 9 * 3
@@ -416,13 +430,13 @@ def test_memory_model_by_hand():
   # R = 8: one collective whose sends are at most s = 3 (the slots).
   star = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                               capacity_rows=16, step_rounds=8)
-  assert star.exchange_buffers == (3 + 8) * ppe * 4 + 2 * 2 * ppe * 4
+  assert star.exchange_buffers == (3 + 8) * ppe * 4 + moves
   # R = 64: a reduction tree of ceil(log2(65)) = 7 stages, one live at a
   # time, sending at most s = 3 and receiving at most s + h = 5 (7 x 8
   # < 3 + 64).
   tree = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                               capacity_rows=16, step_rounds=64)
-  assert tree.exchange_buffers == (3 + 5) * ppe * 4 + 2 * 2 * ppe * 4
+  assert tree.exchange_buffers == (3 + 5) * ppe * 4 + moves
   # The tree forced at R = 8 (4 stages): one stage's buffers.
   forced = memory.update_memory(MODEL, work, ep=2, slots_per_device=3,
                                 capacity_rows=16, step_rounds=8, flush='tree')
@@ -620,19 +634,21 @@ def test_prefill_moves_the_fill_under_the_recompute_by_hand():
 
 
 def test_flush_inside_the_last_backward_by_hand():
-  """The flush is issued layer by layer in the last micro-step's backward:
-  it hides under the backward after the first layer's gradient (2/3 of a
-  micro-step's fwd + bwd compute, times (L-1)/L), up to the overlap; the
-  first layer's return, issued last, never hides."""
-  flush_L = np.array([0.5, 1.0, 1.5])  # Layer 0 first.
-  # 9 s of compute: 6 s of backward, 4 s of it after layer 2's gradients.
-  assert simulate.flush_exposed(flush_L, 9.0, 1.0) == (3.0, 0.5)
-  assert simulate.flush_exposed(flush_L, 9.0, 0.0) == (3.0, 3.0)
-  assert simulate.flush_exposed(flush_L, 3.0, 1.0) == pytest.approx(
-      (3.0, 3.0 - 2.0 * 2 / 3))
-  assert simulate.flush_exposed(flush_L, 3.0, 0.5) == pytest.approx(
-      (3.0, 3.0 - 0.5 * 2.0 * 2 / 3))
-  assert simulate.flush_exposed(np.zeros(3), 9.0, 1.0) == (0.0, 0.0)
+  """The flush is issued layer by layer in the last micro-step's backward,
+  each layer's in its own step of the scan over layers, whose collectives
+  cannot leave it: layer l's return hides under the rest of that step
+  (its non-expert backward), up to the overlap, and no more."""
+  flush_L = np.array([0.5, 1.0, 1.5])
+  # 3 layers, 9 s of compute of which 4.5 s non-expert: a layer's forward
+  # step is 1 s, the rest of its backward step after its experts' 1 s.
+  fwd_s, bwd_s = simulate.layer_windows(9.0, 4.5, 3)
+  assert (fwd_s, bwd_s) == (1.0, 1.0)
+  assert simulate.flush_exposed(flush_L, bwd_s, 1.0) == (3.0, 0.5)
+  assert simulate.flush_exposed(flush_L, bwd_s, 0.0) == (3.0, 3.0)
+  assert simulate.flush_exposed(flush_L, bwd_s, 0.5) == pytest.approx(
+      (3.0, 0.0 + 0.5 + 1.0))
+  assert simulate.flush_exposed(flush_L, 2.0, 1.0) == (3.0, 0.0)
+  assert simulate.flush_exposed(np.zeros(3), bwd_s, 1.0) == (0.0, 0.0)
   # Switched off, it still sums each layer's slot gradients (3 slots: read
   # two, write one) and gathers its send buffer (min(s, R) = 3 items: a
   # device sends from its slots only) and zeroes its receive buffer (R = 4
@@ -650,6 +666,19 @@ def test_flush_inside_the_last_backward_by_hand():
   assert not simulate.in_place(spread.transfer.flush, HW, returns=True)
   assert simulate.flush_hook_time(spread.transfer.flush, MODEL, cpu, 3, 2) == (
       pytest.approx(1 * 2 * MODEL.params_per_expert * 4 / 1e15))
+  # With the exact exchanges the moves' returns sit in the same hook, on
+  # the same gradient sum: their send and receive buffers are added (one
+  # stage; the CPU emulation returns them apart, in place).
+  steps = spread.transfer.steps
+  _, _, stages, _, send_w = steps.ret_send_LPDR.shape
+  assert stages == 1
+  assert simulate.flush_hook_time(spread.transfer.flush, MODEL, HW, 3, 2,
+                                  moves=steps) == pytest.approx(
+      1 * (3 * 3 + 3 + 4 + send_w + steps.ret_recv_LPDR.shape[-1])
+      * MODEL.params_per_expert * 4 / 1e15)
+  assert simulate.flush_hook_time(spread.transfer.flush, MODEL, cpu, 3, 2,
+                                  moves=steps) == simulate.flush_hook_time(
+                                      spread.transfer.flush, MODEL, cpu, 3, 2)
 
 
 def test_validation_cache_is_read_only_for_its_bench_skews_and_format(
