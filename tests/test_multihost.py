@@ -116,10 +116,10 @@ def test_processes_agree_on_a_stop_signal_only_one_of_them_got(tmp_path):
     assert 'stop after True 15' in mine, out.text
 
 
-# One RL step of configs/tiny.py (10 warm-start steps first). partial_credit
+# One RL step of configs/tiny.py (4 warm-start steps first). partial_credit
 # gives rewards that differ within a group even after so short a warm start,
 # so the step's gradient is not zero.
-_FLAGS = ('--config=configs/tiny.py', '--config.warmstart.steps=10',
+_FLAGS = ('--config=configs/tiny.py', '--config.warmstart.steps=4',
           '--config.rl.steps=1', '--config.eval_prompts=0',
           '--config.rl.prompts_per_step=8', '--config.rl.num_generations=4',
           '--config.task_kwargs.partial_credit=1.0')
