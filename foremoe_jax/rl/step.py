@@ -651,7 +651,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     # only run before or after the forward and backward); the CPU
     # emulation fills and returns in place after the backward (its
     # collectives are synchronous anyway).
-    in_layer = transfer_engine.fills_in_forward(transfer['steps'])
+    in_layer = transfer_engine.moves_in_layers(transfer['steps'])
 
     def body(carry, xs):
       g_acc, slots, gslots, gcanon = carry

@@ -441,12 +441,13 @@ def _exchange_rows(transfer: schedule.StepTransfer) -> dict:
               flush=b.flush)
 
 
-def returns_in_backward(moves, hw: HardwareProfile) -> bool:
-  """Whether the returns of the replicas the moves between micro-steps
-  evict run in each micro-step's backward, in the flush's hook
-  (`rl/step.py`: with the exact exchanges, GPU/TPU's ragged one), rather
-  than in a scan of their own after it (the CPU emulation, the rounds
-  engine)."""
+def moves_in_layers(moves, hw: HardwareProfile) -> bool:
+  """Whether, on `hw`, the moves between micro-steps run in the model's
+  layer steps, their fills in each layer's forward and the evicted
+  replicas' returns in its backward, in the flush's hook (the engine's
+  `moves_in_layers`: the exact exchanges, GPU/TPU's ragged one), rather
+  than in scans of their own after the micro-step (the CPU emulation, the
+  rounds engine)."""
   return isinstance(moves, schedule.ExactTransition) and not (
       hw.emulated_exchange)
 
@@ -464,7 +465,7 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   copy of a loop carry costs.
 
   moves: the micro-step moves' transition ([M, L, ...]); where their
-  returns run in the same hook (`returns_in_backward`), its send and
+  returns run in the same hook (`moves_in_layers`), its send and
   receive buffers are gathered and zeroed there too, every micro-step
   (the last's is a no-op it still runs switched off), on the same
   gradient sum."""
@@ -475,7 +476,7 @@ def flush_hook_time(flush, model: ModelShape, hw: HardwareProfile,
   if isinstance(flush, schedule.ExactTransition):
     _, stages, _, send_w = flush.ret_send_LPDR.shape
     items += stages * (send_w + flush.ret_recv_LPDR.shape[-1])
-  if moves is not None and returns_in_backward(moves, hw):
+  if moves is not None and moves_in_layers(moves, hw):
     *_, stages, _, send_w = moves.ret_send_LPDR.shape
     items += stages * (send_w + moves.ret_recv_LPDR.shape[-1])
   return num_layers * items * model.params_per_expert * 4 / hw.hbm_bw
@@ -519,7 +520,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   # in its forward, the evicted replicas' returns in its backward), each
   # layer's hides under its own step; elsewhere nothing hides them.
   steps = mp.transfer.steps
-  in_layers = returns_in_backward(steps, hw)
+  in_layers = moves_in_layers(steps, hw)
   overlap = move_overlap(mp.transfer, hw)
   move_M = np.zeros(num_micro)
   hidden_M = np.zeros(num_micro)

@@ -898,10 +898,12 @@ def fill_layer_local(slots_l, canon_l, t_l, *, exchange: str | None = None):
                                  me, spd, exchange))
 
 
-def fills_in_forward(t) -> bool:
-  """Whether a transition's fills run inside the model's layer scan
-  (`fill_layer_local`): the exact exchanges ('ragged' on GPU/TPU, the
-  'a2a' stand-in); the CPU emulation fills in place, apart."""
+def moves_in_layers(t) -> bool:
+  """Whether the moves between micro-steps run inside the model's layer
+  scan, their fills in each layer's forward step (`fill_layer_local`) and
+  their returns in its backward step (`returns_in_backward`): the exact
+  exchanges ('ragged' on GPU/TPU, the 'a2a' stand-in); the CPU emulation
+  fills and returns in place, apart."""
   return default_exchange() != 'emulated' and _is_exact(t)
 
 

@@ -579,7 +579,7 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
   # rematerialised backward does not fill again), 7 fewer where no matmul
   # is: the fills' 4 (3 weights and the ids), the returns' 3 (the weights'
   # gradients).
-  monkeypatch.setattr(engine, 'fills_in_forward', lambda t: False)
+  monkeypatch.setattr(engine, 'moves_in_layers', lambda t: False)
 
   def update_apart(*args):
     return rl_step.update.__wrapped__(*args)
