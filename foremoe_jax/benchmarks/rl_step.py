@@ -24,7 +24,10 @@ p95), weight bytes moved per device per micro-step, wire_bytes_over_useful
 (experts the transfer collectives carry over those that had to move; the
 CPU emulation's padded figure beside it), exposed_transfer_s
 (the update minus the same update with the placements already installed:
-no fill, no moves), the capacity buckets, and the bytes of any all-gather
+no fill, no moves), recompute_alone_s (the same recompute again with no
+planner beside it: here the planner's processes share the cores that are
+the devices, which a cluster's host cores do not), each repetition's
+seconds, the capacity buckets, and the bytes of any all-gather
 of expert weights in the compiled update (must be 0). Every XLA compile of
 the step is counted. `max_rel_param_diff` compares ForeMoE's updated
 parameters with static EP's after one step (moving experts must change no
@@ -233,8 +236,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   planners = prep.planners
   num_micro = loads_MLDE.shape[0]
   expert_elems = cfg.d_model * cfg.moe_d_ff
-  res = {m: dict(update_s=[], installed_s=[], recompute_s=[], step_s=[],
-                 plan_s=[], plan_wait_s=[], recompute_plan_s=[])
+  res = {m: dict(update_s=[], installed_s=[], recompute_s=[],
+                 recompute_alone_s=[], step_s=[], plan_s=[], plan_wait_s=[],
+                 recompute_plan_s=[])
          for m in METHODS}
   rl = ctx.rl_step
   hlo_bytes, params_after = {}, {}
@@ -281,8 +285,19 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         t_i = time.perf_counter()
         jax.block_until_ready(rl.update(state, batch, logps, installed))
         t_i_done = time.perf_counter()
+        # The same recompute again, alone: on this host the micro-step
+        # planner runs on the cores that are the devices, so the first one
+        # shared them with it; on a cluster the planner has host cores of
+        # its own. (Same plan, same program: nothing compiles.)
+        state = jax.tree.map(jnp.copy, state0)
+        jax.block_until_ready(state)
+        t_a = time.perf_counter()
+        jax.block_until_ready(trainer.recompute(ctx, state, batch,
+                                                loads_MGLDE)[0])
+        t_a_done = time.perf_counter()
         if rep == 0:
           continue
+        r['recompute_alone_s'].append(t_a_done - t_a)
         r['update_s'].append(t_done - max(t_plan, t_rec))
         r['installed_s'].append(t_i_done - t_i)
         r['recompute_s'].append(t_rec - t0)
@@ -313,7 +328,9 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
         dict(loads_MLDE=r['loads_MLDE'], capacity=r['capacity'],
              skew=r['skew'], requested_skew=r['requested_skew'],
              update_s=float(np.median(r['times'])),
-             recompute_s=float(np.median(r['recompute_times'])))
+             recompute_s=float(np.median(r['recompute_times'])),
+             update_times=[float(t) for t in r['times']],
+             recompute_times=[float(t) for t in r['recompute_times']])
         for r in calib['runs']]
   if extras is not None:
     extras['loads_MLDE'] = loads_MLDE
@@ -340,6 +357,7 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
     extra = (r['recompute_plan'][1].fill,) if r['prefilled'] else ()
     out[method] = dict(
         update_s=med('update_s'), recompute_s=med('recompute_s'),
+        recompute_alone_s=med('recompute_alone_s'),
         step_s=med('step_s'), plan_s=med('plan_s'),
         plan_wait_s=med('plan_wait_s'),
         recompute_plan_s=med('recompute_plan_s'),
@@ -360,7 +378,10 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
                                            emulated=True, extra=extra)),
         reverted_moves=planned.reverted,
         transfer_id_errors=r['id_errors'], dropped=r['dropped'],
-        hlo_expert_all_gather_bytes=hlo_bytes[method])
+        hlo_expert_all_gather_bytes=hlo_bytes[method],
+        # Each repetition's seconds, for the spread behind the medians.
+        per_repetition={k: [float(t) for t in r[k]] for k in (
+            'update_s', 'installed_s', 'recompute_s', 'recompute_alone_s')})
   diff = 0.0
   for a, b in zip(jax.tree.leaves(params_after['foremoe']),
                   jax.tree.leaves(params_after['static'])):
