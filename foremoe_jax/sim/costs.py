@@ -24,7 +24,10 @@ function states what it models; the module's assumptions, in one place:
 * Expert moves follow the transfer schedule's mode. ``exact``: one
   ragged all-to-all per layer and transition carrying exactly the experts
   that move, timed like a token all-to-all (each device's busier direction
-  over its links). ``rounds``: a cyclic-shift permute in which every device
+  over its links); on CPU the engine emulates it by cyclic-shift rounds,
+  as many per shift as its busiest pair has items, each priced as one
+  expert copy at the engine's measured round (`emulated_rounds`).
+  ``rounds``: a cyclic-shift permute in which every device
   sends at most one expert; a round takes the bytes of one expert over the
   slowest link any of its pairs uses, plus that link's latency, and the
   rounds of a layer run one after another.
@@ -131,11 +134,28 @@ def rounds_time(shift_R, recv_RD, item_bytes: float, hw: HardwareProfile,
 
 def exchange_time(count_DD, item_bytes: float, hw: HardwareProfile) -> float:
   """One ragged all-to-all of whole experts (``exact`` mode): source c
-  sends count_DD[c, d] items to d; free when nothing moves."""
+  sends count_DD[c, d] items to d; free when nothing moves. With the
+  emulated exchange (CPU) the engine runs it as cyclic-shift rounds
+  instead, each one point-to-point copy of one expert per device
+  (`emulated_rounds`), priced at the engine's own measured round."""
   count = np.asarray(count_DD, np.float64)
   if not count.any():
     return 0.0
+  if hw.emulated_exchange:
+    return emulated_rounds(count) * (
+        item_bytes / link_bandwidth(hw, False) + link_latency(hw, False))
   return all_to_all_time(count * item_bytes, hw)
+
+
+def emulated_rounds(count_DD) -> int:
+  """Rounds of the CPU emulation of one exact exchange
+  (`transfer.engine._exchange_by_rounds`): shift k (device c to c + k)
+  takes as many rounds as its busiest pair has items; idle shifts none."""
+  count = np.asarray(count_DD)
+  num_dev = count.shape[0]
+  src = np.arange(num_dev)
+  return int(sum(count[src, (src + k) % num_dev].max()
+                 for k in range(1, num_dev)))
 
 
 def transition_time(t, layer_index, model: ModelShape, hw: HardwareProfile,

@@ -123,6 +123,35 @@ def test_one_round_by_hand():
   assert costs.rounds_time(np.array([0, 0]), recv, 1000.0, HW, 4) == 0.0
 
 
+def test_emulated_exact_exchange_is_priced_by_its_rounds_by_hand():
+  """On CPU the engine runs an exact exchange as cyclic-shift rounds, as
+  many per shift as its busiest pair has items, each one expert copy per
+  device (the engine's measured round); elsewhere one all-to-all."""
+  count = np.zeros((4, 4), int)
+  count[0, 1] = 2  # Shift 1, twice ...
+  count[2, 3] = 1  # ... beside it on shift 1: no extra round.
+  count[3, 1] = 1  # Shift 2, once. Shift 3 idle: no round.
+  assert costs.emulated_rounds(count) == 3
+  cpu = dataclasses.replace(HW, emulated_exchange=True, copy_bw=1e6,
+                            copy_latency_s=1e-4)
+  assert costs.exchange_time(count, 1000.0, cpu) == pytest.approx(
+      3 * (1000 / 1e6 + 1e-4))
+  assert costs.exchange_time(count, 1000.0, HW) == pytest.approx(
+      costs.all_to_all_time(count * 1000.0, HW))
+  assert costs.exchange_time(np.zeros((4, 4)), 1000.0, cpu) == 0.0
+  # The rounds are the engine's own: its per-shift depths (the loop bounds
+  # of `_exchange_by_rounds`) of a random transition's exchanges add up to
+  # the same count, layer by layer and stage by stage.
+  from foremoe_jax.transfer import engine  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  count_LPDD = rng.integers(0, 3, (3, 2, 5, 5)) * (1 - np.eye(5, dtype=int))
+  fields = engine._exchange_fields(count_LPDD, '')  # pylint: disable=protected-access
+  for l in range(3):
+    for p in range(2):
+      assert fields['depth_LPK'][l, p, 1:].sum() == costs.emulated_rounds(
+          count_LPDD[l, p])
+
+
 def test_balanced_load_static_equals_balanced_plan():
   """Every source sends every expert 4 tokens: each device computes
   2 sources * 2 experts * 4 = 16 rows per micro-step, no one moves."""
