@@ -305,6 +305,11 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
                measured_exposed_transfer_s=meas['exposed_transfer_s'],
                capacity=mp.capacity['exact'],
                recompute_capacity=mp.recompute_capacity['exact'])
+    # The host's noise: each timing's spread over the repetitions, (max -
+    # min) / median.
+    for k, times in meas.get('per_repetition', {}).items():
+      if len(times) > 1:
+        row[f'spread_{k}'] = float(np.ptp(times) / np.median(times))
     for name, prof in (('update', update_fit), ('kernels', kernels)):
       pred = simulate.time_step(mp, loads, model, work, prof)
       sfx = '' if name == 'update' else '_kernels_profile'
@@ -341,6 +346,8 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
                                for m in methods.values()),
       max_rel_error_recompute=max(abs(m['rel_error_recompute'])
                                   for m in methods.values()),
+      max_spread=max((v for m in methods.values() for k, v in m.items()
+                      if k.startswith('spread_')), default=None),
       max_rel_error_update_kernels_profile=max(
           abs(m['rel_error_update_kernels_profile']) for m in methods.values()),
       predicted_speedup_update_vs_static=pred_su,
