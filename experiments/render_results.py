@@ -479,18 +479,26 @@ def render_simulate_cluster_validation(res: dict) -> str:
   if val is None:
     return 'Not run (the file was written with `--validate=false`).'
   rows = []
+  # Files since 2026-12-04 time the recompute alone and beside the planner.
+  beside = all('measured_recompute_beside_planner_s' in v
+               for v in val['methods'].values())
   for m, name in _METHOD_NAMES.items():
     v = val['methods'][m]
     rows.append([name, _f(v['capacity']), _f(v['measured_update_s']),
                  _f(v['predicted_update_s']),
                  f"{100 * v['rel_error_update']:+.1f}%",
-                 _f(v['measured_recompute_s']),
-                 _f(v['predicted_recompute_s']),
-                 f"{100 * v['rel_error_recompute']:+.1f}%",
-                 f"{100 * v['rel_error_update_kernels_profile']:+.1f}%"])
+                 _f(v['measured_recompute_s'])]
+                + ([_f(v['measured_recompute_beside_planner_s'])] if beside
+                   else [])
+                + [_f(v['predicted_recompute_s']),
+                   f"{100 * v['rel_error_recompute']:+.1f}%",
+                   f"{100 * v['rel_error_update_kernels_profile']:+.1f}%"])
   table = _table(['method', 'bucket', 'measured update s', 'predicted s',
-                  'error', 'measured recompute s', 'predicted s', 'error',
-                  'update error, microbenchmark-only profile'], rows)
+                  'error', 'measured recompute s'
+                  + (' (alone)' if beside else '')]
+                 + (['beside the planner s'] if beside else [])
+                 + ['predicted s', 'error',
+                    'update error, microbenchmark-only profile'], rows)
   missed = [name for m, name in _METHOD_NAMES.items()
             if max(abs(val['methods'][m]['rel_error_update']),
                    abs(val['methods'][m]['rel_error_recompute'])) > 0.15]
@@ -511,7 +519,9 @@ def render_simulate_cluster_validation(res: dict) -> str:
       f"- ForeMoE vs static update speedup: predicted"
       f" {_f(val['predicted_speedup_update_vs_static'])}x, measured"
       f" {_f(val['measured_speedup_update_vs_static'])}x.",
-  ])
+  ] + ([f"- The host's noise: a method's timings spread over the"
+        f" repetitions by at most {100 * val['max_spread']:.0f}% ((max - min)"
+        f" / median)."] if val.get('max_spread') is not None else []))
 
 
 def render_simulate_cluster(res: dict) -> str:
@@ -809,12 +819,29 @@ def render_memory_report(res: dict) -> str:
       f" per-layer slope ({_bytes(res['xla_bytes_per_layer'])} a layer,"
       f" model {_bytes(res['model_bytes_per_layer'])})"
       f" {_bytes(res['xla_extrapolated_full_depth'])}.",
-      f"- Peak per device (the larger): **{_bytes(peak)}**; fits an 80 GB"
+      *_moves_in_layers_lines(res),
+      f"- Peak per device (the largest): **{_bytes(peak)}**; fits an 80 GB"
       f" H100 with 10% headroom: {_f(res['fits_80gb_with_10pct_headroom'])}.",
       f"- Compile time from {min(res['compile_s_by_layers'], key=int)} to"
       f" {max(res['compile_s_by_layers'], key=int)} layers:"
       f" x{_f(res['compile_growth'])} (the layers are scanned).",
   ])
+
+
+def _moves_in_layers_lines(res: dict) -> list[str]:
+  """The update compiled as GPU/TPU run it, where the file has it."""
+  if not res.get('check_moves_in_layers'):
+    return []
+  parts = []
+  for depth, c in res['check_moves_in_layers'].items():
+    over, rel = c['over_emulation_bytes'], c['rel_error_model_vs_xla']
+    parts.append(f"{depth} layers {_bytes(c['xla']['peak'])}"
+                 f" ({'+' if over >= 0 else '-'}{_bytes(abs(over))} vs the"
+                 f" CPU emulation's; model {100 * rel:+.1f}%)")
+  return ["- As GPU/TPU run it (the moves' fills in the layers' forward, the"
+          " next micro-step's slots alive through the backward; a stand-in"
+          " of the ragged collective's buffers): XLA " + ', '.join(parts)
+          + '.']
 
 
 def _clock(seconds: float) -> str:

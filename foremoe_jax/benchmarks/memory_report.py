@@ -12,6 +12,13 @@ Two sources, set side by side:
   buffers of the ragged all-to-all a GPU runs (XLA:CPU compiles no such
   op, and the CPU emulation pads every pair of devices to a static bound).
 
+The transfer engine's moves are compiled both ways: as the CPU emulation
+runs them (in place, after each micro-step's backward) and as GPU/TPU do
+(inside the layers, `engine.moves_in_layers`, with a stand-in of the
+ragged collective's buffers: `lowered_update`'s engine_exchange), at the
+check depth and at full depth; the headline peak is the largest of the
+model and both.
+
 The model is checked against XLA at each compiled depth; XLA's peaks give
 a per-layer slope, extrapolated to the config's full depth beside the
 model's own count. The compile times at those depths show that scanning
@@ -38,7 +45,7 @@ from foremoe_jax.planner.topology import Topology
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.sim import memory
 from foremoe_jax.sim.workload import ModelShape, Workload
-from foremoe_jax.transfer import schedule
+from foremoe_jax.transfer import engine, schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,22 +120,36 @@ def _abstract(x, sharding_):
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
 
 
-def compiled_update(report: MemoryReport, num_layers: int):
-  """(compiled update, seconds to build, lower and compile) at this depth."""
+def compiled_update(report: MemoryReport, num_layers: int,
+                    engine_exchange: str | None = None):
+  """(compiled update, seconds to build, lower and compile) at this depth.
+  engine_exchange: as `lowered_update`'s."""
   t0 = time.perf_counter()
-  compiled = lowered_update(report, num_layers).compile()
+  compiled = lowered_update(report, num_layers,
+                            engine_exchange=engine_exchange).compile()
   return compiled, time.perf_counter() - t0
 
 
 def lowered_update(report: MemoryReport, num_layers: int, *,
-                   exchange: str = 'footprint', platforms=None):
+                   exchange: str = 'footprint', platforms=None,
+                   engine_exchange: str | None = None):
   """The update at this depth, lowered from abstract arrays.
 
   exchange: the dispatch's ('footprint': XLA:CPU compiles no ragged
   all-to-all, so the memory report lowers the step with a stand-in that
   holds the real collective's buffers, `dispatch_exact`; 'ragged': the
   GPU/TPU collective, to lower for `platforms`, e.g. ('cuda',)).
+  engine_exchange: the transfer engine's (`engine.EXCHANGES`; None: the
+  backend's, on CPU the emulation, whose moves run in place after each
+  micro-step's backward). 'footprint' lowers the step as a GPU runs it:
+  the moves' fills inside the layers' forward (the next micro-step's
+  slots then live through the backward), their returns in its backward,
+  in buffers of the ragged collective's sizes.
   """
+  if engine_exchange is not None:
+    with engine.use_exchange(engine_exchange):
+      return lowered_update(report, num_layers, exchange=exchange,
+                            platforms=platforms)
   cfg = model_config(report, num_layers)
   m = cfg.model
   mesh = expert_parallel.make_mesh(1, report.ep)
@@ -231,6 +252,23 @@ def run(report: MemoryReport = MemoryReport(), log=print) -> dict:
     log(f'{depth} layers: compiled in {secs:.1f} s; model '
         f"{model['total'] / 1e9:.2f} GB, XLA {xla['peak'] / 1e9:.2f} GB "
         f'({100 * rel:+.1f}%)')
+  # The same update as a GPU runs it (the moves inside the layers, the
+  # ragged collective's buffers): at the check depth against the model, and
+  # at full depth for the headline.
+  exact = {}
+  for depth in sorted({report.check_layers}
+                      | ({num_layers} if report.full_depth else set())):
+    compiled, secs = compiled_update(report, depth, engine_exchange='footprint')
+    xla, model = xla_bytes(compiled), checks[depth]['model']
+    del compiled
+    rel = model['total'] / xla['peak'] - 1
+    exact[depth] = dict(xla=xla, rel_error_model_vs_xla=rel,
+                        over_emulation_bytes=(xla['peak']
+                                              - checks[depth]['xla']['peak']))
+    log(f'{depth} layers, moves in the layers (GPU/TPU): compiled in '
+        f"{secs:.1f} s; XLA {xla['peak'] / 1e9:.2f} GB ({100 * rel:+.1f}% "
+        f"model), {exact[depth]['over_emulation_bytes'] / 1e9:+.2f} GB over "
+        'the CPU emulation')
   peaks = np.array([checks[d]['xla']['peak'] for d in reduced])
   slope, intercept = np.polyfit(np.array(reduced, float), peaks, 1)
   xla_extrapolated = float(intercept + slope * num_layers)
@@ -240,7 +278,8 @@ def run(report: MemoryReport = MemoryReport(), log=print) -> dict:
   model_slope = ((checks[reduced[-1]]['model']['total']
                   - checks[reduced[0]]['model']['total'])
                  / (reduced[-1] - reduced[0]))
-  peak = max(full['total'], xla_full)
+  xla_full_exact = exact[num_layers]['xla']['peak'] if compiled_full else None
+  peak = max(full['total'], xla_full, xla_full_exact or 0.0)
   log(f'XLA per layer {slope / 1e9:.2f} GB (model {model_slope / 1e9:.2f});'
       f' XLA extrapolated to {num_layers} layers '
       f'{xla_extrapolated / 1e9:.1f} GB'
@@ -250,6 +289,12 @@ def run(report: MemoryReport = MemoryReport(), log=print) -> dict:
       report=dataclasses.asdict(report), num_layers=num_layers,
       peak_bytes_per_device=peak, model_full_depth=full,
       xla_full_depth=xla_full, xla_full_depth_compiled=compiled_full,
+      # The update as GPU/TPU run it (module docstring of lowered_update's
+      # engine_exchange), at the check depth and, when compiled, full depth.
+      xla_full_depth_moves_in_layers=xla_full_exact,
+      check_moves_in_layers={str(d): v for d, v in exact.items()},
+      rel_error_model_vs_xla_moves_in_layers=exact[report.check_layers][
+          'rel_error_model_vs_xla'],
       xla_extrapolated_full_depth=xla_extrapolated,
       xla_bytes_per_layer=float(slope), model_bytes_per_layer=model_slope,
       check={str(d): checks[d] for d in depths},

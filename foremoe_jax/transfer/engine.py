@@ -79,6 +79,8 @@ leaf's trailing dims.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -231,14 +233,36 @@ def _rounds(shift_R, one_round, init):
 # How ``exact`` mode's exchange runs: 'ragged' (GPU/TPU), 'emulated' (CPU:
 # shift rounds from the counts, idle ones skipped), 'a2a' (CPU: one
 # all_to_all padded to R items per pair, the ragged collective's shape: no
-# conditional, which is what the compiled-program test reads).
-EXCHANGES = ('ragged', 'emulated', 'a2a')
+# conditional, which is what the compiled-program test reads), 'footprint'
+# (CPU, memory analysis only: wrong values in the ragged collective's
+# buffers, `_footprint_exchange`).
+EXCHANGES = ('ragged', 'emulated', 'a2a', 'footprint')
+
+# The exchange programs traced inside `use_exchange` get (None: the
+# backend's); read when a program is traced, as the backend is.
+_EXCHANGE = contextvars.ContextVar('foremoe_engine_exchange', default=None)
 
 
 def default_exchange() -> str:
-  """The engine's exchange when a caller names none: the backend's
-  (`dispatch_exact.default_exchange`: 'emulated' on CPU, 'ragged' else)."""
-  return dispatch_exact.default_exchange()
+  """The engine's exchange when a caller names none: `use_exchange`'s
+  inside one, else the backend's (`dispatch_exact.default_exchange`:
+  'emulated' on CPU, 'ragged' else)."""
+  return _EXCHANGE.get() or dispatch_exact.default_exchange()
+
+
+@contextlib.contextmanager
+def use_exchange(exchange: str):
+  """Programs traced in this block exchange experts with `exchange`
+  (one of EXCHANGES): e.g. the memory report compiles the update as a GPU
+  runs it, its moves inside the layers, on a CPU host ('footprint')."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f'exchange must be one of {EXCHANGES}, got '
+                     f'{exchange!r}.')
+  token = _EXCHANGE.set(exchange)
+  try:
+    yield
+  finally:
+    _EXCHANGE.reset(token)
 
 
 class _Counts(NamedTuple):
@@ -300,11 +324,33 @@ def _exchange(pick, num_items: int, cnt: _Counts, me, exchange: str,
           flat, out, in_off_D, cnt.send_D, cnt.out_off_D, cnt.recv_D,
           axis_name=EXPERT, chunk=min(x.shape[0], out_rows),
           recv_offsets=recv_off_D)
+    elif exchange == 'footprint':
+      got = _footprint_exchange(flat, out)
     else:
       raise ValueError(f'exchange must be one of {EXCHANGES}, got '
                        f'{exchange!r}.')
     return got.reshape((out_rows,) + x.shape[1:])
   return jax.tree.map(one, pick(jnp.arange(num_items, dtype=jnp.int32)))
+
+
+def _footprint_exchange(send, out):
+  """Wrong values, the ragged collective's buffers: for memory analysis.
+
+  The ragged all-to-all holds the packed send buffer and the receive
+  buffer it writes into. XLA:CPU compiles no such op, and the 'a2a'
+  stand-in pads every pair to the send buffer's rows (D x more); the
+  dispatch's stand-in (`dispatch_exact.footprint_exchange`) all-to-alls
+  whole rows per device, which a send list shorter than D does not have.
+  Here the send buffer goes to the next device by one collective-permute
+  (its received copy is one send buffer more than the real op holds: a
+  few experts) and is written into the receive buffer's first rows.
+  """
+  num_ep = jax.lax.axis_size(EXPERT)
+  moved = jax.lax.ppermute(send, EXPERT,
+                           [(d, (d + 1) % num_ep) for d in range(num_ep)])
+  take = min(send.shape[0], out.shape[0])
+  return jax.lax.dynamic_update_slice(out, moved[:take].astype(out.dtype),
+                                      (0,) * out.ndim)
 
 
 def _exchange_by_rounds(pick, num_items: int, cnt: _Counts, me,
@@ -886,12 +932,12 @@ def fill_layer_local(slots_l, canon_l, t_l, *, exchange: str | None = None):
 
   slots_l: (weight buffers [s, X...]..., ids [s]); canon_l: the home
   experts [h, X...]; t_l: one layer of `device_transition(...)`, this
-  device's rows. The ``exact`` exchanges only ('ragged' or 'a2a'): the CPU
+  device's rows. The ``exact`` exchanges only (not 'emulated'): the CPU
   emulation fills every layer in place (`fill_slots_local`)."""
   exchange = exchange or default_exchange()
   if exchange == 'emulated' or not _is_exact(t_l):
     raise ValueError('fill_layer_local runs the exact exchanges (ragged, '
-                     f'a2a) only, got {exchange!r}.')
+                     f'a2a, footprint) only, got {exchange!r}.')
   me, ids_h, slots_l = _fill_setup(slots_l, canon_l[0].shape[0], canon_l[0])
   spd = slots_l[0].shape[0]
   return tuple(_layer_fill_exact(slots_l, tuple(canon_l) + (ids_h,), t_l,

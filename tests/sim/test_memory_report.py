@@ -54,8 +54,13 @@ def test_report_takes_the_larger_of_model_and_extrapolated_xla(result):
   assert res['xla_extrapolated_full_depth'] == pytest.approx(xla[2], rel=1e-6)
   assert res['xla_full_depth_compiled'] and res['xla_full_depth'] == xla[2]
   assert res['compile_s_full_depth'] == res['compile_s_by_layers']['2']
+  # ... and the largest of the model, that program and the same update
+  # with the moves inside the layers, as GPU/TPU run it.
+  assert res['xla_full_depth_moves_in_layers'] == (
+      res['check_moves_in_layers']['2']['xla']['peak'])
   assert res['peak_bytes_per_device'] == max(
-      res['model_full_depth']['total'], res['xla_full_depth'])
+      res['model_full_depth']['total'], res['xla_full_depth'],
+      res['xla_full_depth_moves_in_layers'])
   assert res['model_bytes_per_layer'] > 0 and slope > 0
 
 
@@ -68,5 +73,39 @@ def test_model_tracks_xla_at_every_compiled_depth(result):
     xla, model = c['xla']['peak'], c['model']['total']
     assert abs(model / xla - 1) <= 0.15, (depth, model, xla)
     assert c['rel_error_model_vs_xla'] == pytest.approx(model / xla - 1)
+  # The update as GPU/TPU run it (the moves' fills in the layers' forward,
+  # their returns in its backward) too.
+  moved = result['check_moves_in_layers']['2']
+  model = result['check']['2']['model']['total']
+  assert abs(model / moved['xla']['peak'] - 1) <= 0.15, moved
+  assert moved['over_emulation_bytes'] == pytest.approx(
+      moved['xla']['peak'] - result['check']['2']['xla']['peak'])
   assert result['model_bytes_per_layer'] == pytest.approx(
       result['xla_bytes_per_layer'], rel=0.25)
+
+
+def test_moves_in_layers_compile_with_the_footprint_exchange(report):
+  """Inside `engine.use_exchange('footprint')` the update is traced as a
+  GPU runs it: the moves' fills and returns sit in the computations of the
+  layers' matmuls (the emulation's run in scans of their own), by
+  collective-permutes, with no conditional around them; outside it, the
+  backend's emulation again."""
+  from foremoe_jax.transfer import engine  # pylint: disable=import-outside-toplevel
+  from foremoe_jax.utils import hlo  # pylint: disable=import-outside-toplevel
+  texts = {}
+  for name in ('footprint', None):
+    texts[name] = memory_report.lowered_update(
+        report, 2, engine_exchange=name).compile().as_text()
+  assert engine.default_exchange() == 'emulated'
+  with pytest.raises(ValueError, match='exchange must be one of'):
+    with engine.use_exchange('shifts'):
+      pass
+
+  def permutes_beside_matmuls(text):
+    computes = hlo.compute_computations(text)
+    return [c for c in hlo.collectives(text)
+            if c['kind'] == 'collective-permute'
+            and c['computation'] in computes]
+  moved = permutes_beside_matmuls(texts['footprint'])
+  assert moved and not any(c['in_conditional'] for c in moved), moved
+  assert len(moved) > len(permutes_beside_matmuls(texts[None]))
