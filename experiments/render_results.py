@@ -479,26 +479,20 @@ def render_simulate_cluster_validation(res: dict) -> str:
   if val is None:
     return 'Not run (the file was written with `--validate=false`).'
   rows = []
-  # Files since 2026-12-04 time the recompute alone and beside the planner.
-  beside = all('measured_recompute_beside_planner_s' in v
-               for v in val['methods'].values())
   for m, name in _METHOD_NAMES.items():
     v = val['methods'][m]
     rows.append([name, _f(v['capacity']), _f(v['measured_update_s']),
                  _f(v['predicted_update_s']),
                  f"{100 * v['rel_error_update']:+.1f}%",
-                 _f(v['measured_recompute_s'])]
-                + ([_f(v['measured_recompute_beside_planner_s'])] if beside
-                   else [])
-                + [_f(v['predicted_recompute_s']),
-                   f"{100 * v['rel_error_recompute']:+.1f}%",
-                   f"{100 * v['rel_error_update_kernels_profile']:+.1f}%"])
+                 _f(v['measured_recompute_s']),
+                 _f(v['measured_recompute_beside_planner_s']),
+                 _f(v['predicted_recompute_s']),
+                 f"{100 * v['rel_error_recompute']:+.1f}%",
+                 f"{100 * v['rel_error_update_kernels_profile']:+.1f}%"])
   table = _table(['method', 'bucket', 'measured update s', 'predicted s',
-                  'error', 'measured recompute s'
-                  + (' (alone)' if beside else '')]
-                 + (['beside the planner s'] if beside else [])
-                 + ['predicted s', 'error',
-                    'update error, microbenchmark-only profile'], rows)
+                  'error', 'measured recompute s (alone)',
+                  'beside the planner s', 'predicted s', 'error',
+                  'update error, microbenchmark-only profile'], rows)
   missed = [name for m, name in _METHOD_NAMES.items()
             if max(abs(val['methods'][m]['rel_error_update']),
                    abs(val['methods'][m]['rel_error_recompute'])) > 0.15]
@@ -829,9 +823,7 @@ def render_memory_report(res: dict) -> str:
 
 
 def _moves_in_layers_lines(res: dict) -> list[str]:
-  """The update compiled as GPU/TPU run it, where the file has it."""
-  if not res.get('check_moves_in_layers'):
-    return []
+  """The update compiled as GPU/TPU run it."""
   parts = []
   for depth, c in res['check_moves_in_layers'].items():
     over, rel = c['over_emulation_bytes'], c['rel_error_model_vs_xla']

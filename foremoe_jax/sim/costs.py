@@ -50,6 +50,7 @@ import numpy as np
 from foremoe_jax.sim.hardware import (HardwareProfile, link_bandwidth,
                                       link_latency)
 from foremoe_jax.sim.workload import ModelShape
+from foremoe_jax.transfer import schedule
 
 
 def expert_time(rows, slots_per_device: int, model: ModelShape,
@@ -151,11 +152,7 @@ def emulated_rounds(count_DD) -> int:
   """Rounds of the CPU emulation of one exact exchange
   (`transfer.engine._exchange_by_rounds`): shift k (device c to c + k)
   takes as many rounds as its busiest pair has items; idle shifts none."""
-  count = np.asarray(count_DD)
-  num_dev = count.shape[0]
-  src = np.arange(num_dev)
-  return int(sum(count[src, (src + k) % num_dev].max()
-                 for k in range(1, num_dev)))
+  return int(schedule.shift_depths(count_DD)[1:].sum())
 
 
 def transition_time(t, layer_index, model: ModelShape, hw: HardwareProfile,

@@ -298,7 +298,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
     # simulator prices devices whose host has cores of its own for the
     # planner; here the planner of the micro-steps ran on the cores that
     # are the devices, beside the first run of it (reported too).
-    rec = meas.get('recompute_alone_s', meas['recompute_s'])
+    rec = meas['recompute_alone_s']
     row = dict(measured_update_s=meas['update_s'],
                measured_recompute_s=rec,
                measured_recompute_beside_planner_s=meas['recompute_s'],
@@ -307,7 +307,7 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
                recompute_capacity=mp.recompute_capacity['exact'])
     # The host's noise: each timing's spread over the repetitions, (max -
     # min) / median.
-    for k, times in meas.get('per_repetition', {}).items():
+    for k, times in meas['per_repetition'].items():
       if len(times) > 1:
         row[f'spread_{k}'] = float(np.ptp(times) / np.median(times))
     for name, prof in (('update', update_fit), ('kernels', kernels)):

@@ -112,15 +112,11 @@ def _exchange_fields(count_LPDD, prefix: str) -> dict:
   [L, P, K], whole on every device: it is L x P x D, not L x P x D x D).
   prefix: '' (fills) or 'ret_' (returns)."""
   c = np.asarray(count_LPDD, np.int32)
-  num_devices = c.shape[-1]
-  d_D = np.arange(num_devices)
-  dst_DK = (d_D[:, None] + d_D[None, :]) % num_devices
   return {
       f'{prefix}count_LPDD': c,
       f'{prefix}recv_count_LPDD': np.swapaxes(c, -1, -2).copy(),
       f'{prefix}out_off_LPDD': (np.cumsum(c, axis=-2) - c).astype(np.int32),
-      f'{prefix}depth_LPK': np.take_along_axis(
-          c, np.broadcast_to(dst_DK, c.shape), axis=-1).max(axis=-2),
+      f'{prefix}depth_LPK': schedule.shift_depths(c),
   }
 
 

@@ -786,6 +786,19 @@ def wire_items(t, num_devices: int, emulated: bool = False) -> tuple:
   return wire, useful
 
 
+def shift_depths(count_DD) -> np.ndarray:
+  """The CPU emulation's rounds of exact exchanges (`engine.
+  _exchange_by_rounds`): for counts [..., src, dst], per cyclic shift k
+  (device c to c + k) the items of its busiest pair, [..., K = D]; shift
+  k then takes that many rounds (shift 0, the diagonal, none are sent)."""
+  c = np.asarray(count_DD)
+  num_devices = c.shape[-1]
+  d_D = np.arange(num_devices)
+  dst_DK = (d_D[:, None] + d_D[None, :]) % num_devices
+  return np.take_along_axis(c, np.broadcast_to(dst_DK, c.shape),
+                            axis=-1).max(axis=-2)
+
+
 def step_wire_over_useful(st: StepTransfer, num_devices: int,
                           emulated: bool = False, extra=()) -> float:
   """Items on the wire over useful items for a whole step (fill, moves,
