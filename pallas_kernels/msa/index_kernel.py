@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.msa import kernel_common as kc
+from pallas_kernels.msa import xla
 
 NEG_INF = float('-inf')
 
@@ -203,7 +204,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        block_size: int, top_k: int, interpret: bool,
                        row_tile: int = 128, blocks_per_program: int | None = None,
                        topk_rows: int | None = None,
-                       max_score_bytes: int = 2**28) -> jax.Array:
+                       max_score_bytes: int = 2**28,
+                       topk: str = 'pallas') -> jax.Array:
   """Selection int32 [B, G, T, K] for queries at positions t + offset_B[b].
 
   Equal to reference.selection_BGTK up to the summation order of the index
@@ -211,11 +213,17 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
   row_tile, blocks_per_program, topk_rows: tile sizes (powers of two);
   max_score_bytes bounds one row chunk's f32 score buffer.
+  topk: 'pallas' (the second launch above) or 'xla' (lax.top_k over the
+  same scores, which has the same tie rule): in decode the Pallas top-k is
+  a handful of programs, each 15 serial argmax rounds over every block,
+  and XLA's may be faster there; the GPU bench times both.
   """
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
   if top_k < 1:
     raise ValueError(f'top_k must be >= 1, got {top_k}.')
+  if topk not in ('pallas', 'xla'):
+    raise ValueError(f"topk must be 'pallas' or 'xla', got {topk!r}.")
   dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
   precision = kc.gpu_precision_for(dtype, interpret)
   ip = max(16, kc.next_pow2(di))
@@ -250,9 +258,18 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                           row_tile=m, blocks_per_program=nb, scale=scale,
                           precision=precision, interpret=interpret,
                           key_sub=key_sub, num_stages=stages)
+    if topk == 'xla':
+      parts.append(scores[:, :n_blocks])
+      continue
     parts.append(_topk_call(offset_B, scores, block_size=block_size,
                             groups=g, row_base=r0, top_k=top_k, topk_rows=w,
                             interpret=interpret))
+  if topk == 'xla':
+    scores_BNQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, 2)
+    scores_BGTN = scores_BNQ[:, :, :rows].reshape(
+        b, n_blocks, t, g).transpose(0, 3, 2, 1)
+    return xla.select_blocks_BGTK(scores_BGTN, block_size=block_size,
+                                  top_k=top_k, q_offset=offset_B)
   sel_BKQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
   sel_BKTG = sel_BKQ[:, :top_k, :rows].reshape(b, top_k, t, g)
   return sel_BKTG.transpose(0, 3, 2, 1)

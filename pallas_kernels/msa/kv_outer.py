@@ -43,6 +43,7 @@ a tile (Q * Rp), P (token, slot) pairs, U work items of the dK/dV kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -53,6 +54,41 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.msa import kernel_common as kc
 
 NEG_INF = float('-inf')
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+  """Knobs of the forward kernel; None keeps the default.
+
+  They exist to be timed against each other on a GPU (benchmark_gpu's
+  `tune` phase), since which is fastest depends on the card's latency and
+  L2, not on anything a CPU can measure:
+
+  q_per_tile: queries per tile (tile rows = q_per_tile * Rp).
+  tiles_per_program: tiles a program streams past its block (default
+    twice a block's mean): few give many short programs, whose gathers
+    the scheduler overlaps across programs; many reuse the block longer.
+  num_warps, num_stages: Triton's (default 8 warps for 128-row tiles, 2
+    stages in 16-bit dtypes).
+  prefetch: gather the next tile's rows while this one's dots run (a
+    software pipeline through the loop carry), instead of relying on
+    Triton's pipeliner, which cannot see through the row-table load.
+  pair_order: write each partial at its (token, slot) row, so the combine
+    is a reshape and a sum instead of a gather over all partials.
+  """
+  q_per_tile: int | None = None
+  tiles_per_program: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  prefetch: bool = False
+  pair_order: bool = False
+
+  def label(self) -> str:
+    """A short name of the non-default knobs ('default' when none)."""
+    parts = [f'{f.name}={getattr(self, f.name)}'
+             for f in dataclasses.fields(self)
+             if getattr(self, f.name) != f.default]
+    return ','.join(parts) or 'default'
 
 
 # ----------------------------------------------------------------------------
@@ -118,6 +154,22 @@ def tile_rows(tile_q_BGJQ, *, groups: int, heads_p: int):
   return rows.reshape(b, g, j, q * heads_p)
 
 
+def pair_rows(pair_BGP, n_lanes: int, *, heads_p: int):
+  """Row of every tile row in the [P*Rp] pair-order partial view (-1:
+  empty lane): lane l holding pair p writes rows p*Rp .. p*Rp + Rp-1."""
+  b, g, p = pair_BGP.shape
+  bi = jnp.arange(b)[:, None, None]
+  gi = jnp.arange(g)[None, :, None]
+  lane_pair = jnp.full((b, g, n_lanes), -1, jnp.int32).at[
+      bi, gi, jnp.where(pair_BGP >= 0, pair_BGP, n_lanes)].set(
+          jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, g, p)),
+          mode='drop')
+  r = jnp.arange(heads_p, dtype=jnp.int32)
+  rows = jnp.where(lane_pair[..., None] >= 0,
+                   lane_pair[..., None] * heads_p + r, -1)
+  return rows.reshape(b, g, n_lanes * heads_p)
+
+
 # ----------------------------------------------------------------------------
 # Kernels (Triton; interpret mode on CPU)
 
@@ -133,36 +185,53 @@ def _key_block(blk, k_ref, v_ref, valid_ref, block_size: int, part=0,
           valid_ref[pl.ds(start, size)][None, :] > 0)
 
 
-def _tile_scores(off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C, *,
+def _gather_queries(rows_W, q_ref):
+  """A tile's query rows q_WD (empty rows read row 0; the mask drops them)."""
+  return q_ref[jnp.maximum(rows_W, 0), :]
+
+
+def _tile_scores(off_ref, blk, rows_W, q_WD, k_CD, start, ok_1C, *,
                  rows_per_token: int, scale: float, precision):
-  """(scaled scores s_WC, mask_WC, gathered queries q_WD) of one tile
+  """(scaled scores s_WC, mask_WC) of one tile's gathered queries q_WD
   against block blk. A row's token is its row in the query view over
   rows_per_token (= G * Rp)."""
   block_size = k_CD.shape[0]
   live_W = rows_W >= 0
-  rows_c = jnp.maximum(rows_W, 0)
-  q_WD = q_ref[rows_c, :]
-  qpos_W1 = (off_ref[0] + kc.div(rows_c, rows_per_token))[:, None]
+  qpos_W1 = (off_ref[0] + kc.div(jnp.maximum(rows_W, 0),
+                                 rows_per_token))[:, None]
   kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
   mask_WC = (kpos_1C <= qpos_W1) & ok_1C & live_W[:, None] & (blk >= 0)
   s_WC = kc.dot_nt(q_WD, k_CD, precision) * scale
-  return s_WC, mask_WC, q_WD
+  return s_WC, mask_WC
 
 
-def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
-                    k_ref, v_ref, valid_ref, o_ref, lse_ref, *,
+def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, *refs,
                     block_size: int, rows_per_token: int, scale: float,
-                    precision, reload_kv: bool):
+                    precision, reload_kv: bool, prefetch: bool,
+                    pair_order: bool):
   """One key block, loaded once (per tile with reload_kv), against
-  `count` of its tiles."""
+  `count` of its tiles. With pair_order the next ref is the tiles' rows in
+  the pair-order partial view, where each tile row is stored."""
+  if pair_order:
+    out_rows_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref = refs
+  else:
+    q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref = refs
   blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
+  n = jnp.where(blk >= 0, count, 0)
   load = lambda: _key_block(blk, k_ref, v_ref, valid_ref, block_size)
   held = None if reload_kv else load()
 
+  def tile(i):
+    rows_W = rows_ref[first + i, :]
+    return rows_W, _gather_queries(rows_W, q_ref)
+
   def visit(i, carry):
+    rows_W, q_WD = carry if prefetch else tile(i)
+    # Issued before this tile's dots, awaited only at the next step.
+    nxt = tile(jnp.minimum(i + 1, n - 1)) if prefetch else carry
     k_CD, v_CD, start, ok_1C = load() if reload_kv else held
-    s_WC, mask_WC, _ = _tile_scores(
-        off_ref, blk, rows_ref[first + i, :], q_ref, k_CD, start, ok_1C,
+    s_WC, mask_WC = _tile_scores(
+        off_ref, blk, rows_W, q_WD, k_CD, start, ok_1C,
         rows_per_token=rows_per_token, scale=scale, precision=precision)
     m_W1 = jnp.max(jnp.where(mask_WC, s_WC, kc.MASK_VALUE), axis=1,
                    keepdims=True)
@@ -170,11 +239,18 @@ def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
     l_W1 = jnp.sum(p_WC, axis=1, keepdims=True)
     acc_WD = kc.dot_nn(p_WC.astype(v_CD.dtype), v_CD, precision)
     out_WD, lse_W1 = kc.finish_softmax(m_W1, l_W1, acc_WD)
-    o_ref[first + i, :, :] = out_WD.astype(o_ref.dtype)
-    lse_ref[first + i, :] = lse_W1[:, 0]
-    return carry
+    if pair_order:
+      # Empty lanes all write the spare last row, which nothing reads.
+      out_rows_W = out_rows_ref[first + i, :]
+      at_W = jnp.where(out_rows_W >= 0, out_rows_W, o_ref.shape[0] - 1)
+      o_ref[at_W, :] = out_WD.astype(o_ref.dtype)
+      lse_ref[at_W] = lse_W1[:, 0]
+    else:
+      o_ref[first + i, :, :] = out_WD.astype(o_ref.dtype)
+      lse_ref[first + i, :] = lse_W1[:, 0]
+    return nxt
 
-  jax.lax.fori_loop(0, jnp.where(blk >= 0, count, 0), visit, 0)
+  jax.lax.fori_loop(0, n, visit, tile(0) if prefetch else 0)
 
 
 def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
@@ -198,8 +274,9 @@ def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
     dk_CD, dv_CD = carry
     k_CD, v_CD, start, ok_1C = load() if reload_kv else held
     rows_W = rows_ref[first + i, :]
-    s_WC, mask_WC, q_WD = _tile_scores(
-        off_ref, blk, rows_W, q_ref, k_CD, start, ok_1C,
+    q_WD = _gather_queries(rows_W, q_ref)
+    s_WC, mask_WC = _tile_scores(
+        off_ref, blk, rows_W, q_WD, k_CD, start, ok_1C,
         rows_per_token=rows_per_token, scale=scale, precision=precision)
     rows_c = jnp.maximum(rows_W, 0)
     do_WD = do_ref[rows_c, :]
@@ -246,12 +323,13 @@ def _dkv_tiling(dtype, block_size: int, heads_p: int) -> tuple[int, int]:
   return max(1, 32 // heads_p), max(1, block_size // 32)
 
 
-def _params(rows: int, dtype) -> plgpu.CompilerParams:
+def _params(rows: int, dtype, num_warps: int | None = None,
+            num_stages: int | None = None) -> plgpu.CompilerParams:
   # 8 warps for 128-row tiles: the [W, C] f32 scores and the [C, D] f32
   # dK/dV accumulators spill from the registers of 4.
-  return plgpu.CompilerParams(num_warps=8 if rows >= 128 else 4,
-                              num_stages=2 if jnp.dtype(dtype).itemsize <= 2
-                              else 1)
+  return plgpu.CompilerParams(
+      num_warps=num_warps or (8 if rows >= 128 else 4),
+      num_stages=num_stages or (2 if jnp.dtype(dtype).itemsize <= 2 else 1))
 
 
 def _work_specs(b: int, g: int, n_items: int, rows_shape, x: int, dp: int,
@@ -270,39 +348,73 @@ def _work_specs(b: int, g: int, n_items: int, rows_shape, x: int, dp: int,
           pl.BlockSpec((None, sp), lambda bb, gg, uu: (bb, 0))]
 
 
-def _forward_call(off_B, items, rows_BGJW, q_BXD, k_BSGD, v_BSGD,
-                  valid_BS, *, block_size, rows_per_token, scale, interpret):
+def _forward_call(off_B, items, rows_BGJW, out_rows_BGJW, q_BXD, k_BSGD,
+                  v_BSGD, valid_BS, *, n_pairs, block_size, rows_per_token,
+                  scale, interpret, config):
+  """The forward kernel over work items; partials in tile order [B, G, J,
+  W, Dp] (out_rows None), or pair order [B, G, P*Rp, Dp] from n_pairs."""
   b, g, n_tiles, w = rows_BGJW.shape
   blk, first, count = items
   n_items = blk.shape[-1]
   x, dp = q_BXD.shape[1:]
+  pair_order = out_rows_BGJW is not None
   kernel = functools.partial(
       _forward_kernel, block_size=block_size, rows_per_token=rows_per_token,
       scale=scale, precision=kc.gpu_precision_for(q_BXD.dtype, interpret),
-      reload_kv=_reload_kv(q_BXD.dtype))
-  # Each program writes only its own tiles of the (sequence, group) slab.
+      reload_kv=_reload_kv(q_BXD.dtype), prefetch=config.prefetch,
+      pair_order=pair_order)
+  in_specs = _work_specs(b, g, n_items, (n_tiles, w), x, dp, k_BSGD.shape[1])
+  slab = pl.BlockSpec((None, None, n_tiles, w),
+                      lambda bb, gg, uu: (bb, gg, 0, 0))
+  operands = [rows_BGJW, q_BXD, k_BSGD, v_BSGD, valid_BS]
+  # Each program writes only its own tiles' rows of the (sequence, group)
+  # slab.
+  if pair_order:
+    in_specs.insert(5, slab)
+    operands.insert(1, out_rows_BGJW)
+    n_rows = n_pairs * (rows_per_token // g) + 1  # + the spare row
+    out_specs = [
+        pl.BlockSpec((None, None, n_rows, dp), lambda bb, gg, uu: (bb, gg, 0, 0)),
+        pl.BlockSpec((None, None, n_rows), lambda bb, gg, uu: (bb, gg, 0)),
+    ]
+    out_shape = [jax.ShapeDtypeStruct((b, g, n_rows, dp), q_BXD.dtype),
+                 jax.ShapeDtypeStruct((b, g, n_rows), jnp.float32)]
+  else:
+    out_specs = [
+        pl.BlockSpec((None, None, n_tiles, w, dp),
+                     lambda bb, gg, uu: (bb, gg, 0, 0, 0)),
+        pl.BlockSpec((None, None, n_tiles, w),
+                     lambda bb, gg, uu: (bb, gg, 0, 0)),
+    ]
+    out_shape = [jax.ShapeDtypeStruct((b, g, n_tiles, w, dp), q_BXD.dtype),
+                 jax.ShapeDtypeStruct((b, g, n_tiles, w), jnp.float32)]
   return kc.pallas_call(
       kernel,
       grid=(b, g, n_items),
-      in_specs=_work_specs(b, g, n_items, (n_tiles, w), x, dp,
-                           k_BSGD.shape[1]),
-      out_specs=[
-          pl.BlockSpec((None, None, n_tiles, w, dp),
-                       lambda bb, gg, uu: (bb, gg, 0, 0, 0)),
-          pl.BlockSpec((None, None, n_tiles, w),
-                       lambda bb, gg, uu: (bb, gg, 0, 0)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct((b, g, n_tiles, w, dp), q_BXD.dtype),
-                 jax.ShapeDtypeStruct((b, g, n_tiles, w), jnp.float32)],
-      compiler_params=_params(w, q_BXD.dtype),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_params(w, q_BXD.dtype, config.num_warps,
+                              config.num_stages),
       interpret=interpret,
       name='msa_kv_outer_forward',
-  )(off_B, blk.reshape(-1), first.reshape(-1), count.reshape(-1), rows_BGJW,
-    q_BXD, k_BSGD, v_BSGD, valid_BS)
+  )(off_B, blk.reshape(-1), first.reshape(-1), count.reshape(-1), *operands)
+
+
+def _merge(o_BGTKRD, lse_BGTKR):
+  """A token's K partials merged by the log-sum-exp rule: (out f32, lse)."""
+  lse_T = jax.nn.logsumexp(lse_BGTKR, axis=3)
+  safe = jnp.where(jnp.isfinite(lse_T), lse_T, 0.0)
+  w_P = jnp.where(jnp.isfinite(lse_BGTKR),
+                  jnp.exp(lse_BGTKR - safe[:, :, :, None]), 0.0)
+  # A sum, not a dot: f32 dots on the GPU default to TF32.
+  out = jnp.sum(w_P[..., None] * o_BGTKRD.astype(jnp.float32), axis=3)
+  return out, lse_T
 
 
 def combine(o_BGJWD, lse_BGJW, pair_BGP, *, top_k: int, heads_p: int):
-  """Merge each token's per-slot partials: (out_BGTRD f32, lse_BGTR)."""
+  """Merge each token's per-slot partials, stored in tile order: (out_BGTRD
+  f32, lse_BGTR)."""
   b, g, n_tiles, w, dp = o_BGJWD.shape
   q = w // heads_p
   p = pair_BGP.shape[-1]
@@ -316,15 +428,23 @@ def combine(o_BGJWD, lse_BGJW, pair_BGP, *, top_k: int, heads_p: int):
                   jnp.take_along_axis(o, idx[..., None, None], axis=2), 0)
   lse_P = jnp.where((pair_BGP >= 0)[..., None],
                     jnp.take_along_axis(lse, idx[..., None], axis=2), NEG_INF)
-  o_P = o_P.reshape(b, g, t, top_k, heads_p, dp).astype(jnp.float32)
-  lse_P = lse_P.reshape(b, g, t, top_k, heads_p)
-  lse_T = jax.nn.logsumexp(lse_P, axis=3)
-  safe = jnp.where(jnp.isfinite(lse_T), lse_T, 0.0)
-  w_P = jnp.where(jnp.isfinite(lse_P), jnp.exp(lse_P - safe[:, :, :, None]),
-                  0.0)
-  # A sum, not a dot: f32 dots on the GPU default to TF32.
-  out = jnp.sum(w_P[..., None] * o_P, axis=3)
-  return out, lse_T
+  return _merge(o_P.reshape(b, g, t, top_k, heads_p, dp),
+                lse_P.reshape(b, g, t, top_k, heads_p))
+
+
+def combine_pairs(o_BGXD, lse_BGX, sel_BGTK, *, heads_p: int):
+  """Merge partials stored in pair order (row (t*K + k)*Rp + r): no
+  gather. A -1 slot's rows were never written, so they are masked, not
+  read as weights (garbage may be NaN)."""
+  b, g, t, k = sel_BGTK.shape
+  dp = o_BGXD.shape[-1]
+  n = t * k * heads_p  # the rows past n are the kernel's spare row
+  live = (sel_BGTK >= 0)[..., None]
+  o = jnp.where(live[..., None],
+                o_BGXD[:, :, :n].reshape(b, g, t, k, heads_p, dp), 0)
+  lse = jnp.where(live, lse_BGX[:, :, :n].reshape(b, g, t, k, heads_p),
+                  NEG_INF)
+  return _merge(o, lse)
 
 
 def _query_view(q_BTGRD):
@@ -348,45 +468,57 @@ def _per_program(n_tiles: int, n_blocks: int) -> int:
 
 def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
             block_size: int, scale: float, interpret: bool,
-            q_per_tile: int | None = None, query_chunk: int | None = None,
-            tiles_per_program: int | None = None):
+            query_chunk: int | None = None,
+            config: ForwardConfig | None = None):
   """Padded operands in (R, D powers of two); (o_BTGRD, lse_BTGR f32) out.
 
   Same contract as forward_kernel.forward_gpu. One query per sequence
   (T = 1, decode) is split-K: a program per selected slot. Longer inputs
   take the sorted tiles, `query_chunk` tokens at a time, a program per key
-  block (or per part of a heavy one: `tiles_per_program`).
+  block (or per part of a heavy one: config.tiles_per_program).
   """
+  config = config or ForwardConfig()
   b, t, g, rp, dp = q_BTGRD.shape
   n_blocks = k_BSGD.shape[1] // block_size
   k = sel_BGTK.shape[-1]
-  q = q_per_tile or _queries_per_tile(rp, q_BTGRD.dtype)
-  qv = _query_view(q_BTGRD)
-  call = functools.partial(_forward_call, off_B=off_B, q_BXD=qv,
-                           k_BSGD=k_BSGD, v_BSGD=v_BSGD, valid_BS=valid_BS,
+  q = config.q_per_tile or _queries_per_tile(rp, q_BTGRD.dtype)
+  call = functools.partial(_forward_call, off_B=off_B,
+                           q_BXD=_query_view(q_BTGRD), k_BSGD=k_BSGD,
+                           v_BSGD=v_BSGD, valid_BS=valid_BS,
                            block_size=block_size, rows_per_token=g * rp,
-                           scale=scale, interpret=interpret)
-  if t == 1:
-    tile_blk, tile_q, pair = decode_tiles(sel_BGTK[:, :, 0])
+                           scale=scale, interpret=interpret, config=config)
+
+  def attend(sel_c, tiles, items):
+    tile_blk, tile_q, pair = tiles
     rows = tile_rows(tile_q, groups=g, heads_p=rp)
+    if not config.pair_order:
+      o, lse = call(items=items, rows_BGJW=rows, out_rows_BGJW=None,
+                    n_pairs=None)
+      return combine(o, lse, pair, top_k=k, heads_p=rp)
+    out_rows = pair_rows(pair, tile_q.shape[2] * tile_q.shape[3],
+                         heads_p=rp).reshape(rows.shape)
+    o, lse = call(items=items, rows_BGJW=rows, out_rows_BGJW=out_rows,
+                  n_pairs=pair.shape[-1])
+    return combine_pairs(o, lse, sel_c, heads_p=rp)
+
+  if t == 1:
+    tiles = decode_tiles(sel_BGTK[:, :, 0])
+    tile_blk = tiles[0]
     direct = (tile_blk, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
                                          tile_blk.shape),
               (tile_blk >= 0).astype(jnp.int32))
-    o, lse = call(items=direct, rows_BGJW=rows)
-    out, lse_t = combine(o, lse, pair, top_k=k, heads_p=rp)
+    out, lse_t = attend(sel_BGTK, tiles, direct)
   else:
     chunk = query_chunk or max(q, (2**30 // (g * k * rp * dp * 2)) // q * q)
     outs, lses = [], []
     for t0 in range(0, t, chunk):
       sel_c = sel_BGTK[:, :, t0:t0 + chunk]
-      tile_blk, tile_q, pair = build_tiles(sel_c, n_blocks=n_blocks,
-                                           q_per_tile=q, t0=t0)
-      rows = tile_rows(tile_q, groups=g, heads_p=rp)
+      tiles = build_tiles(sel_c, n_blocks=n_blocks, q_per_tile=q, t0=t0)
       items = _work_items(
-          tile_blk, n_blocks,
-          tiles_per_program or _per_program(tile_blk.shape[-1], n_blocks))
-      o, lse = call(items=items[:3], rows_BGJW=rows)
-      out_c, lse_c = combine(o, lse, pair, top_k=k, heads_p=rp)
+          tiles[0], n_blocks,
+          config.tiles_per_program or _per_program(tiles[0].shape[-1],
+                                                   n_blocks))
+      out_c, lse_c = attend(sel_c, tiles, items[:3])
       outs.append(out_c)
       lses.append(lse_c)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)

@@ -117,12 +117,13 @@ def _kv_outer_heads(r: int, t: int) -> int:
 
 
 def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
-                   block_size, backend, interpret, gpu_kernels='kv_outer'):
+                   block_size, backend, interpret, gpu_kernels='kv_outer',
+                   kv_config: kv_outer.ForwardConfig | None = None):
   """(out_BTHD, lse_BTH f32) from the kernel of the chosen backend.
 
   gpu_kernels: 'kv_outer' (kv_outer.py: tiles of queries per key block,
   split-K at one query) or 'token' (forward_kernel.py: a program per token
-  and group).
+  and group). kv_config: the KV-outer kernel's knobs (None: defaults).
   """
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
@@ -147,7 +148,8 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
     rp = _kv_outer_heads(r, t)
     o, lse = kv_outer.forward(
         _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p, sel_BGTK, off_B, valid,
-        block_size=block_size, scale=scale, interpret=interpret)
+        block_size=block_size, scale=scale, interpret=interpret,
+        config=kv_config)
   else:
     o, lse = forward_kernel.forward_gpu(
         _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p,

@@ -39,19 +39,21 @@ def _offsets(b, o):
   return np.broadcast_to(np.asarray(o, np.int32), (b,))
 
 
+@pytest.mark.parametrize('topk', ['pallas', 'xla'])
 @pytest.mark.parametrize('name', sorted(CASES))
-def test_exact_bf16_selection_equals_brute_force_slot_for_slot(name):
+def test_exact_bf16_selection_equals_brute_force_slot_for_slot(name, topk):
   b, t, s, g, di, c, k, o = CASES[name]
   qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=3)
   off = _offsets(b, o)
-  sel = _select(qi, ki, off, c, k)
+  sel = _select(qi, ki, off, c, k, topk=topk)
   want = np.stack([lib.brute_force_selection(
       qi[i:i + 1].astype(jnp.float32), ki[i:i + 1].astype(jnp.float32), c, k,
       int(off[i]))[0] for i in range(b)])
   np.testing.assert_array_equal(np.asarray(sel), want)
 
 
-def test_padding_keys_are_never_selected():
+@pytest.mark.parametrize('topk', ['pallas', 'xla'])
+def test_padding_keys_are_never_selected(topk):
   # Left-padded rows: the first keys of each sequence are padding, and a
   # whole block of them must leave its slot -1 as in the brute force.
   b, t, s, g, di, c, k = 2, 64, 64, 2, 8, 16, 4
@@ -59,7 +61,8 @@ def test_padding_keys_are_never_selected():
   valid = np.ones((b, s), bool)
   valid[0, :21] = False
   valid[1, :3] = False
-  sel = _select(qi, ki, np.zeros(b, np.int32), c, k, valid=jnp.asarray(valid))
+  sel = _select(qi, ki, np.zeros(b, np.int32), c, k, valid=jnp.asarray(valid),
+                topk=topk)
   want = lib.brute_force_selection(qi.astype(jnp.float32),
                                    ki.astype(jnp.float32), c, k, 0, valid)
   np.testing.assert_array_equal(np.asarray(sel), want)
@@ -72,7 +75,8 @@ def test_tiles_and_row_chunks_do_not_change_the_selection():
   base = _select(qi, ki, _offsets(b, o), c, k)
   for kw in [dict(blocks_per_program=1), dict(blocks_per_program=2,
                                                  row_tile=16, topk_rows=8),
-             dict(row_tile=32, max_score_bytes=4 * 8 * 32)]:
+             dict(row_tile=32, max_score_bytes=4 * 8 * 32),
+             dict(row_tile=32, max_score_bytes=4 * 8 * 32, topk='xla')]:
     np.testing.assert_array_equal(
         np.asarray(_select(qi, ki, _offsets(b, o), c, k, **kw)),
         np.asarray(base), err_msg=str(kw))

@@ -129,6 +129,84 @@ def test_query_chunks_and_padding_keys():
                      jnp.where(finite, want[1], 0), 1e-5, 'lse')
 
 
+# The knobs the GPU bench times against each other (benchmark_gpu.TUNE):
+# each must give the default's result, bit for bit where it changes only
+# where a partial is written or when a tile is gathered.
+_CONFIGS = [kv_outer.ForwardConfig(pair_order=True),
+            kv_outer.ForwardConfig(prefetch=True),
+            kv_outer.ForwardConfig(pair_order=True, prefetch=True,
+                                   tiles_per_program=1),
+            kv_outer.ForwardConfig(pair_order=True, q_per_tile=3,
+                                   num_warps=4, num_stages=3)]
+
+
+@pytest.mark.parametrize('config', _CONFIGS, ids=lambda c: c.label())
+def test_forward_configs_equal_the_default_and_the_reference(config):
+  (q, kk, v, _, sel), (b, t, s, g, r, d, c, k, o) = _selection('ragged_chunk')
+  sel = np.array(sel)
+  sel[:, :, ::5, 0] = -1  # -1 slots: their pair-order rows are never written
+  sel = jnp.asarray(sel)
+  valid = np.ones((b, s), bool)
+  valid[:, 20:37] = False  # a whole padding block and part of the next
+  valid = jnp.asarray(valid)
+  off = jnp.full((b,), o, jnp.int32)
+  run = lambda cfg: jax.jit(lambda q, k_, v_, sel: pallas_path.sparse_forward(
+      q, k_, v_, sel, off, valid, block_size=c, backend='gpu', interpret=True,
+      kv_config=cfg))(q, kk, v, sel)
+  got, base = run(config), run(None)
+  want = ref.sparse_attention(q, kk, v, sel, block_size=c, q_offset=o,
+                              kv_valid_BS=valid)
+  finite = np.isfinite(np.asarray(want[1]))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got[1])), finite)
+  lib.assert_close(got[0], want[0], 1e-5, 'out')
+  lib.assert_close(jnp.where(finite, got[1], 0), jnp.where(finite, want[1], 0),
+                   1e-5, 'lse')
+  if config.q_per_tile is None:
+    for a, e in zip(got, base):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def test_pair_order_decode_equals_reference():
+  b, s, g, r, d, di, c, k = 3, 120, 2, 3, 16, 8, 16, 4
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, 1, s, g, r, d, di)
+  lengths = jnp.array([s, 61, 9])
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k,
+                           q_offset=lengths - 1)
+  got = jax.jit(lambda q, k_, v_, sel: pallas_path.sparse_forward(
+      q, k_, v_, sel, lengths - 1, None, block_size=c, backend='gpu',
+      interpret=True, kv_config=kv_outer.ForwardConfig(pair_order=True)))(
+          q, kk, v, sel)
+  want = ref.sparse_attention(q, kk, v, sel, block_size=c,
+                              q_offset=lengths - 1)
+  lib.assert_close(got[0], want[0], 1e-5, 'out')
+  lib.assert_close(got[1], want[1], 1e-5, 'lse')
+
+
+def test_pair_rows_invert_the_lane_map():
+  (_, _, _, _, sel), (b, t, s, g, _, _, c, k, _) = _selection('gqa')
+  sel = np.array(sel)
+  sel[:, :, ::3, 1] = -1
+  tile_blk, tile_q, pair = kv_outer.build_tiles(
+      jnp.asarray(sel), n_blocks=-(-s // c), q_per_tile=3)
+  rp = 2
+  rows = np.asarray(kv_outer.pair_rows(pair, tile_q.shape[2] * 3,
+                                       heads_p=rp))
+  pair = np.asarray(pair)
+  for bb in range(b):
+    for gg in range(g):
+      for p_ in range(t * k):
+        lane = pair[bb, gg, p_]
+        if lane < 0:
+          assert p_ * rp not in rows[bb, gg]  # a -1 slot gets no row
+          continue
+        np.testing.assert_array_equal(
+            rows[bb, gg, lane * rp:(lane + 1) * rp], p_ * rp + np.arange(rp))
+      # Every other lane is empty.
+      filled = np.zeros(rows.shape[-1] // rp, bool)
+      filled[pair[bb, gg][pair[bb, gg] >= 0]] = True
+      assert np.all(rows[bb, gg].reshape(-1, rp)[~filled] == -1)
+
+
 def test_split_work_is_bit_identical_to_one_program_per_block():
   (q, kk, v, w, sel), (b, t, s, g, r, d, c, k, o) = _selection('gqa', seed=3)
   rp, dp = 2, 16
@@ -148,7 +226,7 @@ def test_split_work_is_bit_identical_to_one_program_per_block():
   # The forward's programs split the same way, with the same result.
   fwd = lambda n: jax.jit(functools.partial(
       kv_outer.forward, block_size=c, scale=1 / math.sqrt(d), interpret=True,
-      tiles_per_program=n))(*args[:6])
+      config=kv_outer.ForwardConfig(tiles_per_program=n)))(*args[:6])
   for a, e in zip(fwd(1), fwd(1000)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
   # And they are the reference's gradients.
@@ -238,6 +316,17 @@ def test_kernels_lower_for_cuda(dtype):
                'msa_backward_dq_gpu'):
     assert name in text, name
   assert 'msa_backward_gpu' not in text  # no atomics kernel
+  # The forward's timed variants lower too (scatter stores, the prefetch
+  # carry, other warp and stage counts).
+  for config in (kv_outer.ForwardConfig(pair_order=True, prefetch=True),
+                 kv_outer.ForwardConfig(prefetch=True, num_warps=4,
+                                        num_stages=3, q_per_tile=4)):
+    fwd = lambda q, k_, v_, sel, off: pallas_path.sparse_forward(
+        q, k_, v_, sel, off, None, block_size=c, backend='gpu',
+        interpret=False, kv_config=config)
+    text = jax.jit(fwd).trace(q, kv, kv, sel, off).lower(
+        lowering_platforms=('cuda',)).as_text()
+    assert 'msa_kv_outer_forward' in text, config.label()
   decode = functools.partial(pallas_path.msa_decode, block_size=c, top_k=k,
                              backend='gpu', interpret=False)
   text = jax.jit(decode).trace(
