@@ -958,6 +958,18 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', f"Check at 2,048 tokens: selection equal to the reference:"
               f" {_f(chk['selection_equal'])}; max abs error"
               f" {_f(chk['max_abs_err'], 2)}."]
+  tune = bench.get('tune') or next(
+      (r for r in bench.get('partial', []) if r.get('phase') == 'tune'), {})
+  if tune.get('speedup_vs_default'):
+    ranked = sorted(tune['speedup_vs_default'].items(), key=lambda kv: -kv[1])
+    lines += ['', f"Tune at {_f(tune['tune_len'])} tokens: the KV-outer"
+              " forward's variants, each timed beside the default (speedup"
+              ' over it): ' + '; '.join(f'`{k}` {_f(v)}x' for k, v in ranked)
+              + (f". Fastest: `{tune['best']}`, timed again below as the"
+                 ' tuned forward.' if 'best' in tune
+                 else '. None beat the default.')
+              + (f" Not timed (budget): {len(tune['not_timed'])}."
+                 if tune.get('not_timed') else '')]
   done = [r for r in rows if 'speedup' in r]
   if done:
     cols = [('dense prefill ms (cuDNN)', lambda r: _ms(r['dense_s'])),
@@ -972,6 +984,9 @@ def render_gpu_check(results_dir: str, name: str) -> str:
             ('main ms', lambda r: _ms(r.get('main_s'))),
             ('per-token main ms', lambda r: _ms(r.get('main_token_s'))),
             ('**speedup**', lambda r: f"**{_f(r['speedup'])}**"),
+            ('tuned: main ms / speedup', lambda r: (
+                f"{_ms(r['main_tuned_s'])} / {_f(r.get('speedup_tuned'))}"
+                if 'main_tuned_s' in r else '-')),
             ('FLOP ratio', lambda r: _f(r['flop_ratio'])),
             ('fwd+bwd ms: dense / MSA main',
              lambda r: (f"{_ms(r['dense_train_s'])} / {_ms(r['msa_train_s'])}"
@@ -984,10 +999,14 @@ def render_gpu_check(results_dir: str, name: str) -> str:
   ddone = [r for r in decode if 'decode_speedup' in r]
   if ddone:
     lines += ['', _table(
-        ['decode cache', 'batch', 'dense ms', 'MSA ms', '**speedup**',
+        ['decode cache', 'batch', 'dense ms', 'MSA ms', 'index ms',
+         'main ms', '**speedup**', 'fastest variant: speedup',
          'FLOP ratio'],
         [[_f(r['cache_len']), _f(r.get('batch', 8)), _ms(r['decode_dense_s']),
-          _ms(r['decode_msa_s']), f"**{_f(r['decode_speedup'])}**",
+          _ms(r['decode_msa_s']), _ms(r.get('decode_index_s')),
+          _ms(r.get('decode_main_s')), f"**{_f(r['decode_speedup'])}**",
+          (f"`{r['decode_best']}`: {_f(r['decode_speedup_best'])}"
+           if 'decode_best' in r else '-'),
           _f(r['decode_flop_ratio'])] for r in ddone])]
   broken = [(r, name, err) for r in [*rows, *decode]
             for name, err in r.get('kernel_errors', {}).items()]
@@ -1000,10 +1019,11 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     from pallas_kernels.msa import benchmark_gpu
     lines += ['', _table(
         ['target: speedup vs cuDNN', 'FLOP ratio', 'measured', 'target',
-         'met'],
+         'met', 'best variant', 'met by it'],
         [[t['what'], _f(t['flop_ratio']),
           f"**{_f(t['measured'])}**" if t['measured'] is not None else '-',
-          f">= {_f(t['target'])}", _f(t['met'])]
+          f">= {_f(t['target'])}", _f(t['met']), _f(t['best']),
+          _f(t['best_met'])]
          for t in benchmark_gpu.targets(bench)])]
   cut = [r for r in [*rows, *decode] if 'skipped' in r or 'error' in r]
   if cut:

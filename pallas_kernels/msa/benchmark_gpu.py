@@ -8,6 +8,12 @@ Phases, in this order, each timed in interleaved repetitions in one process
   check     at check_len, the kernels' selection against the f32 reference
             scores (margin rule, flip rate) and the main branch on the
             kernels' own selection against the reference.
+  tune      at tune_len, the KV-outer forward's variants (TUNE, most
+            promising first, a few at a time beside the default, until
+            tune_budget_s): which is fastest depends on the card's
+            latencies, so it is measured, not guessed. The fastest, if it
+            beats the default, is timed again in every later row as
+            main_tuned / msa_tuned, side by side with the default.
   prefill   per seq_len: dense: jax.nn.dot_product_attention(
             implementation='cudnn'), causal GQA; msa: selection + sparse
             forward end to end; each kernel alone: index (the two-launch
@@ -19,7 +25,8 @@ Phases, in this order, each timed in interleaved repetitions in one process
             without atomics; and the per-token atomics backward).
   decode    per decode_len: one new token for each of decode_batch
             sequences against full caches: dense vs selection + split-K
-            attention.
+            attention; each half alone (index, main), and the variants
+            (the selection finished by lax.top_k; the tuned forward).
 
 A soft deadline (`deadline`, a time.monotonic() value) is checked before
 every measurement: past it, the rest is recorded as skipped and run()
@@ -47,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.msa import benchmark
+from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference
 from pallas_kernels.msa import select_kernel
@@ -55,28 +63,59 @@ from pallas_kernels.msa import xla
 PAPER_PREFILL_SPEEDUP = 14.2
 PAPER_DECODE_SPEEDUP = 7.6
 # The speedups over cuDNN that the GPU kernels aim for, each well under
-# its FLOP ratio: (what, phase, length, row key, target).
+# its FLOP ratio: (what, phase, length, row key, the row key of its best
+# measured variant (None: no variants), target).
 TARGETS = (
-    ('prefill 32k', 'results', 32768, 'speedup', 2.5),
-    ('prefill 128k', 'results', 131072, 'speedup', 7.0),
-    ('decode 128k, batch 8', 'decode', 131072, 'decode_speedup', 5.0),
+    ('prefill 32k', 'results', 32768, 'speedup', 'speedup_tuned', 2.5),
+    ('prefill 128k', 'results', 131072, 'speedup', 'speedup_tuned', 7.0),
+    ('decode 128k, batch 8', 'decode', 131072, 'decode_speedup',
+     'decode_speedup_best', 5.0),
     ('forward+backward 32k (main branch)', 'results', 32768,
-     'train_speedup_main_only', 2.0),
+     'train_speedup_main_only', None, 2.0),
 )
+
+# The KV-outer forward's variants the tune phase times beside the default,
+# most promising first (the phase stops at its budget). Pair order and the
+# prefetch attack the two costs the H100 run pointed at: the combine's
+# gather over every partial, and a tile loop that waits on each gather.
+TUNE = (
+    kv_outer.ForwardConfig(pair_order=True),
+    kv_outer.ForwardConfig(prefetch=True),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True,
+                           tiles_per_program=8),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True,
+                           tiles_per_program=2),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True, num_warps=4),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True, num_stages=3),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True, num_stages=1),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True, q_per_tile=4),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True,
+                           tiles_per_program=32),
+)
+
+# Largest |variant - default| of the forward's bf16 output for a variant's
+# time to count: bf16 rounding of outputs below 1 in magnitude is < 4e-3.
+TUNE_TOLERANCE = 2e-2
 
 
 def targets(bench: dict) -> list[dict]:
   """Each target against a bench summary: {what, target, measured (None:
-  not measured), flop_ratio, met}."""
+  not measured), flop_ratio, met, best (the best measured variant's
+  speedup, at least `measured`), best_met}."""
   out = []
-  for what, phase, n, key, target in TARGETS:
+  for what, phase, n, key, best_key, target in TARGETS:
     length = 'seq_len' if phase == 'results' else 'cache_len'
     row = next((r for r in bench.get(phase) or [] if r.get(length) == n), {})
     got = row.get(key)
+    best = max((x for x in (got, row.get(best_key) if best_key else None)
+                if x is not None), default=None)
     out.append({'what': what, 'target': target, 'measured': got,
                 'flop_ratio': row.get('flop_ratio',
                                       row.get('decode_flop_ratio')),
-                'met': got is not None and got >= target})
+                'met': got is not None and got >= target,
+                'best': best,
+                'best_met': best is not None and best >= target})
   return out
 
 
@@ -93,7 +132,12 @@ class GPUBench:
   dtype: str = 'bfloat16'     # cuDNN flash attention needs bf16 / f16
   decode_batch: int = 8
   train_max_len: int = 32768  # fwd+bwd timed up to here
-  fused_max_len: int = 32768  # the fused selector is timed up to here
+  # The fused selector and per-token forward, timed up to here (at 32k
+  # the fused selector alone took 0.92 s a call: results/gpu_check_h100).
+  fused_max_len: int = 8192
+  tune_len: int = 32768       # the tune phase's length
+  tune_budget_s: float = 90.0  # the tune phase starts no group past this
+  tune_group: int = 3         # variants timed beside the default at once
   repeats: int = 5            # interleaved
   check_len: int = 2048       # end-to-end error vs the dense reference
   matmul_n: int = 8192        # ceilings: an n^3 bf16 matmul
@@ -110,7 +154,8 @@ DRY_RUN = dict(seq_lens=(128,), decode_lens=(128,), groups=2,
                heads_per_group=2, head_dim=16, index_dim=16, block_size=16,
                top_k=3, decode_batch=2, repeats=1, check_len=128,
                matmul_n=128, copy_bytes=1 << 20, train_max_len=128,
-               fused_max_len=128, dense_impl='xla', interpret=True)
+               fused_max_len=128, tune_len=128, dense_impl='xla',
+               interpret=True)
 
 
 def prefill_flops(cfg: GPUBench, n: int) -> tuple[float, float]:
@@ -277,21 +322,93 @@ def selection_margin(sel_BGTK, scores_BGTN, qi_BTGI, ki_BSI, block_size: int,
   return violations, float(differ.sum() / max(has.sum() * b * g, 1))
 
 
-def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
+def _selection(cfg: GPUBench, qi, ki, off, errors: dict):
+  """The two-launch selector's selection (the XLA path's if it fails,
+  recorded in errors, so the main branch is still timed) and the
+  selector itself."""
+  kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
+  select = functools.partial(select_kernel.select_blocks_BGTK, backend='gpu',
+                             interpret=cfg.interpret, **kw)
+  try:
+    return jax.block_until_ready(jax.jit(select)(qi, ki, off)), select
+  except Exception as e:  # pylint: disable=broad-except
+    errors['index'] = benchmark.error_text(e)
+    if qi.shape[1] == 1:  # decode: per-sequence offsets, small scores
+      f32 = lambda x: x.astype(jnp.float32)
+      return reference.selection_BGTK(f32(qi), f32(ki), q_offset=off,
+                                      **kw), select
+    return jax.jit(functools.partial(xla.selection_BGTK, **kw))(qi, ki), select
+
+
+def _main_forward(cfg: GPUBench, off, config):
+  """The main branch's forward alone on a fixed selection, with the
+  KV-outer knobs `config`."""
+  return lambda q, k, v, sel: pallas_path.sparse_forward(
+      q, k, v, sel, off, None, block_size=cfg.block_size, backend='gpu',
+      interpret=cfg.interpret, kv_config=config)
+
+
+def tune(cfg: GPUBench, clock: _Clock) -> dict:
+  """TUNE's variants of the KV-outer forward at tune_len, each group beside
+  the default (so every ratio is side by side); `best` names the fastest
+  when it beats the default."""
+  t = cfg.tune_len
+  q, k, v, qi, ki = _inputs(cfg, 1, t, t)
+  off = jnp.zeros((1,), jnp.int32)
+  errors = {}
+  sel, _ = _selection(cfg, qi, ki, off, errors)
+  default = _main_forward(cfg, off, None)
+  start = time.monotonic()
+  ratio, secs, diff, defaults, todo = {}, {}, {}, [], list(TUNE)
+  while (todo and clock.ok() and
+         time.monotonic() - start < cfg.tune_budget_s):
+    group, todo = todo[:cfg.tune_group], todo[cfg.tune_group:]
+    fns = {'default': (default, (q, k, v, sel))}
+    fns.update({c.label(): (_main_forward(cfg, off, c), (q, k, v, sel))
+                for c in group})
+    med, _, errs = _measure(cfg, fns)
+    errors.update(errs)
+    if 'default' not in med:
+      break
+    defaults.append(med['default'])
+    want = jax.jit(default)(q, k, v, sel)[0].astype(jnp.float32)
+    for c in group:
+      if c.label() not in med:
+        continue
+      # A variant's time counts only if it computes what the default does
+      # (bf16 outputs; a different tile shape may round differently).
+      got = jax.jit(fns[c.label()][0])(q, k, v, sel)[0].astype(jnp.float32)
+      diff[c.label()] = float(jnp.max(jnp.abs(got - want)))
+      secs[c.label()] = med[c.label()]
+      if diff[c.label()] <= TUNE_TOLERANCE:
+        ratio[c.label()] = med['default'] / med[c.label()]
+  row = {'tune_len': t, 'speedup_vs_default': ratio, 'variant_s': secs,
+         'default_s': defaults, 'max_abs_diff_vs_default': diff,
+         'wrong': sorted(set(secs) - set(ratio)),
+         'not_timed': [c.label() for c in todo]}
+  best = max(ratio, key=ratio.get, default=None)
+  if best is not None and ratio[best] > 1.0:
+    row['best'] = best
+    row['best_speedup_vs_default'] = ratio[best]
+  if errors:
+    row['kernel_errors'] = errors
+  return row
+
+
+def tuned_config(tune_row: dict) -> kv_outer.ForwardConfig | None:
+  """The TUNE entry the tune phase found fastest (None: the default)."""
+  return {c.label(): c for c in TUNE}.get(tune_row.get('best'))
+
+
+def prefill(cfg: GPUBench, t: int, clock: _Clock,
+            tuned: kv_outer.ForwardConfig | None = None) -> dict:
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
   q, k, v, qi, ki = _inputs(cfg, 1, t, t)
   off = jnp.zeros((1,), jnp.int32)
   msa = functools.partial(pallas_path.msa_attention, q_offset=0,
                           backend='gpu', interpret=cfg.interpret, **kw)
-  select = functools.partial(select_kernel.select_blocks_BGTK, backend='gpu',
-                             interpret=cfg.interpret, **kw)
   errors = {}
-  try:
-    sel = jax.block_until_ready(jax.jit(select)(qi, ki, off))
-  except Exception as e:  # pylint: disable=broad-except
-    # The main branch is still timed, on the XLA path's selection.
-    errors['index'] = benchmark.error_text(e)
-    sel = jax.jit(functools.partial(xla.selection_BGTK, **kw))(qi, ki)
+  sel, select = _selection(cfg, qi, ki, off, errors)
   main = lambda q, k, v, sel: pallas_path.sparse_attention(
       q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret)
   dense = functools.partial(dense_prefill, implementation=cfg.dense_impl)
@@ -299,6 +416,10 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
          'msa': (msa, (q, k, v, qi, ki)),
          'index': (select, (qi, ki, off)),
          'main': (main, (q, k, v, sel))}
+  if tuned is not None:
+    fns['main_tuned'] = (_main_forward(cfg, off, tuned), (q, k, v, sel))
+    fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned),
+                        (q, k, v, qi, ki))
   main_token = lambda q, k, v, sel: pallas_path.sparse_attention(
       q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
       gpu_kernels='token')
@@ -308,7 +429,8 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
                           (qi, ki, off))
     fns['main_token'] = (main_token, (q, k, v, sel))
   if 'index' in errors:
-    del fns['index'], fns['msa']
+    for name in ('index', 'msa', 'msa_tuned'):
+      fns.pop(name, None)
   med, spread, errs = _measure(cfg, fns)
   errors.update(errs)
   dense_f, msa_f = prefill_flops(cfg, t)
@@ -319,17 +441,22 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
   row.update({f'{name}_tflops': f / med[name] / 1e12
               for name, f in flops.items() if name in med})
   for key, num, den in (('speedup', 'dense', 'msa'),
+                        ('speedup_tuned', 'dense', 'msa_tuned'),
+                        ('main_tuned_speedup', 'main', 'main_tuned'),
                         ('index_speedup_vs_fused', 'index_fused', 'index'),
                         ('main_speedup_vs_token', 'main_token', 'main')):
     if (ratio := _ratio(med, num, den)) is not None:
       row[key] = ratio
+  if tuned is not None:
+    row['tuned_config'] = tuned.label()
   if t <= cfg.train_max_len and clock.ok():
-    tmed, tspread, terrs = _measure(cfg, {
-        'dense_train': (_grad_of_sum(dense), (q, k, v)),
-        'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
-                      (q, k, v)),
-        'msa_train_token': (_grad_of_sum(
-            lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))})
+    train = {'dense_train': (_grad_of_sum(dense), (q, k, v)),
+             'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
+                           (q, k, v))}
+    if t <= cfg.fused_max_len:
+      train['msa_train_token'] = (_grad_of_sum(
+          lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
+    tmed, tspread, terrs = _measure(cfg, train)
     errors.update(terrs)
     row.update({f'{name}_s': sec for name, sec in tmed.items()})
     if (ratio := _ratio(tmed, 'dense_train', 'msa_train')) is not None:
@@ -342,24 +469,49 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock) -> dict:
   return row
 
 
-def decode(cfg: GPUBench, s: int, impl: str) -> dict:
+def decode(cfg: GPUBench, s: int, impl: str,
+           tuned: kv_outer.ForwardConfig | None = None) -> dict:
   b = cfg.decode_batch
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
   q, k, v, qi, ki = _inputs(cfg, b, 1, s)
   lengths = jnp.full((b,), s, jnp.int32)
+  off = lengths - 1
   dense = functools.partial(benchmark.dense_decode, implementation=impl)
   msa = functools.partial(pallas_path.msa_decode, backend='gpu',
                           interpret=cfg.interpret, **kw)
-  med, spread, errors = _measure(
-      cfg, {'dense': (dense, (q[:, 0], k, v, lengths)),
-            'msa': (msa, (q[:, 0], k, v, qi[:, 0], ki, lengths))},
-      budget_s=0.2, max_calls=100)
+  select = functools.partial(select_kernel.select_blocks_BGTK, backend='gpu',
+                             interpret=cfg.interpret, **kw)
+  errors = {}
+  sel = _selection(cfg, qi, ki, off, errors)[0]
+  args = (q[:, 0], k, v, qi[:, 0], ki, lengths)
+  fns = {'dense': (dense, (q[:, 0], k, v, lengths)),
+         'msa': (msa, args),
+         'msa_xla_topk': (functools.partial(msa, topk='xla'), args),
+         # Each half alone: where decode's time goes.
+         'index': (select, (qi, ki, off)),
+         'index_xla_topk': (functools.partial(select, topk='xla'),
+                            (qi, ki, off)),
+         'main': (_main_forward(cfg, off, None), (q, k, v, sel))}
+  if tuned is not None:
+    fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned), args)
+    fns['msa_tuned_xla_topk'] = (functools.partial(
+        msa, kv_config=tuned, topk='xla'), args)
+  med, spread, errs = _measure(cfg, fns, budget_s=0.2, max_calls=100)
+  errors.update(errs)
   dense_f, msa_f = decode_flops(cfg, s)
   row = {'cache_len': s, 'batch': b, 'decode_flop_ratio': dense_f / msa_f,
          'spread': spread}
   row.update({f'decode_{name}_s': sec for name, sec in med.items()})
   if (ratio := _ratio(med, 'dense', 'msa')) is not None:
     row['decode_speedup'] = ratio
+  ends = [name for name in med if name.startswith('msa')]
+  if 'dense' in med and ends:
+    # Every variant is a whole decode step, timed side by side.
+    best = min(ends, key=med.get)
+    row['decode_best'] = best
+    row['decode_speedup_best'] = med['dense'] / med[best]
+  if tuned is not None:
+    row['tuned_config'] = tuned.label()
   if errors:
     row['kernel_errors'] = errors
   return row
@@ -381,6 +533,7 @@ def _rounded(row: dict) -> dict:
 
 def _phase(name: str, fn, clock: _Clock, log, **key) -> dict:
   """One measurement: its row, or why it has none (error, deadline)."""
+  start = time.monotonic()
   if not clock.ok():
     row = {**key, 'skipped': 'deadline'}
   else:
@@ -389,6 +542,8 @@ def _phase(name: str, fn, clock: _Clock, log, **key) -> dict:
     except Exception as e:  # pylint: disable=broad-except
       # Keep what ran; say why this one did not.
       row = {**key, 'error': f'{type(e).__name__}: {e}'[:2000]}
+  # Wall time with compiles: what the next run's budget has to fit.
+  row['elapsed_s'] = time.monotonic() - start
   row = _rounded({'phase': name, **row})
   log(row)
   return row
@@ -401,10 +556,13 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
   decode_impl = _decode_impl(cfg) if clock.ok() else cfg.dense_impl
   chk = _phase('check', lambda: check(cfg), clock, log,
                check_len=cfg.check_len, decode_dense_impl=decode_impl)
-  rows = [_phase('prefill', lambda t=t: prefill(cfg, t, clock), clock, log,
-                 seq_len=t) for t in cfg.seq_lens]
-  dec = [_phase('decode', lambda s=s: decode(cfg, s, decode_impl), clock, log,
-                cache_len=s) for s in cfg.decode_lens]
+  tun = _phase('tune', lambda: tune(cfg, clock), clock, log,
+               tune_len=cfg.tune_len)
+  best = tuned_config(tun)
+  rows = [_phase('prefill', lambda t=t: prefill(cfg, t, clock, best), clock,
+                 log, seq_len=t) for t in cfg.seq_lens]
+  dec = [_phase('decode', lambda s=s: decode(cfg, s, decode_impl, best),
+                clock, log, cache_len=s) for s in cfg.decode_lens]
   done = lambda rs, key: [r for r in rs if key in r]
   ok = done(rows, 'speedup')
   last = ok[-1] if ok else {}
@@ -414,11 +572,12 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
       'bench': 'msa_gpu',
       'ceilings': ceil,
       'reference_check': chk,
+      'tune': tun,
       'results': rows,
       'decode': dec,
       'complete': all('skipped' not in r and 'error' not in r and
                       'kernel_errors' not in r
-                      for r in [ceil, chk, *rows, *dec]),
+                      for r in [ceil, chk, tun, *rows, *dec]),
       'dense_prefill_impl': cfg.dense_impl,
       'dense_decode_impl': decode_impl,
       'paper_prefill_speedup': PAPER_PREFILL_SPEEDUP,

@@ -278,11 +278,14 @@ _sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
                   top_k, q_offset, backend, interpret, kv_valid_BS=None,
-                  gpu_kernels='kv_outer'):
+                  gpu_kernels='kv_outer', topk='pallas', kv_config=None):
   """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'}).
 
   gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
   kv_outer.py) or 'token' (the fused selection and per-token kernels).
+  topk ('pallas' / 'xla') and kv_config (kv_outer.ForwardConfig) pick the
+  GPU variants benchmark_gpu times; kv_config applies to the forward only,
+  so it is for inference (a gradient takes the default kernels).
   """
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
@@ -290,21 +293,29 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
   sel = select_kernel.select_blocks_BGTK(
       jax.lax.stop_gradient(qi_BTGI), jax.lax.stop_gradient(ki_BSI), off_B,
       block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
-      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels))
-  out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
-                              backend, interpret, kv_valid_BS, gpu_kernels)
+      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels), topk=topk)
+  if kv_config is not None:
+    out, lse = sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel, off_B, kv_valid_BS,
+                              block_size=block_size, backend=backend,
+                              interpret=interpret, gpu_kernels=gpu_kernels,
+                              kv_config=kv_config)
+  else:
+    out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B,
+                                block_size, backend, interpret, kv_valid_BS,
+                                gpu_kernels)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
                lengths_B, *, block_size, top_k, backend, interpret,
-               kv_valid_BS=None, gpu_kernels='kv_outer'):
+               kv_valid_BS=None, gpu_kernels='kv_outer', topk='pallas',
+               kv_config=None):
   """Kernel (a) at T = 1 then kernel (d): (out_BHD, {'sel_BGK', 'lse_BH'}).
 
   GPU: kernel (d) is the KV-outer forward at one query, split-K (a program
   per sequence, group and slot, then the log-sum-exp combine), after the
   two-launch selection; with gpu_kernels='token' the fused selection and
-  the per-token forward.
+  the per-token forward. topk, kv_config: as in msa_attention.
   """
   check_block_size(block_size, backend)
   b, h, d = q_BHD.shape
@@ -313,7 +324,8 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   sel = select_kernel.select_blocks_BGTK(
       qi_BGI[:, None], ki_cache_BSI, off_B, block_size=block_size,
       top_k=top_k, backend=backend, interpret=interpret,
-      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels))[:, :, 0]
+      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels),
+      topk=topk)[:, :, 0]
   if backend == 'tpu':
     sp = kc.round_up(s, block_size)
     out, lse = decode_kernel.decode_tpu(
@@ -324,5 +336,6 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
   out, lse = sparse_forward(q_BHD[:, None], k_cache_BSGD, v_cache_BSGD,
                             sel[:, :, None], off_B, kv_valid_BS,
                             block_size=block_size, backend=backend,
-                            interpret=interpret, gpu_kernels=gpu_kernels)
+                            interpret=interpret, gpu_kernels=gpu_kernels,
+                            kv_config=kv_config)
   return out[:, 0], {'sel_BGK': sel, 'lse_BH': lse[:, 0]}

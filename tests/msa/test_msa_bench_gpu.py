@@ -4,6 +4,7 @@ error on a rented GPU: every phase runs and reports, the soft deadline
 skips what is left yet still returns a summary that the docs' table
 renders, and the benchmark's vectorised margin rule equals the tests' loop.
 """
+import dataclasses
 import json
 import time
 
@@ -24,15 +25,27 @@ def test_every_phase_runs_and_reports(tmp_path):
   rows = []
   out = bg.run(TINY, log=rows.append)
   assert out['complete'], json.dumps(out)[:2000]
-  assert [r['phase'] for r in rows] == ['ceilings', 'check', 'prefill',
-                                        'decode']
+  assert [r['phase'] for r in rows] == ['ceilings', 'check', 'tune',
+                                        'prefill', 'decode']
   assert out['reference_check']['selection_margin_violations'] == 0
   assert out['reference_check']['max_abs_err'] < 2e-2  # bf16 inputs
+  # Every variant timed beside the default, one default per group.
+  tune = out['tune']
+  assert set(tune['speedup_vs_default']) == {c.label() for c in bg.TUNE}
+  assert tune['not_timed'] == [] and tune['wrong'] == []
+  assert max(tune['max_abs_diff_vs_default'].values()) <= bg.TUNE_TOLERANCE
+  assert len(tune['default_s']) == -(-len(bg.TUNE) // TINY.tune_group)
   pre = out['results'][0]
   for key in ('dense_s', 'msa_s', 'index_s', 'index_fused_s', 'main_s',
               'dense_train_s', 'msa_train_s'):
     assert pre[key] > 0, key
-  assert out['decode'][0]['decode_msa_s'] > 0
+  # The tune's fastest (if it beat the default) is timed in each row.
+  assert ('msa_tuned_s' in pre) == ('best' in tune)
+  dec = out['decode'][0]
+  for key in ('decode_msa_s', 'decode_msa_xla_topk_s', 'decode_index_s',
+              'decode_index_xla_topk_s', 'decode_main_s'):
+    assert dec[key] > 0, key
+  assert dec['decode_speedup_best'] >= dec['decode_speedup'] * (1 - 1e-5)
   # The docs' GPU table renders from the summary gpu_check_summary.py
   # would write around it.
   summary = {'command': 'make gpu-check', 'date': 'dry run',
@@ -87,6 +100,55 @@ def test_a_broken_kernel_costs_only_its_own_timing(tmp_path, monkeypatch):
   assert 'main_token at 128 (RuntimeError: planted lowering failure)' in text
 
 
+def test_a_tuned_forward_is_timed_beside_the_default():
+  tuned = bg.kv_outer.ForwardConfig(pair_order=True, prefetch=True)
+  assert bg.tuned_config({'best': tuned.label()}) == tuned
+  assert bg.tuned_config({}) is None
+  clock = bg._Clock(None)
+  pre = bg.prefill(TINY, 128, clock, tuned)
+  for key in ('main_s', 'main_tuned_s', 'msa_s', 'msa_tuned_s'):
+    assert pre[key] > 0, key
+  assert pre['tuned_config'] == tuned.label()
+  assert pre['speedup_tuned'] == pytest.approx(
+      pre['dense_s'] / pre['msa_tuned_s'], rel=1e-6)
+  dec = bg.decode(TINY, 128, 'xla', tuned)
+  ends = {k[len('decode_'):-2]: v for k, v in dec.items()
+          if k.startswith('decode_msa') and k.endswith('_s')}
+  assert set(ends) == {'msa', 'msa_xla_topk', 'msa_tuned',
+                       'msa_tuned_xla_topk'}
+  assert dec['decode_best'] == min(ends, key=ends.get)
+  assert dec['decode_speedup_best'] == pytest.approx(
+      dec['decode_dense_s'] / min(ends.values()), rel=1e-6)
+
+
+def test_the_tune_phase_stops_at_its_budget():
+  row = bg.tune(dataclasses.replace(TINY, tune_budget_s=0.0), bg._Clock(None))
+  assert row['speedup_vs_default'] == {} and 'best' not in row
+  assert row['not_timed'] == [c.label() for c in bg.TUNE]
+  assert bg.tuned_config(row) is None
+
+
+def test_a_variant_that_computes_something_else_never_counts(monkeypatch):
+  # However fast, a variant whose output differs from the default's is
+  # reported as wrong and never becomes the tuned forward.
+  bad = bg.kv_outer.ForwardConfig(num_warps=2)
+  monkeypatch.setattr(bg, 'TUNE', (bad,))
+  real = bg._main_forward
+
+  def planted(cfg, off, config):
+    f = real(cfg, off, config)
+    if config != bad:
+      return f
+    return lambda *a: (f(*a)[0] + 0.5, f(*a)[1])
+
+  monkeypatch.setattr(bg, '_main_forward', planted)
+  row = bg.tune(TINY, bg._Clock(None))
+  assert row['wrong'] == [bad.label()]
+  assert row['max_abs_diff_vs_default'][bad.label()] == pytest.approx(0.5,
+                                                                      rel=0.05)
+  assert row['speedup_vs_default'] == {} and bg.tuned_config(row) is None
+
+
 def test_vectorised_margin_rule_equals_the_loop():
   b, t, s, g, di, c, k = 2, 96, 96, 2, 8, 16, 4
   _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, 1, 8, di, seed=4)
@@ -125,6 +187,14 @@ def test_targets_read_the_rows_they_name():
   assert got == {'prefill 32k': (2.6, True), 'prefill 128k': (3.0, False),
                  'decode 128k, batch 8': (5.0, True),
                  'forward+backward 32k (main branch)': (1.5, False)}
+  # A variant's speedup counts as the best only when it is higher.
+  bench['results'][1]['speedup_tuned'] = 7.5
+  bench['decode'][0]['decode_speedup_best'] = 5.0
+  bench['results'][0]['speedup_tuned'] = 2.4
+  best = {t['what']: (t['best'], t['best_met']) for t in bg.targets(bench)}
+  assert best == {'prefill 32k': (2.6, True), 'prefill 128k': (7.5, True),
+                  'decode 128k, batch 8': (5.0, True),
+                  'forward+backward 32k (main branch)': (1.5, False)}
   # A length the run never reached is unmeasured, not failed silently.
   assert all(t['measured'] is None and not t['met']
              for t in bg.targets({'results': [], 'decode': []}))

@@ -166,3 +166,38 @@ def test_backward_is_deterministic():
   first, second = grad(q, kk, v), grad(q, kk, v)
   for name, a, e in zip('qkv', first, second):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+
+
+@pytest.mark.parametrize('name', ['ragged_chunk', 'real_heads_2k'])
+def test_tuned_forward_variants_match_reference(name):
+  # What the bench's tune phase times must be right first (it also checks
+  # each against the default before it counts one's time).
+  from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  q, kk, v = (x.astype(jnp.bfloat16) for x in (q, kk, v))
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  off = jnp.full((b,), o, jnp.int32)
+  f32 = lambda x: x.astype(jnp.float32)
+  want = jax.jit(functools.partial(ref.sparse_attention, block_size=c,
+                                   q_offset=o))(f32(q), f32(kk), f32(v), sel)
+  for config in benchmark_gpu.TUNE:
+    got = jax.jit(lambda q, k_, v_, sel: pallas_path.sparse_forward(
+        q, k_, v_, sel, off, None, block_size=c, backend='gpu',
+        interpret=False, kv_config=config))(q, kk, v, sel)
+    lib.assert_close(got[0], want[0], 2e-2, f'out {config.label()}')
+    lib.assert_close(got[1], want[1], 2e-2, f'lse {config.label()}')
+
+
+def test_xla_topk_selection_equals_the_pallas_topk_in_decode():
+  b, s, g, di, c, k = 8, 32768, 4, 128, 128, 16
+  _, _, _, qi, ki, _ = lib.make_inputs(b, 1, s, g, 1, 16, di, seed=5)
+  qi, ki = qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16)
+  off = jnp.array([s - 1, 4000, 129, 127, 20000, s - 1, 9999, 1],
+                  jnp.int32)
+  run = lambda topk: jax.jit(functools.partial(
+      select_kernel.select_blocks_BGTK, block_size=c, top_k=k, backend='gpu',
+      interpret=False, topk=topk))(qi, ki, off)
+  # Same scores, same tie rule: the same selection slot for slot.
+  np.testing.assert_array_equal(np.asarray(run('xla')),
+                                np.asarray(run('pallas')))
