@@ -36,6 +36,15 @@ Queries are processed in chunks of `query_chunk` tokens so the partial
 outputs stay bounded (at 128k tokens, 16 heads per group and K = 16 they
 would be 34 GB at once).
 
+`ForwardConfig` holds the forward's knobs. On an H100 the default ran at
+about 107 TFLOP/s of useful work (results/gpu_check_h100.json), slower
+than the per-token kernel it replaced; two costs stand out by
+arithmetic: a combine that gathers every partial back (8.6 GB at 32k), and
+a tile loop in which each tile waits on its own row-table load and query
+gather. `pair_order` writes each partial at its (token, slot) row, so the
+combine reads them in order; `prefetch` issues the next tile's gather
+before this tile's dots. benchmark_gpu's tune phase times them.
+
 Letter key: B batch, T query tokens (Tc in a chunk), S key tokens, G
 groups, R heads per group (padded: Rp), D head dim (padded: Dp), K selected
 blocks, C block size, N key blocks, J tiles, Q queries per tile, W rows of
@@ -70,6 +79,9 @@ class ForwardConfig:
     the scheduler overlaps across programs; many reuse the block longer.
   num_warps, num_stages: Triton's (default 8 warps for 128-row tiles, 2
     stages in 16-bit dtypes).
+  query_chunk: tokens per launch (default: partials of about 1 GiB, 4096
+    tokens at 16 heads a group and K = 16): longer chunks have fewer
+    launch tails, shorter ones keep a group's queries in L2.
   prefetch: gather the next tile's rows while this one's dots run (a
     software pipeline through the loop carry), instead of relying on
     Triton's pipeliner, which cannot see through the row-table load.
@@ -80,6 +92,7 @@ class ForwardConfig:
   tiles_per_program: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  query_chunk: int | None = None
   prefetch: bool = False
   pair_order: bool = False
 
@@ -468,14 +481,13 @@ def _per_program(n_tiles: int, n_blocks: int) -> int:
 
 def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
             block_size: int, scale: float, interpret: bool,
-            query_chunk: int | None = None,
             config: ForwardConfig | None = None):
   """Padded operands in (R, D powers of two); (o_BTGRD, lse_BTGR f32) out.
 
   Same contract as forward_kernel.forward_gpu. One query per sequence
   (T = 1, decode) is split-K: a program per selected slot. Longer inputs
-  take the sorted tiles, `query_chunk` tokens at a time, a program per key
-  block (or per part of a heavy one: config.tiles_per_program).
+  take the sorted tiles, config.query_chunk tokens at a time, a program
+  per key block (or per part of a heavy one: config.tiles_per_program).
   """
   config = config or ForwardConfig()
   b, t, g, rp, dp = q_BTGRD.shape
@@ -509,7 +521,8 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
               (tile_blk >= 0).astype(jnp.int32))
     out, lse_t = attend(sel_BGTK, tiles, direct)
   else:
-    chunk = query_chunk or max(q, (2**30 // (g * k * rp * dp * 2)) // q * q)
+    chunk = config.query_chunk or max(
+        q, (2**30 // (g * k * rp * dp * 2)) // q * q)
     outs, lses = [], []
     for t0 in range(0, t, chunk):
       sel_c = sel_BGTK[:, :, t0:t0 + chunk]

@@ -119,7 +119,7 @@ def test_query_chunks_and_padding_keys():
     out, lse = kv_outer.forward(
         qg, pad(kk), pad(v), sel, jnp.full((b,), o, jnp.int32), vmask,
         block_size=c, scale=1 / math.sqrt(d), interpret=True,
-        query_chunk=chunk)
+        config=kv_outer.ForwardConfig(query_chunk=chunk))
     lib.assert_close(out[..., :r, :d].reshape(b, t, g * r, d), want[0], 1e-5,
                      f'out chunk {chunk}')
     got_lse = lse[..., :r].reshape(b, t, g * r)
