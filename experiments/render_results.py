@@ -953,7 +953,11 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', f"Check at {chk.get('check_len', '?')} tokens: selection"
               f" margin violations {chk['selection_margin_violations']},"
               f" flip rate {_f(chk['selection_flip_rate'])}; main branch max"
-              f" abs error {_f(chk['max_abs_err'], 2)}."]
+              f" abs error {_f(chk['max_abs_err'], 2)}."
+              + (f" fp8 index scores: margin violations at eps 2^-3"
+                 f" {chk['fp8_margin_violations']}, flip rate"
+                 f" {_f(chk['fp8_flip_rate'])}."
+                 if 'fp8_flip_rate' in chk else '')]
   elif 'selection_equal' in chk:
     lines += ['', f"Check at 2,048 tokens: selection equal to the reference:"
               f" {_f(chk['selection_equal'])}; max abs error"
@@ -1019,11 +1023,11 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     from pallas_kernels.msa import benchmark_gpu
     lines += ['', _table(
         ['target: speedup vs cuDNN', 'FLOP ratio', 'measured', 'target',
-         'met', 'best variant', 'met by it'],
+         'met', 'best variant', 'met by it', 'with fp8 index scores'],
         [[t['what'], _f(t['flop_ratio']),
           f"**{_f(t['measured'])}**" if t['measured'] is not None else '-',
           f">= {_f(t['target'])}", _f(t['met']), _f(t['best']),
-          _f(t['best_met'])]
+          _f(t['best_met']), _f(t['with_fp8_index'])]
          for t in benchmark_gpu.targets(bench)])]
   cut = [r for r in [*rows, *decode] if 'skipped' in r or 'error' in r]
   if cut:

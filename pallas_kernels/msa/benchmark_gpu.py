@@ -97,6 +97,10 @@ TUNE = (
                            tiles_per_program=32),
 )
 
+# The margin rule's eps for fp8 index scores (e4m3: 3 mantissa bits; bf16
+# products are exact, so theirs is 2^-7).
+FP8_EPS_SCALE = 2.0**-3
+
 # Largest |variant - default| of the forward's bf16 output for a variant's
 # time to count: bf16 rounding of outputs below 1 in magnitude is < 4e-3.
 TUNE_TOLERANCE = 2e-2
@@ -105,7 +109,8 @@ TUNE_TOLERANCE = 2e-2
 def targets(bench: dict) -> list[dict]:
   """Each target against a bench summary: {what, target, measured (None:
   not measured), flop_ratio, met, best (the best measured variant's
-  speedup, at least `measured`), best_met}."""
+  speedup, at least `measured`), best_met, with_fp8_index (prefill: with
+  fp8 index scores, an approximate selection, so never `best`)}."""
   out = []
   for what, phase, n, key, best_key, target in TARGETS:
     length = 'seq_len' if phase == 'results' else 'cache_len'
@@ -113,12 +118,14 @@ def targets(bench: dict) -> list[dict]:
     got = row.get(key)
     best = max((x for x in (got, row.get(best_key) if best_key else None)
                 if x is not None), default=None)
+    fp8 = row.get('speedup_fp8') if key == 'speedup' else None
     out.append({'what': what, 'target': target, 'measured': got,
                 'flop_ratio': row.get('flop_ratio',
                                       row.get('decode_flop_ratio')),
                 'met': got is not None and got >= target,
                 'best': best,
-                'best_met': best is not None and best >= target})
+                'best_met': best is not None and best >= target,
+                'with_fp8_index': fp8})
   return out
 
 
@@ -279,8 +286,18 @@ def check(cfg: GPUBench) -> dict:
   violations, flip_rate = selection_margin(np.asarray(sel), scores,
                                            np.asarray(f32(qi)),
                                            np.asarray(f32(ki)), c, k)
+  # The fp8 score variant, by the coarser rule its 3 mantissa bits allow.
+  sel8 = jax.jit(functools.partial(
+      select_kernel.select_blocks_BGTK, backend='gpu', interpret=cfg.interpret,
+      block_size=c, top_k=k, fp8_scores=True))(qi, ki,
+                                                jnp.zeros((1,), jnp.int32))
+  violations8, flip_rate8 = selection_margin(
+      np.asarray(sel8), scores, np.asarray(f32(qi)), np.asarray(f32(ki)), c,
+      k, eps_scale=FP8_EPS_SCALE)
   return {'selection_margin_violations': violations,
           'selection_flip_rate': flip_rate,
+          'fp8_margin_violations': violations8,
+          'fp8_flip_rate': flip_rate8,
           'max_abs_err': float(jnp.max(jnp.abs(f32(out) - want)))}
 
 
@@ -423,6 +440,12 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
     fns['main_tuned'] = (_main_forward(cfg, off, tuned), (q, k, v, sel))
     fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned),
                         (q, k, v, qi, ki))
+  # fp8 index scores (an approximate selection: reported apart), with the
+  # fastest forward measured so far.
+  fns['index_fp8'] = (functools.partial(select, fp8_scores=True),
+                      (qi, ki, off))
+  fns['msa_fp8'] = (functools.partial(msa, fp8_scores=True, kv_config=tuned),
+                    (q, k, v, qi, ki))
   main_token = lambda q, k, v, sel: pallas_path.sparse_attention(
       q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
       gpu_kernels='token')
@@ -432,7 +455,7 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
                           (qi, ki, off))
     fns['main_token'] = (main_token, (q, k, v, sel))
   if 'index' in errors:
-    for name in ('index', 'msa', 'msa_tuned'):
+    for name in ('index', 'msa', 'msa_tuned', 'index_fp8', 'msa_fp8'):
       fns.pop(name, None)
   med, spread, errs = _measure(cfg, fns)
   errors.update(errs)
@@ -440,11 +463,14 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
   index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
   row = {'seq_len': t, 'flop_ratio': dense_f / msa_f, 'spread': spread}
   row.update({f'{name}_s': sec for name, sec in med.items()})
-  flops = {'dense': dense_f, 'msa': msa_f, 'index': index_f}
+  flops = {'dense': dense_f, 'msa': msa_f, 'index': index_f,
+           'index_fp8': index_f}
   row.update({f'{name}_tflops': f / med[name] / 1e12
               for name, f in flops.items() if name in med})
   for key, num, den in (('speedup', 'dense', 'msa'),
                         ('speedup_tuned', 'dense', 'msa_tuned'),
+                        ('speedup_fp8', 'dense', 'msa_fp8'),
+                        ('index_fp8_speedup', 'index', 'index_fp8'),
                         ('main_tuned_speedup', 'main', 'main_tuned'),
                         ('index_speedup_vs_fused', 'index_fused', 'index'),
                         ('main_speedup_vs_token', 'main_token', 'main')):

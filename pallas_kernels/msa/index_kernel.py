@@ -181,6 +181,23 @@ def _topk_call(offset_B, scores_BNQ, *, block_size: int, groups: int,
   )(offset_B, scores_BNQ)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_fp8(x, axis):
+  """x as float8_e4m3fn, first scaled by a power of two (exact) per slice
+  over `axis` so that its largest |x| is at most 448.
+
+  For the index scores, a positive scale per query row leaves the row's
+  block ranking as it is, and one scale over all of a sequence's keys
+  (axis covering S and I) keeps every key's logit on one scale, so only
+  e4m3's rounding (3 mantissa bits) can change a selection."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+  safe = jnp.where(amax > 0, amax, 1.0)
+  scale = jnp.exp2(jnp.floor(jnp.log2(FP8_MAX / safe)))
+  return (x.astype(jnp.float32) * scale).astype(jnp.float8_e4m3fn)
+
+
 def index_dtype(qi_dtype, ki_dtype):
   """bf16 dots when both index inputs are bf16, else f32."""
   both_bf16 = (jnp.dtype(qi_dtype) == jnp.bfloat16 and
@@ -205,7 +222,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        row_tile: int = 128, blocks_per_program: int | None = None,
                        topk_rows: int | None = None,
                        max_score_bytes: int = 2**28,
-                       topk: str = 'pallas') -> jax.Array:
+                       topk: str = 'pallas',
+                       fp8_scores: bool = False) -> jax.Array:
   """Selection int32 [B, G, T, K] for queries at positions t + offset_B[b].
 
   Equal to reference.selection_BGTK up to the summation order of the index
@@ -217,6 +235,11 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   same scores, which has the same tie rule): in decode the Pallas top-k is
   a handful of programs, each 15 serial argmax rounds over every block,
   and XLA's may be faster there; the GPU bench times both.
+  fp8_scores: the score dots in float8_e4m3fn (Hopper's fp8 tensor cores,
+  twice bf16's rate), qi scaled per row and ki per sequence (`to_fp8`):
+  an approximate selection, within the margin rule at eps_scale 2^-3
+  (docs/design.md §6.8) rather than 2^-7; for prefill, since quantizing a
+  decode cache every step would reread it.
   """
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
@@ -225,6 +248,10 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   if topk not in ('pallas', 'xla'):
     raise ValueError(f"topk must be 'pallas' or 'xla', got {topk!r}.")
   dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
+  if fp8_scores:
+    qi_BTGI = to_fp8(qi_BTGI, axis=-1)
+    ki_BSI = to_fp8(ki_BSI, axis=(1, 2))
+    dtype = jnp.float8_e4m3fn
   precision = kc.gpu_precision_for(dtype, interpret)
   ip = max(16, kc.next_pow2(di))
   n_blocks = -(-s // block_size)

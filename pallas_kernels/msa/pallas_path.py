@@ -278,14 +278,16 @@ _sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
                   top_k, q_offset, backend, interpret, kv_valid_BS=None,
-                  gpu_kernels='kv_outer', topk='pallas', kv_config=None):
+                  gpu_kernels='kv_outer', topk='pallas', kv_config=None,
+                  fp8_scores=False):
   """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'}).
 
   gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
   kv_outer.py) or 'token' (the fused selection and per-token kernels).
-  topk ('pallas' / 'xla') and kv_config (kv_outer.ForwardConfig) pick the
-  GPU variants benchmark_gpu times; kv_config applies to the forward only,
-  so it is for inference (a gradient takes the default kernels).
+  topk ('pallas' / 'xla'), fp8_scores and kv_config
+  (kv_outer.ForwardConfig) pick the GPU variants benchmark_gpu times
+  (index_kernel.select_blocks_BGTK); kv_config applies to the forward
+  only, so it is for inference (a gradient takes the default kernels).
   """
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
@@ -293,7 +295,8 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
   sel = select_kernel.select_blocks_BGTK(
       jax.lax.stop_gradient(qi_BTGI), jax.lax.stop_gradient(ki_BSI), off_B,
       block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
-      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels), topk=topk)
+      kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels), topk=topk,
+      fp8_scores=fp8_scores)
   if kv_config is not None:
     out, lse = sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel, off_B, kv_valid_BS,
                               block_size=block_size, backend=backend,

@@ -28,6 +28,7 @@ def test_every_phase_runs_and_reports(tmp_path):
   assert [r['phase'] for r in rows] == ['ceilings', 'check', 'tune',
                                         'prefill', 'decode']
   assert out['reference_check']['selection_margin_violations'] == 0
+  assert out['reference_check']['fp8_margin_violations'] == 0
   assert out['reference_check']['max_abs_err'] < 2e-2  # bf16 inputs
   # Every variant timed beside the default, one default per group.
   tune = out['tune']
@@ -37,8 +38,10 @@ def test_every_phase_runs_and_reports(tmp_path):
   assert len(tune['default_s']) == -(-len(bg.TUNE) // TINY.tune_group)
   pre = out['results'][0]
   for key in ('dense_s', 'msa_s', 'index_s', 'index_fused_s', 'main_s',
-              'dense_train_s', 'msa_train_s'):
+              'dense_train_s', 'msa_train_s', 'index_fp8_s', 'msa_fp8_s'):
     assert pre[key] > 0, key
+  assert pre['speedup_fp8'] == pytest.approx(
+      pre['dense_s'] / pre['msa_fp8_s'], rel=1e-2)
   # The tune's fastest (if it beat the default) is timed in each row.
   assert ('msa_tuned_s' in pre) == ('best' in tune)
   dec = out['decode'][0]
@@ -195,6 +198,13 @@ def test_targets_read_the_rows_they_name():
   assert best == {'prefill 32k': (2.6, True), 'prefill 128k': (7.5, True),
                   'decode 128k, batch 8': (5.0, True),
                   'forward+backward 32k (main branch)': (1.5, False)}
+  # fp8 index scores are reported beside, never as the best.
+  bench['results'][1]['speedup_fp8'] = 9.0
+  fp8 = {t['what']: (t['best'], t['with_fp8_index'])
+         for t in bg.targets(bench)}
+  assert fp8['prefill 128k'] == (7.5, 9.0)
+  assert fp8['prefill 32k'] == (2.6, None)
+  assert fp8['decode 128k, batch 8'][1] is None
   # A length the run never reached is unmeasured, not failed silently.
   assert all(t['measured'] is None and not t['met']
              for t in bg.targets({'results': [], 'decode': []}))

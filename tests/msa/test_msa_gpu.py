@@ -201,3 +201,27 @@ def test_xla_topk_selection_equals_the_pallas_topk_in_decode():
   # Same scores, same tie rule: the same selection slot for slot.
   np.testing.assert_array_equal(np.asarray(run('xla')),
                                 np.asarray(run('pallas')))
+
+
+def test_fp8_index_scores_on_the_gpu():
+  # e4m3 tensor-core dots (Hopper accumulates them in fewer bits than f32):
+  # exact on exact inputs, within the coarse margin rule on random ones.
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES['real_heads_2k']
+  select = jax.jit(functools.partial(
+      select_kernel.select_blocks_BGTK, block_size=c, top_k=k, backend='gpu',
+      interpret=False, fp8_scores=True))
+  off = jnp.full((b,), o, jnp.int32)
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=1)
+  want = jax.jit(functools.partial(ref.selection_BGTK, block_size=c, top_k=k,
+                                   q_offset=o))(qi.astype(jnp.float32),
+                                                ki.astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(select(qi, ki, off)),
+                                np.asarray(want))
+  _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, seed=2)
+  sel = select(qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16), off)
+  scores = jax.jit(lambda qi, ki: ref.block_scores_BGTN(
+      ref.index_logits_BGTS(qi, ki, o), c))(qi, ki)
+  violations, flip_rate = lib.selection_margin_report(
+      sel, scores, qi, ki, c, k, o, eps_scale=2.0**-3)
+  print(f'fp8 index on the GPU: flip rate {flip_rate:.4f}')
+  assert violations == 0

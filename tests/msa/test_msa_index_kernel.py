@@ -39,21 +39,27 @@ def _offsets(b, o):
   return np.broadcast_to(np.asarray(o, np.int32), (b,))
 
 
-@pytest.mark.parametrize('topk', ['pallas', 'xla'])
+# The selector's options: its own top-k, lax.top_k, fp8 score dots.
+MODES = {'pallas': {}, 'xla': dict(topk='xla'), 'fp8': dict(fp8_scores=True)}
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
 @pytest.mark.parametrize('name', sorted(CASES))
-def test_exact_bf16_selection_equals_brute_force_slot_for_slot(name, topk):
+def test_exact_bf16_selection_equals_brute_force_slot_for_slot(name, mode):
+  # The inputs are exact in bf16 and in e4m3 after a power-of-two scale,
+  # and their dot sums exact in f32: every mode must give the same slots.
   b, t, s, g, di, c, k, o = CASES[name]
   qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=3)
   off = _offsets(b, o)
-  sel = _select(qi, ki, off, c, k, topk=topk)
+  sel = _select(qi, ki, off, c, k, **MODES[mode])
   want = np.stack([lib.brute_force_selection(
       qi[i:i + 1].astype(jnp.float32), ki[i:i + 1].astype(jnp.float32), c, k,
       int(off[i]))[0] for i in range(b)])
   np.testing.assert_array_equal(np.asarray(sel), want)
 
 
-@pytest.mark.parametrize('topk', ['pallas', 'xla'])
-def test_padding_keys_are_never_selected(topk):
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_padding_keys_are_never_selected(mode):
   # Left-padded rows: the first keys of each sequence are padding, and a
   # whole block of them must leave its slot -1 as in the brute force.
   b, t, s, g, di, c, k = 2, 64, 64, 2, 8, 16, 4
@@ -62,7 +68,7 @@ def test_padding_keys_are_never_selected(topk):
   valid[0, :21] = False
   valid[1, :3] = False
   sel = _select(qi, ki, np.zeros(b, np.int32), c, k, valid=jnp.asarray(valid),
-                topk=topk)
+                **MODES[mode])
   want = lib.brute_force_selection(qi.astype(jnp.float32),
                                    ki.astype(jnp.float32), c, k, 0, valid)
   np.testing.assert_array_equal(np.asarray(sel), want)
@@ -80,6 +86,42 @@ def test_tiles_and_row_chunks_do_not_change_the_selection():
     np.testing.assert_array_equal(
         np.asarray(_select(qi, ki, _offsets(b, o), c, k, **kw)),
         np.asarray(base), err_msg=str(kw))
+
+
+def test_to_fp8_scales_by_the_largest_fitting_power_of_two():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3, 16)) *
+                  np.array([1e-3, 1.0, 700.0])[None, :, None], jnp.float32)
+  x = x.at[0, 0].set(0.0)  # an all-zero row stays zero
+  q = np.asarray(index_kernel.to_fp8(x, axis=-1).astype(jnp.float32))
+  amax = np.abs(q).max(-1)
+  assert np.all(amax <= index_kernel.FP8_MAX)
+  assert amax[0, 0] == 0
+  live = amax > 0
+  assert np.all(amax[live] > index_kernel.FP8_MAX / 2 * 0.9)
+  # A power of two per row: q / x is one constant per row (up to e4m3's
+  # rounding of x's values, 2^-4 relative).
+  ratio = np.abs(q).max(-1) / np.abs(np.asarray(x)).max(-1).clip(1e-30)
+  np.testing.assert_allclose(np.log2(ratio[live]),
+                             np.round(np.log2(ratio[live])), atol=0.1)
+
+
+def test_fp8_scores_keep_the_coarse_margin_rule():
+  # Random floats: e4m3 keeps 3 mantissa bits, so the selection may differ
+  # from the exact one only among blocks within eps (eps_scale 2^-3) of
+  # the K-th score.
+  from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
+  b, t, s, g, di, c, k = 1, 256, 256, 2, 32, 16, 4
+  _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, 1, 8, di, seed=4)
+  sel = _select(qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16),
+                np.zeros(b, np.int32), c, k, fp8_scores=True)
+  scores = np.asarray(ref.block_scores_BGTN(ref.index_logits_BGTS(qi, ki), c),
+                      np.float64)
+  args = (np.asarray(sel), scores, np.asarray(qi), np.asarray(ki), c, k)
+  violations, flip_rate = benchmark_gpu.selection_margin(*args,
+                                                         eps_scale=2.0**-3)
+  print(f'fp8 index scores: flip rate {flip_rate:.3f}')
+  assert violations == 0
+  lib.check_selection_invariants(sel, c, 0)
 
 
 def test_f32_random_inputs_equal_the_reference():
@@ -140,3 +182,10 @@ def test_both_kernels_lower_for_cuda(dtype):
         jax.ShapeDtypeStruct((2,), jnp.int32)).lower(
             lowering_platforms=('cuda',)).as_text()
     assert 'msa_index_scores' in text and 'msa_index_topk' in text
+  # The fp8 score dots lower too (their operands e4m3 in the kernel).
+  text = jax.jit(functools.partial(f, fp8_scores=True)).trace(
+      jax.ShapeDtypeStruct((1, 2048, 4, 128), dtype),
+      jax.ShapeDtypeStruct((1, 2048, 128), dtype),
+      jax.ShapeDtypeStruct((1,), jnp.int32)).lower(
+          lowering_platforms=('cuda',)).as_text()
+  assert 'msa_index_scores' in text and 'f8E4M3FN' in text
