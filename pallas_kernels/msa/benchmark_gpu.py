@@ -26,7 +26,8 @@ Phases, in this order, each timed in interleaved repetitions in one process
   decode    per decode_len: one new token for each of decode_batch
             sequences against full caches: dense vs selection + split-K
             attention; each half alone (index, main), and the variants
-            (the selection finished by lax.top_k; the tuned forward).
+            (the selection finished by lax.top_k; the tuned forward; the
+            score launch's blocks per program).
 
 A soft deadline (`deadline`, a time.monotonic() value) is checked before
 every measurement: past it, the rest is recorded as skipped and run()
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.msa import benchmark
+from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference
@@ -71,7 +73,7 @@ TARGETS = (
     ('decode 128k, batch 8', 'decode', 131072, 'decode_speedup',
      'decode_speedup_best', 5.0),
     ('forward+backward 32k (main branch)', 'results', 32768,
-     'train_speedup_main_only', None, 2.0),
+     'train_speedup_main_only', 'train_speedup_tuned', 2.0),
 )
 
 # The KV-outer forward's variants the tune phase times beside the default,
@@ -96,6 +98,10 @@ TUNE = (
     kv_outer.ForwardConfig(pair_order=True, prefetch=True,
                            tiles_per_program=32),
 )
+
+# Decode: the index score launch's blocks per program, timed beside its
+# default.
+DECODE_BLOCKS_PER_PROGRAM = (4, 8, 32)
 
 # The margin rule's eps for fp8 index scores (e4m3: 3 mantissa bits; bf16
 # products are exact, so theirs is 2^-7).
@@ -482,6 +488,11 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
     train = {'dense_train': (_grad_of_sum(dense), (q, k, v)),
              'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
                            (q, k, v))}
+    if tuned is not None:
+      train['msa_train_tuned'] = (_grad_of_sum(
+          lambda q, k, v: pallas_path.sparse_attention(
+              q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
+              kv_config=tuned)), (q, k, v))
     if t <= cfg.fused_max_len:
       train['msa_train_token'] = (_grad_of_sum(
           lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
@@ -490,6 +501,8 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
     row.update({f'{name}_s': sec for name, sec in tmed.items()})
     if (ratio := _ratio(tmed, 'dense_train', 'msa_train')) is not None:
       row['train_speedup_main_only'] = ratio
+    if (ratio := _ratio(tmed, 'dense_train', 'msa_train_tuned')) is not None:
+      row['train_speedup_tuned'] = ratio
     row['spread'].update(tspread)
   elif t <= cfg.train_max_len:
     row['train_skipped'] = 'deadline'
@@ -521,6 +534,12 @@ def decode(cfg: GPUBench, s: int, impl: str,
          'index_xla_topk': (functools.partial(select, topk='xla'),
                             (qi, ki, off)),
          'main': (_main_forward(cfg, off, None), (q, k, v, sel))}
+  # The score launch's key span per program (default 16 blocks): at one
+  # query per sequence it sets how many programs stream the index keys.
+  for nb in DECODE_BLOCKS_PER_PROGRAM:
+    fns[f'index_nb{nb}'] = (functools.partial(
+        index_kernel.select_blocks_BGTK, interpret=cfg.interpret,
+        blocks_per_program=nb, **kw), (qi, ki, off))
   if tuned is not None:
     fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned), args)
     fns['msa_tuned_xla_topk'] = (functools.partial(

@@ -230,37 +230,42 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, block_size,
                      backend, interpret, kv_valid_BS=None,
-                     gpu_kernels='kv_outer'):
+                     gpu_kernels='kv_outer', kv_config=None):
   """Main branch on the kernels: (out_BTHD, lse_BTH), differentiable.
 
   kv_valid_BS: bool [B, S], False at padding keys (None: all valid).
-  gpu_kernels: see sparse_forward / sparse_backward.
+  gpu_kernels: see sparse_forward / sparse_backward. kv_config: the
+  KV-outer forward's knobs (kv_outer.ForwardConfig; the backward's kernels
+  are the same whatever it is).
   """
   b, s = k_BSGD.shape[:2]
   valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
            else jnp.asarray(kv_valid_BS).astype(jnp.int32))
   return _sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid,
-                           block_size, backend, interpret, gpu_kernels)
+                           block_size, backend, interpret, gpu_kernels,
+                           kv_config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
-                      block_size, backend, interpret, gpu_kernels):
+                      block_size, backend, interpret, gpu_kernels, kv_config):
   return sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                         block_size=block_size, backend=backend,
-                        interpret=interpret, gpu_kernels=gpu_kernels)
+                        interpret=interpret, gpu_kernels=gpu_kernels,
+                        kv_config=kv_config)
 
 
 def _sparse_attention_fwd(q, k, v, sel, off, valid, block_size, backend,
-                          interpret, gpu_kernels):
+                          interpret, gpu_kernels, kv_config):
   out, lse = sparse_forward(q, k, v, sel, off, valid, block_size=block_size,
                             backend=backend, interpret=interpret,
-                            gpu_kernels=gpu_kernels)
+                            gpu_kernels=gpu_kernels, kv_config=kv_config)
   return (out, lse), (q, k, v, sel, off, valid, out, lse)
 
 
-def _sparse_attention_bwd(block_size, backend, interpret, gpu_kernels, res,
-                          cts):
+def _sparse_attention_bwd(block_size, backend, interpret, gpu_kernels,
+                          kv_config, res, cts):
+  del kv_config  # the forward's knobs only
   q, k, v, sel, off, valid, out, lse = res
   dout, dlse = cts
   dq, dk, dv = sparse_backward(q, k, v, sel, off, valid, out, lse, dout, dlse,
@@ -284,10 +289,9 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
 
   gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
   kv_outer.py) or 'token' (the fused selection and per-token kernels).
-  topk ('pallas' / 'xla'), fp8_scores and kv_config
-  (kv_outer.ForwardConfig) pick the GPU variants benchmark_gpu times
-  (index_kernel.select_blocks_BGTK); kv_config applies to the forward
-  only, so it is for inference (a gradient takes the default kernels).
+  topk ('pallas' / 'xla'), fp8_scores (index_kernel.select_blocks_BGTK)
+  and kv_config (kv_outer.ForwardConfig) pick the GPU variants
+  benchmark_gpu times.
   """
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
@@ -297,15 +301,9 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
       block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
       kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels), topk=topk,
       fp8_scores=fp8_scores)
-  if kv_config is not None:
-    out, lse = sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel, off_B, kv_valid_BS,
-                              block_size=block_size, backend=backend,
-                              interpret=interpret, gpu_kernels=gpu_kernels,
-                              kv_config=kv_config)
-  else:
-    out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B,
-                                block_size, backend, interpret, kv_valid_BS,
-                                gpu_kernels)
+  out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
+                              backend, interpret, kv_valid_BS, gpu_kernels,
+                              kv_config)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
 
 

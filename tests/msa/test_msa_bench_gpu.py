@@ -46,7 +46,9 @@ def test_every_phase_runs_and_reports(tmp_path):
   assert ('msa_tuned_s' in pre) == ('best' in tune)
   dec = out['decode'][0]
   for key in ('decode_msa_s', 'decode_msa_xla_topk_s', 'decode_index_s',
-              'decode_index_xla_topk_s', 'decode_main_s'):
+              'decode_index_xla_topk_s', 'decode_main_s',
+              *(f'decode_index_nb{nb}_s'
+                for nb in bg.DECODE_BLOCKS_PER_PROGRAM)):
     assert dec[key] > 0, key
   assert dec['decode_speedup_best'] >= dec['decode_speedup'] * (1 - 1e-5)
   # The docs' GPU table renders from the summary gpu_check_summary.py
@@ -109,7 +111,8 @@ def test_a_tuned_forward_is_timed_beside_the_default():
   assert bg.tuned_config({}) is None
   clock = bg._Clock(None)
   pre = bg.prefill(TINY, 128, clock, tuned)
-  for key in ('main_s', 'main_tuned_s', 'msa_s', 'msa_tuned_s'):
+  for key in ('main_s', 'main_tuned_s', 'msa_s', 'msa_tuned_s',
+              'msa_train_s', 'msa_train_tuned_s'):
     assert pre[key] > 0, key
   assert pre['tuned_config'] == tuned.label()
   assert pre['speedup_tuned'] == pytest.approx(
