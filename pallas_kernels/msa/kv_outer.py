@@ -377,17 +377,17 @@ def _forward_call(off_B, items, rows_BGJW, out_rows_BGJW, q_BXD, k_BSGD,
       reload_kv=_reload_kv(q_BXD.dtype), prefetch=config.prefetch,
       pair_order=pair_order)
   in_specs = _work_specs(b, g, n_items, (n_tiles, w), x, dp, k_BSGD.shape[1])
-  slab = pl.BlockSpec((None, None, n_tiles, w),
-                      lambda bb, gg, uu: (bb, gg, 0, 0))
   operands = [rows_BGJW, q_BXD, k_BSGD, v_BSGD, valid_BS]
   # Each program writes only its own tiles' rows of the (sequence, group)
   # slab.
   if pair_order:
-    in_specs.insert(5, slab)
+    # The out-row table rides beside the query-row table.
+    in_specs.insert(5, in_specs[4])
     operands.insert(1, out_rows_BGJW)
     n_rows = n_pairs * (rows_per_token // g) + 1  # + the spare row
     out_specs = [
-        pl.BlockSpec((None, None, n_rows, dp), lambda bb, gg, uu: (bb, gg, 0, 0)),
+        pl.BlockSpec((None, None, n_rows, dp),
+                     lambda bb, gg, uu: (bb, gg, 0, 0)),
         pl.BlockSpec((None, None, n_rows), lambda bb, gg, uu: (bb, gg, 0)),
     ]
     out_shape = [jax.ShapeDtypeStruct((b, g, n_rows, dp), q_BXD.dtype),
@@ -501,7 +501,7 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
                            scale=scale, interpret=interpret, config=config)
 
   def attend(sel_c, tiles, items):
-    tile_blk, tile_q, pair = tiles
+    _, tile_q, pair = tiles
     rows = tile_rows(tile_q, groups=g, heads_p=rp)
     if not config.pair_order:
       o, lse = call(items=items, rows_BGJW=rows, out_rows_BGJW=None,
