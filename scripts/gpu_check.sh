@@ -9,15 +9,17 @@
 #      reference in f32 and bf16; the expert-parallel layer; one RL step),
 #      under TESTS_TIME_LIMIT;
 #   2. experiments.bench_msa --device=gpu: ceilings, the reference check,
-#      prefill 8k/32k/128k (each kernel timed; forward+backward up to 32k),
-#      decode 32k/128k at batch 8, vs cuDNN. Its soft deadline is what is
+#      the tune phase (the KV-outer forward's variants at 32k), prefill
+#      32k/128k (each kernel and variant timed; forward+backward at 32k),
+#      decode 128k at batch 8, vs cuDNN. Its soft deadline is what is
 #      left of BUDGET minus a margin; a hard timeout backs it up;
 #   3. one JSON summary line, also written to $RESULTS, whatever happened.
 # DRY_RUN=1 runs the same plumbing on CPU (no GPU asserted, the gpu tests
 # skip, the bench at toy shapes in interpret mode: tests/test_gpu_check.py).
 # Environment: PYTHON (python3), WHEELS (.whl), SITE (/tmp/foremoe_site),
-# BUDGET (570 s for the whole call), SEQ_LENS (8192,32768,131072),
-# DECODE_LENS (32768,131072), BENCH_REPEATS (5), RESULTS
+# BUDGET (570 s for the whole call), SEQ_LENS (32768,131072: the targets'
+# lengths; the tune phase and each kernel's variants fill the rest of the
+# ten minutes), DECODE_LENS (131072), BENCH_REPEATS (5), RESULTS
 # (results/gpu_check.json), LOGDIR (/tmp/foremoe_gpu_check), TEST_WORKERS
 # (8: the lent machines have 16 cores), TEST_TIMEOUT (300 s per test),
 # TESTS_TIME_LIMIT (240 s).
@@ -26,8 +28,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/foremoe_site}
-SEQ_LENS=${SEQ_LENS:-8192,32768,131072}
-DECODE_LENS=${DECODE_LENS:-32768,131072}
+SEQ_LENS=${SEQ_LENS:-32768,131072}
+DECODE_LENS=${DECODE_LENS:-131072}
 BUDGET=${BUDGET:-570}
 START=$SECONDS
 RESULTS=${RESULTS:-results/gpu_check.json}

@@ -292,19 +292,25 @@ def error_text(e: Exception) -> str:
 
 def measure(fns: dict, repeats: int, budget_s: float = 0.05,
             max_calls: int = 200, spread: dict | None = None,
-            errors: dict | None = None) -> dict:
+            errors: dict | None = None,
+            compile_s: dict | None = None) -> dict:
   """Median seconds per call of each {name: (fn, args)}: compiled and run
   once first, then `repeats` interleaved timings of enough back-to-back
   calls (about budget_s each) that dispatch overhead is amortised.
   spread: when given, filled with (max - min) / median per name.
   errors: when given, a function that fails to compile or run is left out
   of the result and its error recorded here (name -> message), so one
-  broken kernel does not cost the others' timings; otherwise it raises."""
+  broken kernel does not cost the others' timings; otherwise it raises.
+  compile_s: when given, filled with each function's seconds to lower,
+  compile and run once (what a time-boxed run has to budget for)."""
   compiled = {}
   for name, (fn, args) in fns.items():
+    start = time.perf_counter()
     try:
       compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
       jax.block_until_ready(compiled[name][0](*args))
+      if compile_s is not None:
+        compile_s[name] = round(time.perf_counter() - start, 3)
     except Exception as e:  # pylint: disable=broad-except
       if errors is None:
         raise

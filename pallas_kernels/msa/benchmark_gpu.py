@@ -152,8 +152,8 @@ class GPUBench:
   # the fused selector alone took 0.92 s a call: results/gpu_check_h100).
   fused_max_len: int = 8192
   tune_len: int = 32768       # the tune phase's length
-  tune_budget_s: float = 90.0  # the tune phase starts no group past this
-  tune_group: int = 3         # variants timed beside the default at once
+  tune_budget_s: float = 75.0  # the tune phase starts no group past this
+  tune_group: int = 4         # variants timed beside the default at once
   repeats: int = 5            # interleaved
   check_len: int = 2048       # end-to-end error vs the dense reference
   matmul_n: int = 8192        # ceilings: an n^3 bf16 matmul
@@ -241,12 +241,14 @@ class _Clock:
     return self.left() > 0
 
 
-def _measure(cfg: GPUBench, fns: dict, **kw) -> tuple[dict, dict, dict]:
+def _measure(cfg: GPUBench, fns: dict, compile_s: dict | None = None,
+             **kw) -> tuple[dict, dict, dict]:
   """(medians, spreads, errors): a kernel that fails to compile or run is
-  left out and its error kept, and the others are still timed."""
+  left out and its error kept, and the others are still timed; compile_s,
+  when given, gets each one's compile-and-first-run seconds."""
   spread, errors = {}, {}
   med = benchmark.measure(fns, cfg.repeats, spread=spread, errors=errors,
-                          **kw)
+                          compile_s=compile_s, **kw)
   return med, spread, errors
 
 
@@ -386,13 +388,14 @@ def tune(cfg: GPUBench, clock: _Clock) -> dict:
   default = _main_forward(cfg, off, None)
   start = time.monotonic()
   ratio, secs, diff, defaults, todo = {}, {}, {}, [], list(TUNE)
+  compile_s = {}
   while (todo and clock.ok() and
          time.monotonic() - start < cfg.tune_budget_s):
     group, todo = todo[:cfg.tune_group], todo[cfg.tune_group:]
     fns = {'default': (default, (q, k, v, sel))}
     fns.update({c.label(): (_main_forward(cfg, off, c), (q, k, v, sel))
                 for c in group})
-    med, _, errs = _measure(cfg, fns)
+    med, _, errs = _measure(cfg, fns, compile_s)
     errors.update(errs)
     if 'default' not in med:
       break
@@ -410,6 +413,7 @@ def tune(cfg: GPUBench, clock: _Clock) -> dict:
         ratio[c.label()] = med['default'] / med[c.label()]
   row = {'tune_len': t, 'speedup_vs_default': ratio, 'variant_s': secs,
          'default_s': defaults, 'max_abs_diff_vs_default': diff,
+         'compile_s': compile_s,
          'wrong': sorted(set(secs) - set(ratio)),
          'not_timed': [c.label() for c in todo]}
   best = max(ratio, key=ratio.get, default=None)
@@ -463,11 +467,13 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
   if 'index' in errors:
     for name in ('index', 'msa', 'msa_tuned', 'index_fp8', 'msa_fp8'):
       fns.pop(name, None)
-  med, spread, errs = _measure(cfg, fns)
+  compile_s = {}
+  med, spread, errs = _measure(cfg, fns, compile_s)
   errors.update(errs)
   dense_f, msa_f = prefill_flops(cfg, t)
   index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
-  row = {'seq_len': t, 'flop_ratio': dense_f / msa_f, 'spread': spread}
+  row = {'seq_len': t, 'flop_ratio': dense_f / msa_f, 'spread': spread,
+         'compile_s': compile_s}
   row.update({f'{name}_s': sec for name, sec in med.items()})
   flops = {'dense': dense_f, 'msa': msa_f, 'index': index_f,
            'index_fp8': index_f}
@@ -496,7 +502,7 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
     if t <= cfg.fused_max_len:
       train['msa_train_token'] = (_grad_of_sum(
           lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
-    tmed, tspread, terrs = _measure(cfg, train)
+    tmed, tspread, terrs = _measure(cfg, train, compile_s)
     errors.update(terrs)
     row.update({f'{name}_s': sec for name, sec in tmed.items()})
     if (ratio := _ratio(tmed, 'dense_train', 'msa_train')) is not None:
@@ -534,21 +540,25 @@ def decode(cfg: GPUBench, s: int, impl: str,
          'index_xla_topk': (functools.partial(select, topk='xla'),
                             (qi, ki, off)),
          'main': (_main_forward(cfg, off, None), (q, k, v, sel))}
-  # The score launch's key span per program (default 16 blocks): at one
-  # query per sequence it sets how many programs stream the index keys.
-  for nb in DECODE_BLOCKS_PER_PROGRAM:
-    fns[f'index_nb{nb}'] = (functools.partial(
-        index_kernel.select_blocks_BGTK, interpret=cfg.interpret,
-        blocks_per_program=nb, **kw), (qi, ki, off))
   if tuned is not None:
     fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned), args)
-    fns['msa_tuned_xla_topk'] = (functools.partial(
-        msa, kv_config=tuned, topk='xla'), args)
-  med, spread, errs = _measure(cfg, fns, budget_s=0.2, max_calls=100)
+  if s == max(cfg.decode_lens):
+    # The score launch's key span per program (default 16 blocks): at one
+    # query per sequence it sets how many programs stream the index keys.
+    for nb in DECODE_BLOCKS_PER_PROGRAM:
+      fns[f'index_nb{nb}'] = (functools.partial(
+          index_kernel.select_blocks_BGTK, interpret=cfg.interpret,
+          blocks_per_program=nb, **kw), (qi, ki, off))
+    if tuned is not None:
+      fns['msa_tuned_xla_topk'] = (functools.partial(
+          msa, kv_config=tuned, topk='xla'), args)
+  compile_s = {}
+  med, spread, errs = _measure(cfg, fns, compile_s, budget_s=0.2,
+                               max_calls=100)
   errors.update(errs)
   dense_f, msa_f = decode_flops(cfg, s)
   row = {'cache_len': s, 'batch': b, 'decode_flop_ratio': dense_f / msa_f,
-         'spread': spread}
+         'spread': spread, 'compile_s': compile_s}
   row.update({f'decode_{name}_s': sec for name, sec in med.items()})
   if (ratio := _ratio(med, 'dense', 'msa')) is not None:
     row['decode_speedup'] = ratio
