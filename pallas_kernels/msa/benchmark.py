@@ -52,7 +52,7 @@ class MSABench:
   index_dim: int = 128       # dI
   block_size: int = 128      # B in the formula (C in shape names)
   top_k: int = 16            # K
-  repeats: int = 3           # interleaved; 2 past 16k to bound the run time
+  repeats: int = 3           # interleaved, at every length
   dense_q_chunk: int = 256
   causal_chunk: int = 512    # flash-style dense: query and key chunk
   decode_cache_lens: tuple[int, ...] = (8192, 32768, 131072)
@@ -197,7 +197,10 @@ def run_length(cfg: MSABench, t: int) -> dict:
   fns = {name: (fn.lower(*args).compile(), args)
          for name, (fn, args) in fns.items()}
   times = {name: [] for name in fns}
-  repeats = cfg.repeats if t <= 16384 else min(cfg.repeats, 2)
+  # As many at the longest length as at the others: its speedup is the one
+  # against the target, and a median of two is only their mean (one
+  # 32k run's two repetitions gave 3.19 and 2.54).
+  repeats = cfg.repeats
   for _ in range(repeats):
     for name, (fn, args) in fns.items():
       times[name].append(_time(fn, args))
@@ -293,7 +296,8 @@ def error_text(e: Exception) -> str:
 def measure(fns: dict, repeats: int, budget_s: float = 0.05,
             max_calls: int = 200, spread: dict | None = None,
             errors: dict | None = None,
-            compile_s: dict | None = None) -> dict:
+            compile_s: dict | None = None,
+            outputs: dict | None = None) -> dict:
   """Median seconds per call of each {name: (fn, args)}: compiled and run
   once first, then `repeats` interleaved timings of enough back-to-back
   calls (about budget_s each) that dispatch overhead is amortised.
@@ -302,15 +306,19 @@ def measure(fns: dict, repeats: int, budget_s: float = 0.05,
   of the result and its error recorded here (name -> message), so one
   broken kernel does not cost the others' timings; otherwise it raises.
   compile_s: when given, filled with each function's seconds to lower,
-  compile and run once (what a time-boxed run has to budget for)."""
+  compile and run once (what a time-boxed run has to budget for).
+  outputs: when given, filled with each function's result from that first
+  run (to check variants against each other without compiling again)."""
   compiled = {}
   for name, (fn, args) in fns.items():
     start = time.perf_counter()
     try:
       compiled[name] = (jax.jit(fn).lower(*args).compile(), args)
-      jax.block_until_ready(compiled[name][0](*args))
+      out = jax.block_until_ready(compiled[name][0](*args))
       if compile_s is not None:
         compile_s[name] = round(time.perf_counter() - start, 3)
+      if outputs is not None:
+        outputs[name] = out
     except Exception as e:  # pylint: disable=broad-except
       if errors is None:
         raise
