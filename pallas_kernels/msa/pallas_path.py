@@ -173,12 +173,19 @@ def _check_gpu_kernels(gpu_kernels: str):
 
 def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                     out_BTHD, lse_BTH, dout_BTHD, dlse_BTH, *, block_size,
-                    backend, interpret, gpu_kernels='kv_outer'):
+                    backend, interpret, gpu_kernels='kv_outer',
+                    parts: str = 'all'):
   """(dq, dk, dv) in the input dtypes.
 
   GPU, gpu_kernels='kv_outer': dq per token, dK/dV KV-outer, no atomics
   (deterministic); 'token': one kernel, dK/dV by float32 atomics.
+  parts ('kv_outer' only): 'dq' or 'dkv' runs that kernel alone (the
+  others come back None), so a benchmark can time each.
   """
+  if parts not in ('all', 'dq', 'dkv'):
+    raise ValueError(f"parts must be 'all', 'dq' or 'dkv', got {parts!r}.")
+  if parts != 'all' and (backend != 'gpu' or gpu_kernels != 'kv_outer'):
+    raise ValueError("parts='dq' / 'dkv' is for the GPU's KV-outer kernels.")
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
@@ -210,22 +217,24 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
   rows = lambda x, rp: _pad_axis(x.reshape(b, t, g, r), 3, rp)
   k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
   v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
-  out = backward_kernel.backward_gpu(
-      _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p, _pad_axis(sel_BGTK, 3, kp, -1),
-      off_B, valid, _to_gpu_q(dout, g, rp, dp), rows(lse_BTH, rp),
-      rows(delta_BTH, rp), block_size=block_size, scale=scale,
-      interpret=interpret, with_dkv=gpu_kernels == 'token')
-  if gpu_kernels == 'token':
-    dq, dk, dv = out
-  else:
-    dq, rk = out, _kv_outer_heads(r, t)
+  dq = dk = dv = None
+  if parts != 'dkv':
+    out = backward_kernel.backward_gpu(
+        _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p,
+        _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid,
+        _to_gpu_q(dout, g, rp, dp), rows(lse_BTH, rp), rows(delta_BTH, rp),
+        block_size=block_size, scale=scale, interpret=interpret,
+        with_dkv=gpu_kernels == 'token')
+    dq, dk, dv = out if gpu_kernels == 'token' else (out, None, None)
+  if gpu_kernels == 'kv_outer' and parts != 'dq':
+    rk = _kv_outer_heads(r, t)
     dk, dv = kv_outer.dkv(
         _to_gpu_q(q_BTHD, g, rk, dp), k_p, v_p, sel_BGTK, off_B, valid,
         _to_gpu_q(dout, g, rk, dp), rows(lse_BTH, rk), rows(delta_BTH, rk),
         block_size=block_size, scale=scale, interpret=interpret)
-  return (dq[:, :, :, :r, :d].reshape(b, t, h, d),
-          dk[:, :s, :, :d].astype(k_BSGD.dtype),
-          dv[:, :s, :, :d].astype(v_BSGD.dtype))
+  return (None if dq is None else dq[:, :, :, :r, :d].reshape(b, t, h, d),
+          None if dk is None else dk[:, :s, :, :d].astype(k_BSGD.dtype),
+          None if dv is None else dv[:, :s, :, :d].astype(v_BSGD.dtype))
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, block_size,

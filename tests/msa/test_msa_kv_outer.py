@@ -180,6 +180,24 @@ def test_gradients_through_a_forward_config_equal_the_default():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
+def test_backward_parts_are_the_whole_backwards_parts():
+  (q, kk, v, w, sel), (b, _, _, _, _, _, c, _, o) = _selection('gqa', seed=5)
+  off = jnp.full((b,), o, jnp.int32)
+  out, lse = pallas_path.sparse_forward(q, kk, v, sel, off, None, block_size=c,
+                                        backend='gpu', interpret=True)
+  run = lambda parts: jax.jit(lambda q, k_, v_: pallas_path.sparse_backward(
+      q, k_, v_, sel, off, None, out, lse, w, None, block_size=c,
+      backend='gpu', interpret=True, parts=parts))(q, kk, v)
+  whole, dq, dkv = run('all'), run('dq'), run('dkv')
+  assert dq[1] is None and dq[2] is None and dkv[0] is None
+  for a, e in zip((dq[0], dkv[1], dkv[2]), whole):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  with pytest.raises(ValueError, match='parts'):
+    pallas_path.sparse_backward(q, kk, v, sel, off, None, out, lse, w, None,
+                                block_size=c, backend='tpu', interpret=True,
+                                parts='dq')
+
+
 def test_pair_order_decode_equals_reference():
   b, s, g, r, d, di, c, k = 3, 120, 2, 3, 16, 8, 16, 4
   q, kk, v, qi, ki, _ = lib.make_inputs(b, 1, s, g, r, d, di)
