@@ -153,7 +153,7 @@ class GPUBench:
   # the fused selector alone took 0.92 s a call: results/gpu_check_h100).
   fused_max_len: int = 8192
   tune_len: int = 32768       # the tune phase's length
-  tune_budget_s: float = 75.0  # the tune phase starts no group past this
+  tune_budget_s: float = 60.0  # the tune phase starts no group past this
   tune_group: int = 4         # variants timed beside the default at once
   repeats: int = 5            # interleaved
   check_len: int = 2048       # end-to-end error vs the dense reference
