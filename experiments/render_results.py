@@ -997,8 +997,9 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                         if 'msa_train_s' in r else '-')),
             ('fwd+bwd ms, per-token atomics',
              lambda r: _ms(r.get('msa_train_token_s'))),
-            ('bwd kernels ms: dQ / dK,dV', lambda r: (
+            ('bwd kernels ms: dQ / dK,dV (prefetch)', lambda r: (
                 f"{_ms(r['bwd_dq_s'])} / {_ms(r.get('bwd_dkv_s'))}"
+                f" ({_ms(r.get('bwd_dkv_prefetch_s'))})"
                 if 'bwd_dq_s' in r else '-'))]
     lines += ['', _table(['seq_len', *[c[0] for c in cols]],
                          [[_f(r['seq_len']), *[c[1](r) for c in cols]]

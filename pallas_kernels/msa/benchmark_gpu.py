@@ -23,7 +23,8 @@ Phases, in this order, each timed in interleaved repetitions in one process
   train     up to train_max_len: the gradient of sum(out) w.r.t. q, k, v,
             dense vs the main branch on a fixed selection (KV-outer dK/dV
             without atomics; and the per-token atomics backward); the
-            backward's dQ and dK/dV kernels each alone (bwd_dq, bwd_dkv).
+            backward's dQ and dK/dV kernels each alone (bwd_dq, bwd_dkv;
+            bwd_dkv_prefetch: its next-tile prefetch variant).
   decode    per decode_len: one new token for each of decode_batch
             sequences against full caches: dense vs selection + split-K
             attention; each half alone (index, main), and the variants
@@ -507,12 +508,15 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
     # The backward's two kernels alone (with their XLA glue), on the
     # forward's out and LSE and the cotangent of sum(out).
     fwd_out, fwd_lse = jax.jit(main)(q, k, v, sel)
-    bwd = lambda parts: (lambda q, k, v, o, l: pallas_path.sparse_backward(
-        q, k, v, sel, off, None, o, l, jnp.ones_like(o), None,
-        block_size=cfg.block_size, backend='gpu', interpret=cfg.interpret,
-        parts=parts))
+    bwd = lambda parts, **kw: (
+        lambda q, k, v, o, l: pallas_path.sparse_backward(
+            q, k, v, sel, off, None, o, l, jnp.ones_like(o), None,
+            block_size=cfg.block_size, backend='gpu',
+            interpret=cfg.interpret, parts=parts, **kw))
     for parts in ('dq', 'dkv'):
       train[f'bwd_{parts}'] = (bwd(parts), (q, k, v, fwd_out, fwd_lse))
+    train['bwd_dkv_prefetch'] = (bwd('dkv', dkv_prefetch=True),
+                                 (q, k, v, fwd_out, fwd_lse))
     tmed, tspread, terrs = _measure(cfg, train, compile_s)
     errors.update(terrs)
     row.update({f'{name}_s': sec for name, sec in tmed.items()})

@@ -269,13 +269,15 @@ def _forward_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, *refs,
 def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                 k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, dk_ref,
                 dv_ref, *, block_size: int, rows_per_token: int, scale: float,
-                precision, reload_kv: bool, parts: int):
+                precision, reload_kv: bool, parts: int, prefetch: bool):
   """One key block's partial dK, dV (float32, in registers) over `count`
   of its tiles: p recomputed from the forward's LSE, ds = p (dO V^T -
   delta). With parts > 1 a program owns one part of the block's keys
   (grid axis 2 is item x part): every term is per key, so the parts are
-  independent."""
+  independent. With prefetch the next tile's rows (q, dO, LSE, delta) are
+  gathered before this tile's dots, as in the forward."""
   blk, first, count = blk_ref[0], first_ref[0], count_ref[0]
+  n = jnp.where(blk >= 0, count, 0)
   dp = k_ref.shape[-1]
   sub = block_size // parts
   part = pl.program_id(2) % parts
@@ -283,28 +285,31 @@ def _dkv_kernel(off_ref, blk_ref, first_ref, count_ref, rows_ref, q_ref,
                             sub)
   held = None if reload_kv else load()
 
-  def visit(i, carry):
-    dk_CD, dv_CD = carry
-    k_CD, v_CD, start, ok_1C = load() if reload_kv else held
+  def tile(i):
     rows_W = rows_ref[first + i, :]
-    q_WD = _gather_queries(rows_W, q_ref)
+    rows_c = jnp.maximum(rows_W, 0)
+    return (rows_W, _gather_queries(rows_W, q_ref), do_ref[rows_c, :],
+            lse_ref[rows_c][:, None], delta_ref[rows_c][:, None])
+
+  def visit(i, carry):
+    dk_CD, dv_CD, nxt = carry
+    rows_W, q_WD, do_WD, lse_W1, delta_W1 = nxt if prefetch else tile(i)
+    if prefetch:
+      nxt = tile(jnp.minimum(i + 1, n - 1))
+    k_CD, v_CD, start, ok_1C = load() if reload_kv else held
     s_WC, mask_WC = _tile_scores(
         off_ref, blk, rows_W, q_WD, k_CD, start, ok_1C,
         rows_per_token=rows_per_token, scale=scale, precision=precision)
-    rows_c = jnp.maximum(rows_W, 0)
-    do_WD = do_ref[rows_c, :]
-    lse_W1 = lse_ref[rows_c][:, None]
-    delta_W1 = delta_ref[rows_c][:, None]
     p_WC = jnp.where(mask_WC, jnp.exp(s_WC - lse_W1), 0.0)
     ds_WC = p_WC * (kc.dot_nt(do_WD, v_CD, precision) - delta_W1)
     dv_CD = dv_CD + kc.dot_tn(p_WC.astype(do_WD.dtype), do_WD, precision)
     dk_CD = dk_CD + kc.dot_tn(ds_WC.astype(q_WD.dtype), q_WD,
                               precision) * scale
-    return dk_CD, dv_CD
+    return dk_CD, dv_CD, nxt
 
   zeros = jnp.zeros((sub, dp), jnp.float32)
-  dk_CD, dv_CD = jax.lax.fori_loop(0, jnp.where(blk >= 0, count, 0), visit,
-                                   (zeros, zeros))
+  dk_CD, dv_CD, _ = jax.lax.fori_loop(
+      0, n, visit, (zeros, zeros, tile(0) if prefetch else 0))
   dk_ref[...] = dk_CD
   dv_ref[...] = dv_CD
 
@@ -591,12 +596,14 @@ def _sum_items(part_BGUCD, first_item_BGN, items_BGN):
 def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
         lse_BTGR, delta_BTGR, *, block_size: int, scale: float,
         interpret: bool, q_per_tile: int | None = None,
-        tiles_per_program: int | None = None):
+        tiles_per_program: int | None = None, prefetch: bool = False):
   """(dk_BSGD f32, dv_BSGD f32), KV-outer, without atomics.
 
   tiles_per_program: by default twice a block's mean tile count, so most
   blocks are one program and the partial sums stay near 1.5x dK's size;
   a block most queries select is split over several programs.
+  prefetch: the next tile's gathers before this tile's dots (timed against
+  the default by the GPU bench; the same bits).
   """
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
@@ -621,7 +628,7 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   kernel = functools.partial(
       _dkv_kernel, block_size=block_size, rows_per_token=g * rp, scale=scale,
       precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret),
-      reload_kv=_reload_kv(q_BTGRD.dtype), parts=parts)
+      reload_kv=_reload_kv(q_BTGRD.dtype), parts=parts, prefetch=prefetch)
   dk_u, dv_u = kc.pallas_call(
       kernel,
       grid=(b, g, n_items * parts),

@@ -255,6 +255,13 @@ def test_split_work_is_bit_identical_to_one_program_per_block():
   whole, split = run(1000), run(1)
   for a, e in zip(split, whole):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  # The prefetch variant gathers earlier and computes the same bits (at
+  # two tiles a program, so a program's loop runs past its first tile).
+  pair = lambda pre: jax.jit(functools.partial(
+      kv_outer.dkv, block_size=c, scale=1 / math.sqrt(d), interpret=True,
+      tiles_per_program=2, prefetch=pre))(*args)
+  for a, e in zip(pair(True), pair(False)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
   # The forward's programs split the same way, with the same result.
   fwd = lambda n: jax.jit(functools.partial(
       kv_outer.forward, block_size=c, scale=1 / math.sqrt(d), interpret=True,
@@ -350,6 +357,12 @@ def test_kernels_lower_for_cuda(dtype):
   assert 'msa_backward_gpu' not in text  # no atomics kernel
   # The forward's timed variants lower too (scatter stores, the prefetch
   # carry, other warp and stage counts).
+  text = jax.jit(lambda q, keys, values, sel, off: pallas_path.sparse_backward(
+      q, keys, values, sel, off, None, q, jnp.zeros(q.shape[:3], jnp.float32),
+      q, None, block_size=c, backend='gpu', interpret=False, parts='dkv',
+      dkv_prefetch=True)).trace(q, kv, kv, sel, off).lower(
+          lowering_platforms=('cuda',)).as_text()
+  assert 'msa_kv_outer_dkv' in text  # the dK/dV prefetch variant lowers
   for config in (kv_outer.ForwardConfig(pair_order=True, prefetch=True),
                  kv_outer.ForwardConfig(prefetch=True, num_warps=4,
                                         num_stages=3, q_per_tile=4)):
