@@ -249,6 +249,10 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
     raise ValueError(f"topk must be 'pallas' or 'xla', got {topk!r}.")
   dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
   if fp8_scores:
+    if kv_valid_BS is not None:
+      # Padding keys are masked anyway; they must not set the keys' scale.
+      ki_BSI = jnp.where(jnp.asarray(kv_valid_BS, bool)[..., None], ki_BSI,
+                         jnp.zeros((), ki_BSI.dtype))
     qi_BTGI = to_fp8(qi_BTGI, axis=-1)
     ki_BSI = to_fp8(ki_BSI, axis=(1, 2))
     dtype = jnp.float8_e4m3fn

@@ -124,6 +124,21 @@ def test_fp8_scores_keep_the_coarse_margin_rule():
   lib.check_selection_invariants(sel, c, 0)
 
 
+def test_fp8_padding_keys_do_not_set_the_key_scale():
+  # A huge padding key would shrink every real key's e4m3 scale to nothing
+  # if it counted; masked out first, the selection is the exact one.
+  b, t, s, g, di, c, k = 1, 64, 64, 2, 8, 16, 4
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=5)
+  valid = np.ones((b, s), bool)
+  valid[0, :5] = False
+  ki = ki.at[0, 2].set(jnp.asarray(1e6, ki.dtype))
+  sel = _select(qi, ki, np.zeros(b, np.int32), c, k,
+                valid=jnp.asarray(valid), fp8_scores=True)
+  want = lib.brute_force_selection(qi.astype(jnp.float32),
+                                   ki.astype(jnp.float32), c, k, 0, valid)
+  np.testing.assert_array_equal(np.asarray(sel), want)
+
+
 def test_f32_random_inputs_equal_the_reference():
   b, t, s, g, di, c, k, o = CASES['ragged_chunk']
   _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, 1, 8, di)
