@@ -370,12 +370,12 @@ def _selection(cfg: GPUBench, qi, ki, off, errors: dict):
     return jax.jit(functools.partial(xla.selection_BGTK, **kw))(qi, ki), select
 
 
-def _main_forward(cfg: GPUBench, off, config):
-  """The main branch's forward alone on a fixed selection, with the
-  KV-outer knobs `config`."""
-  return lambda q, k, v, sel: pallas_path.sparse_forward(
-      q, k, v, sel, off, None, block_size=cfg.block_size, backend='gpu',
-      interpret=cfg.interpret, kv_config=config)
+def _main_branch(cfg: GPUBench, off, config=None, gpu_kernels='kv_outer'):
+  """The main branch alone on a fixed selection (differentiable), with the
+  KV-outer knobs `config`, or the per-token kernels."""
+  return lambda q, k, v, sel: pallas_path.sparse_attention(
+      q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
+      gpu_kernels=gpu_kernels, kv_config=config)
 
 
 def tune(cfg: GPUBench, clock: _Clock) -> dict:
@@ -387,7 +387,7 @@ def tune(cfg: GPUBench, clock: _Clock) -> dict:
   off = jnp.zeros((1,), jnp.int32)
   errors = {}
   sel, _ = _selection(cfg, qi, ki, off, errors)
-  default = _main_forward(cfg, off, None)
+  default = _main_branch(cfg, off)
   start = time.monotonic()
   ratio, secs, diff, defaults, todo = {}, {}, {}, [], list(TUNE)
   compile_s = {}
@@ -395,7 +395,7 @@ def tune(cfg: GPUBench, clock: _Clock) -> dict:
          time.monotonic() - start < cfg.tune_budget_s):
     group, todo = todo[:cfg.tune_group], todo[cfg.tune_group:]
     fns = {'default': (default, (q, k, v, sel))}
-    fns.update({c.label(): (_main_forward(cfg, off, c), (q, k, v, sel))
+    fns.update({c.label(): (_main_branch(cfg, off, c), (q, k, v, sel))
                 for c in group})
     outs = {}
     med, _, errs = _measure(cfg, fns, compile_s, outputs=outs)
@@ -442,15 +442,14 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
                           backend='gpu', interpret=cfg.interpret, **kw)
   errors = {}
   sel, select = _selection(cfg, qi, ki, off, errors)
-  main = lambda q, k, v, sel: pallas_path.sparse_attention(
-      q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret)
+  main = _main_branch(cfg, off)
   dense = functools.partial(dense_prefill, implementation=cfg.dense_impl)
   fns = {'dense': (dense, (q, k, v)),
          'msa': (msa, (q, k, v, qi, ki)),
          'index': (select, (qi, ki, off)),
          'main': (main, (q, k, v, sel))}
   if tuned is not None:
-    fns['main_tuned'] = (_main_forward(cfg, off, tuned), (q, k, v, sel))
+    fns['main_tuned'] = (_main_branch(cfg, off, tuned), (q, k, v, sel))
     fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned),
                         (q, k, v, qi, ki))
   # fp8 index scores (an approximate selection: reported apart), with the
@@ -459,9 +458,7 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
                       (qi, ki, off))
   fns['msa_fp8'] = (functools.partial(msa, fp8_scores=True, kv_config=tuned),
                     (q, k, v, qi, ki))
-  main_token = lambda q, k, v, sel: pallas_path.sparse_attention(
-      q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
-      gpu_kernels='token')
+  main_token = _main_branch(cfg, off, gpu_kernels='token')
   if t <= cfg.fused_max_len:
     # The previous kernels, side by side, where they finish in time.
     fns['index_fused'] = (functools.partial(select, gpu_method='fused'),
@@ -498,10 +495,9 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
              'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
                            (q, k, v))}
     if tuned is not None:
+      main_tuned = _main_branch(cfg, off, tuned)
       train['msa_train_tuned'] = (_grad_of_sum(
-          lambda q, k, v: pallas_path.sparse_attention(
-              q, k, v, sel, off, cfg.block_size, 'gpu', cfg.interpret,
-              kv_config=tuned)), (q, k, v))
+          lambda q, k, v: main_tuned(q, k, v, sel)), (q, k, v))
     if t <= cfg.fused_max_len:
       train['msa_train_token'] = (_grad_of_sum(
           lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
@@ -542,10 +538,8 @@ def decode(cfg: GPUBench, s: int, impl: str,
   dense = functools.partial(benchmark.dense_decode, implementation=impl)
   msa = functools.partial(pallas_path.msa_decode, backend='gpu',
                           interpret=cfg.interpret, **kw)
-  select = functools.partial(select_kernel.select_blocks_BGTK, backend='gpu',
-                             interpret=cfg.interpret, **kw)
   errors = {}
-  sel = _selection(cfg, qi, ki, off, errors)[0]
+  sel, select = _selection(cfg, qi, ki, off, errors)
   args = (q[:, 0], k, v, qi[:, 0], ki, lengths)
   fns = {'dense': (dense, (q[:, 0], k, v, lengths)),
          'msa': (msa, args),
@@ -554,7 +548,7 @@ def decode(cfg: GPUBench, s: int, impl: str,
          'index': (select, (qi, ki, off)),
          'index_xla_topk': (functools.partial(select, topk='xla'),
                             (qi, ki, off)),
-         'main': (_main_forward(cfg, off, None), (q, k, v, sel))}
+         'main': (_main_branch(cfg, off), (q, k, v, sel))}
   if tuned is not None:
     fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned), args)
   if s == max(cfg.decode_lens):

@@ -140,15 +140,15 @@ def test_a_variant_that_computes_something_else_never_counts(monkeypatch):
   # reported as wrong and never becomes the tuned forward.
   bad = bg.kv_outer.ForwardConfig(num_warps=2)
   monkeypatch.setattr(bg, 'TUNE', (bad,))
-  real = bg._main_forward
+  real = bg._main_branch
 
-  def planted(cfg, off, config):
-    f = real(cfg, off, config)
+  def planted(cfg, off, config=None, **kw):
+    f = real(cfg, off, config, **kw)
     if config != bad:
       return f
     return lambda *a: (f(*a)[0] + 0.5, f(*a)[1])
 
-  monkeypatch.setattr(bg, '_main_forward', planted)
+  monkeypatch.setattr(bg, '_main_branch', planted)
   row = bg.tune(TINY, bg._Clock(None))
   assert row['wrong'] == [bad.label()]
   assert row['max_abs_diff_vs_default'][bad.label()] == pytest.approx(0.5,
