@@ -32,6 +32,7 @@ from flax import nnx
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.model import attention, expert_parallel, layers, moe, router
+from pallas_kernels import msa
 from pallas_kernels.msa import distill
 
 
@@ -296,11 +297,19 @@ class Transformer(nnx.Module):
     return xs
 
   def init_cache(self, batch: int, max_len: int):
+    """One KVCache per layer for up to max_len tokens. An MSA layer's is
+    as long as its decode kernels read in place (slots past max_len are
+    never attended: decode is causal), so no step copies the cache."""
     cfg = self.cfg
-    return [attention.init_kv_cache(
-        batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
-        index_dim=cfg.msa_index_dim if t == 'msa' else None)
-            for t in config_lib.layer_attention_types(cfg)]
+    caches = []
+    for t in config_lib.layer_attention_types(cfg):
+      msa_layer = t == 'msa'
+      length = (msa.decode_cache_len(max_len, block_size=cfg.msa_block_size)
+                if msa_layer else max_len)
+      caches.append(attention.init_kv_cache(
+          batch, length, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
+          index_dim=cfg.msa_index_dim if msa_layer else None))
+    return caches
 
 
 def _scan_segment(stack, x, layer_xs, *, positions_BT, valid_BT,

@@ -9,10 +9,11 @@ key-centric), the Pallas kernels `select_kernel` (a), `forward_kernel` (b),
 `indexer_loss` (the KL that trains the indexer), and `api`, which the model
 calls.
 """
+from pallas_kernels.msa.api import decode_cache_len
 from pallas_kernels.msa.api import msa_attention
 from pallas_kernels.msa.api import msa_decode
 from pallas_kernels.msa.api import msa_indexer_kl_loss
 from pallas_kernels.msa.api import resolve_impl
 
-__all__ = ['msa_attention', 'msa_decode', 'msa_indexer_kl_loss',
-           'resolve_impl']
+__all__ = ['decode_cache_len', 'msa_attention', 'msa_decode',
+           'msa_indexer_kl_loss', 'resolve_impl']

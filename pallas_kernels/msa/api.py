@@ -10,6 +10,8 @@ numbers (tests/msa holds them to the reference):
   out_BHD, aux = msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI,
                             ki_cache_BSI, lengths_B, block_size=..., top_k=...)
 
+and sizes its KV cache with decode_cache_len(max_len, block_size=...).
+
 Each takes kv_valid_BS (bool [B, S], None: every key is real): padding keys
 are masked in both branches (docs/design.md §6.9). Blocks stay at absolute
 positions; the model aligns a left-padded row's first real token to a block
@@ -183,7 +185,8 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
     q_BHD: the new token's queries [B, H, D].
     k_cache_BSGD, v_cache_BSGD: caches [B, S, G, D] that already hold the new
       token's key/value at position lengths_B - 1; entries past the length
-      are ignored. S a multiple of block_size avoids a pad (a copy).
+      are ignored. S = decode_cache_len(max_len) avoids a pad (a copy of
+      the cache) at every step.
     qi_BGI: the new token's index queries [B, G, I].
     ki_cache_BSI: index-key cache [B, S, I], filled like k_cache.
     lengths_B: int [B], valid cache entries per sequence, new token included
@@ -225,3 +228,20 @@ def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,
                                 ki_cache_BSI, jnp.asarray(lengths_B),
                                 backend=backend, interpret=interpret,
                                 gpu_kernels=_gpu_kernels(gpu_kernels), **kw)
+
+
+def decode_cache_len(max_len: int, *, block_size: int, impl: str = 'auto',
+                     pallas_backend: str | None = None) -> int:
+  """The KV-cache length to allocate for decoding up to max_len tokens.
+
+  The Pallas decode pads a cache whose length is not a whole number of its
+  tiles, a copy of the whole cache at every step; this rounds max_len up
+  to the least length it reads in place (pallas_path.decode_cache_len).
+  The XLA path reads any length in place: max_len itself.
+  """
+  if max_len < 1:
+    raise ValueError(f'max_len must be >= 1, got {max_len}.')
+  impl, backend, _ = resolve_impl(impl, pallas_backend)
+  if impl != 'pallas':
+    return int(max_len)
+  return pallas_path.decode_cache_len(int(max_len), block_size, backend)

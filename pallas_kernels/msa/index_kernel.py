@@ -217,6 +217,15 @@ def score_tiling(dtype, block_size: int, row_tile: int):
   return min(row_tile, 64), min(block_size, 64), 1
 
 
+def key_span(num_keys: int, block_size: int,
+             blocks_per_program: int | None = None) -> int:
+  """Keys one score program reads (its `blocks_per_program` blocks): the
+  keys are padded to a multiple of it, so a decode cache whose length is
+  one (`pallas_path.decode_cache_len`) is read in place, not copied."""
+  n_p = kc.next_pow2(-(-num_keys // block_size))
+  return min(blocks_per_program or max(1, 2048 // block_size), n_p) * block_size
+
+
 def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        block_size: int, top_k: int, interpret: bool,
                        row_tile: int = 128, blocks_per_program: int | None = None,
@@ -260,8 +269,9 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   ip = max(16, kc.next_pow2(di))
   n_blocks = -(-s // block_size)
   n_p = kc.next_pow2(n_blocks)
-  nb = min(blocks_per_program or max(1, 2048 // block_size), n_p)
-  sp = kc.round_up(s, nb * block_size)
+  span = key_span(s, block_size, blocks_per_program)
+  nb = span // block_size
+  sp = kc.round_up(s, span)
   # Keys: padded only where the shape needs it (a decode cache whose length
   # is a multiple of the span is used in place, in its own dtype).
   ki = ki_BSI.astype(dtype)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from pallas_kernels.msa import backward_kernel
 from pallas_kernels.msa import decode_kernel
 from pallas_kernels.msa import forward_kernel
+from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import kernel_common as kc
 from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import select_kernel
@@ -316,6 +317,30 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
                               backend, interpret, kv_valid_BS, gpu_kernels,
                               kv_config)
   return out, {'sel_BGTK': sel, 'lse_BTH': lse}
+
+
+def decode_cache_len(length: int, block_size: int, backend: str) -> int:
+  """The least cache length >= `length` that msa_decode reads in place.
+
+  Every decode step hands the whole cache to the kernels, and a length they
+  would pad (K/V to whole blocks; on the GPU the index keys to whole score
+  spans, `index_kernel.key_span`; on the TPU to whole selection chunks) is
+  a copy of the cache per step and layer. Decode is causal (slots past a
+  row's length are never read), so a cache allocated this long costs only
+  the unused slots' memory.
+  """
+  if length < 1:
+    raise ValueError(f'length must be >= 1, got {length}.')
+  if backend == 'tpu':
+    return kc.round_up(length, block_size * select_kernel.CHUNK_BLOCKS)
+  if backend != 'gpu':
+    raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}.")
+  # The span grows with the length (more blocks, up to its cap), so round
+  # until the length is a whole number of its own spans.
+  s = kc.round_up(length, block_size)
+  while s % index_kernel.key_span(s, block_size):
+    s = kc.round_up(s, index_kernel.key_span(s, block_size))
+  return s
 
 
 def msa_decode(q_BHD, k_cache_BSGD, v_cache_BSGD, qi_BGI, ki_cache_BSI,

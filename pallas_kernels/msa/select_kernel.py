@@ -39,6 +39,8 @@ from pallas_kernels.msa import kernel_common as kc
 
 NEG_INF = float('-inf')
 HIGHEST = jax.lax.Precision.HIGHEST
+# TPU: key blocks per streamed chunk (the keys are padded to whole chunks).
+CHUNK_BLOCKS = 4
 
 
 def insert_candidate(vals, ids, score, block_id, n_live: int):
@@ -231,7 +233,7 @@ def _select_gpu(qi_BGTI, ki_BSI, valid_BS, offset_B, *, block_size, top_k,
 def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
                        top_k: int, backend: str, interpret: bool,
                        q_tile: int | None = None,
-                       chunk_blocks: int = 4, kv_valid_BS=None,
+                       chunk_blocks: int = CHUNK_BLOCKS, kv_valid_BS=None,
                        gpu_method: str = 'two_pass',
                        topk: str = 'pallas',
                        fp8_scores: bool = False) -> jax.Array:
@@ -269,8 +271,9 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
   sp = kc.round_up(s, chunk)
   qi = jnp.pad(qi_BTGI.astype(jnp.float32).transpose(0, 2, 1, 3),
                ((0, 0), (0, 0), (0, tp - t), (0, dip - di)))
-  ki = jnp.pad(ki_BSI.astype(jnp.float32), ((0, 0), (0, sp - s),
-                                            (0, dip - di)))
+  ki = ki_BSI.astype(jnp.float32)
+  if sp != s or dip != di:  # A decode cache of whole chunks is read in place.
+    ki = jnp.pad(ki, ((0, 0), (0, sp - s), (0, dip - di)))
   valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
            else jnp.asarray(kv_valid_BS).astype(jnp.int32))
   valid = jnp.pad(valid, ((0, 0), (0, sp - s)))

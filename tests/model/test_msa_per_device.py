@@ -92,6 +92,26 @@ def test_the_msa_kernels_run_per_device_in_prefill_and_decode(
     assert text.count('__gpu$xla.gpu.triton') >= 3
 
 
+def test_msa_layers_get_a_cache_the_decode_kernels_read_in_place(
+    gpu_choices, msa_sampler):
+  # 33 slots asked for: an MSA layer's cache is as long as the GPU decode
+  # reads without a pad (a copy of it per step: test_msa_kernels.py), a
+  # dense layer's exactly as asked; the sampler test below decodes on such
+  # a cache and samples what the XLA path samples on a 30-slot one.
+  del gpu_choices
+  sampler, state = msa_sampler
+  cache = sampler._init_cache_fn(state, 16, 33)
+  types = transformer.config_lib.layer_attention_types(sampler.cfg)
+  assert 'msa' in types and 'dense' in types, types
+  for t, c in zip(types, cache):
+    want = (msa_api.decode_cache_len(33, block_size=16) if t == 'msa'
+            else 33)
+    assert c.k_BSGD.shape[1] == c.v_BSGD.shape[1] == c.valid_BS.shape[1] \
+        == want, (t, c.k_BSGD.shape)
+    if t == 'msa':
+      assert want == 64 and c.ki_BSI.shape[1] == want
+
+
 def test_per_device_kernels_sample_what_the_xla_path_samples(msa_sampler,
                                                            monkeypatch):
   # The same sampler with the Pallas GPU kernels, interpreted on CPU, run

@@ -11,6 +11,7 @@ import contextlib
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -176,3 +177,21 @@ def selection_margin_report(sel_BGTK, scores_BGTN, qi_BTGI, ki_BSI,
         flips += int(set(picked) != exact)
         rows += 1
   return violations, flips / max(rows, 1)
+
+
+def array_ops_on(jaxpr, shapes) -> list:
+  """[(primitive, shape)] of every operation outside a Pallas kernel, nested
+  jaxprs included, that takes an operand of one of `shapes`: on a KV cache
+  in decode, each is a pass over (a pad: a copy of) the whole cache."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'pallas_call':
+      continue
+    subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+    for sub in subs:
+      out.extend(array_ops_on(sub, shapes))
+    if subs:
+      continue
+    out.extend((eqn.primitive.name, v.aval.shape) for v in eqn.invars
+               if tuple(getattr(getattr(v, 'aval', None), 'shape', ())) in shapes)
+  return out

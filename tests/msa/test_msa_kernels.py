@@ -152,3 +152,56 @@ def test_kernels_lower_for_device(backend, platform, dtype):
   marker = 'tpu_custom_call' if backend == 'tpu' else 'triton'
   # select, forward, dq + dkv (TPU) or fused backward (GPU), decode.
   assert text.count(marker) >= 4, text[:2000]
+
+
+# ----------------------------------------------------------------------------
+# The decode cache length: what the kernels read in place.
+
+
+def _decode_cache_ops(backend, s, c, dtype):
+  """The array operations on the K/V and index-key caches (length s) in one
+  traced decode step, outside the kernels."""
+  # d = 128: the TPU kernel's in-place cache layout (a [B, S, G*D] view).
+  b, g, r, d, di = 2, 2, 2, 128, 32
+  kv = jax.ShapeDtypeStruct((b, s, g, d), dtype)
+  ki = jax.ShapeDtypeStruct((b, s, di), dtype)
+  decode = functools.partial(pallas_path.msa_decode, block_size=c, top_k=3,
+                             backend=backend, interpret=False)
+  jaxpr = jax.make_jaxpr(decode)(
+      jax.ShapeDtypeStruct((b, g * r, d), dtype), kv, kv,
+      jax.ShapeDtypeStruct((b, g, di), dtype), ki,
+      jax.ShapeDtypeStruct((b,), jnp.int32),
+      kv_valid_BS=jax.ShapeDtypeStruct((b, s), bool))
+  # A reshape that merges trailing dims is a view (XLA makes it a bitcast).
+  return [op for op in lib.array_ops_on(jaxpr.jaxpr, {(b, s, g, d),
+                                                      (b, s, di)})
+          if op[0] != 'reshape']
+
+
+# f32 caches on the TPU: its selection kernel reads the index keys in f32,
+# a cast no cache length avoids (the GPU's two-launch selection reads bf16,
+# and that cast would show below).
+@pytest.mark.parametrize('backend,dtype', [('gpu', jnp.bfloat16),
+                                           ('tpu', jnp.float32)])
+@pytest.mark.parametrize('length', [1, 30, 300, 2100])
+def test_decode_cache_len_is_the_least_length_read_in_place(backend, dtype,
+                                                            length):
+  c = 16
+  s = pallas_path.decode_cache_len(length, c, backend)
+  assert length <= s < length + max(length, 2048)
+  # At s no operation outside the kernels touches a cache (no pad, no cast,
+  # no transpose), so a decode step reads it in place...
+  assert _decode_cache_ops(backend, s, c, dtype) == []
+  # ... and at every shorter length down to the one asked for (sampled), one
+  # pads it: a copy of the cache per step, which the check above would see.
+  for shorter in sorted({length, (length + s) // 2, s - 1} - {s}):
+    assert shorter < length or any(
+        op == 'pad' for op, _ in _decode_cache_ops(backend, shorter, c,
+                                                   dtype)), shorter
+
+
+def test_decode_cache_len_rejects_bad_input():
+  with pytest.raises(ValueError, match='length'):
+    pallas_path.decode_cache_len(0, 16, 'gpu')
+  with pytest.raises(ValueError, match='backend'):
+    pallas_path.decode_cache_len(8, 16, 'cpu')
