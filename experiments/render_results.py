@@ -1009,13 +1009,14 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', _table(
         ['decode cache', 'batch', 'dense ms', 'MSA ms', 'index ms',
          'main ms', '**speedup**', 'fastest variant: speedup',
-         'FLOP ratio'],
+         'FLOP ratio', 'unaligned cache: time x'],
         [[_f(r['cache_len']), _f(r.get('batch', 8)), _ms(r['decode_dense_s']),
           _ms(r['decode_msa_s']), _ms(r.get('decode_index_s')),
           _ms(r.get('decode_main_s')), f"**{_f(r['decode_speedup'])}**",
           (f"`{r['decode_best']}`: {_f(r['decode_speedup_best'])}"
            if 'decode_best' in r else '-'),
-          _f(r['decode_flop_ratio'])] for r in ddone])]
+          _f(r['decode_flop_ratio']), _f(r.get('unaligned_cost'))]
+         for r in ddone])]
   broken = [(r, name, err) for r in [*rows, *decode]
             for name, err in r.get('kernel_errors', {}).items()]
   if broken:

@@ -49,8 +49,12 @@ def test_every_phase_runs_and_reports(tmp_path):
   for key in ('decode_msa_s', 'decode_msa_xla_topk_s', 'decode_index_s',
               'decode_index_xla_topk_s', 'decode_main_s',
               *(f'decode_index_nb{nb}_s'
-                for nb in bg.DECODE_BLOCKS_PER_PROGRAM)):
+                for nb in bg.DECODE_BLOCKS_PER_PROGRAM),
+              'decode_unaligned_msa_s'):
     assert dec[key] > 0, key
+  assert dec['unaligned_cost'] == pytest.approx(
+      dec['decode_unaligned_msa_s'] / dec['decode_msa_s'], rel=1e-2)
+  assert not dec['decode_best'].startswith('unaligned')
   assert dec['decode_speedup_best'] >= dec['decode_speedup'] * (1 - 1e-5)
   # The docs' GPU table renders from the summary gpu_check_summary.py
   # would write around it.
