@@ -271,8 +271,13 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
   sp = kc.round_up(s, chunk)
   qi = jnp.pad(qi_BTGI.astype(jnp.float32).transpose(0, 2, 1, 3),
                ((0, 0), (0, 0), (0, tp - t), (0, dip - di)))
-  ki = ki_BSI.astype(jnp.float32)
-  if sp != s or dip != di:  # A decode cache of whole chunks is read in place.
+  # The keys stay in their dtype (the kernels cast each tile to f32, which
+  # is exact from bf16): a decode cache of whole chunks is read in place,
+  # never recast whole at every step.
+  ki = ki_BSI
+  if ki.dtype not in (jnp.float32, jnp.bfloat16):
+    ki = ki.astype(jnp.float32)
+  if sp != s or dip != di:
     ki = jnp.pad(ki, ((0, 0), (0, sp - s), (0, dip - di)))
   valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
            else jnp.asarray(kv_valid_BS).astype(jnp.int32))

@@ -39,6 +39,25 @@ def test_selection_kernel_matches_reference(backend, gpu_method, name):
   lib.check_selection_invariants(sel, c, o)
 
 
+@pytest.mark.parametrize('backend,gpu_method', [('tpu', 'two_pass'),
+                                                ('gpu', 'fused')])
+def test_selection_kernels_take_bf16_keys_as_they_are(backend, gpu_method):
+  # bf16 index keys reach the kernels uncast (each tile is cast to f32
+  # inside, exactly), so a decode cache is never recast whole; on inputs
+  # whose dots are exact, the slots are the brute force's.
+  b, t, s, g, di, c, k, o = 2, 24, 100, 2, 8, 16, 4, 60
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=4)
+  sel = jax.jit(functools.partial(
+      select_kernel.select_blocks_BGTK, block_size=c, top_k=k,
+      backend=backend, interpret=True, gpu_method=gpu_method))(
+          qi, ki, jnp.full((b,), o, jnp.int32))
+  f32 = lambda x: x.astype(jnp.float32)
+  want = np.stack([lib.brute_force_selection(f32(qi[i:i + 1]),
+                                             f32(ki[i:i + 1]), c, k, o)[0]
+                   for i in range(b)])
+  np.testing.assert_array_equal(np.asarray(sel), want)
+
+
 def _grads(attn, w, q, k, v):
   def loss(q, k, v):
     out, lse = attn(q, k, v)
@@ -144,9 +163,11 @@ def test_kernels_lower_for_device(backend, platform, dtype):
         else contextlib.nullcontext()):
     text = jax.jit(train_step).trace(q, kv, kv, qi, ki).lower(
         lowering_platforms=(platform,)).as_text()
+    # Decode on index keys in the caches' dtype, as the model holds them.
     text += jax.jit(decode).trace(
         jax.ShapeDtypeStruct((b, g * r, d), bf), kv, kv,
-        jax.ShapeDtypeStruct((b, g, di), jnp.float32), ki,
+        jax.ShapeDtypeStruct((b, g, di), bf),
+        jax.ShapeDtypeStruct((b, t, di), bf),
         jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
             lowering_platforms=(platform,)).as_text()
   marker = 'tpu_custom_call' if backend == 'tpu' else 'triton'
@@ -158,7 +179,7 @@ def test_kernels_lower_for_device(backend, platform, dtype):
 # The decode cache length: what the kernels read in place.
 
 
-def _decode_cache_ops(backend, s, c, dtype):
+def _decode_cache_ops(backend, gpu_kernels, s, c, dtype):
   """The array operations on the K/V and index-key caches (length s) in one
   traced decode step, outside the kernels."""
   # d = 128: the TPU kernel's in-place cache layout (a [B, S, G*D] view).
@@ -166,7 +187,8 @@ def _decode_cache_ops(backend, s, c, dtype):
   kv = jax.ShapeDtypeStruct((b, s, g, d), dtype)
   ki = jax.ShapeDtypeStruct((b, s, di), dtype)
   decode = functools.partial(pallas_path.msa_decode, block_size=c, top_k=3,
-                             backend=backend, interpret=False)
+                             backend=backend, interpret=False,
+                             gpu_kernels=gpu_kernels)
   jaxpr = jax.make_jaxpr(decode)(
       jax.ShapeDtypeStruct((b, g * r, d), dtype), kv, kv,
       jax.ShapeDtypeStruct((b, g, di), dtype), ki,
@@ -178,26 +200,28 @@ def _decode_cache_ops(backend, s, c, dtype):
           if op[0] != 'reshape']
 
 
-# f32 caches on the TPU: its selection kernel reads the index keys in f32,
-# a cast no cache length avoids (the GPU's two-launch selection reads bf16,
-# and that cast would show below).
-@pytest.mark.parametrize('backend,dtype', [('gpu', jnp.bfloat16),
-                                           ('tpu', jnp.float32)])
+# The GPU's default kernels (two-launch selection, KV-outer split-K), its
+# per-token ones (the fused selector) and the TPU's, on bf16 caches.
+@pytest.mark.parametrize('backend,gpu_kernels', [
+    ('gpu', 'kv_outer'), ('gpu', 'token'), ('tpu', 'kv_outer')])
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize('length', [1, 30, 300, 2100])
-def test_decode_cache_len_is_the_least_length_read_in_place(backend, dtype,
-                                                            length):
+def test_decode_cache_len_is_the_least_length_read_in_place(
+    backend, gpu_kernels, dtype, length):
   c = 16
   s = pallas_path.decode_cache_len(length, c, backend)
   assert length <= s < length + max(length, 2048)
+  ops = functools.partial(_decode_cache_ops, backend, gpu_kernels, c=c,
+                          dtype=dtype)
   # At s no operation outside the kernels touches a cache (no pad, no cast,
   # no transpose), so a decode step reads it in place...
-  assert _decode_cache_ops(backend, s, c, dtype) == []
-  # ... and at every shorter length down to the one asked for (sampled), one
+  assert ops(s) == []
+  # ... and at a shorter length down to the one asked for (sampled), one
   # pads it: a copy of the cache per step, which the check above would see.
+  # (The per-token kernels pad only to whole blocks.)
   for shorter in sorted({length, (length + s) // 2, s - 1} - {s}):
-    assert shorter < length or any(
-        op == 'pad' for op, _ in _decode_cache_ops(backend, shorter, c,
-                                                   dtype)), shorter
+    if shorter >= length and (gpu_kernels == 'kv_outer' or shorter % c):
+      assert any(op == 'pad' for op, _ in ops(shorter)), shorter
 
 
 def test_decode_cache_len_rejects_bad_input():
