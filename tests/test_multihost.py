@@ -85,6 +85,7 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
 
 _AGREE_CHILD = '''
 import os, signal
+import numpy as np
 from foremoe_jax.utils import distributed
 from foremoe_jax.utils.preemption import PreemptionGuard
 from foremoe_jax.rl import trainer
@@ -96,12 +97,18 @@ print('stop before', trainer.stop_requested(guard), flush=True)
 if pid == 1:  # Only process 1 gets the signal.
   guard.signum = signal.SIGTERM
 print('stop after', trainer.stop_requested(guard), guard.signum, flush=True)
+# Host data that differs (a plan one process made past its deadline): every
+# process ends with process 0's, arrays included.
+mine = {'pid': pid, 'slots': np.arange(5) * (pid + 1), 'why': 'x' * 10 * pid}
+got = distributed.from_process_0(mine)
+print('from0', got['pid'], got['slots'].tolist(), len(got['why']), flush=True)
 '''
 
 
 def test_processes_agree_on_a_stop_signal_only_one_of_them_got(tmp_path):
   """A scheduler's SIGTERM reaching one process stops every process at the
-  same step boundary (else the next collective would hang)."""
+  same step boundary (else the next collective would hang); host data that
+  differs between them (the trainer's plan) becomes process 0's."""
   (tmp_path / 'mh_agree.py').write_text(_AGREE_CHILD)
   env = {k: v for k, v in os.environ.items() if not k.startswith('FOREMOE_')}
   env.update(PYTHONPATH=f'{tmp_path}{os.pathsep}{ROOT}', JAX_PLATFORMS='cpu')
@@ -114,6 +121,7 @@ def test_processes_agree_on_a_stop_signal_only_one_of_them_got(tmp_path):
     assert 'max 13' in mine, out.text
     assert 'stop before False' in mine, out.text
     assert 'stop after True 15' in mine, out.text
+    assert 'from0 0 [0, 1, 2, 3, 4] 0' in mine, out.text
 
 
 # One RL step of configs/tiny.py (4 warm-start steps first). partial_credit

@@ -467,6 +467,11 @@ class StepPlanner:
     self.last_latency_s = time.perf_counter() - ticket.t_submit
     return out
 
+  def adopt(self, plan: StepPlan):
+    """Plan the next step from `plan` (another process's, in place of the
+    one this instance just returned): what `_collect` does with its own."""
+    self.current = plan.last() if self.carry_over else self.initial
+
   def plan(self, loads_MLDE) -> StepPlan:
     """Placements for the step with these loads; never waits past the
     deadline (plus thread hand-over)."""

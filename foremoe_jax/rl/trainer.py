@@ -635,7 +635,12 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   score_s = t_scored - t_score
   batch['rewards_B'] = distributed.global_array(
       np.asarray(rewards, np.float32), NamedSharding(ctx.mesh, P()))
-  planned = ticket.result()
+  # Each process plans against its own clock: one that missed the deadline
+  # would fall back where another did not, and their devices would run two
+  # placements (jax refuses them). The job runs process 0's plan.
+  planned = distributed.from_process_0(ticket.result())
+  if jax.process_count() > 1:
+    ctx.planner.adopt(planned.plan)
   t_plan = time.perf_counter()
   t_rec_done = clock.wait()
   ctx.recompute_s = t_rec_done - t_rec

@@ -27,6 +27,7 @@ Environment (set by `experiments.launch`, or by hand):
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -186,3 +187,24 @@ def max_over_processes(value: int) -> int:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return int(np.max(multihost_utils.process_allgather(
       np.asarray(value, np.int32))))
+
+
+def from_process_0(obj):
+  """Process 0's `obj` on every process (`obj` itself when the job is one
+  process, with no collective): for host data that may differ between
+  processes although their inputs agree, as a plan made against each
+  process's own clock does when one misses its deadline and another not.
+  All processes must call it together. A pickle, sent as bytes."""
+  jax = sys.modules.get('jax')
+  if jax is None or jax.process_count() == 1:
+    return obj
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  primary = jax.process_index() == 0
+  data = np.frombuffer(pickle.dumps(obj) if primary else b'', np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(
+      np.asarray(data.size, np.int32)))
+  buf = np.zeros(size, np.uint8)
+  if primary:
+    buf[:] = data
+  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  return obj if primary else pickle.loads(buf.tobytes())
