@@ -126,11 +126,15 @@ def test_processes_agree_on_a_stop_signal_only_one_of_them_got(tmp_path):
 
 # One RL step of configs/tiny.py (4 warm-start steps first). partial_credit
 # gives rewards that differ within a group even after so short a warm start,
-# so the step's gradient is not zero.
+# so the step's gradient is not zero. The planner's deadline is a minute:
+# the two runs compared must make the same plan, and at tiny's 200 ms a
+# loaded host's planner can miss it in one run and not the other (then the
+# capacity and the loads differ, rightly).
 _FLAGS = ('--config=configs/tiny.py', '--config.warmstart.steps=4',
           '--config.rl.steps=1', '--config.eval_prompts=0',
           '--config.rl.prompts_per_step=8', '--config.rl.num_generations=4',
-          '--config.task_kwargs.partial_credit=1.0')
+          '--config.task_kwargs.partial_credit=1.0',
+          '--config.planner.deadline_ms=60000')
 
 
 def _run(cmd, devices):
