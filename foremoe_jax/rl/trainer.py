@@ -637,10 +637,10 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       np.asarray(rewards, np.float32), NamedSharding(ctx.mesh, P()))
   # Each process plans against its own clock: one that missed the deadline
   # would fall back where another did not, and their devices would run two
-  # placements (jax refuses them). The job runs process 0's plan.
+  # placements (jax refuses them). The job runs process 0's plan, and
+  # every planner goes on from it (on process 0 a no-op).
   planned = distributed.from_process_0(ticket.result())
-  if jax.process_count() > 1:
-    ctx.planner.adopt(planned.plan)
+  ctx.planner.adopt(planned.plan)
   t_plan = time.perf_counter()
   t_rec_done = clock.wait()
   ctx.recompute_s = t_rec_done - t_rec

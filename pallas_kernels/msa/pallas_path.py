@@ -338,8 +338,8 @@ def decode_cache_len(length: int, block_size: int, backend: str) -> int:
   # The span grows with the length (more blocks, up to its cap), so round
   # until the length is a whole number of its own spans.
   s = kc.round_up(length, block_size)
-  while s % index_kernel.key_span(s, block_size):
-    s = kc.round_up(s, index_kernel.key_span(s, block_size))
+  while s % (span := index_kernel.key_span(s, block_size)):
+    s = kc.round_up(s, span)
   return s
 
 
