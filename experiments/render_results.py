@@ -93,7 +93,8 @@ def provenance(record: dict) -> str:
     machine += (f", {run['devices']} {run['backend']} device(s)"
                 f" ({run.get('device_kind', '?')})")
   versions = ', '.join(f'{k} {run[k]}' for k in ('python', 'jax', 'flax',
-                                                 'numpy') if k in run)
+                                                 'numpy', 'triton')
+                       if k in run)
   if run.get('xla_flags'):
     versions += f" · XLA_FLAGS={run['xla_flags']}"
   return (f"`{record['command']}` · {machine} · {versions} · "
@@ -370,6 +371,37 @@ def render_msa(res: dict) -> str:
               f" 1M cache, where this formula gives"
               f" {_f(res['paper_decode_flop_ratio_at_1m'])}."]
   return '\n'.join(lines)
+
+
+def render_gpu_static(res: dict) -> str:
+  """The MSA kernels compiled for sm_90a on this host (no GPU)."""
+  rows = []
+  for r in res['rows']:
+    if 'error' in r:
+      rows.append([r['site'], r.get('kernel', '-'), '-', '-', '-', '-',
+                   f"error: {r['error'][:80]}", '-', '-'])
+      continue
+    occ, ops = r['occupancy'], r['opcodes']
+    rows.append([
+        r['site'], r['kernel'], f"{r['num_warps']} / {r['num_stages']}",
+        f"{r['shared_bytes'] / 1024:.1f}", _f(r['registers']),
+        _f(r['spill_store_bytes']),
+        f"{occ['blocks_per_sm']} ({' + '.join(occ['limited_by'])})",
+        f"{_f(ops['HGMMA'])} / {_f(ops.get('QGMMA', 0))}", _f(ops['HMMA'])])
+  summ = res['summary']
+  listed = lambda xs: ', '.join(f'`{x}`' for x in xs) or 'none'
+  return '\n'.join([
+      _table(['site', 'kernel', 'warps / stages', 'shared KiB', 'registers',
+              'spilled B', 'blocks per SM (bound)', 'wgmma: HGMMA / QGMMA',
+              'mma.sync: HMMA'], rows),
+      '',
+      f"- {summ['kernels']} kernels; over the 227 KiB of shared memory a"
+      f" block may have: {listed(summ['over_shared_memory'])} (largest"
+      f" {_f(summ['max_shared_bytes'] / 1024, 4)} KiB); errors:"
+      f" {listed(summ['errors'])}.",
+      f"- Spilling registers: {listed(summ['spilling'])}.",
+      f"- Tensor-core dots on mma.sync only (HMMA, no wgmma):"
+      f" {listed(summ['without_wgmma'])}."])
 
 
 def render_msa_from_dense(res: dict) -> str:
@@ -997,10 +1029,12 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                         if 'msa_train_s' in r else '-')),
             ('fwd+bwd ms, per-token atomics',
              lambda r: _ms(r.get('msa_train_token_s'))),
-            ('bwd kernels ms: dQ / dK,dV (prefetch)', lambda r: (
-                f"{_ms(r['bwd_dq_s'])} / {_ms(r.get('bwd_dkv_s'))}"
-                f" ({_ms(r.get('bwd_dkv_prefetch_s'))})"
-                if 'bwd_dq_s' in r else '-'))]
+            ('bwd kernels ms: dQ / dK,dV (prefetch / 2 key parts)',
+             lambda r: (
+                 f"{_ms(r['bwd_dq_s'])} / {_ms(r.get('bwd_dkv_s'))}"
+                 f" ({_ms(r.get('bwd_dkv_prefetch_s'))} / "
+                 f"{_ms(r.get('bwd_dkv_parts2_s'))})"
+                 if 'bwd_dq_s' in r else '-'))]
     lines += ['', _table(['seq_len', *[c[0] for c in cols]],
                          [[_f(r['seq_len']), *[c[1](r) for c in cols]]
                           for r in done])]
@@ -1134,6 +1168,20 @@ def render_headline(results_dir: str) -> str:
         f" 32k (main branch)",
         f'[On one NVIDIA GPU]({_DETAILS}#on-one-nvidia-gpu),'
         f' [`gpu_check_h100.json`](results/gpu_check_h100.json)'])
+  static = load('gpu_static')
+  summ = static['summary']
+  main = next(r for r in static['rows'] if r['site'] == 'main')
+  rows.append([
+      'MSA kernels compiled for an H100 on this host, no GPU',
+      f"{summ['kernels']} kernels, {len(summ['over_shared_memory'])} over"
+      f" shared memory (largest {summ['max_shared_bytes'] / 1024:.1f} of"
+      f" 227 KiB); {len(summ['spilling'])} spill registers; the forward:"
+      f" {main['registers']} registers,"
+      f" {main['occupancy']['blocks_per_sm']} block"
+      f"{'' if main['occupancy']['blocks_per_sm'] == 1 else 's'} of"
+      f" {main['num_warps']} warps per SM",
+      f'[Static GPU check]({_DETAILS}#static-gpu-check-no-gpu-needed),'
+      f' [`gpu_static.json`](results/gpu_static.json)'])
   mfd = load('msa_from_dense')
   q = mfd['budgets'][0]
   rows.append([
@@ -1190,6 +1238,7 @@ RENDERERS = {
     'soak': render_soak,
     'bench_rewards': render_rewards,
     'memory_report': render_memory_report,
+    'gpu_static': render_gpu_static,
     'demo': render_demo,
     'demo_dataset': render_demo,
 }

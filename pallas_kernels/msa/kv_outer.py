@@ -596,7 +596,8 @@ def _sum_items(part_BGUCD, first_item_BGN, items_BGN):
 def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
         lse_BTGR, delta_BTGR, *, block_size: int, scale: float,
         interpret: bool, q_per_tile: int | None = None,
-        tiles_per_program: int | None = None, prefetch: bool = False):
+        tiles_per_program: int | None = None, prefetch: bool = False,
+        key_parts: int | None = None):
   """(dk_BSGD f32, dv_BSGD f32), KV-outer, without atomics.
 
   tiles_per_program: by default twice a block's mean tile count, so most
@@ -604,11 +605,25 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   a block most queries select is split over several programs.
   prefetch: the next tile's gathers before this tile's dots (timed against
   the default by the GPU bench; the same bits).
+  key_parts: programs per key block, each owning block_size / key_parts
+  keys (default: `_dkv_tiling`'s). Compiled for an H100, the bf16 kernel
+  over whole blocks holds two [C, D] f32 accumulators and the [W, C]
+  scores in 255 registers and spills; in two parts it does not
+  (experiments/gpu_static), at the price of gathering each tile's rows
+  once per part. The GPU bench times it beside the default.
   """
   b, t, g, rp, dp = q_BTGRD.shape
   sp = k_BSGD.shape[1]
   n_blocks = sp // block_size
   q_default, parts = _dkv_tiling(q_BTGRD.dtype, block_size, rp)
+  if key_parts is not None:
+    # A part's keys are the N of its dots: tl.dot needs 16 on a GPU.
+    least = 1 if interpret else 16
+    if (key_parts < 1 or block_size % key_parts
+        or block_size // key_parts < least):
+      raise ValueError(f'key_parts must divide block_size={block_size} into '
+                       f'parts of at least {least} keys, got {key_parts}.')
+    parts = key_parts
   q = q_per_tile or q_default
   sub = block_size // parts
   # Sorted tiles even at T = 1: the work items need a block's tiles

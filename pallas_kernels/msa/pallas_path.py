@@ -175,14 +175,15 @@ def _check_gpu_kernels(gpu_kernels: str):
 def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                     out_BTHD, lse_BTH, dout_BTHD, dlse_BTH, *, block_size,
                     backend, interpret, gpu_kernels='kv_outer',
-                    parts: str = 'all', dkv_prefetch: bool = False):
+                    parts: str = 'all', dkv_prefetch: bool = False,
+                    dkv_parts: int | None = None):
   """(dq, dk, dv) in the input dtypes.
 
   GPU, gpu_kernels='kv_outer': dq per token, dK/dV KV-outer, no atomics
   (deterministic); 'token': one kernel, dK/dV by float32 atomics.
   parts ('kv_outer' only): 'dq' or 'dkv' runs that kernel alone (the
-  others come back None), so a benchmark can time each. dkv_prefetch:
-  kv_outer.dkv's prefetch variant.
+  others come back None), so a benchmark can time each. dkv_prefetch,
+  dkv_parts: kv_outer.dkv's prefetch and key_parts.
   """
   if parts not in ('all', 'dq', 'dkv'):
     raise ValueError(f"parts must be 'all', 'dq' or 'dkv', got {parts!r}.")
@@ -234,7 +235,7 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
         _to_gpu_q(q_BTHD, g, rk, dp), k_p, v_p, sel_BGTK, off_B, valid,
         _to_gpu_q(dout, g, rk, dp), rows(lse_BTH, rk), rows(delta_BTH, rk),
         block_size=block_size, scale=scale, interpret=interpret,
-        prefetch=dkv_prefetch)
+        prefetch=dkv_prefetch, key_parts=dkv_parts)
   return (None if dq is None else dq[:, :, :, :r, :d].reshape(b, t, h, d),
           None if dk is None else dk[:, :s, :, :d].astype(k_BSGD.dtype),
           None if dv is None else dv[:, :s, :, :d].astype(v_BSGD.dtype))

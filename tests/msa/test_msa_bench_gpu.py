@@ -39,7 +39,8 @@ def test_every_phase_runs_and_reports(tmp_path):
   pre = out['results'][0]
   for key in ('dense_s', 'msa_s', 'index_s', 'index_fused_s', 'main_s',
               'dense_train_s', 'msa_train_s', 'index_fp8_s', 'msa_fp8_s',
-              'bwd_dq_s', 'bwd_dkv_s', 'bwd_dkv_prefetch_s'):
+              'bwd_dq_s', 'bwd_dkv_s', 'bwd_dkv_prefetch_s',
+              'bwd_dkv_parts2_s'):
     assert pre[key] > 0, key
   assert pre['speedup_fp8'] == pytest.approx(
       pre['dense_s'] / pre['msa_fp8_s'], rel=1e-2)
