@@ -183,6 +183,55 @@ def _topk_call(offset_B, scores_BNQ, *, block_size: int, groups: int,
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
+# What Triton's own tl.dot asks of Hopper for 8-bit float operands: fast
+# accumulation in the tensor core, never promoted to f32 mid-dot (its
+# default on compute capability 9.0).
+FP8_IMPRECISE_ACC = 2**30
+
+
+class _Fp8DotsOnTensorCores:
+  """jax's Triton dialect module, but an fp8 `tt.dot` that names no
+  maxNumImpreciseAcc gets FP8_IMPRECISE_ACC.
+
+  jax's Pallas lowering emits every dot without that attribute, and
+  without it Triton (3.6) converts 8-bit operands to f16 and runs
+  `mma.sync`: the fp8 score dots then ran slower than bf16 ones, never on
+  fp8 tensor cores (experiments/gpu_static found it: HMMA, no HGMMA). With
+  it they compile as Triton's own fp8 dots do, to warpgroup MMAs. Dots of
+  other types pass through untouched.
+  """
+
+  def __init__(self, dialect):
+    self._dialect = dialect
+
+  def __getattr__(self, name):
+    return getattr(self._dialect, name)
+
+  def dot(self, a, b, c, *, max_num_imprecise_acc=None, **kwargs):
+    from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+    element = str(ir.RankedTensorType(a.type).element_type)
+    if max_num_imprecise_acc is None and element.startswith('f8'):
+      max_num_imprecise_acc = FP8_IMPRECISE_ACC
+    return self._dialect.dot(a, b, c,
+                             max_num_imprecise_acc=max_num_imprecise_acc,
+                             **kwargs)
+
+
+def fp8_dots_on_tensor_cores() -> bool:
+  """Makes Pallas's Triton lowering give fp8 dots Triton's Hopper default
+  (`_Fp8DotsOnTensorCores`), once per process; False where this jax's
+  lowering is not laid out as expected (the dots then lower as before)."""
+  try:
+    from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  dialect = getattr(lowering, 'tt_dialect', None)
+  if dialect is None or not hasattr(dialect, 'dot'):
+    return False
+  if not isinstance(dialect, _Fp8DotsOnTensorCores):
+    lowering.tt_dialect = _Fp8DotsOnTensorCores(dialect)
+  return True
+
 
 def to_fp8(x, axis):
   """x as float8_e4m3fn, first scaled by a power of two (exact) per slice
@@ -265,6 +314,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
     qi_BTGI = to_fp8(qi_BTGI, axis=-1)
     ki_BSI = to_fp8(ki_BSI, axis=(1, 2))
     dtype = jnp.float8_e4m3fn
+    if not interpret:
+      fp8_dots_on_tensor_cores()
   precision = kc.gpu_precision_for(dtype, interpret)
   ip = max(16, kc.next_pow2(di))
   n_blocks = -(-s // block_size)
