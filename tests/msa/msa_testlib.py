@@ -7,13 +7,14 @@ vectorised reference it checks.
 Letter key: B batch, T query tokens, S key tokens, H query heads, G groups,
 D head dim, I index head dim, K selected blocks.
 """
-import contextlib
 import functools
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.msa import gpu_static
 
 # (b, t, s, g, r, d, di, block, top_k, q_offset): small shapes that still
 # cover GQA (r > 1), K below and above the number of blocks, lengths that are
@@ -24,21 +25,8 @@ SHAPES = {
 }
 
 
-def cuda_lowering():
-  """A context in which Triton kernels lower for CUDA on a host with no GPU.
-
-  From jax 0.11 the Triton lowering asks the device for its compute
-  capability, and with no GPU it must be told the target: an abstract H100
-  (the GPU the kernels are sized for). A no-op where a GPU is present.
-  """
-  if jax.default_backend() == 'gpu':
-    return contextlib.nullcontext()
-  device = jax.sharding.AbstractDevice(device_kind='NVIDIA H100',
-                                       num_cores=None, platform='gpu')
-  mesh = jax.sharding.AbstractMesh((1,), ('lowering',),
-                                   (jax.sharding.AxisType.Auto,),
-                                   abstract_device=device)
-  return jax.sharding.use_abstract_mesh(mesh)
+# A context in which Triton kernels lower for CUDA on a host with no GPU.
+cuda_lowering = gpu_static.cuda_lowering
 
 
 def with_cuda_lowering(test):
