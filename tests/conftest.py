@@ -59,6 +59,9 @@ def _share_a_compilation_cache():
     return
   cache_dir = tempfile.mkdtemp(prefix='foremoe_test_jax_cache_')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = cache_dir
+  # The triton package's kernel cache (tests/msa/test_msa_gpu_static.py)
+  # goes there too, not to ~/.triton: a run leaves nothing behind.
+  os.environ.setdefault('TRITON_CACHE_DIR', os.path.join(cache_dir, 'triton'))
   atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
 
 
