@@ -110,7 +110,7 @@ def _captured_modules():
   from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
   from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
   found = []
-  original = registration.lowering.lower_jaxpr_to_triton_module
+  original = lowering.lower_jaxpr_to_triton_module
 
   def capture(*args, **kwargs):
     result = original(*args, **kwargs)
@@ -128,12 +128,11 @@ def _captured_modules():
             result.grid))))
     return result
 
-  registration.lowering.lower_jaxpr_to_triton_module = capture
+  lowering.lower_jaxpr_to_triton_module = capture
   try:
     yield found
   finally:
-    registration.lowering.lower_jaxpr_to_triton_module = original
-  del lowering
+    lowering.lower_jaxpr_to_triton_module = original
 
 
 def triton_kernels(fn, *args) -> list[TritonKernel]:
@@ -144,7 +143,10 @@ def triton_kernels(fn, *args) -> list[TritonKernel]:
   `launches` counts them.
   """
   with cuda_lowering(), _captured_modules() as found:
-    jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',))
+    # A fresh function each call: jax caches lowerings by function, and a
+    # cached one would lower (and hand over) nothing.
+    jax.jit(lambda *a: fn(*a)).trace(*args).lower(
+        lowering_platforms=('cuda',))
   unique: dict[str, TritonKernel] = {}
   for k in found:
     if k.digest in unique:

@@ -80,11 +80,14 @@ def _dot_kernel(rows: int):
 
 @pytest.mark.parametrize('rows, wgmma', [(64, True), (16, False)])
 def test_a_bf16_dot_takes_the_warpgroup_mma_from_64_rows(rows, wgmma):
-  kernels = gpu_static.triton_kernels(
-      _dot_kernel(rows), S((rows, 128), jnp.bfloat16),
-      S((128, 128), jnp.bfloat16))
+  call = _dot_kernel(rows)
+  args = S((rows, 128), jnp.bfloat16), S((128, 128), jnp.bfloat16)
+  kernels = gpu_static.triton_kernels(call, *args)
   assert [(k.name, k.num_warps, k.num_stages, k.grid) for k in kernels] == [
       (f'dot{rows}', 4, 1, (1, 1, 1))]
+  # Asked again for the same function, jax's lowering cache must not hide
+  # it.
+  assert gpu_static.triton_kernels(call, *args) == kernels
   ops = gpu_static.compile_sm90(kernels[0])['opcodes']
   assert (ops['HGMMA'] > 0) == wgmma and (ops['HMMA'] > 0) == (not wgmma)
 
