@@ -42,9 +42,11 @@ import tempfile
 
 import jax
 
+from pallas_kernels.msa import benchmark
+
 # Compute capability 9.0 (H100, H200): per-SM limits of the CUDA occupancy
 # calculator, and the most shared memory one thread block may ask for.
-SM90 = dict(regs_per_sm=65536, reg_alloc_unit=256, max_regs_per_thread=255,
+SM90 = dict(regs_per_sm=65536, reg_alloc_unit=256,
             smem_per_sm=233472, smem_per_block=232448,
             smem_reserved_per_block=1024, max_warps_per_sm=64,
             max_blocks_per_sm=32)
@@ -149,11 +151,9 @@ def triton_kernels(fn, *args) -> list[TritonKernel]:
         lowering_platforms=('cuda',))
   unique: dict[str, TritonKernel] = {}
   for k in found:
-    if k.digest in unique:
-      unique[k.digest] = dataclasses.replace(
-          unique[k.digest], launches=unique[k.digest].launches + 1)
-    else:
-      unique[k.digest] = k
+    seen = unique.get(k.digest)
+    unique[k.digest] = (k if seen is None else
+                        dataclasses.replace(seen, launches=seen.launches + 1))
   return list(unique.values())
 
 
@@ -228,7 +228,7 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int,
           'by': by}
 
 
-def compile_sm90(kernel: TritonKernel, keep_dir: str | None = None) -> dict:
+def compile_sm90(kernel: TritonKernel) -> dict:
   """Compiles one captured module for sm_90a with the `triton` package and
   reports what the machine code asks of an H100.
 
@@ -238,9 +238,7 @@ def compile_sm90(kernel: TritonKernel, keep_dir: str | None = None) -> dict:
   """
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  with tempfile.TemporaryDirectory() as tmp:
-    work = keep_dir or tmp
-    os.makedirs(work, exist_ok=True)
+  with tempfile.TemporaryDirectory() as work:
     src = os.path.join(work, f'{kernel.name}_{kernel.digest}.ttir')
     with open(src, 'w') as f:
       f.write(kernel.ttir)
@@ -371,15 +369,14 @@ def report(sites: dict, log=None) -> list[dict]:
     try:
       kernels = triton_kernels(fn, *args)
     except Exception as e:  # pylint: disable=broad-except
-      rows.append({'site': label, 'error': f'lowering: {type(e).__name__}: '
-                                            f'{e}'[:1500]})
+      rows.append({'site': label,
+                   'error': f'lowering: {benchmark.error_text(e)}'})
       continue
     for kernel in kernels:
       try:
         rows.append(row(kernel, label, compile_sm90(kernel)))
       except Exception as e:  # pylint: disable=broad-except
-        rows.append(row(kernel, label, error=f'{type(e).__name__}: {e}'[
-            :1500]))
+        rows.append(row(kernel, label, error=benchmark.error_text(e)))
       if log is not None:
         log(rows[-1])
   return rows
