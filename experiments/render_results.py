@@ -965,11 +965,14 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                  if rerun.get('failed_tests') else '') + '.']
   # The final JSON, or the per-phase rows of a run cut short (older runs
   # wrote per-length rows with decode fields and no 'phase').
-  rows = bench.get('results') or [
-      r for r in bench.get('partial', []) if 'seq_len' in r]
-  decode = bench.get('decode') or [
-      {**r, 'cache_len': r['seq_len']} for r in rows
-      if 'decode_msa_s' in r and 'phase' not in r]
+  # pylint: disable-next=g-import-not-at-top (jax only for this section)
+  from pallas_kernels.msa import benchmark_gpu
+  rows, decode = benchmark_gpu.phase_rows(bench)
+  if not rows and not decode:
+    old = [r for r in bench.get('partial', []) if 'phase' not in r]
+    rows = [r for r in old if 'seq_len' in r]
+    decode = [{**r, 'cache_len': r['seq_len']} for r in rows
+              if 'decode_msa_s' in r]
   if 'error' in bench:
     lines += ['', f"The bench did not finish ({bench['error']}); the rows it"
               ' wrote before it stopped:']
@@ -1057,9 +1060,7 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', 'Failed (the rest of its row was still timed): ' + '; '.join(
         f"{name} at {r.get('seq_len', r.get('cache_len', ''))}"
         f" ({err[:80]})" for r, name, err in broken) + '.']
-  if 'results' in bench or 'decode' in bench:
-    # pylint: disable-next=g-import-not-at-top (jax only for this table)
-    from pallas_kernels.msa import benchmark_gpu
+  if rows or decode:
     lines += ['', _table(
         ['target: speedup vs cuDNN', 'FLOP ratio', 'measured', 'target',
          'met', 'best variant', 'met by it', 'with fp8 index scores'],
@@ -1068,11 +1069,17 @@ def render_gpu_check(results_dir: str, name: str) -> str:
           f">= {_f(t['target'])}", _f(t['met']), _f(t['best']),
           _f(t['best_met']), _f(t['with_fp8_index'])]
          for t in benchmark_gpu.targets(bench)])]
-  cut = [r for r in [*rows, *decode] if 'skipped' in r or 'error' in r]
+  # A forward+backward cut off inside a measured prefill row says so too.
+  cut = [(r.get('phase', '?'), r) for r in [*rows, *decode]
+         if 'skipped' in r or 'error' in r]
+  cut += [('train', {'seq_len': r['seq_len'],
+                     'skipped': r.get('train_skipped'),
+                     'error': r.get('train_error', '')})
+          for r in rows if 'train_skipped' in r or 'train_error' in r]
   if cut:
     lines += ['', 'Not measured: ' + '; '.join(
-        f"{r.get('phase', '?')} {r.get('seq_len', r.get('cache_len', ''))}"
-        f" ({r.get('skipped') or r.get('error', '')[:80]})" for r in cut)
+        f"{name} {r.get('seq_len', r.get('cache_len', ''))}"
+        f" ({r.get('skipped') or r.get('error', '')[:80]})" for name, r in cut)
         + '.']
   return '\n'.join(lines)
 

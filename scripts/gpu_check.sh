@@ -9,10 +9,11 @@
 #      reference in f32 and bf16; the expert-parallel layer; one RL step),
 #      under TESTS_TIME_LIMIT;
 #   2. experiments.bench_msa --device=gpu: ceilings, the reference check,
-#      the tune phase (the KV-outer forward's variants at 32k), prefill
-#      32k/128k (each kernel and variant timed; forward+backward at 32k),
-#      decode 128k at batch 8, vs cuDNN. Its soft deadline is what is
-#      left of BUDGET minus a margin; a hard timeout backs it up;
+#      the tune phase (the KV-outer forward's variants at 32k), then the
+#      targets cheapest first: prefill 32k (each kernel and variant
+#      timed), decode 128k at batch 8, forward+backward at 32k, prefill
+#      128k, vs cuDNN. Its soft deadline is what is left of BUDGET minus a
+#      margin; a hard timeout backs it up;
 #   3. one JSON summary line, also written to $RESULTS, whatever happened.
 # DRY_RUN=1 runs the same plumbing on CPU (no GPU asserted, the gpu tests
 # skip, the bench at toy shapes in interpret mode: tests/test_gpu_check.py).

@@ -1,8 +1,11 @@
 """MSA Pallas kernels vs cuDNN flash attention on one NVIDIA GPU.
 
 The library behind `experiments.bench_msa --device=gpu` (`make gpu-check`).
-Phases, in this order, each timed in interleaved repetitions in one process
-(median, and the spread (max - min) / median):
+Phases, each timed in interleaved repetitions in one process (median, and
+the spread (max - min) / median). ceilings, check and tune run first; the
+measuring phases then run cheapest target first (`schedule`: prefill up to
+train_max_len, decode, train, longer prefill), so a deadline that falls
+early still leaves most targets measured:
 
   ceilings  a large bf16 matmul and a large copy: what the card gives here.
   check     at check_len, the kernels' selection against the f32 reference
@@ -20,7 +23,8 @@ Phases, in this order, each timed in interleaved repetitions in one process
             selector), main (the KV-outer sparse forward), and up to
             fused_max_len the kernels they replace: index_fused (the
             running-table selector), main_token (a program per token).
-  train     up to train_max_len: the gradient of sum(out) w.r.t. q, k, v,
+  train     up to train_max_len (its fields join the prefill row of the
+            same length): the gradient of sum(out) w.r.t. q, k, v,
             dense vs the main branch on a fixed selection (KV-outer dK/dV
             without atomics; and the per-token atomics backward); the
             backward's dQ and dK/dV kernels each alone (bwd_dq, bwd_dkv;
@@ -122,14 +126,17 @@ TUNE_TOLERANCE = 2e-2
 
 
 def targets(bench: dict) -> list[dict]:
-  """Each target against a bench summary: {what, target, measured (None:
+  """Each target against a bench summary (final, or the rows of a run cut
+  short): {what, target, measured (None:
   not measured), flop_ratio, met, best (the best measured variant's
   speedup, at least `measured`), best_met, with_fp8_index (prefill: with
   fp8 index scores, an approximate selection, so never `best`)}."""
+  prefill_rows, decode_rows = phase_rows(bench)
+  rows = {'results': prefill_rows, 'decode': decode_rows}
   out = []
   for what, phase, n, key, best_key, target in TARGETS:
     length = 'seq_len' if phase == 'results' else 'cache_len'
-    row = next((r for r in bench.get(phase) or [] if r.get(length) == n), {})
+    row = next((r for r in rows[phase] if r.get(length) == n), {})
     got = row.get(key)
     best = max((x for x in (got, row.get(best_key) if best_key else None)
                 if x is not None), default=None)
@@ -440,7 +447,7 @@ def tuned_config(tune_row: dict) -> kv_outer.ForwardConfig | None:
   return {c.label(): c for c in TUNE}.get(tune_row.get('best'))
 
 
-def prefill(cfg: GPUBench, t: int, clock: _Clock,
+def prefill(cfg: GPUBench, t: int,
             tuned: kv_outer.ForwardConfig | None = None) -> dict:
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
   q, k, v, qi, ki = _inputs(cfg, 1, t, t)
@@ -497,41 +504,58 @@ def prefill(cfg: GPUBench, t: int, clock: _Clock,
       row[key] = ratio
   if tuned is not None:
     row['tuned_config'] = tuned.label()
-  if t <= cfg.train_max_len and clock.ok():
-    train = {'dense_train': (_grad_of_sum(dense), (q, k, v)),
-             'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
-                           (q, k, v))}
-    if tuned is not None:
-      main_tuned = _main_branch(cfg, off, tuned)
-      train['msa_train_tuned'] = (_grad_of_sum(
-          lambda q, k, v: main_tuned(q, k, v, sel)), (q, k, v))
-    if t <= cfg.fused_max_len:
-      train['msa_train_token'] = (_grad_of_sum(
-          lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
-    # The backward's two kernels alone (with their XLA glue), on the
-    # forward's out and LSE and the cotangent of sum(out).
-    fwd_out, fwd_lse = jax.jit(main)(q, k, v, sel)
-    bwd = lambda parts, **kw: (
-        lambda q, k, v, o, l: pallas_path.sparse_backward(
-            q, k, v, sel, off, None, o, l, jnp.ones_like(o), None,
-            block_size=cfg.block_size, backend='gpu',
-            interpret=cfg.interpret, parts=parts, **kw))
-    for parts in ('dq', 'dkv'):
-      train[f'bwd_{parts}'] = (bwd(parts), (q, k, v, fwd_out, fwd_lse))
-    train['bwd_dkv_prefetch'] = (bwd('dkv', dkv_prefetch=True),
-                                 (q, k, v, fwd_out, fwd_lse))
-    train['bwd_dkv_parts2'] = (bwd('dkv', dkv_parts=2),
+  if errors:
+    row['kernel_errors'] = errors
+  return row
+
+
+def train(cfg: GPUBench, t: int,
+          tuned: kv_outer.ForwardConfig | None = None) -> dict:
+  """Forward+backward at t: the gradient of sum(out) w.r.t. q, k, v, dense
+  vs the main branch on the kernels' own selection (the KV-outer dK/dV
+  without atomics; the per-token atomics backward up to fused_max_len),
+  and the backward's kernels each alone. Its fields join the prefill row
+  of the same length (`merge_train`)."""
+  q, k, v, qi, ki = _inputs(cfg, 1, t, t)
+  off = jnp.zeros((1,), jnp.int32)
+  errors = {}
+  sel, _ = _selection(cfg, qi, ki, off, errors)
+  main = _main_branch(cfg, off)
+  dense = functools.partial(dense_prefill, implementation=cfg.dense_impl)
+  train = {'dense_train': (_grad_of_sum(dense), (q, k, v)),
+           'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
+                         (q, k, v))}
+  if tuned is not None:
+    main_tuned = _main_branch(cfg, off, tuned)
+    train['msa_train_tuned'] = (_grad_of_sum(
+        lambda q, k, v: main_tuned(q, k, v, sel)), (q, k, v))
+  if t <= cfg.fused_max_len:
+    main_token = _main_branch(cfg, off, gpu_kernels='token')
+    train['msa_train_token'] = (_grad_of_sum(
+        lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
+  # The backward's two kernels alone (with their XLA glue), on the
+  # forward's out and LSE and the cotangent of sum(out).
+  fwd_out, fwd_lse = jax.jit(main)(q, k, v, sel)
+  bwd = lambda parts, **kw: (
+      lambda q, k, v, o, l: pallas_path.sparse_backward(
+          q, k, v, sel, off, None, o, l, jnp.ones_like(o), None,
+          block_size=cfg.block_size, backend='gpu',
+          interpret=cfg.interpret, parts=parts, **kw))
+  for parts in ('dq', 'dkv'):
+    train[f'bwd_{parts}'] = (bwd(parts), (q, k, v, fwd_out, fwd_lse))
+  train['bwd_dkv_prefetch'] = (bwd('dkv', dkv_prefetch=True),
                                (q, k, v, fwd_out, fwd_lse))
-    tmed, tspread, terrs = _measure(cfg, train, compile_s)
-    errors.update(terrs)
-    row.update({f'{name}_s': sec for name, sec in tmed.items()})
-    if (ratio := _ratio(tmed, 'dense_train', 'msa_train')) is not None:
-      row['train_speedup_main_only'] = ratio
-    if (ratio := _ratio(tmed, 'dense_train', 'msa_train_tuned')) is not None:
-      row['train_speedup_tuned'] = ratio
-    row['spread'].update(tspread)
-  elif t <= cfg.train_max_len:
-    row['train_skipped'] = 'deadline'
+  train['bwd_dkv_parts2'] = (bwd('dkv', dkv_parts=2),
+                             (q, k, v, fwd_out, fwd_lse))
+  compile_s = {}
+  med, spread, errs = _measure(cfg, train, compile_s)
+  errors.update(errs)
+  row = {'seq_len': t, 'spread': spread, 'compile_s': compile_s}
+  row.update({f'{name}_s': sec for name, sec in med.items()})
+  if (ratio := _ratio(med, 'dense_train', 'msa_train')) is not None:
+    row['train_speedup_main_only'] = ratio
+  if (ratio := _ratio(med, 'dense_train', 'msa_train_tuned')) is not None:
+    row['train_speedup_tuned'] = ratio
   if errors:
     row['kernel_errors'] = errors
   return row
@@ -633,8 +657,68 @@ def _phase(name: str, fn, clock: _Clock, log, **key) -> dict:
   return row
 
 
+def schedule(cfg: GPUBench) -> list[tuple[str, int]]:
+  """The measuring phases after ceilings, check and tune, in run order:
+  (phase, length).
+
+  A GPU is lent for minutes and the soft deadline ends the run wherever it
+  falls, so the cheaper target measurements go first: prefill up to
+  train_max_len, then decode, then forward+backward (the most compiles),
+  and last the longer prefill rows (128k: the costliest dense calls).
+  """
+  short = [t for t in cfg.seq_lens if t <= cfg.train_max_len]
+  long = [t for t in cfg.seq_lens if t > cfg.train_max_len]
+  return ([('prefill', t) for t in short] +
+          [('decode', s) for s in cfg.decode_lens] +
+          [('train', t) for t in short] +
+          [('prefill', t) for t in long])
+
+
+# Fields of a train row that name its own run, not a measurement: kept
+# under train_* in the prefill row it joins.
+_TRAIN_OWN = ('elapsed_s', 'skipped', 'error')
+
+
+def merge_train(rows: list[dict], trains: list[dict]) -> list[dict]:
+  """Prefill rows with the train row of the same length folded in (its
+  spread, compile times and kernel errors beside the prefill's; its own
+  elapsed time, skip or error as train_elapsed_s, train_skipped,
+  train_error)."""
+  by_len = {r['seq_len']: r for r in trains}
+  out = []
+  for row in rows:
+    tr = by_len.get(row.get('seq_len'))
+    if tr is None:
+      out.append(row)
+      continue
+    row = dict(row)
+    for key, val in tr.items():
+      if key in ('phase', 'seq_len'):
+        continue
+      if key in _TRAIN_OWN:
+        row[f'train_{key}'] = val
+      elif isinstance(val, dict):
+        row[key] = {**row.get(key, {}), **val}
+      else:
+        row[key] = val
+    out.append(row)
+  return out
+
+
+def phase_rows(bench: dict) -> tuple[list[dict], list[dict]]:
+  """(prefill rows with their train fields, decode rows) of a bench
+  summary: the final JSON's, or those a run cut short printed as it went
+  (gpu_check_summary keeps them under 'partial')."""
+  if 'results' in bench or 'decode' in bench:
+    return bench.get('results') or [], bench.get('decode') or []
+  part = bench.get('partial', [])
+  pick = lambda name: [r for r in part if r.get('phase') == name]
+  return (merge_train(pick('prefill'), pick('train')), pick('decode'))
+
+
 def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
-  """Every phase, in order; `deadline` (time.monotonic()) is soft."""
+  """Every phase, in `schedule` order; `deadline` (time.monotonic()) is
+  soft."""
   clock = _Clock(deadline)
   ceil = _phase('ceilings', lambda: ceilings(cfg), clock, log)
   decode_impl = _decode_impl(cfg) if clock.ok() else cfg.dense_impl
@@ -643,10 +727,20 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
   tun = _phase('tune', lambda: tune(cfg, clock), clock, log,
                tune_len=cfg.tune_len)
   best = tuned_config(tun)
-  rows = [_phase('prefill', lambda t=t: prefill(cfg, t, clock, best), clock,
-                 log, seq_len=t) for t in cfg.seq_lens]
-  dec = [_phase('decode', lambda s=s: decode(cfg, s, decode_impl, best),
-                clock, log, cache_len=s) for s in cfg.decode_lens]
+  measure = {
+      'prefill': lambda t: prefill(cfg, t, best),
+      'decode': lambda s: decode(cfg, s, decode_impl, best),
+      'train': lambda t: train(cfg, t, best)}
+  length = {'prefill': 'seq_len', 'decode': 'cache_len', 'train': 'seq_len'}
+  done_rows = {name: [] for name in measure}
+  for name, n in schedule(cfg):
+    done_rows[name].append(_phase(name, lambda f=measure[name], n=n: f(n),
+                                  clock, log, **{length[name]: n}))
+  # Rows in length order, as before the schedule.
+  by_len = lambda rs, key: sorted(rs, key=lambda r: r[key])
+  rows = merge_train(by_len(done_rows['prefill'], 'seq_len'),
+                     done_rows['train'])
+  dec = by_len(done_rows['decode'], 'cache_len')
   done = lambda rs, key: [r for r in rs if key in r]
   ok = done(rows, 'speedup')
   last = ok[-1] if ok else {}
@@ -661,7 +755,9 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
       'decode': dec,
       'complete': all('skipped' not in r and 'error' not in r and
                       'kernel_errors' not in r
-                      for r in [ceil, chk, tun, *rows, *dec]),
+                      for r in [ceil, chk, tun, *done_rows['prefill'],
+                                *done_rows['train'], *dec]),
+      'order': [f'{name} {n}' for name, n in schedule(cfg)],
       'dense_prefill_impl': cfg.dense_impl,
       'dense_decode_impl': decode_impl,
       'paper_prefill_speedup': PAPER_PREFILL_SPEEDUP,

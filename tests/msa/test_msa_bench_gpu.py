@@ -26,7 +26,8 @@ def test_every_phase_runs_and_reports(tmp_path):
   out = bg.run(TINY, log=rows.append)
   assert out['complete'], json.dumps(out)[:2000]
   assert [r['phase'] for r in rows] == ['ceilings', 'check', 'tune',
-                                        'prefill', 'decode']
+                                        'prefill', 'decode', 'train']
+  assert out['order'] == ['prefill 128', 'decode 128', 'train 128']
   assert out['reference_check']['selection_margin_violations'] == 0
   assert out['reference_check']['fp8_margin_violations'] == 0
   assert out['reference_check']['max_abs_err'] < 2e-2  # bf16 inputs
@@ -78,7 +79,8 @@ def test_past_the_deadline_everything_is_skipped_but_summarised(tmp_path):
              'bench_msa': out}
   (tmp_path / 'gpu_check_cut.json').write_text(json.dumps(summary))
   text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_cut')
-  assert 'Not measured: prefill 128 (deadline); decode 128 (deadline)' in text
+  assert ('Not measured: prefill 128 (deadline); decode 128 (deadline);'
+          ' train 128 (deadline)') in text
 
 
 def test_a_broken_kernel_costs_only_its_own_timing(tmp_path, monkeypatch):
@@ -115,11 +117,14 @@ def test_a_tuned_forward_is_timed_beside_the_default():
   tuned = bg.kv_outer.ForwardConfig(pair_order=True, prefetch=True)
   assert bg.tuned_config({'best': tuned.label()}) == tuned
   assert bg.tuned_config({}) is None
-  clock = bg._Clock(None)
-  pre = bg.prefill(TINY, 128, clock, tuned)
-  for key in ('main_s', 'main_tuned_s', 'msa_s', 'msa_tuned_s',
-              'msa_train_s', 'msa_train_tuned_s'):
+  pre = bg.prefill(TINY, 128, tuned)
+  for key in ('main_s', 'main_tuned_s', 'msa_s', 'msa_tuned_s'):
     assert pre[key] > 0, key
+  tr = bg.train(TINY, 128, tuned)
+  for key in ('msa_train_s', 'msa_train_tuned_s'):
+    assert tr[key] > 0, key
+  assert tr['train_speedup_tuned'] == pytest.approx(
+      tr['dense_train_s'] / tr['msa_train_tuned_s'], rel=1e-6)
   assert pre['tuned_config'] == tuned.label()
   assert pre['speedup_tuned'] == pytest.approx(
       pre['dense_s'] / pre['msa_tuned_s'], rel=1e-6)
@@ -217,3 +222,85 @@ def test_targets_read_the_rows_they_name():
   # A length the run never reached is unmeasured, not failed silently.
   assert all(t['measured'] is None and not t['met']
              for t in bg.targets({'results': [], 'decode': []}))
+
+
+def test_the_cheaper_targets_are_measured_first():
+  # The lent GPU's run: the 32k prefill, then decode at 128k, then
+  # forward+backward at 32k, and the costly 128k prefill last.
+  cfg = bg.GPUBench(seq_lens=(32768, 131072), decode_lens=(131072,))
+  assert bg.schedule(cfg) == [('prefill', 32768), ('decode', 131072),
+                              ('train', 32768), ('prefill', 131072)]
+  # Every target's length is measured by some phase of the schedule.
+  lengths = {(p, n) for p, n in bg.schedule(cfg)}
+  for _, phase, n, *_ in bg.TARGETS:
+    assert ('decode' if phase == 'decode' else 'prefill', n) in lengths
+
+
+def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
+    tmp_path, monkeypatch):
+  # Stub phases (no kernels): the soft deadline falls after the third
+  # measuring phase, and the hard timeout kills the bench inside the
+  # fourth, so only the rows it printed survive (gpu_check_summary keeps
+  # them as 'partial'). The targets measured before the cut are in the
+  # rendered table.
+  calls = []
+
+  def stub(name, **fields):
+    def fn(cfg, n, *rest):
+      calls.append((name, n))
+      return {'seq_len' if name != 'decode' else 'cache_len': n, **fields}
+    return fn
+
+  monkeypatch.setattr(bg, 'ceilings', lambda cfg: {'matmul_n': 1})
+  monkeypatch.setattr(bg, 'check', lambda cfg: {})
+  monkeypatch.setattr(bg, 'tune', lambda cfg, clock: {'tune_len': 1})
+  monkeypatch.setattr(bg, '_decode_impl', lambda cfg: 'xla')
+  monkeypatch.setattr(bg, 'prefill', stub(
+      'prefill', dense_s=0.026, msa_s=0.01, speedup=2.6, flop_ratio=6.4,
+      spread={'msa': 0.1}))
+  monkeypatch.setattr(bg, 'decode', stub(
+      'decode', decode_dense_s=7e-4, decode_msa_s=1.4e-4,
+      decode_speedup=5.0, decode_flop_ratio=21.3))
+  monkeypatch.setattr(bg, 'train', stub(
+      'train', dense_train_s=0.1, msa_train_s=0.05,
+      train_speedup_main_only=2.0, spread={'msa_train': 0.2},
+      kernel_errors={'bwd_dkv_prefetch': 'planted'}))
+
+  class Clock(bg._Clock):
+    """Past the deadline once three measuring phases have run."""
+
+    def ok(self):
+      return len(calls) < 3
+
+  monkeypatch.setattr(bg, '_Clock', Clock)
+  cfg = bg.GPUBench(seq_lens=(32768, 131072), decode_lens=(131072,))
+  printed = []
+  out = bg.run(cfg, log=printed.append)
+  assert calls == [('prefill', 32768), ('decode', 131072), ('train', 32768)]
+  assert [r['phase'] for r in printed][3:] == ['prefill', 'decode', 'train',
+                                              'prefill']
+  assert printed[-1]['skipped'] == 'deadline' and not out['complete']
+  # The final JSON: the train fields joined the 32k prefill row, and both
+  # spreads survive.
+  row32 = out['results'][0]
+  assert row32['train_speedup_main_only'] == 2.0
+  assert row32['spread'] == {'msa': 0.1, 'msa_train': 0.2}
+  assert row32['kernel_errors'] == {'bwd_dkv_prefetch': 'planted'}
+  assert row32['phase'] == 'prefill' and row32['train_elapsed_s'] >= 0
+  want = {'prefill 32k': 2.6, 'prefill 128k': None,
+          'decode 128k, batch 8': 5.0,
+          'forward+backward 32k (main branch)': 2.0}
+  assert {t['what']: t['measured'] for t in bg.targets(out)} == want
+  # Killed inside the 128k prefill: only the printed rows before it.
+  partial = {'error': 'no final JSON line in the bench log',
+             'partial': printed[:-1]}
+  assert {t['what']: t['measured'] for t in bg.targets(partial)} == want
+  summary = {'gpu_check': 'fail', 'setup': {}, 'tests': {},
+             'bench_msa': partial}
+  (tmp_path / 'gpu_check_killed.json').write_text(json.dumps(summary))
+  text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_killed')
+  assert 'The bench did not finish' in text
+  assert '| prefill 32k | 6.40 | **2.60** | >= 2.50 | yes' in text, text
+  assert '| decode 128k, batch 8 | 21.3 | **5.00** |' in text, text
+  assert '| forward+backward 32k (main branch) | 6.40 | **2.00** |' in text
+  assert '| prefill 128k | - | - |' in text, text
