@@ -1021,6 +1021,10 @@ def render_gpu_check(results_dir: str, name: str) -> str:
             ('fused index ms', lambda r: _ms(
                 r.get('index_fused_s') if 'phase' in r else r['index_s'])),
             ('main ms', lambda r: _ms(r.get('main_s'))),
+            ('main stages ms: plan / kernel / combine', lambda r: (
+                f"{_ms(r['main_plan_s'])} / {_ms(r.get('main_kernel_s'))}"
+                f" / {_ms(r.get('main_combine_s'))}"
+                if 'main_plan_s' in r else '-')),
             ('per-token main ms', lambda r: _ms(r.get('main_token_s'))),
             ('**speedup**', lambda r: f"**{_f(r['speedup'])}**"),
             ('tuned: main ms / speedup', lambda r: (

@@ -20,7 +20,9 @@ early still leaves most targets measured:
   prefill   per seq_len: dense: jax.nn.dot_product_attention(
             implementation='cudnn'), causal GQA; msa: selection + sparse
             forward end to end; each kernel alone: index (the two-launch
-            selector), main (the KV-outer sparse forward), and up to
+            selector), main (the KV-outer sparse forward) and, up to
+            train_max_len, its three stages apart (main_plan, main_kernel,
+            main_combine: where its time goes); up to
             fused_max_len the kernels they replace: index_fused (the
             running-table selector), main_token (a program per token).
   train     up to train_max_len (its fields join the prefill row of the
@@ -392,6 +394,34 @@ def _main_branch(cfg: GPUBench, off, config=None, gpu_kernels='kv_outer'):
       gpu_kernels=gpu_kernels, kv_config=config)
 
 
+def _forward_stages(cfg: GPUBench, off, q, k, v, sel) -> dict:
+  """The default KV-outer forward's three stages, each alone on the
+  previous stage's output: main_plan (the selection inverted into tiles
+  and work items, XLA), main_kernel (the Pallas kernel writing per-slot
+  partials), main_combine (their log-sum-exp merge and the output's
+  transpose and cast, XLA). Together they are what 'main' times."""
+  q_p, k_p, v_p, valid, scale = pallas_path.kv_outer_operands(
+      q, k, v, None, block_size=cfg.block_size)
+  rp, dp = q_p.shape[3:]
+  plan_fn = lambda sel: kv_outer.forward_plan(
+      sel, n_blocks=k_p.shape[1] // cfg.block_size, heads_p=rp,
+      head_dim_p=dp, dtype=q_p.dtype)
+  kernel_fn = lambda plan, q_p, k_p, v_p, valid: kv_outer.forward_partials(
+      plan, q_p, k_p, v_p, off, valid, block_size=cfg.block_size,
+      scale=scale, interpret=cfg.interpret)
+
+  def combine_fn(plan, parts):
+    out, lse = kv_outer.forward_combine(plan, parts, top_k=sel.shape[-1],
+                                        heads_p=rp)
+    return out.transpose(0, 2, 1, 3, 4).astype(q.dtype), lse
+
+  plan = jax.jit(plan_fn)(sel)
+  parts = jax.jit(kernel_fn)(plan, q_p, k_p, v_p, valid)
+  return {'main_plan': (plan_fn, (sel,)),
+          'main_kernel': (kernel_fn, (plan, q_p, k_p, v_p, valid)),
+          'main_combine': (combine_fn, (plan, parts))}
+
+
 def tune(cfg: GPUBench, clock: _Clock) -> dict:
   """TUNE's variants of the KV-outer forward at tune_len, each group beside
   the default (so every ratio is side by side); `best` names the fastest
@@ -472,6 +502,13 @@ def prefill(cfg: GPUBench, t: int,
                       (qi, ki, off))
   fns['msa_fp8'] = (functools.partial(msa, fp8_scores=True, kv_config=tuned),
                     (q, k, v, qi, ki))
+  if t <= cfg.train_max_len:
+    # Where the main branch's time goes: its plan, kernel and combine
+    # (their inputs are made here, so a failure costs only these three).
+    try:
+      fns.update(_forward_stages(cfg, off, q, k, v, sel))
+    except Exception as e:  # pylint: disable=broad-except
+      errors['main_stages'] = benchmark.error_text(e)
   main_token = _main_branch(cfg, off, gpu_kernels='token')
   if t <= cfg.fused_max_len:
     # The previous kernels, side by side, where they finish in time.

@@ -450,14 +450,15 @@ def combine(o_BGJWD, lse_BGJW, pair_BGP, *, top_k: int, heads_p: int):
                 lse_P.reshape(b, g, t, top_k, heads_p))
 
 
-def combine_pairs(o_BGXD, lse_BGX, sel_BGTK, *, heads_p: int):
+def combine_pairs(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int):
   """Merge partials stored in pair order (row (t*K + k)*Rp + r): no
-  gather. A -1 slot's rows were never written, so they are masked, not
-  read as weights (garbage may be NaN)."""
-  b, g, t, k = sel_BGTK.shape
+  gather. A -1 slot (pair -1) has rows never written, so they are masked,
+  not read as weights (garbage may be NaN)."""
+  b, g, p = pair_BGP.shape
+  t, k = p // top_k, top_k
   dp = o_BGXD.shape[-1]
-  n = t * k * heads_p  # the rows past n are the kernel's spare row
-  live = (sel_BGTK >= 0)[..., None]
+  n = p * heads_p  # the rows past n are the kernel's spare row
+  live = (pair_BGP >= 0).reshape(b, g, t, k)[..., None]
   o = jnp.where(live[..., None],
                 o_BGXD[:, :, :n].reshape(b, g, t, k, heads_p, dp), 0)
   lse = jnp.where(live, lse_BGX[:, :, :n].reshape(b, g, t, k, heads_p),
@@ -484,6 +485,89 @@ def _per_program(n_tiles: int, n_blocks: int) -> int:
   return max(4, 2 * -(-max(n_tiles - n_blocks, 1) // n_blocks))
 
 
+def _query_chunk(config: ForwardConfig, q: int, g: int, k: int, rp: int,
+                 dp: int) -> int:
+  """Tokens per launch: config.query_chunk, or partials of about 1 GiB."""
+  return config.query_chunk or max(
+      q, (2**30 // (g * k * rp * dp * 2)) // q * q)
+
+
+def forward_plan(sel_BGTK, *, n_blocks: int, heads_p: int, head_dim_p: int,
+                 dtype, config: ForwardConfig | None = None) -> list:
+  """The forward's work, per query chunk (XLA, no kernel): a list of
+  (items, rows_BGJW, out_rows_BGJW or None, pair_BGP).
+
+  items: (block, first tile, tile count) per program; rows: each tile
+  row's row in the query view; out_rows (pair_order only): its row in the
+  pair-order partial view; pair: the lane of each (token, slot) pair (-1:
+  a -1 slot). One query per sequence (T = 1, decode) is one chunk whose
+  tiles are the selection itself (split-K).
+  """
+  config = config or ForwardConfig()
+  b, g, t, k = sel_BGTK.shape
+  q = config.q_per_tile or _queries_per_tile(heads_p, dtype)
+
+  def chunk(tiles, items):
+    _, tile_q, pair = tiles
+    rows = tile_rows(tile_q, groups=g, heads_p=heads_p)
+    out_rows = None
+    if config.pair_order:
+      out_rows = pair_rows(pair, tile_q.shape[2] * tile_q.shape[3],
+                           heads_p=heads_p).reshape(rows.shape)
+    return items, rows, out_rows, pair
+
+  if t == 1:
+    tiles = decode_tiles(sel_BGTK[:, :, 0])
+    tile_blk = tiles[0]
+    direct = (tile_blk, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
+                                         tile_blk.shape),
+              (tile_blk >= 0).astype(jnp.int32))
+    return [chunk(tiles, direct)]
+  size = _query_chunk(config, q, g, k, heads_p, head_dim_p)
+  plan = []
+  for t0 in range(0, t, size):
+    tiles = build_tiles(sel_BGTK[:, :, t0:t0 + size], n_blocks=n_blocks,
+                        q_per_tile=q, t0=t0)
+    items = _work_items(
+        tiles[0], n_blocks,
+        config.tiles_per_program or _per_program(tiles[0].shape[-1],
+                                                 n_blocks))
+    plan.append(chunk(tiles, items[:3]))
+  return plan
+
+
+def forward_partials(plan: list, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
+                     *, block_size: int, scale: float, interpret: bool,
+                     config: ForwardConfig | None = None) -> list:
+  """The forward kernel over each chunk of `plan`: per chunk (o, lse), the
+  per-slot partial outputs and log-sum-exps, in tile order [B, G, J, W,
+  Dp] or (pair_order) pair order [B, G, P*Rp + 1, Dp]."""
+  config = config or ForwardConfig()
+  g, rp = q_BTGRD.shape[2:4]
+  call = functools.partial(_forward_call, off_B=off_B,
+                           q_BXD=_query_view(q_BTGRD), k_BSGD=k_BSGD,
+                           v_BSGD=v_BSGD, valid_BS=valid_BS,
+                           block_size=block_size, rows_per_token=g * rp,
+                           scale=scale, interpret=interpret, config=config)
+  return [call(items=items, rows_BGJW=rows, out_rows_BGJW=out_rows,
+               n_pairs=None if out_rows is None else pair.shape[-1])
+          for items, rows, out_rows, pair in plan]
+
+
+def forward_combine(plan: list, partials: list, *, top_k: int,
+                    heads_p: int):
+  """Each token's partials merged across slots: (out_BGTRD f32,
+  lse_BGTR), the chunks joined along T."""
+  outs, lses = [], []
+  for (_, _, out_rows, pair), (o, lse) in zip(plan, partials):
+    merge = combine if out_rows is None else combine_pairs
+    out_c, lse_c = merge(o, lse, pair, top_k=top_k, heads_p=heads_p)
+    outs.append(out_c)
+    lses.append(lse_c)
+  join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=2)
+  return join(outs), join(lses)
+
+
 def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
             block_size: int, scale: float, interpret: bool,
             config: ForwardConfig | None = None):
@@ -493,54 +577,20 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   (T = 1, decode) is split-K: a program per selected slot. Longer inputs
   take the sorted tiles, config.query_chunk tokens at a time, a program
   per key block (or per part of a heavy one: config.tiles_per_program).
+  Three stages, each callable alone (the GPU bench times them apart):
+  forward_plan (XLA), forward_partials (the kernel), forward_combine
+  (XLA).
   """
   config = config or ForwardConfig()
-  b, t, g, rp, dp = q_BTGRD.shape
-  n_blocks = k_BSGD.shape[1] // block_size
-  k = sel_BGTK.shape[-1]
-  q = config.q_per_tile or _queries_per_tile(rp, q_BTGRD.dtype)
-  call = functools.partial(_forward_call, off_B=off_B,
-                           q_BXD=_query_view(q_BTGRD), k_BSGD=k_BSGD,
-                           v_BSGD=v_BSGD, valid_BS=valid_BS,
-                           block_size=block_size, rows_per_token=g * rp,
-                           scale=scale, interpret=interpret, config=config)
-
-  def attend(sel_c, tiles, items):
-    _, tile_q, pair = tiles
-    rows = tile_rows(tile_q, groups=g, heads_p=rp)
-    if not config.pair_order:
-      o, lse = call(items=items, rows_BGJW=rows, out_rows_BGJW=None,
-                    n_pairs=None)
-      return combine(o, lse, pair, top_k=k, heads_p=rp)
-    out_rows = pair_rows(pair, tile_q.shape[2] * tile_q.shape[3],
-                         heads_p=rp).reshape(rows.shape)
-    o, lse = call(items=items, rows_BGJW=rows, out_rows_BGJW=out_rows,
-                  n_pairs=pair.shape[-1])
-    return combine_pairs(o, lse, sel_c, heads_p=rp)
-
-  if t == 1:
-    tiles = decode_tiles(sel_BGTK[:, :, 0])
-    tile_blk = tiles[0]
-    direct = (tile_blk, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
-                                         tile_blk.shape),
-              (tile_blk >= 0).astype(jnp.int32))
-    out, lse_t = attend(sel_BGTK, tiles, direct)
-  else:
-    chunk = config.query_chunk or max(
-        q, (2**30 // (g * k * rp * dp * 2)) // q * q)
-    outs, lses = [], []
-    for t0 in range(0, t, chunk):
-      sel_c = sel_BGTK[:, :, t0:t0 + chunk]
-      tiles = build_tiles(sel_c, n_blocks=n_blocks, q_per_tile=q, t0=t0)
-      items = _work_items(
-          tiles[0], n_blocks,
-          config.tiles_per_program or _per_program(tiles[0].shape[-1],
-                                                   n_blocks))
-      out_c, lse_c = attend(sel_c, tiles, items[:3])
-      outs.append(out_c)
-      lses.append(lse_c)
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-    lse_t = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
+  rp, dp = q_BTGRD.shape[3:]
+  plan = forward_plan(sel_BGTK, n_blocks=k_BSGD.shape[1] // block_size,
+                      heads_p=rp, head_dim_p=dp, dtype=q_BTGRD.dtype,
+                      config=config)
+  parts = forward_partials(plan, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
+                           block_size=block_size, scale=scale,
+                           interpret=interpret, config=config)
+  out, lse_t = forward_combine(plan, parts, top_k=sel_BGTK.shape[-1],
+                               heads_p=rp)
   return (out.transpose(0, 2, 1, 3, 4).astype(q_BTGRD.dtype),
           lse_t.transpose(0, 2, 1, 3))
 

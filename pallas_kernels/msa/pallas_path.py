@@ -117,6 +117,19 @@ def _kv_outer_heads(r: int, t: int) -> int:
   return kc.next_pow2(r) if t > 1 else max(16, kc.next_pow2(r))
 
 
+def kv_outer_operands(q_BTHD, k_BSGD, v_BSGD, valid_BS, *, block_size):
+  """The KV-outer kernels' padded operands: (q_BTGRD, k_BSGD, v_BSGD,
+  valid_BS int32, scale), heads and head dim padded to powers of two and
+  keys to whole blocks."""
+  b, t, h, d = q_BTHD.shape
+  s, g = k_BSGD.shape[1:3]
+  rp, dp = _kv_outer_heads(h // g, t), _gpu_dims(h // g, d, 1)[1]
+  sp = kc.round_up(s, block_size)
+  pad_kv = lambda x: _pad_axis(_pad_axis(x, 1, sp), 3, dp)
+  return (_to_gpu_q(q_BTHD, g, rp, dp), pad_kv(k_BSGD), pad_kv(v_BSGD),
+          _valid_mask(valid_BS, b, s, sp), 1.0 / math.sqrt(d))
+
+
 def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
                    block_size, backend, interpret, gpu_kernels='kv_outer',
                    kv_config: kv_outer.ForwardConfig | None = None):
@@ -142,16 +155,16 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
         interpret=interpret)
     return _from_group_major_q(o, t, h), _rows_BTH(lse, t)
   _check_gpu_kernels(gpu_kernels)
-  rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
-  k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
-  v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
   if gpu_kernels == 'kv_outer':
-    rp = _kv_outer_heads(r, t)
+    q_p, k_p, v_p, valid, scale = kv_outer_operands(
+        q_BTHD, k_BSGD, v_BSGD, valid_BS, block_size=block_size)
     o, lse = kv_outer.forward(
-        _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p, sel_BGTK, off_B, valid,
-        block_size=block_size, scale=scale, interpret=interpret,
-        config=kv_config)
+        q_p, k_p, v_p, sel_BGTK, off_B, valid, block_size=block_size,
+        scale=scale, interpret=interpret, config=kv_config)
   else:
+    rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
+    k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
+    v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
     o, lse = forward_kernel.forward_gpu(
         _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p,
         _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid, block_size=block_size,

@@ -41,7 +41,8 @@ def test_every_phase_runs_and_reports(tmp_path):
   for key in ('dense_s', 'msa_s', 'index_s', 'index_fused_s', 'main_s',
               'dense_train_s', 'msa_train_s', 'index_fp8_s', 'msa_fp8_s',
               'bwd_dq_s', 'bwd_dkv_s', 'bwd_dkv_prefetch_s',
-              'bwd_dkv_parts2_s'):
+              'bwd_dkv_parts2_s', 'main_plan_s', 'main_kernel_s',
+              'main_combine_s'):
     assert pre[key] > 0, key
   assert pre['speedup_fp8'] == pytest.approx(
       pre['dense_s'] / pre['msa_fp8_s'], rel=1e-2)
@@ -304,3 +305,28 @@ def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
   assert '| decode 128k, batch 8 | 21.3 | **5.00** |' in text, text
   assert '| forward+backward 32k (main branch) | 6.40 | **2.00** |' in text
   assert '| prefill 128k | - | - |' in text, text
+
+
+def test_the_main_branch_stages_compose_to_the_main_branch():
+  # What the bench times apart (plan, kernel, combine) is, run in a chain,
+  # the forward the 'main' row times: the same output and LSE.
+  t = 128
+  q, k, v, qi, ki = bg._inputs(TINY, 1, t, t)
+  off = jnp.zeros((1,), jnp.int32)
+  sel, _ = bg._selection(TINY, qi, ki, off, {})
+  stages = bg._forward_stages(TINY, off, q, k, v, sel)
+  plan_fn, (sel_,) = stages['main_plan']
+  kernel_fn, (_, *kernel_args) = stages['main_kernel']
+  combine_fn, _ = stages['main_combine']
+  plan = jax.jit(plan_fn)(sel_)
+  out, lse_BGTR = jax.jit(combine_fn)(plan, jax.jit(kernel_fn)(plan,
+                                                               *kernel_args))
+  want_out, want_lse = jax.jit(bg._main_branch(TINY, off))(q, k, v, sel)
+  b, _, h, d = q.shape
+  g, r = TINY.groups, TINY.heads_per_group
+  got = out[:, :, :, :r, :d].reshape(b, t, h, d)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want_out, np.float32))
+  got_lse = lse_BGTR.transpose(0, 2, 1, 3)[..., :r].reshape(b, t, h)
+  np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
+  assert np.isfinite(np.asarray(want_lse)).all()
