@@ -1018,6 +1018,9 @@ def render_gpu_check(results_dir: str, name: str) -> str:
             ('index ms', lambda r: _ms(r.get('index_s')) if 'phase' in r
              else '-'),
             ('index TFLOP/s', lambda r: _f(r.get('index_tflops'))),
+            ('index stages ms: scores / top-k', lambda r: (
+                f"{_ms(r['index_scores_s'])} / {_ms(r.get('index_topk_s'))}"
+                if 'index_scores_s' in r else '-')),
             ('fused index ms', lambda r: _ms(
                 r.get('index_fused_s') if 'phase' in r else r['index_s'])),
             ('main ms', lambda r: _ms(r.get('main_s'))),

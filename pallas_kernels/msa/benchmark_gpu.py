@@ -21,8 +21,9 @@ early still leaves most targets measured:
             implementation='cudnn'), causal GQA; msa: selection + sparse
             forward end to end; each kernel alone: index (the two-launch
             selector), main (the KV-outer sparse forward) and, up to
-            train_max_len, its three stages apart (main_plan, main_kernel,
-            main_combine: where its time goes); up to
+            train_max_len, their stages apart (index_scores, index_topk;
+            main_plan, main_kernel, main_combine: where the time goes); up
+            to
             fused_max_len the kernels they replace: index_fused (the
             running-table selector), main_token (a program per token).
   train     up to train_max_len (its fields join the prefill row of the
@@ -394,6 +395,22 @@ def _main_branch(cfg: GPUBench, off, config=None, gpu_kernels='kv_outer'):
       gpu_kernels=gpu_kernels, kv_config=config)
 
 
+def _index_stages(cfg: GPUBench, qi, ki, off) -> dict:
+  """The two-launch selector's launches, each alone: index_scores (the
+  tensor-core block maxima, written to HBM) and index_topk (the K-1 argmax
+  rounds per row, on those scores). Together they are what 'index'
+  times."""
+  t, g = qi.shape[1:3]
+  scores_fn = lambda qi, ki: index_kernel.index_scores(
+      qi, ki, off, block_size=cfg.block_size, interpret=cfg.interpret)
+  topk_fn = lambda scores: index_kernel.index_topk(
+      scores, off, t=t, groups=g, num_keys=ki.shape[1],
+      block_size=cfg.block_size, top_k=cfg.top_k, interpret=cfg.interpret)
+  scores = jax.jit(scores_fn)(qi, ki)
+  return {'index_scores': (scores_fn, (qi, ki)),
+          'index_topk': (topk_fn, (scores,))}
+
+
 def _forward_stages(cfg: GPUBench, off, q, k, v, sel) -> dict:
   """The default KV-outer forward's three stages, each alone on the
   previous stage's output: main_plan (the selection inverted into tiles
@@ -503,12 +520,15 @@ def prefill(cfg: GPUBench, t: int,
   fns['msa_fp8'] = (functools.partial(msa, fp8_scores=True, kv_config=tuned),
                     (q, k, v, qi, ki))
   if t <= cfg.train_max_len:
-    # Where the main branch's time goes: its plan, kernel and combine
-    # (their inputs are made here, so a failure costs only these three).
-    try:
-      fns.update(_forward_stages(cfg, off, q, k, v, sel))
-    except Exception as e:  # pylint: disable=broad-except
-      errors['main_stages'] = benchmark.error_text(e)
+    # Where the index branch's and the main branch's times go: each stage
+    # alone (their inputs are made here, so a failure costs only them).
+    for name, stages in (
+        ('index_stages', lambda: _index_stages(cfg, qi, ki, off)),
+        ('main_stages', lambda: _forward_stages(cfg, off, q, k, v, sel))):
+      try:
+        fns.update(stages())
+      except Exception as e:  # pylint: disable=broad-except
+        errors[name] = benchmark.error_text(e)
   main_token = _main_branch(cfg, off, gpu_kernels='token')
   if t <= cfg.fused_max_len:
     # The previous kernels, side by side, where they finish in time.

@@ -275,6 +275,112 @@ def key_span(num_keys: int, block_size: int,
   return min(blocks_per_program or max(1, 2048 // block_size), n_p) * block_size
 
 
+def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
+                    block_size: int, interpret: bool, row_tile: int,
+                    blocks_per_program: int | None, max_score_bytes: int,
+                    fp8_scores: bool):
+  """The score launch's operands and tiling: (qi_BQI, ki_BSI, valid_BS,
+  offset_B, tiling), the index inputs cast (fp8: scaled, `to_fp8`) and
+  padded to the tiles."""
+  b, t, g, di = qi_BTGI.shape
+  s = ki_BSI.shape[1]
+  dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
+  if fp8_scores:
+    if kv_valid_BS is not None:
+      # Padding keys are masked anyway; they must not set the keys' scale.
+      ki_BSI = jnp.where(jnp.asarray(kv_valid_BS, bool)[..., None], ki_BSI,
+                         jnp.zeros((), ki_BSI.dtype))
+    qi_BTGI = to_fp8(qi_BTGI, axis=-1)
+    ki_BSI = to_fp8(ki_BSI, axis=(1, 2))
+    dtype = jnp.float8_e4m3fn
+    if not interpret:
+      fp8_dots_on_tensor_cores()
+  ip = max(16, kc.next_pow2(di))
+  n_blocks = -(-s // block_size)
+  n_p = kc.next_pow2(n_blocks)
+  span = key_span(s, block_size, blocks_per_program)
+  sp = kc.round_up(s, span)
+  # Keys: padded only where the shape needs it (a decode cache whose length
+  # is a multiple of the span is used in place, in its own dtype).
+  ki = ki_BSI.astype(dtype)
+  if sp != s or ip != di:
+    ki = jnp.pad(ki, ((0, 0), (0, sp - s), (0, ip - di)))
+  valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
+           else jnp.asarray(kv_valid_BS).astype(jnp.int32))
+  valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
+  offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
+  rows = t * g
+  row_tile, key_sub, stages = score_tiling(dtype, block_size, row_tile)
+  m = min(row_tile, max(16, kc.next_pow2(rows)))
+  rp = kc.round_up(rows, m)
+  qi = jnp.pad(qi_BTGI.astype(dtype).reshape(b, rows, di),
+               ((0, 0), (0, rp - rows), (0, ip - di)))
+  tiling = dict(
+      dtype=dtype, n_blocks=n_blocks, n_p=n_p, nb=span // block_size, m=m,
+      key_sub=key_sub, stages=stages,
+      chunk=max(m, (max_score_bytes // (4 * n_p)) // m * m),
+      scale=1.0 / math.sqrt(di))
+  return qi, ki, valid, offset_B, tiling
+
+
+def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
+                 block_size: int, interpret: bool, row_tile: int = 128,
+                 blocks_per_program: int | None = None,
+                 max_score_bytes: int = 2**28,
+                 fp8_scores: bool = False) -> list:
+  """The first launch alone: per row chunk, the f32 block scores [B, Np,
+  rows of the chunk] (rows are (token, group) pairs; -inf past a row's
+  diagonal). Arguments as in select_blocks_BGTK."""
+  qi, ki, valid, offset_B, tl = _index_operands(
+      qi_BTGI, ki_BSI, offset_B, kv_valid_BS, block_size=block_size,
+      interpret=interpret, row_tile=row_tile,
+      blocks_per_program=blocks_per_program,
+      max_score_bytes=max_score_bytes, fp8_scores=fp8_scores)
+  precision = kc.gpu_precision_for(tl['dtype'], interpret)
+  return [_scores_call(offset_B, qi[:, r0:r0 + tl['chunk']], ki, valid,
+                       n_blocks_p=tl['n_p'], block_size=block_size,
+                       groups=qi_BTGI.shape[2], row_base=r0,
+                       row_tile=tl['m'], blocks_per_program=tl['nb'],
+                       scale=tl['scale'], precision=precision,
+                       interpret=interpret, key_sub=tl['key_sub'],
+                       num_stages=tl['stages'])
+          for r0 in range(0, qi.shape[1], tl['chunk'])]
+
+
+def index_topk(scores: list, offset_B, *, t: int, groups: int,
+               num_keys: int, block_size: int, top_k: int, interpret: bool,
+               topk: str = 'pallas', topk_rows: int | None = None,
+               row_tile: int = 128) -> jax.Array:
+  """The second launch alone, on index_scores' chunks: the selection int32
+  [B, G, T, K] (topk='xla': lax.top_k over the same scores). row_tile:
+  the score launch's rows per tile (`score_tiling`'s: 64 in f32), which
+  bounds the top-k tile's so that it divides every chunk."""
+  b = scores[0].shape[0]
+  n_p = scores[0].shape[1]
+  n_blocks = -(-num_keys // block_size)
+  rows = t * groups
+  offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
+  if topk == 'xla':
+    parts = [sc[:, :n_blocks] for sc in scores]
+    scores_BNQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, 2)
+    scores_BGTN = scores_BNQ[:, :, :rows].reshape(
+        b, n_blocks, t, groups).transpose(0, 3, 2, 1)
+    return xla.select_blocks_BGTK(scores_BGTN, block_size=block_size,
+                                  top_k=top_k, q_offset=offset_B)
+  # The score tile's rows bound the top-k tile's (the tilings must agree).
+  m = min(row_tile, max(16, kc.next_pow2(rows)))
+  w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))), m)
+  parts, r0 = [], 0
+  for sc in scores:
+    parts.append(_topk_call(offset_B, sc, block_size=block_size,
+                            groups=groups, row_base=r0, top_k=top_k,
+                            topk_rows=w, interpret=interpret))
+    r0 += sc.shape[2]
+  sel_BKQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+  sel_BKTG = sel_BKQ[:, :top_k, :rows].reshape(b, top_k, t, groups)
+  return sel_BKTG.transpose(0, 3, 2, 1)
+
+
 def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        block_size: int, top_k: int, interpret: bool,
                        row_tile: int = 128, blocks_per_program: int | None = None,
@@ -298,70 +404,24 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   an approximate selection, within the margin rule at eps_scale 2^-3
   (docs/design.md §6.8) rather than 2^-7; for prefill, since quantizing a
   decode cache every step would reread it.
+  The two launches are index_scores and index_topk (the GPU bench times
+  them apart).
   """
-  b, t, g, di = qi_BTGI.shape
-  s = ki_BSI.shape[1]
+  _, t, g, _ = qi_BTGI.shape
   if top_k < 1:
     raise ValueError(f'top_k must be >= 1, got {top_k}.')
   if topk not in ('pallas', 'xla'):
     raise ValueError(f"topk must be 'pallas' or 'xla', got {topk!r}.")
-  dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
-  if fp8_scores:
-    if kv_valid_BS is not None:
-      # Padding keys are masked anyway; they must not set the keys' scale.
-      ki_BSI = jnp.where(jnp.asarray(kv_valid_BS, bool)[..., None], ki_BSI,
-                         jnp.zeros((), ki_BSI.dtype))
-    qi_BTGI = to_fp8(qi_BTGI, axis=-1)
-    ki_BSI = to_fp8(ki_BSI, axis=(1, 2))
-    dtype = jnp.float8_e4m3fn
-    if not interpret:
-      fp8_dots_on_tensor_cores()
-  precision = kc.gpu_precision_for(dtype, interpret)
-  ip = max(16, kc.next_pow2(di))
-  n_blocks = -(-s // block_size)
-  n_p = kc.next_pow2(n_blocks)
-  span = key_span(s, block_size, blocks_per_program)
-  nb = span // block_size
-  sp = kc.round_up(s, span)
-  # Keys: padded only where the shape needs it (a decode cache whose length
-  # is a multiple of the span is used in place, in its own dtype).
-  ki = ki_BSI.astype(dtype)
-  if sp != s or ip != di:
-    ki = jnp.pad(ki, ((0, 0), (0, sp - s), (0, ip - di)))
-  valid = (jnp.ones((b, s), jnp.int32) if kv_valid_BS is None
-           else jnp.asarray(kv_valid_BS).astype(jnp.int32))
-  valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
-  offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
-
-  rows = t * g
-  row_tile, key_sub, stages = score_tiling(dtype, block_size, row_tile)
-  m = min(row_tile, max(16, kc.next_pow2(rows)))
-  w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))), m)
-  chunk = max(m, (max_score_bytes // (4 * n_p)) // m * m)
-  rp = kc.round_up(rows, m)
-  qi = jnp.pad(qi_BTGI.astype(dtype).reshape(b, rows, di),
-               ((0, 0), (0, rp - rows), (0, ip - di)))
-  scale = 1.0 / math.sqrt(di)
-  parts = []
-  for r0 in range(0, rp, chunk):
-    qi_c = qi[:, r0:r0 + chunk]
-    scores = _scores_call(offset_B, qi_c, ki, valid, n_blocks_p=n_p,
-                          block_size=block_size, groups=g, row_base=r0,
-                          row_tile=m, blocks_per_program=nb, scale=scale,
-                          precision=precision, interpret=interpret,
-                          key_sub=key_sub, num_stages=stages)
-    if topk == 'xla':
-      parts.append(scores[:, :n_blocks])
-      continue
-    parts.append(_topk_call(offset_B, scores, block_size=block_size,
-                            groups=g, row_base=r0, top_k=top_k, topk_rows=w,
-                            interpret=interpret))
-  if topk == 'xla':
-    scores_BNQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, 2)
-    scores_BGTN = scores_BNQ[:, :, :rows].reshape(
-        b, n_blocks, t, g).transpose(0, 3, 2, 1)
-    return xla.select_blocks_BGTK(scores_BGTN, block_size=block_size,
-                                  top_k=top_k, q_offset=offset_B)
-  sel_BKQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
-  sel_BKTG = sel_BKQ[:, :top_k, :rows].reshape(b, top_k, t, g)
-  return sel_BKTG.transpose(0, 3, 2, 1)
+  scores = index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS,
+                        block_size=block_size, interpret=interpret,
+                        row_tile=row_tile,
+                        blocks_per_program=blocks_per_program,
+                        max_score_bytes=max_score_bytes,
+                        fp8_scores=fp8_scores)
+  dtype = (jnp.float8_e4m3fn if fp8_scores
+           else index_dtype(qi_BTGI.dtype, ki_BSI.dtype))
+  return index_topk(scores, offset_B, t=t, groups=g,
+                    num_keys=ki_BSI.shape[1], block_size=block_size,
+                    top_k=top_k, interpret=interpret, topk=topk,
+                    topk_rows=topk_rows,
+                    row_tile=score_tiling(dtype, block_size, row_tile)[0])

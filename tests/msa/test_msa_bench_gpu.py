@@ -42,7 +42,7 @@ def test_every_phase_runs_and_reports(tmp_path):
               'dense_train_s', 'msa_train_s', 'index_fp8_s', 'msa_fp8_s',
               'bwd_dq_s', 'bwd_dkv_s', 'bwd_dkv_prefetch_s',
               'bwd_dkv_parts2_s', 'main_plan_s', 'main_kernel_s',
-              'main_combine_s'):
+              'main_combine_s', 'index_scores_s', 'index_topk_s'):
     assert pre[key] > 0, key
   assert pre['speedup_fp8'] == pytest.approx(
       pre['dense_s'] / pre['msa_fp8_s'], rel=1e-2)
@@ -307,13 +307,20 @@ def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
   assert '| prefill 128k | - | - |' in text, text
 
 
-def test_the_main_branch_stages_compose_to_the_main_branch():
-  # What the bench times apart (plan, kernel, combine) is, run in a chain,
-  # the forward the 'main' row times: the same output and LSE.
+def test_the_stages_compose_to_the_branches_they_split():
+  # What the bench times apart (index: scores, top-k; main: plan, kernel,
+  # combine) is, run in a chain, what the 'index' and 'main' rows time:
+  # the same selection, output and LSE.
   t = 128
   q, k, v, qi, ki = bg._inputs(TINY, 1, t, t)
   off = jnp.zeros((1,), jnp.int32)
   sel, _ = bg._selection(TINY, qi, ki, off, {})
+  index = bg._index_stages(TINY, qi, ki, off)
+  scores_fn, scores_args = index['index_scores']
+  topk_fn, _ = index['index_topk']
+  got_sel = jax.jit(topk_fn)(jax.jit(scores_fn)(*scores_args))
+  np.testing.assert_array_equal(np.asarray(got_sel), np.asarray(sel))
+  assert (np.asarray(sel)[..., 0] >= 0).all()
   stages = bg._forward_stages(TINY, off, q, k, v, sel)
   plan_fn, (sel_,) = stages['main_plan']
   kernel_fn, (_, *kernel_args) = stages['main_kernel']
