@@ -1048,6 +1048,15 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', _table(['seq_len', *[c[0] for c in cols]],
                          [[_f(r['seq_len']), *[c[1](r) for c in cols]]
                           for r in done])]
+  for r in done:
+    if r.get('index_scores_variants') or r.get('index_scores_variants_wrong'):
+      ranked = sorted(r['index_scores_variants'].items(), key=lambda kv: -kv[1])
+      lines += ['', f"Index score launch at {_f(r['seq_len'])} tokens, its"
+                ' tilings each beside the default (speedup over it): '
+                + ('; '.join(f'`{k}` {_f(v)}x' for k, v in ranked) or 'none')
+                + (f"; scores differing from the default's:"
+                   f" {', '.join(r['index_scores_variants_wrong'])}"
+                   if r.get('index_scores_variants_wrong') else '') + '.']
   ddone = [r for r in decode if 'decode_speedup' in r]
   if ddone:
     lines += ['', _table(

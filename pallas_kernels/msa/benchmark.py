@@ -297,7 +297,7 @@ def measure(fns: dict, repeats: int, budget_s: float = 0.05,
             max_calls: int = 200, spread: dict | None = None,
             errors: dict | None = None,
             compile_s: dict | None = None,
-            outputs: dict | None = None) -> dict:
+            outputs: dict | None = None, keep=None) -> dict:
   """Median seconds per call of each {name: (fn, args)}: compiled and run
   once first, then `repeats` interleaved timings of enough back-to-back
   calls (about budget_s each) that dispatch overhead is amortised.
@@ -308,7 +308,8 @@ def measure(fns: dict, repeats: int, budget_s: float = 0.05,
   compile_s: when given, filled with each function's seconds to lower,
   compile and run once (what a time-boxed run has to budget for).
   outputs: when given, filled with each function's result from that first
-  run (to check variants against each other without compiling again)."""
+  run (to check variants against each other without compiling again);
+  keep(name), when given, picks whose (the rest are not held in memory)."""
   compiled = {}
   for name, (fn, args) in fns.items():
     start = time.perf_counter()
@@ -317,8 +318,9 @@ def measure(fns: dict, repeats: int, budget_s: float = 0.05,
       out = jax.block_until_ready(compiled[name][0](*args))
       if compile_s is not None:
         compile_s[name] = round(time.perf_counter() - start, 3)
-      if outputs is not None:
+      if outputs is not None and (keep is None or keep(name)):
         outputs[name] = out
+      del out
     except Exception as e:  # pylint: disable=broad-except
       if errors is None:
         raise

@@ -115,6 +115,27 @@ TUNE = (
                            tiles_per_program=32),
 )
 
+# Prefill: the index score launch's tilings timed beside its default at
+# train_max_len (scores alone). At 128k the scores were 26% of MSA's time,
+# at about 30% of the card's bf16 matmul rate; compiled for an H100
+# (experiments/gpu_static) the default holds 209 registers and 97 KiB of
+# shared memory, two blocks of 4 warps per SM. The variants: a longer key
+# span per program (the query tile's load and the output's write
+# amortised); 64-row tiles in 32-key dots without pipelining (119
+# registers, 24 KiB: four blocks per SM, whose warps hide each other's
+# loads); 64-row tiles unpipelined (three blocks); 64-row tiles in 64-key
+# dots (135 registers); 8 warps (two warpgroups on a 128-row tile).
+INDEX_VARIANTS = ({'blocks_per_program': 32},
+                  {'row_tile': 64, 'key_sub': 32, 'num_stages': 1},
+                  {'row_tile': 64, 'num_stages': 1},
+                  {'row_tile': 64, 'key_sub': 64},
+                  {'num_warps': 8})
+
+
+def index_variant_label(kw: dict) -> str:
+  return ','.join(f'{k}={v}' for k, v in sorted(kw.items()))
+
+
 # Decode: the index score launch's blocks per program, timed beside its
 # default.
 DECODE_BLOCKS_PER_PROGRAM = (4, 8, 32)
@@ -407,8 +428,28 @@ def _index_stages(cfg: GPUBench, qi, ki, off) -> dict:
       scores, off, t=t, groups=g, num_keys=ki.shape[1],
       block_size=cfg.block_size, top_k=cfg.top_k, interpret=cfg.interpret)
   scores = jax.jit(scores_fn)(qi, ki)
-  return {'index_scores': (scores_fn, (qi, ki)),
-          'index_topk': (topk_fn, (scores,))}
+  fns = {'index_scores': (scores_fn, (qi, ki)),
+         'index_topk': (topk_fn, (scores,))}
+  for kw in INDEX_VARIANTS:
+    fns[f'index_scores[{index_variant_label(kw)}]'] = (
+        lambda qi, ki, kw=kw: index_kernel.index_scores(
+            qi, ki, off, block_size=cfg.block_size, interpret=cfg.interpret,
+            **kw), (qi, ki))
+  return fns
+
+
+def scores_equal(a: list, b: list) -> bool:
+  """Whether two index_scores results hold the same block scores (any row
+  chunking; -inf at the same places, finite ones within f32 summation
+  noise)."""
+  cat = lambda xs: jnp.concatenate([x.astype(jnp.float32) for x in xs], 2)
+  a, b = cat(a), cat(b)
+  if a.shape != b.shape:
+    return False
+  fa, fb = jnp.isfinite(a), jnp.isfinite(b)
+  scale = jnp.max(jnp.where(fa, jnp.abs(a), 0.0))
+  diff = jnp.max(jnp.where(fa & fb, jnp.abs(a - b), 0.0))
+  return bool(jnp.all(fa == fb) & (diff <= 1e-5 * jnp.maximum(scale, 1.0)))
 
 
 def _forward_stages(cfg: GPUBench, off, q, k, v, sel) -> dict:
@@ -538,8 +579,10 @@ def prefill(cfg: GPUBench, t: int,
   if 'index' in errors:
     for name in ('index', 'msa', 'msa_tuned', 'index_fp8', 'msa_fp8'):
       fns.pop(name, None)
-  compile_s = {}
-  med, spread, errs = _measure(cfg, fns, compile_s)
+  compile_s, outs = {}, {}
+  med, spread, errs = _measure(
+      cfg, fns, compile_s, outputs=outs,
+      keep=lambda name: name.startswith('index_scores'))
   errors.update(errs)
   dense_f, msa_f = prefill_flops(cfg, t)
   index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
@@ -561,6 +604,17 @@ def prefill(cfg: GPUBench, t: int,
       row[key] = ratio
   if tuned is not None:
     row['tuned_config'] = tuned.label()
+  # Score-launch tilings: a speedup over the default counts only where the
+  # variant's scores equal the default's.
+  variants = {name[len('index_scores['):-1]: name for name in med
+              if name.startswith('index_scores[')}
+  if variants and 'index_scores' in med:
+    row['index_scores_variants'] = {
+        label: med['index_scores'] / med[name]
+        for label, name in variants.items()
+        if scores_equal(outs[name], outs['index_scores'])}
+    row['index_scores_variants_wrong'] = sorted(
+        set(variants) - set(row['index_scores_variants']))
   if errors:
     row['kernel_errors'] = errors
   return row

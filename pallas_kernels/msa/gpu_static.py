@@ -292,7 +292,8 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
   """{site: (fn, args)} for every Triton kernel `make gpu-check` compiles.
 
   In the bench's dtype (bf16) at its shapes: prefill at tune_len (the
-  two-launch selector, with fp8 scores too; the KV-outer forward, its
+  two-launch selector, with fp8 scores too, and its score launch's
+  INDEX_VARIANTS; the KV-outer forward, its
   default and every TUNE variant; the per-token forward; the backward's
   dQ and dK/dV kernels, dK/dV with its prefetch and in two key parts),
   and decode at the
@@ -303,6 +304,7 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
   """
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.msa import index_kernel  # pylint: disable=g-import-not-at-top
   from pallas_kernels.msa import pallas_path  # pylint: disable=g-import-not-at-top
   from pallas_kernels.msa import select_kernel  # pylint: disable=g-import-not-at-top
   cfg = cfg or benchmark_gpu.GPUBench()
@@ -334,6 +336,10 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
     if not label:
       out['index_fp8'] = (functools.partial(select, fp8_scores=True),
                           (qi, ki, off))
+      for kw in benchmark_gpu.INDEX_VARIANTS:
+        out[f'index[{benchmark_gpu.index_variant_label(kw)}]'] = (
+            functools.partial(index_kernel.index_scores, block_size=c,
+                              interpret=False, **kw), (qi, ki, off))
       out.update({f'main[{cfg_.label()}]': (
           functools.partial(fwd, kv_config=cfg_), (q, kv, kv, sel, off))
                   for cfg_ in benchmark_gpu.TUNE})

@@ -128,7 +128,8 @@ def _topk_kernel(offset_ref, scores_ref, sel_ref, *, block_size: int,
 def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
                  block_size: int, groups: int, row_base: int, row_tile: int,
                  blocks_per_program: int, scale: float, precision,
-                 interpret: bool, key_sub: int, num_stages: int):
+                 interpret: bool, key_sub: int, num_stages: int,
+                 num_warps: int = 4):
   b, q, ip = qi_BQI.shape
   nb = blocks_per_program
   span = nb * block_size
@@ -152,7 +153,7 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
       out_specs=pl.BlockSpec((None, nb, row_tile),
                              lambda bb, ii, jj: (bb, jj, ii)),
       out_shape=jax.ShapeDtypeStruct((b, n_blocks_p, q), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=4,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                            num_stages=num_stages),
       interpret=interpret,
       name='msa_index_scores',
@@ -323,14 +324,30 @@ def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
   return qi, ki, valid, offset_B, tiling
 
 
+def _key_sub(asked: int | None, default: int, block_size: int) -> int:
+  """Keys per score dot: the default, or `asked` capped at the block."""
+  if asked is None:
+    return default
+  if asked < 1 or block_size % min(asked, block_size):
+    raise ValueError(f'key_sub must divide block_size={block_size}, got '
+                     f'{asked}.')
+  return min(asked, block_size)
+
+
 def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                  block_size: int, interpret: bool, row_tile: int = 128,
                  blocks_per_program: int | None = None,
                  max_score_bytes: int = 2**28,
-                 fp8_scores: bool = False) -> list:
+                 fp8_scores: bool = False, num_warps: int = 4,
+                 key_sub: int | None = None,
+                 num_stages: int | None = None) -> list:
   """The first launch alone: per row chunk, the f32 block scores [B, Np,
   rows of the chunk] (rows are (token, group) pairs; -inf past a row's
-  diagonal). Arguments as in select_blocks_BGTK."""
+  diagonal). Arguments as in select_blocks_BGTK; num_warps: the score
+  launch's (4: one warpgroup per 128-row tile); key_sub: keys per dot
+  (`score_tiling`'s by default: the whole block in 16-bit dtypes), fewer
+  for smaller [rows, keys] f32 logits in registers; num_stages: Triton's
+  (`score_tiling`'s by default), 1 for less shared memory."""
   qi, ki, valid, offset_B, tl = _index_operands(
       qi_BTGI, ki_BSI, offset_B, kv_valid_BS, block_size=block_size,
       interpret=interpret, row_tile=row_tile,
@@ -342,8 +359,10 @@ def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        groups=qi_BTGI.shape[2], row_base=r0,
                        row_tile=tl['m'], blocks_per_program=tl['nb'],
                        scale=tl['scale'], precision=precision,
-                       interpret=interpret, key_sub=tl['key_sub'],
-                       num_stages=tl['stages'])
+                       interpret=interpret,
+                       key_sub=_key_sub(key_sub, tl['key_sub'], block_size),
+                       num_stages=num_stages or tl['stages'],
+                       num_warps=num_warps)
           for r0 in range(0, qi.shape[1], tl['chunk'])]
 
 

@@ -44,6 +44,9 @@ def test_every_phase_runs_and_reports(tmp_path):
               'bwd_dkv_parts2_s', 'main_plan_s', 'main_kernel_s',
               'main_combine_s', 'index_scores_s', 'index_topk_s'):
     assert pre[key] > 0, key
+  assert set(pre['index_scores_variants']) == {
+      bg.index_variant_label(kw) for kw in bg.INDEX_VARIANTS}
+  assert pre['index_scores_variants_wrong'] == []
   assert pre['speedup_fp8'] == pytest.approx(
       pre['dense_s'] / pre['msa_fp8_s'], rel=1e-2)
   # The tune's fastest (if it beat the default) is timed in each row.
@@ -68,6 +71,7 @@ def test_every_phase_runs_and_reports(tmp_path):
   text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_dry')
   assert '| 128 |' in text and 'flip rate 0' in text, text
   assert 'Not measured' not in text
+  assert 'Index score launch at 128 tokens' in text, text
 
 
 def test_past_the_deadline_everything_is_skipped_but_summarised(tmp_path):
@@ -337,3 +341,10 @@ def test_the_stages_compose_to_the_branches_they_split():
   got_lse = lse_BGTR.transpose(0, 2, 1, 3)[..., :r].reshape(b, t, h)
   np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
   assert np.isfinite(np.asarray(want_lse)).all()
+
+
+def test_scores_equal_tells_a_different_score_or_mask():
+  a = [jnp.array([[[1.0, -jnp.inf], [2.0, 3.0]]])]
+  assert bg.scores_equal(a, [a[0][:, :, :1], a[0][:, :, 1:]])
+  assert not bg.scores_equal(a, [a[0].at[0, 1, 1].add(1e-3)])
+  assert not bg.scores_equal(a, [a[0].at[0, 0, 1].set(0.0)])

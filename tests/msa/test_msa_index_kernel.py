@@ -88,6 +88,36 @@ def test_tiles_and_row_chunks_do_not_change_the_selection():
         np.asarray(base), err_msg=str(kw))
 
 
+def test_score_launch_tilings_give_the_same_scores():
+  # The score launch's knobs (the GPU bench's INDEX_VARIANTS) change how
+  # the work is cut, never a block score: on exact inputs, bit for bit,
+  # and the top-k on them is the default selection.
+  b, t, s, g, di, c, k, o = CASES['ragged_chunk']
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=7)
+  off = jnp.asarray(_offsets(b, o))
+
+  def scores(**kw):
+    out = jax.jit(functools.partial(index_kernel.index_scores, block_size=c,
+                                    interpret=True, **kw))(qi, ki, off)
+    return np.concatenate([np.asarray(x) for x in out], axis=2)
+
+  base = scores()
+  assert np.isfinite(base).any() and np.isneginf(base).any()
+  for kw in [dict(key_sub=8), dict(key_sub=64), dict(num_stages=1),
+             dict(row_tile=16, key_sub=4, num_stages=1), dict(num_warps=8)]:
+    np.testing.assert_array_equal(scores(**kw), base, err_msg=str(kw))
+  sel = jax.jit(functools.partial(
+      index_kernel.index_topk, t=t, groups=g, num_keys=s, block_size=c,
+      top_k=k, interpret=True))(
+          jax.jit(functools.partial(index_kernel.index_scores, block_size=c,
+                                    interpret=True, key_sub=8))(qi, ki, off),
+          off)
+  np.testing.assert_array_equal(np.asarray(sel),
+                                np.asarray(_select(qi, ki, off, c, k)))
+  with pytest.raises(ValueError, match='key_sub'):
+    scores(key_sub=6)
+
+
 def test_to_fp8_scales_by_the_largest_fitting_power_of_two():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3, 16)) *
                   np.array([1e-3, 1.0, 700.0])[None, :, None], jnp.float32)
