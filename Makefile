@@ -62,7 +62,7 @@ simulate: venv
 	$(PY) -m experiments.simulate_cluster --json
 
 # One NVIDIA GPU with CUDA JAX already installed (no venv, no network):
-# the `gpu` tests, then bench_msa vs cuDNN; see scripts/gpu_check.sh.
+# bench_msa vs cuDNN, then the `gpu` tests; see scripts/gpu_check.sh.
 gpu-check:
 	bash scripts/gpu_check.sh
 

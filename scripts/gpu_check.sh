@@ -4,16 +4,20 @@
 #
 # Needs CUDA JAX already installed (jax[cuda13]) and no network: a missing
 # pure-Python dependency (ml_collections) is installed from a local wheel
-# folder, never from an index. Steps:
-#   1. the tests marked `gpu` (MSA Pallas kernels compiled by Triton vs the
+# folder, never from an index. Steps, the measurement first (a GPU is lent
+# for minutes, and its first use is the targets' table):
+#   1. experiments.bench_msa --device=gpu: ceilings, the reference check
+#      (the bf16 kernels against the dense reference), the tune phase (the
+#      KV-outer forward's variants at 32k), then the targets cheapest
+#      first: prefill 32k (each kernel, stage and variant timed), decode
+#      128k at batch 8, forward+backward at 32k, prefill 128k, vs cuDNN.
+#      It gets BUDGET less TESTS_TIME_LIMIT: a soft deadline 75 s before
+#      its end, past which it starts no phase, and a hard timeout 15 s
+#      before it;
+#   2. the tests marked `gpu` (MSA Pallas kernels compiled by Triton vs the
 #      reference in f32 and bf16; the expert-parallel layer; one RL step),
-#      under TESTS_TIME_LIMIT;
-#   2. experiments.bench_msa --device=gpu: ceilings, the reference check,
-#      the tune phase (the KV-outer forward's variants at 32k), then the
-#      targets cheapest first: prefill 32k (each kernel and variant
-#      timed), decode 128k at batch 8, forward+backward at 32k, prefill
-#      128k, vs cuDNN. Its soft deadline is what is left of BUDGET minus a
-#      margin; a hard timeout backs it up;
+#      in what is left (at least TESTS_TIME_LIMIT, more when the bench
+#      ends early);
 #   3. one JSON summary line, also written to $RESULTS, whatever happened.
 # DRY_RUN=1 runs the same plumbing on CPU (no GPU asserted, the gpu tests
 # skip, the bench at toy shapes in interpret mode: tests/test_gpu_check.py).
@@ -23,7 +27,7 @@
 # ten minutes), DECODE_LENS (131072), BENCH_REPEATS (5), RESULTS
 # (results/gpu_check.json), LOGDIR (/tmp/foremoe_gpu_check), TEST_WORKERS
 # (8: the lent machines have 16 cores), TEST_TIMEOUT (300 s per test),
-# TESTS_TIME_LIMIT (240 s).
+# TESTS_TIME_LIMIT (200 s kept for the tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,6 +36,7 @@ SITE=${SITE:-/tmp/foremoe_site}
 SEQ_LENS=${SEQ_LENS:-32768,131072}
 DECODE_LENS=${DECODE_LENS:-131072}
 BUDGET=${BUDGET:-570}
+TESTS_TIME_LIMIT=${TESTS_TIME_LIMIT:-200}
 START=$SECONDS
 RESULTS=${RESULTS:-results/gpu_check.json}
 LOGDIR=${LOGDIR:-/tmp/foremoe_gpu_check}
@@ -65,6 +70,19 @@ print('# gpu-check on', jax.devices(), 'jax', jax.__version__)
 PY
 fi
 
+# The bench first, in BUDGET less what the tests keep: it starts no phase
+# in its last 75 s (one 128k measurement can take a minute) and is killed
+# 15 s before its end.
+bench_budget=$(( BUDGET - TESTS_TIME_LIMIT - (SECONDS - START) ))
+timeout $(( bench_budget > 20 ? bench_budget - 15 : 5 )) \
+    "$PY" -m experiments.bench_msa --device=gpu --seq_lens="$SEQ_LENS" \
+    --decode_lens="$DECODE_LENS" \
+    --deadline_s=$(( bench_budget > 75 ? bench_budget - 75 : 0 )) \
+    --results_dir="$( [ "$DRY_RUN" = 1 ] && echo "$LOGDIR" || echo results )" \
+    $( [ "$DRY_RUN" = 1 ] && echo --dry_run ) \
+    ${BENCH_REPEATS:+--repeats="$BENCH_REPEATS"} 2>&1 | tee "$LOGDIR/bench_msa.log"
+bench_rc=${PIPESTATUS[0]}
+
 # Triton compiles dominate the test time and run on the host's cores:
 # several pytest workers (pytest-xdist, when present) share the one GPU, so
 # none may preallocate most of its memory.
@@ -75,9 +93,12 @@ if [ "$DRY_RUN" != 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
   pytest_args+=(-n "${TEST_WORKERS:-8}" --dist worksteal)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
-# Tests not started 40 s before the limit are skipped (tests/conftest.py),
-# so pytest ends by itself and writes its report.
-export FOREMOE_TEST_DEADLINE=$(( $(date +%s) + ${TESTS_TIME_LIMIT:-240} - 40 ))
+# The tests get what is left but 10 s for the summary. Tests not started
+# 40 s before that are skipped (tests/conftest.py), so pytest ends by
+# itself and writes its report.
+tests_left=$(( BUDGET - (SECONDS - START) - 10 ))
+(( tests_left < 5 )) && tests_left=5
+export FOREMOE_TEST_DEADLINE=$(( $(date +%s) + tests_left - 40 ))
 if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
   pytest_args+=(--timeout="${TEST_TIMEOUT:-300}")
 fi
@@ -85,23 +106,11 @@ fi
 # dependencies (grain, tensorboardX, math-verify), and one collection error
 # would stop the whole run (tests/test_gpu_check.py checks that every
 # `gpu` test lives in such a file).
-timeout "${TESTS_TIME_LIMIT:-240}" \
+timeout "$tests_left" \
     "$PY" -m pytest "${pytest_args[@]}" tests/*/*_gpu.py 2>&1 \
     | tee "$LOGDIR/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 unset XLA_PYTHON_CLIENT_PREALLOCATE FOREMOE_TEST_DEADLINE
-
-# What is left of the budget: the bench starts no measurement in its last
-# 60 s (one 128k measurement can take that long), and is killed 15 s before
-# the end, so the summary below always runs.
-left=$(( BUDGET - (SECONDS - START) ))
-timeout $(( left > 20 ? left - 15 : 5 )) \
-    "$PY" -m experiments.bench_msa --device=gpu --seq_lens="$SEQ_LENS" \
-    --decode_lens="$DECODE_LENS" --deadline_s=$(( left > 75 ? left - 75 : 0 )) \
-    --results_dir="$( [ "$DRY_RUN" = 1 ] && echo "$LOGDIR" || echo results )" \
-    $( [ "$DRY_RUN" = 1 ] && echo --dry_run ) \
-    ${BENCH_REPEATS:+--repeats="$BENCH_REPEATS"} 2>&1 | tee "$LOGDIR/bench_msa.log"
-bench_rc=${PIPESTATUS[0]}
 
 "$PY" scripts/gpu_check_summary.py --junit="$LOGDIR/gpu_tests.xml" \
     --bench_log="$LOGDIR/bench_msa.log" --tests_rc=$tests_rc \
