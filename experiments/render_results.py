@@ -1085,6 +1085,19 @@ def render_gpu_check(results_dir: str, name: str) -> str:
           f">= {_f(t['target'])}", _f(t['met']), _f(t['best']),
           _f(t['best_met']), _f(t['with_fp8_index'])]
          for t in benchmark_gpu.targets(bench)])]
+  # What each phase cost (compiles included): what the next run's budget
+  # has to fit.
+  phases = bench.get('partial') or [ceil, chk, tune, *rows, *decode]
+  walls = [(r.get('phase'), r.get('seq_len', r.get('cache_len', r.get(
+      'tune_len', ''))), r['elapsed_s'])
+           for r in phases if 'elapsed_s' in r and r.get('phase')]
+  if 'partial' not in bench:
+    walls += [('train', r['seq_len'], r['train_elapsed_s']) for r in rows
+              if 'train_elapsed_s' in r]
+  if walls:
+    lines += ['', 'Wall time per phase, compiles included: ' + '; '.join(
+        f"{name}{' ' + _f(n) if n != '' else ''} {_f(sec)} s"
+        for name, n, sec in walls) + '.']
   # A forward+backward cut off inside a measured prefill row says so too.
   cut = [(r.get('phase', '?'), r) for r in [*rows, *decode]
          if 'skipped' in r or 'error' in r]

@@ -72,6 +72,8 @@ def test_every_phase_runs_and_reports(tmp_path):
   assert '| 128 |' in text and 'flip rate 0' in text, text
   assert 'Not measured' not in text
   assert 'Index score launch at 128 tokens' in text, text
+  assert 'Wall time per phase, compiles included: ceilings' in text, text
+  assert 'train 128 ' in text.split('Wall time per phase')[1], text
 
 
 def test_past_the_deadline_everything_is_skipped_but_summarised(tmp_path):
