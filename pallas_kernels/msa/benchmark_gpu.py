@@ -456,8 +456,8 @@ def _forward_stages(cfg: GPUBench, off, q, k, v, sel) -> dict:
   """The default KV-outer forward's three stages, each alone on the
   previous stage's output: main_plan (the selection inverted into tiles
   and work items, XLA), main_kernel (the Pallas kernel writing per-slot
-  partials), main_combine (their log-sum-exp merge and the output's
-  transpose and cast, XLA). Together they are what 'main' times."""
+  partials), main_combine (their log-sum-exp merge, written token-major
+  in the output dtype, XLA). Together they are what 'main' times."""
   q_p, k_p, v_p, valid, scale = pallas_path.kv_outer_operands(
       q, k, v, None, block_size=cfg.block_size)
   rp, dp = q_p.shape[3:]
@@ -468,10 +468,8 @@ def _forward_stages(cfg: GPUBench, off, q, k, v, sel) -> dict:
       plan, q_p, k_p, v_p, off, valid, block_size=cfg.block_size,
       scale=scale, interpret=cfg.interpret)
 
-  def combine_fn(plan, parts):
-    out, lse = kv_outer.forward_combine(plan, parts, top_k=sel.shape[-1],
-                                        heads_p=rp)
-    return out.transpose(0, 2, 1, 3, 4).astype(q.dtype), lse
+  combine_fn = lambda plan, parts: kv_outer.forward_combine(
+      plan, parts, top_k=sel.shape[-1], heads_p=rp, dtype=q.dtype)
 
   plan = jax.jit(plan_fn)(sel)
   parts = jax.jit(kernel_fn)(plan, q_p, k_p, v_p, valid)

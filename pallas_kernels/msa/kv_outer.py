@@ -420,19 +420,27 @@ def _forward_call(off_B, items, rows_BGJW, out_rows_BGJW, q_BXD, k_BSGD,
 
 
 def _merge(o_BGTKRD, lse_BGTKR):
-  """A token's K partials merged by the log-sum-exp rule: (out f32, lse)."""
-  lse_T = jax.nn.logsumexp(lse_BGTKR, axis=3)
+  """A token's K partials merged by the log-sum-exp rule: (out_BTGRD f32,
+  lse_BTGR), in the output's own (token-major) order.
+
+  The partials are group-major, as the kernel writes them; the merge reads
+  them through a transpose, so the reduction writes the token-major output
+  directly instead of a group-major one that another pass would transpose.
+  """
+  lse_BTGKR = lse_BGTKR.transpose(0, 2, 1, 3, 4)
+  lse_T = jax.nn.logsumexp(lse_BTGKR, axis=3)
   safe = jnp.where(jnp.isfinite(lse_T), lse_T, 0.0)
-  w_P = jnp.where(jnp.isfinite(lse_BGTKR),
-                  jnp.exp(lse_BGTKR - safe[:, :, :, None]), 0.0)
+  w_P = jnp.where(jnp.isfinite(lse_BTGKR),
+                  jnp.exp(lse_BTGKR - safe[:, :, :, None]), 0.0)
   # A sum, not a dot: f32 dots on the GPU default to TF32.
-  out = jnp.sum(w_P[..., None] * o_BGTKRD.astype(jnp.float32), axis=3)
+  o_BTGKRD = o_BGTKRD.transpose(0, 2, 1, 3, 4, 5).astype(jnp.float32)
+  out = jnp.sum(w_P[..., None] * o_BTGKRD, axis=3)
   return out, lse_T
 
 
 def combine(o_BGJWD, lse_BGJW, pair_BGP, *, top_k: int, heads_p: int):
-  """Merge each token's per-slot partials, stored in tile order: (out_BGTRD
-  f32, lse_BGTR)."""
+  """Merge each token's per-slot partials, stored in tile order: (out_BTGRD
+  f32, lse_BTGR)."""
   b, g, n_tiles, w, dp = o_BGJWD.shape
   q = w // heads_p
   p = pair_BGP.shape[-1]
@@ -555,16 +563,17 @@ def forward_partials(plan: list, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
 
 
 def forward_combine(plan: list, partials: list, *, top_k: int,
-                    heads_p: int):
-  """Each token's partials merged across slots: (out_BGTRD f32,
-  lse_BGTR), the chunks joined along T."""
+                    heads_p: int, dtype=jnp.float32):
+  """Each token's partials merged across slots: (out_BTGRD in `dtype`,
+  lse_BTGR f32), the chunks joined along T (each cast first, so the join
+  copies the narrow output)."""
   outs, lses = [], []
   for (_, _, out_rows, pair), (o, lse) in zip(plan, partials):
     merge = combine if out_rows is None else combine_pairs
     out_c, lse_c = merge(o, lse, pair, top_k=top_k, heads_p=heads_p)
-    outs.append(out_c)
+    outs.append(out_c.astype(dtype))
     lses.append(lse_c)
-  join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=2)
+  join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
   return join(outs), join(lses)
 
 
@@ -589,10 +598,8 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   parts = forward_partials(plan, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
                            block_size=block_size, scale=scale,
                            interpret=interpret, config=config)
-  out, lse_t = forward_combine(plan, parts, top_k=sel_BGTK.shape[-1],
-                               heads_p=rp)
-  return (out.transpose(0, 2, 1, 3, 4).astype(q_BTGRD.dtype),
-          lse_t.transpose(0, 2, 1, 3))
+  return forward_combine(plan, parts, top_k=sel_BGTK.shape[-1], heads_p=rp,
+                         dtype=q_BTGRD.dtype)
 
 
 def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):
