@@ -95,10 +95,14 @@ TARGETS = (
 # every 128-row variant takes 255 registers and so one block of 8 warps
 # per SM, which leaves a tile's gather nothing to overlap with; 64-row
 # tiles (q_per_tile=4) fit two blocks per SM without spilling, so they
-# are in the first group.
+# are in the first group, as is the Pallas combine (fused_combine: each
+# partial read once and the bf16 output written once, where XLA's
+# reduction writes f32).
 TUNE = (
     kv_outer.ForwardConfig(pair_order=True, prefetch=True),
     kv_outer.ForwardConfig(pair_order=True, prefetch=True, q_per_tile=4),
+    kv_outer.ForwardConfig(pair_order=True, prefetch=True,
+                           fused_combine=True),
     kv_outer.ForwardConfig(pair_order=True),
     kv_outer.ForwardConfig(prefetch=True),
     kv_outer.ForwardConfig(pair_order=True, prefetch=True,

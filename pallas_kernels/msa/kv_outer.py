@@ -20,7 +20,11 @@ out, as the MSA paper's "KV-outer" sparse attention does:
    everywhere) and writes a per-slot partial: the block-local output and
    its log-sum-exp.
 3. **Combine** (XLA): a token's K partials merge by the log-sum-exp rule,
-   O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j.
+   O = sum_j exp(lse_j - lse) O_j, lse = logsumexp_j lse_j, reduced
+   straight into the token-major output. Or (`fused_combine`) one Pallas
+   launch that merges them slot by slot with a running maximum
+   (`combine_kernel`), reading each partial once and writing the output
+   once in its own dtype.
 4. **Backward** without atomics: dK/dV KV-outer (`_dkv_kernel`): a program
    owns one key block's float32 accumulators and walks up to
    `tiles_per_program` of its tiles (heavy early blocks, which most queries
@@ -87,6 +91,10 @@ class ForwardConfig:
     Triton's pipeliner, which cannot see through the row-table load.
   pair_order: write each partial at its (token, slot) row, so the combine
     is a reshape and a sum instead of a gather over all partials.
+  fused_combine: merge the pair-order partials in a Pallas kernel
+    (`combine_kernel`: each partial read once, the output written once,
+    token-major, in its own dtype) instead of XLA's reduction; needs
+    pair_order.
   """
   q_per_tile: int | None = None
   tiles_per_program: int | None = None
@@ -95,6 +103,12 @@ class ForwardConfig:
   query_chunk: int | None = None
   prefetch: bool = False
   pair_order: bool = False
+  fused_combine: bool = False
+
+  def __post_init__(self):
+    if self.fused_combine and not self.pair_order:
+      raise ValueError('fused_combine merges pair-order partials: it needs '
+                       'pair_order=True.')
 
   def label(self) -> str:
     """A short name of the non-default knobs ('default' when none)."""
@@ -474,6 +488,94 @@ def combine_pairs(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int):
   return _merge(o, lse)
 
 
+def _combine_kernel(pair_ref, o_ref, lse_ref, out_ref, lse_out_ref, *,
+                    top_k: int, heads_p: int, groups: int, tokens: int):
+  """`tokens` tokens of one (sequence, group): their K pair-order partials
+  merged by a running log-sum-exp (slot by slot, each partial read once),
+  written at their rows of the token-major output view [T*G*Rp, Dp]."""
+  i, g = pl.program_id(1), pl.program_id(2)
+  rows = tokens * heads_p
+  r_W = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  t_W = i * tokens + kc.div(r_W, heads_p)
+  head_W = r_W - kc.div(r_W, heads_p) * heads_p
+  dp = o_ref.shape[-1]
+
+  def slot(k, carry):
+    m_W1, s_W1, acc_WD = carry
+    pair_W = t_W * top_k + k
+    live_W1 = (pair_ref[pair_W] >= 0)[:, None]
+    at_W = pair_W * heads_p + head_W
+    # A -1 slot's rows were never written (garbage, maybe NaN): masked
+    # before any arithmetic.
+    lse_W1 = jnp.where(live_W1, lse_ref[at_W][:, None], NEG_INF)
+    o_WD = jnp.where(live_W1, o_ref[at_W, :].astype(jnp.float32), 0.0)
+    m_new = jnp.maximum(m_W1, lse_W1)
+    safe = jnp.where(m_new > NEG_INF, m_new, 0.0)
+    old_w = jnp.where(m_W1 > NEG_INF, jnp.exp(m_W1 - safe), 0.0)
+    new_w = jnp.where(lse_W1 > NEG_INF, jnp.exp(lse_W1 - safe), 0.0)
+    return m_new, s_W1 * old_w + new_w, acc_WD * old_w + new_w * o_WD
+
+  m_W1, s_W1, acc_WD = jax.lax.fori_loop(
+      0, top_k, slot, (jnp.full((rows, 1), NEG_INF, jnp.float32),
+                       jnp.zeros((rows, 1), jnp.float32),
+                       jnp.zeros((rows, dp), jnp.float32)))
+  seen = s_W1 > 0
+  out_WD = jnp.where(seen, acc_WD / jnp.where(seen, s_W1, 1.0), 0.0)
+  lse_W1 = jnp.where(seen, m_W1 + jnp.log(jnp.where(seen, s_W1, 1.0)),
+                     NEG_INF)
+  out_at_W = (t_W * groups + g) * heads_p + head_W
+  out_ref[out_at_W, :] = out_WD.astype(out_ref.dtype)
+  lse_out_ref[out_at_W] = lse_W1[:, 0]
+
+
+def combine_kernel(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int,
+                   dtype, interpret: bool, tokens: int | None = None):
+  """combine_pairs as one Pallas launch: (out_BTGRD in `dtype`, lse_BTGR).
+
+  A program merges `tokens` tokens of one (sequence, group) (default: 128
+  rows of tokens x heads), slot by slot with a running maximum, so each
+  partial is read once and the output written once, token-major; XLA's
+  reduction writes an f32 result. The merge order differs from
+  combine_pairs' (a running log-sum-exp against one over all slots), so
+  the two agree to rounding, not bit for bit.
+  """
+  b, g, p = pair_BGP.shape
+  t = p // top_k
+  dp = o_BGXD.shape[-1]
+  most = max(1, 128 // heads_p)
+  # A power of two that divides t (t & -t: t's largest one).
+  tokens = tokens or min(t & -t, most)
+  if t % tokens:
+    raise ValueError(f'tokens={tokens} must divide the {t} tokens.')
+  n_out = t * g * heads_p
+  kernel = functools.partial(_combine_kernel, top_k=top_k, heads_p=heads_p,
+                             groups=g, tokens=tokens)
+  rows = tokens * heads_p
+  out, lse = kc.pallas_call(
+      kernel,
+      grid=(b, t // tokens, g),
+      in_specs=[
+          pl.BlockSpec((None, None, p), lambda bb, ii, gg: (bb, gg, 0)),
+          pl.BlockSpec((None, None) + o_BGXD.shape[2:],
+                       lambda bb, ii, gg: (bb, gg, 0, 0)),
+          pl.BlockSpec((None, None, lse_BGX.shape[2]),
+                       lambda bb, ii, gg: (bb, gg, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, n_out, dp), lambda bb, ii, gg: (bb, 0, 0)),
+          pl.BlockSpec((None, n_out), lambda bb, ii, gg: (bb, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, n_out, dp), dtype),
+                 jax.ShapeDtypeStruct((b, n_out), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(
+          num_warps=8 if rows >= 128 else 4, num_stages=2),
+      interpret=interpret,
+      name='msa_kv_outer_combine',
+  )(pair_BGP, o_BGXD, lse_BGX)
+  return (out.reshape(b, t, g, heads_p, dp),
+          lse.reshape(b, t, g, heads_p))
+
+
 def _query_view(q_BTGRD):
   b, t, g, rp, dp = q_BTGRD.shape
   return q_BTGRD.reshape(b, t * g * rp, dp)
@@ -563,14 +665,23 @@ def forward_partials(plan: list, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
 
 
 def forward_combine(plan: list, partials: list, *, top_k: int,
-                    heads_p: int, dtype=jnp.float32):
+                    heads_p: int, dtype=jnp.float32,
+                    config: ForwardConfig | None = None,
+                    interpret: bool = False):
   """Each token's partials merged across slots: (out_BTGRD in `dtype`,
   lse_BTGR f32), the chunks joined along T (each cast first, so the join
-  copies the narrow output)."""
+  copies the narrow output). With config.fused_combine, by
+  `combine_kernel`."""
+  config = config or ForwardConfig()
   outs, lses = [], []
   for (_, _, out_rows, pair), (o, lse) in zip(plan, partials):
-    merge = combine if out_rows is None else combine_pairs
-    out_c, lse_c = merge(o, lse, pair, top_k=top_k, heads_p=heads_p)
+    if config.fused_combine:
+      out_c, lse_c = combine_kernel(o, lse, pair, top_k=top_k,
+                                    heads_p=heads_p, dtype=dtype,
+                                    interpret=interpret)
+    else:
+      merge = combine if out_rows is None else combine_pairs
+      out_c, lse_c = merge(o, lse, pair, top_k=top_k, heads_p=heads_p)
     outs.append(out_c.astype(dtype))
     lses.append(lse_c)
   join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
@@ -599,7 +710,8 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
                            block_size=block_size, scale=scale,
                            interpret=interpret, config=config)
   return forward_combine(plan, parts, top_k=sel_BGTK.shape[-1], heads_p=rp,
-                         dtype=q_BTGRD.dtype)
+                         dtype=q_BTGRD.dtype, config=config,
+                         interpret=interpret)
 
 
 def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):

@@ -137,7 +137,8 @@ _CONFIGS = [kv_outer.ForwardConfig(pair_order=True),
             kv_outer.ForwardConfig(pair_order=True, prefetch=True,
                                    tiles_per_program=1),
             kv_outer.ForwardConfig(pair_order=True, q_per_tile=3,
-                                   num_warps=4, num_stages=3)]
+                                   num_warps=4, num_stages=3),
+            kv_outer.ForwardConfig(pair_order=True, fused_combine=True)]
 
 
 @pytest.mark.parametrize('config', _CONFIGS, ids=lambda c: c.label())
@@ -161,9 +162,59 @@ def test_forward_configs_equal_the_default_and_the_reference(config):
   lib.assert_close(got[0], want[0], 1e-5, 'out')
   lib.assert_close(jnp.where(finite, got[1], 0), jnp.where(finite, want[1], 0),
                    1e-5, 'lse')
-  if config.q_per_tile is None:
+  # (the fused combine merges in another order: equal to rounding, above)
+  if config.q_per_tile is None and not config.fused_combine:
     for a, e in zip(got, base):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_fused_combine_equals_the_xla_merge(dtype):
+  # Random pair-order partials, with -1 slots whose rows hold NaN (never
+  # written by the kernel) and a token none of whose slots is live.
+  b, g, t, k, rp, dp = 2, 3, 12, 5, 4, 16
+  rng = np.random.default_rng(3)
+  pair = np.arange(t * k, dtype=np.int32)[None, None].repeat(b, 0).repeat(
+      g, 1)
+  dead = rng.random((b, g, t * k)) < 0.3
+  dead[0, 1, 5 * k:6 * k] = True  # token 5 of (0, 1): nothing live
+  pair = np.where(dead, -1, pair)
+  n = t * k * rp + 1
+  o = rng.normal(size=(b, g, n, dp)).astype(np.float32)
+  lse = rng.normal(size=(b, g, n)).astype(np.float32) * 3
+  rows_dead = np.repeat(dead, rp, axis=2)
+  o[:, :, :-1][rows_dead] = np.nan
+  lse[:, :, :-1][rows_dead] = np.nan
+  o = jnp.asarray(o, dtype)
+  want_out, want_lse = kv_outer.combine_pairs(
+      o, jnp.asarray(lse), jnp.asarray(pair), top_k=k, heads_p=rp)
+  for tokens in (None, 1, 4):
+    got_out, got_lse = jax.jit(functools.partial(
+        kv_outer.combine_kernel, top_k=k, heads_p=rp, dtype=dtype,
+        interpret=True, tokens=tokens))(o, jnp.asarray(lse), jnp.asarray(pair))
+    assert got_out.dtype == dtype and got_out.shape == (b, t, g, rp, dp)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(got_lse)),
+                                  np.isneginf(np.asarray(want_lse)))
+    assert np.isneginf(np.asarray(got_lse)[0, 5, 1]).all()
+    assert not np.isnan(np.asarray(got_out, np.float32)).any()
+    fin = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_allclose(np.asarray(got_lse)[fin],
+                               np.asarray(want_lse)[fin], rtol=1e-6,
+                               atol=1e-6)
+    # bf16: one rounding of the output, against the f32 merge.
+    tol = 1e-6 if dtype == jnp.float32 else 2**-8
+    np.testing.assert_allclose(np.asarray(got_out, np.float32),
+                               np.asarray(want_out, np.float32), rtol=tol,
+                               atol=tol)
+  with pytest.raises(ValueError, match='divide'):
+    kv_outer.combine_kernel(o, jnp.asarray(lse), jnp.asarray(pair), top_k=k,
+                            heads_p=rp, dtype=dtype, interpret=True,
+                            tokens=5)
+
+
+def test_fused_combine_needs_pair_order():
+  with pytest.raises(ValueError, match='pair_order'):
+    kv_outer.ForwardConfig(fused_combine=True)
 
 
 def test_gradients_through_a_forward_config_equal_the_default():
@@ -399,13 +450,15 @@ def test_kernels_lower_for_cuda(dtype):
   assert 'msa_kv_outer_dkv' in text  # the dK/dV prefetch variant lowers
   for config in (kv_outer.ForwardConfig(pair_order=True, prefetch=True),
                  kv_outer.ForwardConfig(prefetch=True, num_warps=4,
-                                        num_stages=3, q_per_tile=4)):
+                                        num_stages=3, q_per_tile=4),
+                 kv_outer.ForwardConfig(pair_order=True, fused_combine=True)):
     fwd = lambda q, k_, v_, sel, off: pallas_path.sparse_forward(
         q, k_, v_, sel, off, None, block_size=c, backend='gpu',
         interpret=False, kv_config=config)
     text = jax.jit(fwd).trace(q, kv, kv, sel, off).lower(
         lowering_platforms=('cuda',)).as_text()
     assert 'msa_kv_outer_forward' in text, config.label()
+    assert ('msa_kv_outer_combine' in text) == config.fused_combine
   decode = functools.partial(pallas_path.msa_decode, block_size=c, top_k=k,
                              backend='gpu', interpret=False)
   text = jax.jit(decode).trace(
