@@ -634,15 +634,30 @@ def forward_plan(sel_BGTK, *, n_blocks: int, heads_p: int, head_dim_p: int,
               (tile_blk >= 0).astype(jnp.int32))
     return [chunk(tiles, direct)]
   size = _query_chunk(config, q, g, k, heads_p, head_dim_p)
-  plan = []
-  for t0 in range(0, t, size):
-    tiles = build_tiles(sel_BGTK[:, :, t0:t0 + size], n_blocks=n_blocks,
-                        q_per_tile=q, t0=t0)
+
+  def one(sel_c, t0):
+    tiles = build_tiles(sel_c, n_blocks=n_blocks, q_per_tile=q, t0=t0)
     items = _work_items(
         tiles[0], n_blocks,
         config.tiles_per_program or _per_program(tiles[0].shape[-1],
                                                  n_blocks))
-    plan.append(chunk(tiles, items[:3]))
+    return chunk(tiles, items[:3])
+
+  # The whole chunks' plans in one batched computation (a chunk's plan is
+  # a few dozen small XLA ops, sorts and scatters: built chunk by chunk
+  # they were that many launches per chunk, 32 chunks at 128k), then the
+  # remainder chunk alone.
+  n_full = t // size
+  plan = []
+  if n_full:
+    sel_CBGTK = sel_BGTK[:, :, :n_full * size].reshape(
+        b, g, n_full, size, k).transpose(2, 0, 1, 3, 4)
+    stacked = jax.vmap(one)(sel_CBGTK,
+                            jnp.arange(n_full, dtype=jnp.int32) * size)
+    plan += [jax.tree.map(lambda a, i=i: a[i], stacked)
+             for i in range(n_full)]
+  if t % size:
+    plan.append(one(sel_BGTK[:, :, n_full * size:], n_full * size))
   return plan
 
 

@@ -468,3 +468,37 @@ def test_kernels_lower_for_cuda(dtype):
           lowering_platforms=('cuda',)).as_text()
   for name in ('msa_index_scores', 'msa_index_topk', 'msa_kv_outer_forward'):
     assert name in text, name
+
+
+def test_batched_chunk_plans_equal_chunk_by_chunk_plans():
+  # forward_plan builds its whole query chunks' plans in one vmapped
+  # computation: each equals build_tiles + work items of that chunk alone
+  # (absolute tokens), and the remainder chunk is planned as before.
+  (_, _, _, _, sel), (b, t, s, g, r, d, c, k, o) = _selection('ragged_chunk')
+  sel = np.array(sel)
+  sel[:, :, ::5, 0] = -1
+  sel = jnp.asarray(sel)
+  n_blocks = -(-s // c)
+  size = 16
+  assert t % size and t // size >= 2
+  for pair_order in (False, True):
+    config = kv_outer.ForwardConfig(query_chunk=size, q_per_tile=3,
+                                    pair_order=pair_order)
+    plan = jax.jit(functools.partial(
+        kv_outer.forward_plan, n_blocks=n_blocks, heads_p=4, head_dim_p=16,
+        dtype=jnp.float32, config=config))(sel)
+    assert len(plan) == -(-t // size)
+    for i, (items, rows, out_rows, pair) in enumerate(plan):
+      t0 = i * size
+      tiles = kv_outer.build_tiles(sel[:, :, t0:t0 + size],
+                                   n_blocks=n_blocks, q_per_tile=3, t0=t0)
+      want_items = kv_outer._work_items(
+          tiles[0], n_blocks,
+          kv_outer._per_program(tiles[0].shape[-1], n_blocks))[:3]
+      for got, want in zip(items, want_items):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+      np.testing.assert_array_equal(
+          np.asarray(rows),
+          np.asarray(kv_outer.tile_rows(tiles[1], groups=g, heads_p=4)))
+      np.testing.assert_array_equal(np.asarray(pair), np.asarray(tiles[2]))
+      assert (out_rows is not None) == pair_order
