@@ -102,6 +102,9 @@ def test_a_broken_kernel_costs_only_its_own_timing(tmp_path, monkeypatch):
     return real(*args, **kw)
 
   monkeypatch.setattr(bg.pallas_path, 'sparse_attention', token_kernel_fails)
+  # (fewer variants than the full run above: not what this test is about)
+  monkeypatch.setattr(bg, 'TUNE', bg.TUNE[:1])
+  monkeypatch.setattr(bg, 'INDEX_VARIANTS', ())
   out = bg.run(TINY, log=lambda row: None)
   pre = out['results'][0]
   assert set(pre['kernel_errors']) == {'main_token', 'msa_train_token'}
@@ -120,7 +123,8 @@ def test_a_broken_kernel_costs_only_its_own_timing(tmp_path, monkeypatch):
   assert 'main_token at 128 (RuntimeError: planted lowering failure)' in text
 
 
-def test_a_tuned_forward_is_timed_beside_the_default():
+def test_a_tuned_forward_is_timed_beside_the_default(monkeypatch):
+  monkeypatch.setattr(bg, 'INDEX_VARIANTS', ())
   tuned = bg.kv_outer.ForwardConfig(pair_order=True, prefetch=True)
   assert bg.tuned_config({'best': tuned.label()}) == tuned
   assert bg.tuned_config({}) is None
