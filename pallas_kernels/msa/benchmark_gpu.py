@@ -22,8 +22,8 @@ early still leaves most targets measured:
             forward end to end; each kernel alone: index (the two-launch
             selector), main (the KV-outer sparse forward) and, up to
             train_max_len, their stages apart (index_scores, index_topk;
-            main_plan, main_kernel, main_combine: where the time goes); up
-            to
+            main_plan, main_kernel, main_combine: where the time goes) and
+            the score launch's tilings (INDEX_VARIANTS); up to
             fused_max_len the kernels they replace: index_fused (the
             running-table selector), main_token (a program per token).
   train     up to train_max_len (its fields join the prefill row of the
@@ -635,16 +635,16 @@ def train(cfg: GPUBench, t: int,
   sel, _ = _selection(cfg, qi, ki, off, errors)
   main = _main_branch(cfg, off)
   dense = functools.partial(dense_prefill, implementation=cfg.dense_impl)
-  train = {'dense_train': (_grad_of_sum(dense), (q, k, v)),
-           'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
-                         (q, k, v))}
+  fns = {'dense_train': (_grad_of_sum(dense), (q, k, v)),
+         'msa_train': (_grad_of_sum(lambda q, k, v: main(q, k, v, sel)),
+                       (q, k, v))}
   if tuned is not None:
     main_tuned = _main_branch(cfg, off, tuned)
-    train['msa_train_tuned'] = (_grad_of_sum(
+    fns['msa_train_tuned'] = (_grad_of_sum(
         lambda q, k, v: main_tuned(q, k, v, sel)), (q, k, v))
   if t <= cfg.fused_max_len:
     main_token = _main_branch(cfg, off, gpu_kernels='token')
-    train['msa_train_token'] = (_grad_of_sum(
+    fns['msa_train_token'] = (_grad_of_sum(
         lambda q, k, v: main_token(q, k, v, sel)), (q, k, v))
   # The backward's two kernels alone (with their XLA glue), on the
   # forward's out and LSE and the cotangent of sum(out).
@@ -655,13 +655,13 @@ def train(cfg: GPUBench, t: int,
           block_size=cfg.block_size, backend='gpu',
           interpret=cfg.interpret, parts=parts, **kw))
   for parts in ('dq', 'dkv'):
-    train[f'bwd_{parts}'] = (bwd(parts), (q, k, v, fwd_out, fwd_lse))
-  train['bwd_dkv_prefetch'] = (bwd('dkv', dkv_prefetch=True),
-                               (q, k, v, fwd_out, fwd_lse))
-  train['bwd_dkv_parts2'] = (bwd('dkv', dkv_parts=2),
+    fns[f'bwd_{parts}'] = (bwd(parts), (q, k, v, fwd_out, fwd_lse))
+  fns['bwd_dkv_prefetch'] = (bwd('dkv', dkv_prefetch=True),
                              (q, k, v, fwd_out, fwd_lse))
+  fns['bwd_dkv_parts2'] = (bwd('dkv', dkv_parts=2),
+                           (q, k, v, fwd_out, fwd_lse))
   compile_s = {}
-  med, spread, errs = _measure(cfg, train, compile_s)
+  med, spread, errs = _measure(cfg, fns, compile_s)
   errors.update(errs)
   row = {'seq_len': t, 'spread': spread, 'compile_s': compile_s}
   row.update({f'{name}_s': sec for name, sec in med.items()})
