@@ -13,9 +13,11 @@ the selection [B, G, K] go in scalar prefetch.
   The group's R heads are the rows of one [R, D] x [D, C] matmul. An int32
   key-valid mask [B, N, 1, C] is fetched with each block, so padding keys in
   the cache weigh 0.
-* GPU (Triton): decode is the prefill kernel with T = 1 and offset
-  length-1 (`forward_kernel.forward_gpu`), which is already one program per
-  (token, group); pallas_path calls it directly.
+* GPU (Triton): decode is the KV-outer forward at T = 1 and offset
+  length-1 (`kv_outer.forward`): split-K, one program per (sequence,
+  group, slot), then the log-sum-exp combine; with gpu_kernels='token' the
+  per-token prefill kernel (`forward_kernel.forward_gpu`). pallas_path
+  calls them directly.
 
 Letter key: B batch, S cache length, G groups, R heads per group, D head dim,
 K selected blocks, C block size.
