@@ -572,12 +572,12 @@ def prefill(cfg: GPUBench, t: int,
         fns.update(stages())
       except Exception as e:  # pylint: disable=broad-except
         errors[name] = benchmark.error_text(e)
-  main_token = _main_branch(cfg, off, gpu_kernels='token')
   if t <= cfg.fused_max_len:
     # The previous kernels, side by side, where they finish in time.
     fns['index_fused'] = (functools.partial(select, gpu_method='fused'),
                           (qi, ki, off))
-    fns['main_token'] = (main_token, (q, k, v, sel))
+    fns['main_token'] = (_main_branch(cfg, off, gpu_kernels='token'),
+                         (q, k, v, sel))
   if 'index' in errors:
     for name in ('index', 'msa', 'msa_tuned', 'index_fp8', 'msa_fp8'):
       fns.pop(name, None)

@@ -276,6 +276,19 @@ def key_span(num_keys: int, block_size: int,
   return min(blocks_per_program or max(1, 2048 // block_size), n_p) * block_size
 
 
+def _score_dtype(qi_dtype, ki_dtype, fp8_scores: bool):
+  """The score dots' operand dtype."""
+  return (jnp.float8_e4m3fn if fp8_scores
+          else index_dtype(qi_dtype, ki_dtype))
+
+
+def _score_tile_rows(row_tile: int, rows: int) -> int:
+  """Rows of a score tile (`row_tile` as score_tiling gives it), fewer for
+  a short input; every row chunk is a multiple of it, and the top-k tile
+  must divide it."""
+  return min(row_tile, max(16, kc.next_pow2(rows)))
+
+
 def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
                     block_size: int, interpret: bool, row_tile: int,
                     blocks_per_program: int | None, max_score_bytes: int,
@@ -285,7 +298,7 @@ def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
   padded to the tiles."""
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
-  dtype = index_dtype(qi_BTGI.dtype, ki_BSI.dtype)
+  dtype = _score_dtype(qi_BTGI.dtype, ki_BSI.dtype, fp8_scores)
   if fp8_scores:
     if kv_valid_BS is not None:
       # Padding keys are masked anyway; they must not set the keys' scale.
@@ -293,7 +306,6 @@ def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
                          jnp.zeros((), ki_BSI.dtype))
     qi_BTGI = to_fp8(qi_BTGI, axis=-1)
     ki_BSI = to_fp8(ki_BSI, axis=(1, 2))
-    dtype = jnp.float8_e4m3fn
     if not interpret:
       fp8_dots_on_tensor_cores()
   ip = max(16, kc.next_pow2(di))
@@ -312,12 +324,12 @@ def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
   offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
   rows = t * g
   row_tile, key_sub, stages = score_tiling(dtype, block_size, row_tile)
-  m = min(row_tile, max(16, kc.next_pow2(rows)))
+  m = _score_tile_rows(row_tile, rows)
   rp = kc.round_up(rows, m)
   qi = jnp.pad(qi_BTGI.astype(dtype).reshape(b, rows, di),
                ((0, 0), (0, rp - rows), (0, ip - di)))
   tiling = dict(
-      dtype=dtype, n_blocks=n_blocks, n_p=n_p, nb=span // block_size, m=m,
+      dtype=dtype, n_p=n_p, nb=span // block_size, m=m,
       key_sub=key_sub, stages=stages,
       chunk=max(m, (max_score_bytes // (4 * n_p)) // m * m),
       scale=1.0 / math.sqrt(di))
@@ -387,8 +399,8 @@ def index_topk(scores: list, offset_B, *, t: int, groups: int,
     return xla.select_blocks_BGTK(scores_BGTN, block_size=block_size,
                                   top_k=top_k, q_offset=offset_B)
   # The score tile's rows bound the top-k tile's (the tilings must agree).
-  m = min(row_tile, max(16, kc.next_pow2(rows)))
-  w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))), m)
+  w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))),
+          _score_tile_rows(row_tile, rows))
   parts, r0 = [], 0
   for sc in scores:
     parts.append(_topk_call(offset_B, sc, block_size=block_size,
@@ -437,8 +449,7 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                         blocks_per_program=blocks_per_program,
                         max_score_bytes=max_score_bytes,
                         fp8_scores=fp8_scores)
-  dtype = (jnp.float8_e4m3fn if fp8_scores
-           else index_dtype(qi_BTGI.dtype, ki_BSI.dtype))
+  dtype = _score_dtype(qi_BTGI.dtype, ki_BSI.dtype, fp8_scores)
   return index_topk(scores, offset_B, t=t, groups=g,
                     num_keys=ki_BSI.shape[1], block_size=block_size,
                     top_k=top_k, interpret=interpret, topk=topk,

@@ -117,17 +117,27 @@ def _kv_outer_heads(r: int, t: int) -> int:
   return kc.next_pow2(r) if t > 1 else max(16, kc.next_pow2(r))
 
 
-def kv_outer_operands(q_BTHD, k_BSGD, v_BSGD, valid_BS, *, block_size):
-  """The KV-outer kernels' padded operands: (q_BTGRD, k_BSGD, v_BSGD,
-  valid_BS int32, scale), heads and head dim padded to powers of two and
-  keys to whole blocks."""
+def _gpu_operands(q_BTHD, k_BSGD, v_BSGD, valid_BS, *, block_size,
+                  heads_p: int):
+  """The GPU forward kernels' padded operands: (q_BTGRD, k_BSGD, v_BSGD,
+  valid_BS int32, scale), heads padded to heads_p, the head dim to a power
+  of two and the keys to whole blocks."""
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
-  rp, dp = _kv_outer_heads(h // g, t), _gpu_dims(h // g, d, 1)[1]
+  dp = _gpu_dims(h // g, d, 1)[1]
   sp = kc.round_up(s, block_size)
   pad_kv = lambda x: _pad_axis(_pad_axis(x, 1, sp), 3, dp)
-  return (_to_gpu_q(q_BTHD, g, rp, dp), pad_kv(k_BSGD), pad_kv(v_BSGD),
+  return (_to_gpu_q(q_BTHD, g, heads_p, dp), pad_kv(k_BSGD), pad_kv(v_BSGD),
           _valid_mask(valid_BS, b, s, sp), 1.0 / math.sqrt(d))
+
+
+def kv_outer_operands(q_BTHD, k_BSGD, v_BSGD, valid_BS, *, block_size):
+  """The KV-outer kernels' padded operands (`_gpu_operands`, heads padded
+  to `_kv_outer_heads`)."""
+  r = q_BTHD.shape[2] // k_BSGD.shape[2]
+  return _gpu_operands(q_BTHD, k_BSGD, v_BSGD, valid_BS,
+                       block_size=block_size,
+                       heads_p=_kv_outer_heads(r, q_BTHD.shape[1]))
 
 
 def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
@@ -142,10 +152,10 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
   r = h // g
-  scale = 1.0 / math.sqrt(d)
-  sp = kc.round_up(s, block_size)
-  valid = _valid_mask(valid_BS, b, s, sp)
   if backend == 'tpu':
+    scale = 1.0 / math.sqrt(d)
+    sp = kc.round_up(s, block_size)
+    valid = _valid_mask(valid_BS, b, s, sp)
     tq = tpu_q_tile(t)
     tp = kc.round_up(t, tq)
     o, lse = forward_kernel.forward_tpu(
@@ -162,13 +172,12 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
         q_p, k_p, v_p, sel_BGTK, off_B, valid, block_size=block_size,
         scale=scale, interpret=interpret, config=kv_config)
   else:
-    rp, dp, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
-    k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
-    v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
+    rp, _, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
+    q_p, k_p, v_p, valid, scale = _gpu_operands(
+        q_BTHD, k_BSGD, v_BSGD, valid_BS, block_size=block_size, heads_p=rp)
     o, lse = forward_kernel.forward_gpu(
-        _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p,
-        _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid, block_size=block_size,
-        scale=scale, interpret=interpret)
+        q_p, k_p, v_p, _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid,
+        block_size=block_size, scale=scale, interpret=interpret)
   return (o[:, :, :, :r, :d].reshape(b, t, h, d),
           lse[..., :r].reshape(b, t, h))
 
