@@ -49,7 +49,11 @@ def test_hlo_op_names():
 def test_a_traced_step_attributes_the_expert_swiglu(tmp_path):
   """A projection, then the grouped SwiGLU, differentiated: the trace's
   ops under the SwiGLU's scope (forward and backward) are expert_ffn, and
-  they dominate at these sizes (4 x the projection's FLOPs)."""
+  they dominate at these sizes (12 x the projection's FLOPs).
+
+  The trace is a few milliseconds, so one preempted copy on a loaded CI
+  machine can move a share by 0.1: five calls are traced, and the test
+  asserts an order between categories, not a share fixed to a threshold."""
   m, f, s, r = 64, 256, 3, 512
   k = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(k[0], (r, m))
@@ -67,13 +71,16 @@ def test_a_traced_step_attributes_the_expert_swiglu(tmp_path):
   compiled = grad.lower(x, wa, *w).compile()
   jax.block_until_ready(compiled(x, wa, *w))
   with jax.profiler.trace(str(tmp_path)):
-    jax.block_until_ready(compiled(x, wa, *w))
+    for _ in range(5):
+      jax.block_until_ready(compiled(x, wa, *w))
   names = op_profile.hlo_op_names(compiled.as_text())
   excl, count = op_profile.exclusive_seconds(
       op_profile.device_thread_events(str(tmp_path)))
   b = op_profile.breakdown(excl, count, names)
   assert sum(b['shares'].values()) == pytest.approx(1.0)
-  assert b['shares']['expert_ffn'] > 0.5
+  shares = b['shares']
+  assert shares['expert_ffn'] == max(shares.values())
+  assert shares['expert_ffn'] > 3 * shares['matmul'] > 0
   scoped = [op for op in b['top_ops']
             if grouped_swiglu.SCOPE in op['op_name']]
   assert scoped and all(op['category'] == 'expert_ffn' for op in scoped)
