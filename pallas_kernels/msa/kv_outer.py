@@ -28,8 +28,9 @@ out, as the MSA paper's "KV-outer" sparse attention does:
 4. **Backward** without atomics: dK/dV KV-outer (`_dkv_kernel`): a program
    owns one key block's float32 accumulators and walks up to
    `tiles_per_program` of its tiles (heavy early blocks, which most queries
-   select, are split over several programs); the programs' partial sums of
-   one block are added in XLA in a fixed order. dQ per token
+   select, are split over several programs, and the programs are launched
+   largest first); the programs' partial sums of one block are added in
+   XLA in a fixed order. dQ per token
    (backward_kernel's per-token kernel with its atomics taken out). No
    atomic anywhere: two runs give the same bits.
 5. **Decode** (`forward` at T = 1): one query per sequence, so the tiles
@@ -730,11 +731,18 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
 
 
 def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):
-  """dK/dV work: (blk, first tile, tile count, owner block) per item [B, G, U].
+  """Work items in launch order, largest first: (blk, first tile, tile
+  count) per item [B, G, U], then the block's first item and item count
+  [B, G, N], and the launch slot of each item [B, G, U].
 
   Block n's tiles are contiguous (build_tiles sorts by block); they are cut
-  into items of at most `per_program` tiles. U is a static bound:
-  J / per_program + N.
+  into items of at most `per_program` tiles, numbered in block order. The
+  programs are launched by tile count, most first (ties in item order,
+  then the empty items): grid axis 2 is the slowest, so every (sequence,
+  group)'s heavy items start in the first wave and a light one, not a
+  heavy one, runs last. A block's items stay numbered in block order, so
+  `_sum_items` adds them in the same order wherever they were launched.
+  U is a static bound: J / per_program + N.
   """
   b, g, n_tiles = tile_blk_BGJ.shape
   n_items = -(-n_tiles // per_program) + n_blocks
@@ -755,19 +763,26 @@ def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):
   part = u[None, None, :] - jnp.take_along_axis(first_item_BGN, owner_c, -1)
   n_in_block = jnp.take_along_axis(tiles_BGN, owner_c, -1)
   first = jnp.take_along_axis(first_tile_BGN, owner_c, -1) + part * per_program
-  count = jnp.clip(n_in_block - part * per_program, 0, per_program)
+  count = jnp.where(live, jnp.clip(n_in_block - part * per_program, 0,
+                                   per_program), 0).astype(jnp.int32)
   blk = jnp.where(live, owner_c, -1).astype(jnp.int32)
-  return (blk, jnp.where(live, first, 0).astype(jnp.int32),
-          jnp.where(live, count, 0).astype(jnp.int32), first_item_BGN,
-          items_BGN)
+  first = jnp.where(live, first, 0).astype(jnp.int32)
+  order_BGU = jnp.argsort(-count, axis=-1, stable=True)
+  launch = lambda a: jnp.take_along_axis(a, order_BGU, axis=-1)
+  slot_BGU = jnp.argsort(order_BGU, axis=-1).astype(jnp.int32)
+  return (launch(blk), launch(first), launch(count), first_item_BGN,
+          items_BGN, slot_BGU)
 
 
-def _sum_items(part_BGUCD, first_item_BGN, items_BGN):
-  """Each block's items summed in item order (deterministic), [B, G, N, C, D]."""
+def _sum_items(part_BGUCD, first_item_BGN, items_BGN, slot_BGU):
+  """Each block's items summed in item order (deterministic), [B, G, N, C,
+  D]; item u's partial sum is at launch slot slot_BGU[u]."""
   b, g, n = first_item_BGN.shape
+  n_items = part_BGUCD.shape[2]
 
   def add(i, acc):
-    idx = jnp.minimum(first_item_BGN + i, part_BGUCD.shape[2] - 1)
+    item = jnp.minimum(first_item_BGN + i, n_items - 1)
+    idx = jnp.take_along_axis(slot_BGU, item, axis=-1)
     x = jnp.take_along_axis(part_BGUCD, idx[..., None, None], axis=2)
     return acc + jnp.where((i < items_BGN)[..., None, None], x, 0.0)
 
@@ -817,8 +832,8 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   rows = tile_rows(tile_q, groups=g, heads_p=rp)
   n_tiles, w = rows.shape[2:]
   per_program = tiles_per_program or _per_program(n_tiles, n_blocks)
-  blk, first, count, first_item, items = _work_items(tile_blk, n_blocks,
-                                                     per_program)
+  blk, first, count, first_item, items, slot = _work_items(
+      tile_blk, n_blocks, per_program)
   n_items = blk.shape[-1]
   x = t * g * rp
   flat = lambda a: a.reshape(b, x)
@@ -849,5 +864,5 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   # Item u's parts are consecutive programs: in key order once reshaped.
   whole = lambda a: a.reshape(b, g, n_items, block_size, dp)
   to_bsgd = lambda a: a.reshape(b, g, sp, dp).transpose(0, 2, 1, 3)
-  return (to_bsgd(_sum_items(whole(dk_u), first_item, items)),
-          to_bsgd(_sum_items(whole(dv_u), first_item, items)))
+  return (to_bsgd(_sum_items(whole(dk_u), first_item, items, slot)),
+          to_bsgd(_sum_items(whole(dv_u), first_item, items, slot)))

@@ -327,6 +327,41 @@ def test_split_work_is_bit_identical_to_one_program_per_block():
   lib.assert_close(whole[1][..., :d], dv, 1e-5, 'dv')
 
 
+def test_work_items_launch_largest_first_and_cover_every_tile_once():
+  # Causal selections load the early blocks most: with 2 tiles a program
+  # those are split into several items. The launch order is by tile count,
+  # most first; every block's tiles are covered once, by its own items;
+  # and slot maps the block-order item numbering to the launch order.
+  (_, _, _, _, sel), (b, t, s, g, r, d, c, k, o) = _selection('gqa', seed=3)
+  n_blocks = -(-s // c)
+  tile_blk, _, _ = kv_outer.build_tiles(sel, n_blocks=n_blocks, q_per_tile=2)
+  per = 2
+  blk, first, count, first_item, items, slot = (
+      np.asarray(a) for a in kv_outer._work_items(tile_blk, n_blocks, per))
+  tile_blk = np.asarray(tile_blk)
+  assert (items > 1).any() and (count == 1).any()  # Split and partial.
+  assert np.all(np.diff(count, axis=-1) <= 0)
+  for bb in range(b):
+    for gg in range(g):
+      seen = np.zeros(tile_blk.shape[-1], int)
+      for u in range(blk.shape[-1]):
+        if count[bb, gg, u]:
+          span = slice(first[bb, gg, u], first[bb, gg, u] + count[bb, gg, u])
+          assert np.all(tile_blk[bb, gg, span] == blk[bb, gg, u])
+          seen[span] += 1
+        else:
+          assert blk[bb, gg, u] == -1 or count[bb, gg, u] == 0
+      np.testing.assert_array_equal(seen, tile_blk[bb, gg] >= 0)
+      # Item i of block n (in block order) is launched at slot[first + i]:
+      # its tiles are block n's i-th run of `per`.
+      for n in range(n_blocks):
+        for i in range(items[bb, gg, n]):
+          u = slot[bb, gg, first_item[bb, gg, n] + i]
+          assert blk[bb, gg, u] == n
+          start = np.flatnonzero(tile_blk[bb, gg] == n)[0]
+          assert first[bb, gg, u] == start + i * per
+
+
 def _dkv_case(dtype, c: int, k: int, seed: int, sp: int):
   """kv_outer.dkv's arguments on a ragged chunk with a padding hole
   (T 160 at offset 240, S 400 padded to sp, G 2, R 2, D 16, block c, top
