@@ -121,19 +121,23 @@ TUNE = (
 
 # Prefill: the index score launch's tilings timed beside its default at
 # train_max_len (scores alone). At 128k the scores were 26% of MSA's time,
-# at about 30% of the card's bf16 matmul rate; compiled for an H100
-# (experiments/gpu_static) the default holds 209 registers and 97 KiB of
-# shared memory, two blocks of 4 warps per SM. The variants: a longer key
-# span per program (the query tile's load and the output's write
-# amortised); 64-row tiles in 32-key dots without pipelining (119
-# registers, 24 KiB: four blocks per SM, whose warps hide each other's
-# loads); 64-row tiles unpipelined (three blocks); 64-row tiles in 64-key
-# dots (135 registers); 8 warps (two warpgroups on a 128-row tile).
+# at about 30% of the card's bf16 matmul rate. Compiled for an H100
+# (experiments/gpu_static), the default holds 243 registers and 97 KiB of
+# shared memory, two blocks of 4 warps per SM; it compares key and query
+# positions only in the diagonal blocks, which takes a second loop body.
+# The variants: a longer key span per program (the query tile's load and
+# the output's write amortised); 64-row tiles in 32-key dots without
+# pipelining (146 registers, 24 KiB: three blocks per SM; four, at 119
+# registers, with the causal compare in every block, one loop body); 64-row
+# tiles unpipelined (three blocks); 64-row tiles in 64-key dots; the
+# default with the compare in every block (209 registers).
 INDEX_VARIANTS = ({'blocks_per_program': 32},
                   {'row_tile': 64, 'key_sub': 32, 'num_stages': 1},
+                  {'row_tile': 64, 'key_sub': 32, 'num_stages': 1,
+                   'causal_every_block': True},
                   {'row_tile': 64, 'num_stages': 1},
                   {'row_tile': 64, 'key_sub': 64},
-                  {'num_warps': 8})
+                  {'causal_every_block': True})
 
 
 def index_variant_label(kw: dict) -> str:

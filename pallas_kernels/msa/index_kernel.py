@@ -13,7 +13,8 @@ each shaped for what it does:
    key block in one tensor-core dot (bf16 in, f32 accumulated). The max
    needs no exponent; the scale is positive, so it is applied after the max.
    A program takes `blocks_per_program` key blocks, loading its query tile
-   once; blocks past the tile's causal diagonal are skipped. Scores are
+   once; blocks past the tile's causal diagonal are skipped, and only the
+   diagonal ones pay the causal compare. Scores are
    written block-major, [B, N, rows], as f32.
 2. **Top-k** (`_topk_kernel`): per row, K-1 rounds of argmax over the
    earlier blocks (id < the local block), ties to the lower id (`lax.top_k`
@@ -57,10 +58,18 @@ def _row_positions(offset, row0, n_rows: int, groups: int, axis: int):
 
 def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
                    block_size: int, groups: int, row_base: int, scale: float,
-                   precision, key_sub: int):
+                   precision, key_sub: int, causal_every_block: bool = False):
   """Block maxima of one tile of m rows against nb key blocks (grid (B,
   row tiles, key chunks)), written [nb, m]; blocks past the tile's last
-  row's diagonal stay -inf without a dot."""
+  row's diagonal stay -inf without a dot.
+
+  Blocks before the tile's first row's block are wholly visible to every
+  row: they take the key-padding mask alone, and only the blocks from
+  there to the last row's (the diagonal: one or two blocks for a tile of
+  m / G tokens) pay the causal compare. causal_every_block: one loop that
+  compares in every block (fewer registers on an H100: 119 against 146 at
+  64-row tiles of 32-key dots, 4 blocks per SM against 3,
+  experiments/gpu_static; the GPU bench times both)."""
   i, j = pl.program_id(1), pl.program_id(2)
   m = qi_ref.shape[0]
   nb = out_ref.shape[0]
@@ -69,27 +78,38 @@ def _scores_kernel(offset_ref, qi_ref, ki_ref, valid_ref, out_ref, *,
   # The tile's last row sees the most blocks; later blocks are all masked.
   last_block = kc.div(offset_ref[0] + kc.div(row0 + m - 1, groups),
                       block_size)
+  first_block = kc.div(offset_ref[0] + kc.div(row0, groups), block_size)
   n_vis = jnp.clip(last_block - j * nb + 1, 0, nb)
+  n_whole = jnp.clip(first_block - j * nb, 0, n_vis)
   qi_MI = qi_ref[...]
   blk_iota = jax.lax.broadcasted_iota(jnp.int32, (nb, m), 0)
 
-  def body(jb, tile_NM):
-    # The block's keys key_sub at a time (f32: smaller shared-memory
-    # operands), the maximum taken over the parts.
-    best_M = jnp.full((m,), NEG_INF, jnp.float32)
-    for c0 in range(0, block_size, key_sub):
-      key0 = jb * block_size + c0
-      k_CI = ki_ref[pl.ds(key0, key_sub), :]
-      logits_MC = kc.dot_nt(qi_MI, k_CI, precision)
-      kpos_1C = j * nb * block_size + key0 + jax.lax.broadcasted_iota(
-          jnp.int32, (1, key_sub), 1)
-      ok_1C = valid_ref[pl.ds(key0, key_sub)][None, :] > 0
-      logits_MC = jnp.where((kpos_1C <= qpos_M1) & ok_1C, logits_MC, NEG_INF)
-      best_M = jnp.maximum(best_M, jnp.max(logits_MC, axis=1))
-    return jnp.where(blk_iota == jb, best_M[None, :] * scale, tile_NM)
+  def body(causal: bool):
+    def visit(jb, tile_NM):
+      # The block's keys key_sub at a time (f32: smaller shared-memory
+      # operands), the maximum taken over the parts.
+      best_M = jnp.full((m,), NEG_INF, jnp.float32)
+      for c0 in range(0, block_size, key_sub):
+        key0 = jb * block_size + c0
+        k_CI = ki_ref[pl.ds(key0, key_sub), :]
+        logits_MC = kc.dot_nt(qi_MI, k_CI, precision)
+        ok_MC = valid_ref[pl.ds(key0, key_sub)][None, :] > 0
+        if causal:
+          kpos_1C = j * nb * block_size + key0 + jax.lax.broadcasted_iota(
+              jnp.int32, (1, key_sub), 1)
+          ok_MC = ok_MC & (kpos_1C <= qpos_M1)
+        logits_MC = jnp.where(ok_MC, logits_MC, NEG_INF)
+        best_M = jnp.maximum(best_M, jnp.max(logits_MC, axis=1))
+      return jnp.where(blk_iota == jb, best_M[None, :] * scale, tile_NM)
+    return visit
 
-  out_ref[...] = jax.lax.fori_loop(
-      0, n_vis, body, jnp.full((nb, m), NEG_INF, jnp.float32))
+  tile_NM = jnp.full((nb, m), NEG_INF, jnp.float32)
+  if causal_every_block:
+    n_whole = 0
+  else:
+    tile_NM = jax.lax.fori_loop(0, n_whole, body(causal=False), tile_NM)
+  out_ref[...] = jax.lax.fori_loop(n_whole, n_vis, body(causal=True),
+                                   tile_NM)
 
 
 def _topk_kernel(offset_ref, scores_ref, sel_ref, *, block_size: int,
@@ -129,7 +149,7 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
                  block_size: int, groups: int, row_base: int, row_tile: int,
                  blocks_per_program: int, scale: float, precision,
                  interpret: bool, key_sub: int, num_stages: int,
-                 num_warps: int = 4):
+                 num_warps: int = 4, causal_every_block: bool = False):
   b, q, ip = qi_BQI.shape
   nb = blocks_per_program
   span = nb * block_size
@@ -139,7 +159,8 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
   key_chunk = lambda jj: jnp.minimum(jj, n_key_chunks - 1)
   kernel = functools.partial(_scores_kernel, block_size=block_size,
                              groups=groups, row_base=row_base, scale=scale,
-                             precision=precision, key_sub=key_sub)
+                             precision=precision, key_sub=key_sub,
+                             causal_every_block=causal_every_block)
   return kc.pallas_call(
       kernel,
       grid=(b, q // row_tile, n_blocks_p // nb),
@@ -352,14 +373,17 @@ def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                  max_score_bytes: int = 2**28,
                  fp8_scores: bool = False, num_warps: int = 4,
                  key_sub: int | None = None,
-                 num_stages: int | None = None) -> list:
+                 num_stages: int | None = None,
+                 causal_every_block: bool = False) -> list:
   """The first launch alone: per row chunk, the f32 block scores [B, Np,
   rows of the chunk] (rows are (token, group) pairs; -inf past a row's
   diagonal). Arguments as in select_blocks_BGTK; num_warps: the score
   launch's (4: one warpgroup per 128-row tile); key_sub: keys per dot
   (`score_tiling`'s by default: the whole block in 16-bit dtypes), fewer
   for smaller [rows, keys] f32 logits in registers; num_stages: Triton's
-  (`score_tiling`'s by default), 1 for less shared memory."""
+  (`score_tiling`'s by default), 1 for less shared memory;
+  causal_every_block: the causal compare in every block, not only the
+  diagonal ones (one loop body: fewer registers; the same scores)."""
   qi, ki, valid, offset_B, tl = _index_operands(
       qi_BTGI, ki_BSI, offset_B, kv_valid_BS, block_size=block_size,
       interpret=interpret, row_tile=row_tile,
@@ -374,7 +398,8 @@ def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        interpret=interpret,
                        key_sub=_key_sub(key_sub, tl['key_sub'], block_size),
                        num_stages=num_stages or tl['stages'],
-                       num_warps=num_warps)
+                       num_warps=num_warps,
+                       causal_every_block=causal_every_block)
           for r0 in range(0, qi.shape[1], tl['chunk'])]
 
 

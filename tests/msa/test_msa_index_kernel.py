@@ -88,6 +88,46 @@ def test_tiles_and_row_chunks_do_not_change_the_selection():
         np.asarray(base), err_msg=str(kw))
 
 
+@pytest.mark.parametrize('kw', [dict(row_tile=16, blocks_per_program=1),
+                                dict(row_tile=16, blocks_per_program=2),
+                                dict(row_tile=32),
+                                dict(row_tile=16, causal_every_block=True)])
+def test_block_scores_equal_the_masked_block_max_by_numpy(kw):
+  """Every block score against numpy: scale x the max of the exact logits
+  over the block's keys that are valid and not after the row's token,
+  -inf where none is. 16-row tiles of 3 groups are 5.3 tokens, so tiles
+  straddle 8-key blocks: a tile's earlier blocks take the padding mask
+  alone, its diagonal ones the causal compare too, and both must agree
+  with the brute force; the padding sits in the middle of the keys, so
+  whole blocks of it fall on both sides of the diagonal."""
+  b, t, s, g, di, c, o = 2, 24, 53, 3, 8, 8, (29, 11)
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=11)
+  valid = np.ones((b, s), bool)
+  valid[0, 8:17] = False  # Block 1 whole, block 2 in part.
+  valid[1, 3:12] = False
+  off = np.asarray(o, np.int32)
+  out = jax.jit(functools.partial(index_kernel.index_scores, block_size=c,
+                                  interpret=True, **kw))(
+                                      qi, ki, jnp.asarray(off),
+                                      jnp.asarray(valid))
+  got = np.concatenate([np.asarray(x) for x in out], axis=2)
+  n = -(-s // c)
+  logits = np.einsum('btgi,bsi->btgs', np.asarray(qi, np.float32),
+                     np.asarray(ki, np.float32))
+  qpos = off[:, None] + np.arange(t)[None, :]
+  see = valid[:, None, :] & (np.arange(s)[None, None, :] <= qpos[..., None])
+  masked = np.where(see[:, :, None, :], logits, -np.inf)
+  masked = np.pad(masked, ((0, 0), (0, 0), (0, 0), (0, n * c - s)),
+                  constant_values=-np.inf)
+  best = masked.reshape(b, t, g, n, c).max(-1)  # [B, T, G, N]
+  want = np.where(np.isneginf(best), -np.inf,
+                  best.astype(np.float32) * np.float32(1 / np.sqrt(di)))
+  want_BNQ = want.transpose(0, 3, 1, 2).reshape(b, n, t * g)
+  assert np.isfinite(want_BNQ).any() and np.isneginf(want_BNQ).any()
+  np.testing.assert_array_equal(got[:, :n, :t * g], want_BNQ)
+  assert np.all(np.isneginf(got[:, n:, :t * g]))  # Padding blocks.
+
+
 def test_score_launch_tilings_give_the_same_scores():
   # The score launch's knobs (the GPU bench's INDEX_VARIANTS) change how
   # the work is cut, never a block score: on exact inputs, bit for bit,
@@ -104,7 +144,8 @@ def test_score_launch_tilings_give_the_same_scores():
   base = scores()
   assert np.isfinite(base).any() and np.isneginf(base).any()
   for kw in [dict(key_sub=8), dict(key_sub=64), dict(num_stages=1),
-             dict(row_tile=16, key_sub=4, num_stages=1), dict(num_warps=8)]:
+             dict(row_tile=16, key_sub=4, num_stages=1), dict(num_warps=8),
+             dict(causal_every_block=True)]:
     np.testing.assert_array_equal(scores(**kw), base, err_msg=str(kw))
   sel = jax.jit(functools.partial(
       index_kernel.index_topk, t=t, groups=g, num_keys=s, block_size=c,
