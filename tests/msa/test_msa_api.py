@@ -48,16 +48,18 @@ def test_both_gpu_kernel_sets_through_the_api(gpu_kernels):
   b, t, s, g, r, d, di, c, k, o = 1, 24, 48, 2, 2, 16, 8, 16, 2, 24
   q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
   kw = dict(block_size=c, top_k=k)
-  out, aux = msa.msa_attention(q, kk, v, qi, ki, q_offset=o, impl='pallas',
-                               pallas_backend='gpu', gpu_kernels=gpu_kernels,
-                               **kw)
+  # Jitted: interpret-mode kernels run eagerly op by op (3x slower here).
+  out, aux = jax.jit(functools.partial(
+      msa.msa_attention, q_offset=o, impl='pallas', pallas_backend='gpu',
+      gpu_kernels=gpu_kernels, **kw))(q, kk, v, qi, ki)
   want, want_aux = msa.msa_attention(q, kk, v, qi, ki, q_offset=o,
                                      impl='reference', **kw)
   lib.assert_close(out, want, 1e-5, gpu_kernels)
   np.testing.assert_array_equal(aux['sel_BGTK'], want_aux['sel_BGTK'])
   lengths = jnp.array([37])
-  dec = msa.msa_decode(q[:, 0], kk, v, qi[:, 0], ki, lengths, impl='pallas',
-                       pallas_backend='gpu', gpu_kernels=gpu_kernels, **kw)
+  dec = jax.jit(functools.partial(
+      msa.msa_decode, impl='pallas', pallas_backend='gpu',
+      gpu_kernels=gpu_kernels, **kw))(q[:, 0], kk, v, qi[:, 0], ki, lengths)
   dec_want = msa.msa_decode(q[:, 0], kk, v, qi[:, 0], ki, lengths,
                             impl='reference', **kw)
   lib.assert_close(dec[0], dec_want[0], 1e-5, f'{gpu_kernels} decode')
