@@ -1098,6 +1098,11 @@ def render_gpu_check(results_dir: str, name: str) -> str:
     lines += ['', 'Wall time per phase, compiles included: ' + '; '.join(
         f"{name}{' ' + _f(n) if n != '' else ''} {_f(sec)} s"
         for name, n, sec in walls) + '.']
+  prof = bench.get('profile') or next(
+      (r for r in bench.get('partial', []) if r.get('phase') == 'profile'),
+      None)
+  if prof and prof.get('profiles'):
+    lines += ['', _profile_table(prof)]
   # A forward+backward cut off inside a measured prefill row says so too.
   cut = [(r.get('phase', '?'), r) for r in [*rows, *decode]
          if 'skipped' in r or 'error' in r]
@@ -1111,6 +1116,24 @@ def render_gpu_check(results_dir: str, name: str) -> str:
         f" ({r.get('skipped') or r.get('error', '')[:80]})" for name, r in cut)
         + '.']
   return '\n'.join(lines)
+
+
+def _profile_table(prof: dict) -> str:
+  """The bench's profile phase: per traced call, its span, the time some
+  kernel ran, the idle share between launches, and the costliest kernels."""
+  rows = []
+  for what, p in prof['profiles'].items():
+    top = '; '.join(f"`{k['name'][:40]}` {_f(k['us'])} us x{_f(k['launches'])}"
+                    for k in p['top'][:4])
+    rows.append([what, _f(p['span_us']), _f(p['busy_us']),
+                 _f(p['idle_share']), _f(p['kernels']), top])
+  calls = next(iter(prof['profiles'].values()))['calls']
+  source = next(iter(prof['profiles'].values()))['source']
+  return (f'Where one call\'s time goes ({source} trace of {calls}'
+          ' back-to-back calls, per call; idle: no kernel running between'
+          ' the first start and the last end):\n\n' + _table(
+              ['call', 'span us', 'busy us', 'idle', 'launches',
+               'costliest kernels (us, launches per call)'], rows))
 
 
 def _link(section: str, bench: str) -> str:

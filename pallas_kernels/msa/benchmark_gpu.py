@@ -3,9 +3,9 @@
 The library behind `experiments.bench_msa --device=gpu` (`make gpu-check`).
 Phases, each timed in interleaved repetitions in one process (median, and
 the spread (max - min) / median). ceilings, check and tune run first; the
-measuring phases then run cheapest target first (`schedule`: prefill up to
-train_max_len, decode, train, longer prefill), so a deadline that falls
-early still leaves most targets measured:
+measuring phases then run cheapest target first (`schedule`: prefill up
+to train_max_len, decode, train, longer prefill, then profile), so a
+deadline that falls early still leaves most targets measured:
 
   ceilings  a large bf16 matmul and a large copy: what the card gives here.
   check     at check_len, the kernels' selection against the f32 reference
@@ -39,6 +39,11 @@ early still leaves most targets measured:
             attention; each half alone (index, main), and the variants
             (the selection finished by lax.top_k; the tuned forward; the
             score launch's blocks per program).
+  profile   one trace each of MSA and dense, prefill at the longest
+            train_max_len row and decode at the longest cache, summed per
+            kernel (trace.py): per call, the span, the time some kernel
+            ran, launches, and the costliest kernels by name. Diagnostic:
+            it leaves `complete` as it is.
 
 A soft deadline (`deadline`, a time.monotonic() value) is checked before
 every measurement: past it, the rest is recorded as skipped and run()
@@ -71,6 +76,7 @@ from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference
 from pallas_kernels.msa import select_kernel
+from pallas_kernels.msa import trace
 from pallas_kernels.msa import xla
 
 PAPER_PREFILL_SPEEDUP = 14.2
@@ -742,6 +748,47 @@ def decode(cfg: GPUBench, s: int, impl: str,
   return row
 
 
+PROFILE_CALLS = 3  # back-to-back calls per trace
+
+
+def profile(cfg: GPUBench, t: int, decode_impl: str) -> dict:
+  """One trace each of MSA and dense: prefill at t, decode at the longest
+  cache (decode_batch sequences), summed per kernel (`trace.summarize`):
+  whether a step's time is its kernels' or the gaps between its launches
+  (decode: measured MSA 225 us at 128k where its bytes take about 120),
+  and which kernel to work on next."""
+  kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
+  q, k, v, qi, ki = _inputs(cfg, 1, t, t)
+  prefill_fns = {
+      'msa': (functools.partial(pallas_path.msa_attention, q_offset=0,
+                                backend='gpu', interpret=cfg.interpret, **kw),
+              (q, k, v, qi, ki)),
+      'dense': (functools.partial(dense_prefill,
+                                  implementation=cfg.dense_impl), (q, k, v))}
+  s, b = max(cfg.decode_lens), cfg.decode_batch
+  q, k, v, qi, ki = _inputs(cfg, b, 1, s)
+  lengths = jnp.full((b,), s, jnp.int32)
+  decode_fns = {
+      'msa': (functools.partial(pallas_path.msa_decode, backend='gpu',
+                                interpret=cfg.interpret, **kw),
+              (q[:, 0], k, v, qi[:, 0], ki, lengths)),
+      'dense': (functools.partial(benchmark.dense_decode,
+                                  implementation=decode_impl),
+                (q[:, 0], k, v, lengths))}
+  out, errors = {}, {}
+  for what, fns in ((f'prefill {t}', prefill_fns),
+                    (f'decode {s} x{b}', decode_fns)):
+    for name, (fn, args) in fns.items():
+      try:
+        out[f'{what} {name}'] = trace.profile(fn, args, calls=PROFILE_CALLS)
+      except Exception as e:  # pylint: disable=broad-except
+        errors[f'{what} {name}'] = benchmark.error_text(e)
+  row = {'profiles': out}
+  if errors:
+    row['kernel_errors'] = errors
+  return row
+
+
 def _log_row(row: dict):
   print('# row ' + json.dumps(row), flush=True)
 
@@ -781,14 +828,17 @@ def schedule(cfg: GPUBench) -> list[tuple[str, int]]:
   A GPU is lent for minutes and the soft deadline ends the run wherever it
   falls, so the cheaper target measurements go first: prefill up to
   train_max_len, then decode, then forward+backward (the most compiles),
-  and last the longer prefill rows (128k: the costliest dense calls).
+  then the longer prefill rows (128k: the costliest dense calls), and
+  last, being no target, a kernel-by-kernel trace of one prefill and one
+  decode step (`profile`).
   """
   short = [t for t in cfg.seq_lens if t <= cfg.train_max_len]
   long = [t for t in cfg.seq_lens if t > cfg.train_max_len]
   return ([('prefill', t) for t in short] +
           [('decode', s) for s in cfg.decode_lens] +
           [('train', t) for t in short] +
-          [('prefill', t) for t in long])
+          [('prefill', t) for t in long] +
+          [('profile', t) for t in short[-1:]])
 
 
 # Fields of a train row that name its own run, not a measurement: kept
@@ -847,8 +897,10 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
   measure = {
       'prefill': lambda t: prefill(cfg, t, best),
       'decode': lambda s: decode(cfg, s, decode_impl, best),
-      'train': lambda t: train(cfg, t, best)}
-  length = {'prefill': 'seq_len', 'decode': 'cache_len', 'train': 'seq_len'}
+      'train': lambda t: train(cfg, t, best),
+      'profile': lambda t: profile(cfg, t, decode_impl)}
+  length = {'prefill': 'seq_len', 'decode': 'cache_len', 'train': 'seq_len',
+            'profile': 'seq_len'}
   done_rows = {name: [] for name in measure}
   for name, n in schedule(cfg):
     done_rows[name].append(_phase(name, lambda f=measure[name], n=n: f(n),
@@ -870,6 +922,9 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
       'tune': tun,
       'results': rows,
       'decode': dec,
+      # Diagnostic, not a target: a trace that fails (no CUPTI) leaves the
+      # run complete, with its error in this row.
+      'profile': done_rows['profile'][0] if done_rows['profile'] else None,
       'complete': all('skipped' not in r and 'error' not in r and
                       'kernel_errors' not in r
                       for r in [ceil, chk, tun, *done_rows['prefill'],

@@ -26,8 +26,10 @@ def test_every_phase_runs_and_reports(tmp_path):
   out = bg.run(TINY, log=rows.append)
   assert out['complete'], json.dumps(out)[:2000]
   assert [r['phase'] for r in rows] == ['ceilings', 'check', 'tune',
-                                        'prefill', 'decode', 'train']
-  assert out['order'] == ['prefill 128', 'decode 128', 'train 128']
+                                        'prefill', 'decode', 'train',
+                                        'profile']
+  assert out['order'] == ['prefill 128', 'decode 128', 'train 128',
+                          'profile 128']
   assert out['reference_check']['selection_margin_violations'] == 0
   assert out['reference_check']['fp8_margin_violations'] == 0
   assert out['reference_check']['max_abs_err'] < 2e-2  # bf16 inputs
@@ -62,6 +64,13 @@ def test_every_phase_runs_and_reports(tmp_path):
       dec['decode_unaligned_msa_s'] / dec['decode_msa_s'], rel=1e-2)
   assert not dec['decode_best'].startswith('unaligned')
   assert dec['decode_speedup_best'] >= dec['decode_speedup'] * (1 - 1e-5)
+  # One traced call of each (a CPU trace here: XLA's threads' ops).
+  prof = out['profile']['profiles']
+  assert set(prof) == {'prefill 128 msa', 'prefill 128 dense',
+                       'decode 128 x2 msa', 'decode 128 x2 dense'}
+  for p in prof.values():
+    assert p['source'] == 'cpu' and p['calls'] == bg.PROFILE_CALLS
+    assert p['kernels'] > 0 and 0 < p['busy_us'] <= p['span_us'] * 1.001
   # The docs' GPU table renders from the summary gpu_check_summary.py
   # would write around it.
   summary = {'command': 'make gpu-check', 'date': 'dry run',
@@ -74,6 +83,8 @@ def test_every_phase_runs_and_reports(tmp_path):
   assert 'Index score launch at 128 tokens' in text, text
   assert 'Wall time per phase, compiles included: ceilings' in text, text
   assert 'train 128 ' in text.split('Wall time per phase')[1], text
+  assert "Where one call's time goes (cpu trace of 3" in text, text
+  assert '| decode 128 x2 msa | ' in text, text
 
 
 def test_past_the_deadline_everything_is_skipped_but_summarised(tmp_path):
@@ -237,10 +248,12 @@ def test_targets_read_the_rows_they_name():
 
 def test_the_cheaper_targets_are_measured_first():
   # The lent GPU's run: the 32k prefill, then decode at 128k, then
-  # forward+backward at 32k, and the costly 128k prefill last.
+  # forward+backward at 32k, the costly 128k prefill, and last a trace of
+  # one call each (a diagnostic, no target).
   cfg = bg.GPUBench(seq_lens=(32768, 131072), decode_lens=(131072,))
   assert bg.schedule(cfg) == [('prefill', 32768), ('decode', 131072),
-                              ('train', 32768), ('prefill', 131072)]
+                              ('train', 32768), ('prefill', 131072),
+                              ('profile', 32768)]
   # Every target's length is measured by some phase of the schedule.
   lengths = {(p, n) for p, n in bg.schedule(cfg)}
   for _, phase, n, *_ in bg.TARGETS:
@@ -289,8 +302,9 @@ def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
   out = bg.run(cfg, log=printed.append)
   assert calls == [('prefill', 32768), ('decode', 131072), ('train', 32768)]
   assert [r['phase'] for r in printed][3:] == ['prefill', 'decode', 'train',
-                                              'prefill']
-  assert printed[-1]['skipped'] == 'deadline' and not out['complete']
+                                              'prefill', 'profile']
+  assert all(r['skipped'] == 'deadline' for r in printed[-2:])
+  assert not out['complete']
   # The final JSON: the train fields joined the 32k prefill row, and both
   # spreads survive.
   row32 = out['results'][0]
@@ -304,7 +318,7 @@ def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
   assert {t['what']: t['measured'] for t in bg.targets(out)} == want
   # Killed inside the 128k prefill: only the printed rows before it.
   partial = {'error': 'no final JSON line in the bench log',
-             'partial': printed[:-1]}
+             'partial': printed[:-2]}
   assert {t['what']: t['measured'] for t in bg.targets(partial)} == want
   summary = {'gpu_check': 'fail', 'setup': {}, 'tests': {},
              'bench_msa': partial}
