@@ -1029,6 +1029,16 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                 f" / {_ms(r.get('main_combine_s'))}"
                 if 'main_plan_s' in r else '-')),
             ('per-token main ms', lambda r: _ms(r.get('main_token_s'))),
+            # The union-tile forward against KV-outer, on the bench's
+            # selection and on one its tiles share (best case).
+            ('union tiles main ms: this / shared selection (x KV-outer);'
+             ' blocks per slot', lambda r: (
+                 f"{_ms(r['main_tiles_s'])}"
+                 f" ({_f(r.get('tiles_speedup'))}x) /"
+                 f" {_ms(r.get('main_tiles_shared_s'))}"
+                 f" ({_f(r.get('tiles_shared_speedup'))}x);"
+                 f" {_f(r.get('tiles_union_per_k'))}"
+                 if 'main_tiles_s' in r else '-')),
             ('**speedup**', lambda r: f"**{_f(r['speedup'])}**"),
             ('tuned: main ms / speedup', lambda r: (
                 f"{_ms(r['main_tuned_s'])} / {_f(r.get('speedup_tuned'))}"

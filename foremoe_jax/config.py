@@ -73,8 +73,11 @@ def model_defaults() -> ml_collections.ConfigDict:
   m.msa_indexer_kl = 'selected'
   # The MSA Pallas kernels on a GPU: 'kv_outer' (a two-launch tensor-core
   # selection, query tiles per key block, dK/dV without atomics, split-K
-  # decode) or 'token' (the first kernels: fused selection, a program per
-  # token, atomic dK/dV), the fallback. CPU and TPU ignore it.
+  # decode), 'token' (the first kernels: fused selection, a program per
+  # token, atomic dK/dV), the fallback, or 'tiles' (kv_outer's, but a
+  # forward of a few neighbouring tokens per program against the union of
+  # their blocks: no partials, at the price of the union's unselected
+  # blocks). CPU and TPU ignore it.
   m.msa_gpu_kernels = 'kv_outer'
   # Mixed precision (WORKSPACE.md): dtype is the compute dtype (every weight
   # is cast to it where used); param_dtype is the dtype the model is built,
@@ -230,9 +233,10 @@ def validate_config(config) -> None:
   _require(m.get('remat_policy', 'none') in REMAT_POLICIES,
            'model.remat_policy', f'must be one of {", ".join(REMAT_POLICIES)}, '
            f"got {m.get('remat_policy')!r}")
-  _require(m.get('msa_gpu_kernels', 'kv_outer') in ('kv_outer', 'token'),
-           'model.msa_gpu_kernels', "must be 'kv_outer' or 'token', got "
-           f"{m.get('msa_gpu_kernels')!r}")
+  _require(m.get('msa_gpu_kernels', 'kv_outer') in ('kv_outer', 'token',
+                                                   'tiles'),
+           'model.msa_gpu_kernels', "must be 'kv_outer', 'token' or 'tiles', "
+           f"got {m.get('msa_gpu_kernels')!r}")
   _require(m.get('msa_indexer_kl', 'selected') in ('selected', 'dense'),
            'model.msa_indexer_kl', f"must be 'selected' or 'dense', got "
            f"{m.get('msa_indexer_kl')!r}")

@@ -35,7 +35,7 @@ BAD = [
     ('model.msa_top_k', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'msa_top_k', 0)), 'local block'),
     ('model.msa_index_dim', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'msa_index_dim', 7)), 'even'),
     ('model.max_seq_len', lambda c: (setattr(c.model, 'attention_type', 'msa'), setattr(c.model, 'max_seq_len', 30)), 'multiple of msa_block_size'),
-    ('model.msa_gpu_kernels', lambda c: setattr(c.model, 'msa_gpu_kernels', 'flash'), "'kv_outer' or 'token'"),
+    ('model.msa_gpu_kernels', lambda c: setattr(c.model, 'msa_gpu_kernels', 'flash'), "'kv_outer', 'token' or 'tiles'"),
     ('parallel.num_data', lambda c: setattr(c.parallel, 'num_data', 0), '>= 1'),
     ('parallel.num_expert', lambda c: setattr(c.parallel, 'num_expert', 3), 'divisible by the EP size'),
     ('parallel.slots_per_device', lambda c: (setattr(c.parallel, 'num_expert', 4), setattr(c.parallel, 'slots_per_device', 1)), 'every expert needs a slot'),

@@ -23,7 +23,10 @@ deadline that falls early still leaves most targets measured:
             selector), main (the KV-outer sparse forward) and, up to
             train_max_len, their stages apart (index_scores, index_topk;
             main_plan, main_kernel, main_combine: where the time goes) and
-            the score launch's tilings (INDEX_VARIANTS); up to
+            the score launch's tilings (INDEX_VARIANTS); the union-tile
+            forward (main_tiles; main_shared / main_tiles_shared: both
+            forwards on a selection a tile's tokens share, its best case;
+            tiles_union_per_k: blocks it reads per token-slot); up to
             fused_max_len the kernels they replace: index_fused (the
             running-table selector), main_token (a program per token).
   train     up to train_max_len (its fields join the prefill row of the
@@ -71,7 +74,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.msa import benchmark
+from pallas_kernels.msa import forward_kernel
 from pallas_kernels.msa import index_kernel
+from pallas_kernels.msa import kernel_common as kc
 from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference
@@ -547,6 +552,24 @@ def tuned_config(tune_row: dict) -> kv_outer.ForwardConfig | None:
   return {c.label(): c for c in TUNE}.get(tune_row.get('best'))
 
 
+def tile_shared_selection(sel_BGTK, q_tile: int):
+  """Every token of a tile of q_tile neighbours given the selection of the
+  tile's last token: a valid selection (q_tile <= block size, so a tile
+  lies in one block, whose keys past a token the causal mask drops) at
+  the union tiles' best case, a union of K blocks. T a multiple of
+  q_tile."""
+  b, g, t, k = sel_BGTK.shape
+  last = sel_BGTK.reshape(b, g, t // q_tile, q_tile, k)[:, :, :, -1:]
+  return jnp.broadcast_to(last, (b, g, t // q_tile, q_tile, k)).reshape(
+      b, g, t, k)
+
+
+def _tile_rows(cfg: GPUBench) -> int:
+  """Tokens per union tile at the bench's heads and dtype."""
+  return forward_kernel.tiles_per_query_tile(
+      kc.next_pow2(cfg.heads_per_group), jnp.dtype(cfg.dtype))
+
+
 def prefill(cfg: GPUBench, t: int,
             tuned: kv_outer.ForwardConfig | None = None) -> dict:
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
@@ -566,6 +589,16 @@ def prefill(cfg: GPUBench, t: int,
     fns['main_tuned'] = (_main_branch(cfg, off, tuned), (q, k, v, sel))
     fns['msa_tuned'] = (functools.partial(msa, kv_config=tuned),
                         (q, k, v, qi, ki))
+  # The union-tile forward beside KV-outer, on this selection (random
+  # inputs: neighbours share little but their local block, the tiles'
+  # worst case) and on one where a tile's tokens share their selection
+  # (their best case, a union of K); the truth for a trained model lies
+  # between, by how much neighbours' selections overlap.
+  tiles = _main_branch(cfg, off, gpu_kernels='tiles')
+  shared = tile_shared_selection(sel, min(_tile_rows(cfg), cfg.block_size))
+  fns['main_tiles'] = (tiles, (q, k, v, sel))
+  fns['main_shared'] = (main, (q, k, v, shared))
+  fns['main_tiles_shared'] = (tiles, (q, k, v, shared))
   # fp8 index scores (an approximate selection: reported apart), with the
   # fastest forward measured so far.
   fns['index_fp8'] = (functools.partial(select, fp8_scores=True),
@@ -611,11 +644,19 @@ def prefill(cfg: GPUBench, t: int,
                         ('index_fp8_speedup', 'index', 'index_fp8'),
                         ('main_tuned_speedup', 'main', 'main_tuned'),
                         ('index_speedup_vs_fused', 'index_fused', 'index'),
-                        ('main_speedup_vs_token', 'main_token', 'main')):
+                        ('main_speedup_vs_token', 'main_token', 'main'),
+                        ('tiles_speedup', 'main', 'main_tiles'),
+                        ('tiles_shared_speedup', 'main_shared',
+                         'main_tiles_shared')):
     if (ratio := _ratio(med, num, den)) is not None:
       row[key] = ratio
   if tuned is not None:
     row['tuned_config'] = tuned.label()
+  # Blocks a union tile reads per token-slot: 1 at full overlap, up to
+  # the tile's tokens.
+  count = forward_kernel.tile_union(sel, _tile_rows(cfg),
+                                    -(-t // cfg.block_size))[1]
+  row['tiles_union_per_k'] = float(jnp.mean(count)) / cfg.top_k
   # Score-launch tilings: a speedup over the default counts only where the
   # variant's scores equal the default's.
   variants = {name[len('index_scores['):-1]: name for name in med

@@ -13,6 +13,15 @@ Only selected K/V blocks are read. Two lowerings:
   of the token's group are the rows of the tile (padded to 16 for tl.dot) and
   a loop over the K selected blocks loads each with a dynamic slice.
   No union, no wasted columns; -1 slots are masked out.
+* GPU, union tiles (`forward_gpu_tiles`): the TPU kernel's idea on Triton.
+  A program takes Tq neighbouring tokens, whose Tq x R head rows (128 in
+  bf16) meet each block of the union of the tokens' selections in one
+  tensor-core dot, flash-style, with the same row mask. Against the
+  per-token kernel: tiles 8x taller and each block read once per tile, not
+  per token; against KV-outer (kv_outer.py): a token's slots are merged in
+  registers, so no per-slot partial goes to memory and back. The cost is
+  the union's blocks a row did not select, computed then masked: how much
+  neighbouring tokens' selections overlap decides between the kernels.
 
 Padding keys: an int32 key-valid mask is read with each key block (TPU
 [B, N, 1, C], one lane row per block; GPU [B, S]) and ANDed into the row
@@ -219,3 +228,131 @@ def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
       interpret=interpret,
       name='msa_forward_gpu',
   )(off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK)
+
+
+def _gpu_tiles_kernel(off_ref, count_ref, blocks_ref, q_ref, k_ref, v_ref,
+                      valid_ref, sel_ref, o_ref, lse_ref, *, block_size: int,
+                      scale: float, precision):
+  """Tq neighbouring tokens x their group's Rp heads as the rows of one
+  tile, against the union of the tokens' selected blocks (ascending, each
+  read once); a row sees a block only if its own token selected it (and
+  causally), so every token still attends exactly its K blocks."""
+  i = pl.program_id(0)
+  tq, rp, dp = q_ref.shape
+  w = tq * rp
+  q_WD = q_ref[...].reshape(w, dp)
+  # Each row's token (t0 + row // Rp) and that token's selection.
+  qpos_W1 = (off_ref[0] + i * tq +
+             kc.div(jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0), rp))
+  sel_WK = jnp.broadcast_to(sel_ref[...][:, None, :],
+                            (tq, rp, sel_ref.shape[-1])).reshape(w, -1)
+
+  def visit(u, carry):
+    m, l, acc = carry
+    blk = blocks_ref[u]
+    start = blk * block_size
+    k_CD = k_ref[pl.ds(start, block_size), :]
+    v_CD = v_ref[pl.ds(start, block_size), :]
+    kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+    ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
+    hit_W1 = jnp.max((sel_WK == blk).astype(jnp.int32), axis=1,
+                     keepdims=True) > 0
+    mask_WC = hit_W1 & (kpos_1C <= qpos_W1) & ok_1C
+    s_WC = kc.dot_nt(q_WD, k_CD, precision) * scale
+    return kc.online_softmax_step(m, l, acc, s_WC, mask_WC, v_CD, precision)
+
+  m, l, acc = jax.lax.fori_loop(
+      0, count_ref[0], visit,
+      (jnp.full((w, 1), kc.MASK_VALUE, jnp.float32),
+       jnp.zeros((w, 1), jnp.float32), jnp.zeros((w, dp), jnp.float32)))
+  out_WD, lse_W1 = kc.finish_softmax(m, l, acc)
+  o_ref[...] = out_WD.reshape(tq, rp, dp).astype(o_ref.dtype)
+  lse_ref[...] = lse_W1.reshape(tq, rp)
+
+
+def tile_union(sel_BGTK, q_tile: int, n_blocks: int):
+  """(blocks_BGQU, count_BGQ): per tile of q_tile tokens, the union of its
+  tokens' selected blocks, ascending, U padded to a power of two by
+  repeating the last (`schedule.tile_visits`); T a multiple of q_tile."""
+  blocks, count = schedule.tile_visits(sel_BGTK, q_tile, n_blocks)
+  u = blocks.shape[-1]
+  up = kc.next_pow2(u)
+  if up != u:
+    blocks = jnp.concatenate(
+        [blocks, jnp.broadcast_to(blocks[..., -1:], (*blocks.shape[:-1],
+                                                     up - u))], axis=-1)
+  return blocks, count
+
+
+def tiles_per_query_tile(heads_p: int, dtype) -> int:
+  """Tokens per tile of `forward_gpu_tiles`: 128 rows in 16-bit dtypes, 64
+  in f32 (as the KV-outer tiles)."""
+  rows = 128 if jnp.dtype(dtype).itemsize <= 2 else 64
+  return max(1, rows // heads_p)
+
+
+def forward_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
+                      block_size: int, scale: float, interpret: bool,
+                      q_tile: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None):
+  """Padded operands in (R, D, K powers of two); (o, lse_BTGR) out, as
+  forward_gpu, with q_tile neighbouring tokens per program (a power of
+  two; default `tiles_per_query_tile`: 8 at 16 heads in bf16).
+
+  Between the per-token kernel (q_tile 1: 16-row tiles, every token reads
+  its own K blocks) and the KV-outer one (partials per (token, slot) that a
+  combine merges): a tile's rows share each block they read and keep
+  their slots merged in registers, so no partial leaves the program; the
+  price is the blocks of the union that a row did not select, which it
+  computes and masks. How much neighbouring tokens' selections overlap
+  decides it (`tile_union`'s count against K).
+  """
+  b, t, g, rp, dp = q_BTGRD.shape
+  sp = k_BSGD.shape[1]
+  kp = sel_BGTK.shape[-1]
+  tq = q_tile or tiles_per_query_tile(rp, q_BTGRD.dtype)
+  if tq < 1 or tq & (tq - 1):
+    raise ValueError(f'q_tile must be a power of two, got {tq}.')
+  tp = kc.round_up(t, tq)
+  if tp != t:
+    q_BTGRD = jnp.pad(q_BTGRD, ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
+    sel_BGTK = jnp.pad(sel_BGTK, ((0, 0), (0, 0), (0, tp - t), (0, 0)),
+                       constant_values=-1)
+  blocks, count = tile_union(sel_BGTK, tq, sp // block_size)
+  nq, u = blocks.shape[2:]
+  itemsize = jnp.dtype(q_BTGRD.dtype).itemsize
+  kernel = functools.partial(
+      _gpu_tiles_kernel, block_size=block_size, scale=scale,
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
+  o, lse = kc.pallas_call(
+      kernel,
+      grid=(nq, b, g),
+      in_specs=[
+          pl.BlockSpec((1,), lambda ii, bb, gg: (bb,)),
+          pl.BlockSpec((1,), lambda ii, bb, gg: ((bb * g + gg) * nq + ii,)),
+          pl.BlockSpec((None, None, None, u),
+                       lambda ii, bb, gg: (bb, gg, ii, 0)),
+          pl.BlockSpec((None, tq, None, rp, dp),
+                       lambda ii, bb, gg: (bb, ii, gg, 0, 0)),
+          pl.BlockSpec((None, sp, None, dp), lambda ii, bb, gg: (bb, 0, gg, 0)),
+          pl.BlockSpec((None, sp, None, dp), lambda ii, bb, gg: (bb, 0, gg, 0)),
+          pl.BlockSpec((None, sp), lambda ii, bb, gg: (bb, 0)),
+          pl.BlockSpec((None, None, tq, kp),
+                       lambda ii, bb, gg: (bb, gg, ii, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, tq, None, rp, dp),
+                       lambda ii, bb, gg: (bb, ii, gg, 0, 0)),
+          pl.BlockSpec((None, tq, None, rp),
+                       lambda ii, bb, gg: (bb, ii, gg, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, g, rp, dp), q_BTGRD.dtype),
+                 jax.ShapeDtypeStruct((b, tp, g, rp), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(
+          num_warps=num_warps or (8 if tq * rp >= 128 else 4),
+          num_stages=num_stages or (2 if itemsize <= 2 else 1)),
+      interpret=interpret,
+      name='msa_forward_gpu_tiles',
+  )(off_B, count.reshape(-1), blocks, q_BTGRD, k_BSGD, v_BSGD, valid_BS,
+    sel_BGTK)
+  return o[:, :t], lse[:, :t]

@@ -294,7 +294,8 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
   In the bench's dtype (bf16) at its shapes: prefill at tune_len (the
   two-launch selector, with fp8 scores too, and its score launch's
   INDEX_VARIANTS; the KV-outer forward, its
-  default and every TUNE variant; the per-token forward; the backward's
+  default and every TUNE variant; the per-token and union-tile forwards;
+  the backward's
   dQ and dK/dV kernels, dK/dV with its prefetch and in two key parts),
   and decode at the
   longest decode_len and decode_batch. In f32 at f32_len and the GPU
@@ -344,6 +345,8 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
           functools.partial(fwd, kv_config=cfg_), (q, kv, kv, sel, off))
                   for cfg_ in benchmark_gpu.TUNE})
       out['main_token'] = (functools.partial(fwd, gpu_kernels='token'),
+                           (q, kv, kv, sel, off))
+      out['main_tiles'] = (functools.partial(fwd, gpu_kernels='tiles'),
                            (q, kv, kv, sel, off))
       out['bwd_dkv_prefetch'] = (bwd(parts='dkv', dkv_prefetch=True),
                                  (q, kv, kv, sel, off, lse))

@@ -146,8 +146,11 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
   """(out_BTHD, lse_BTH f32) from the kernel of the chosen backend.
 
   gpu_kernels: 'kv_outer' (kv_outer.py: tiles of queries per key block,
-  split-K at one query) or 'token' (forward_kernel.py: a program per token
-  and group). kv_config: the KV-outer kernel's knobs (None: defaults).
+  split-K at one query), 'token' (forward_kernel.py: a program per token
+  and group) or 'tiles' (forward_kernel.forward_gpu_tiles: a few
+  neighbouring tokens per program against the union of their blocks;
+  split-K at one query). kv_config: the KV-outer kernel's knobs (None:
+  defaults).
   """
   b, t, h, d = q_BTHD.shape
   s, g = k_BSGD.shape[1:3]
@@ -165,7 +168,16 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
         interpret=interpret)
     return _from_group_major_q(o, t, h), _rows_BTH(lse, t)
   _check_gpu_kernels(gpu_kernels)
-  if gpu_kernels == 'kv_outer':
+  if gpu_kernels == 'tiles' and t > 1:
+    rp, _, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
+    q_p, k_p, v_p, valid, scale = _gpu_operands(
+        q_BTHD, k_BSGD, v_BSGD, valid_BS, block_size=block_size,
+        heads_p=kc.next_pow2(r))
+    o, lse = forward_kernel.forward_gpu_tiles(
+        q_p, k_p, v_p, _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid,
+        block_size=block_size, scale=scale, interpret=interpret)
+  elif gpu_kernels in ('kv_outer', 'tiles'):
+    # (tiles at one query per sequence: decode's split-K)
     q_p, k_p, v_p, valid, scale = kv_outer_operands(
         q_BTHD, k_BSGD, v_BSGD, valid_BS, block_size=block_size)
     o, lse = kv_outer.forward(
@@ -185,12 +197,15 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
 def _selector(gpu_kernels: str) -> str:
   """The GPU selection kernel of a kernel set: the two-launch one with the
   KV-outer kernels, the fused one with the per-token kernels."""
-  return 'two_pass' if gpu_kernels == 'kv_outer' else 'fused'
+  return 'fused' if gpu_kernels == 'token' else 'two_pass'
+
+
+GPU_KERNELS = ('kv_outer', 'token', 'tiles')
 
 
 def _check_gpu_kernels(gpu_kernels: str):
-  if gpu_kernels not in ('kv_outer', 'token'):
-    raise ValueError(f"gpu_kernels must be 'kv_outer' or 'token', got "
+  if gpu_kernels not in GPU_KERNELS:
+    raise ValueError(f'gpu_kernels must be one of {GPU_KERNELS}, got '
                      f'{gpu_kernels!r}.')
 
 
@@ -201,12 +216,15 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                     dkv_parts: int | None = None):
   """(dq, dk, dv) in the input dtypes.
 
-  GPU, gpu_kernels='kv_outer': dq per token, dK/dV KV-outer, no atomics
-  (deterministic); 'token': one kernel, dK/dV by float32 atomics.
+  GPU, gpu_kernels='kv_outer' (and 'tiles', whose forward alone differs):
+  dq per token, dK/dV KV-outer, no atomics (deterministic); 'token': one
+  kernel, dK/dV by float32 atomics.
   parts ('kv_outer' only): 'dq' or 'dkv' runs that kernel alone (the
   others come back None), so a benchmark can time each. dkv_prefetch,
   dkv_parts: kv_outer.dkv's prefetch and key_parts.
   """
+  if gpu_kernels == 'tiles':
+    gpu_kernels = 'kv_outer'
   if parts not in ('all', 'dq', 'dkv'):
     raise ValueError(f"parts must be 'all', 'dq' or 'dkv', got {parts!r}.")
   if parts != 'all' and (backend != 'gpu' or gpu_kernels != 'kv_outer'):
@@ -323,7 +341,9 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
   """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'}).
 
   gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
-  kv_outer.py) or 'token' (the fused selection and per-token kernels).
+  kv_outer.py), 'token' (the fused selection and per-token kernels) or
+  'tiles' (two-launch selection, forward_kernel.forward_gpu_tiles, the
+  KV-outer backward).
   topk ('pallas' / 'xla'), fp8_scores (index_kernel.select_blocks_BGTK)
   and kv_config (kv_outer.ForwardConfig) pick the GPU variants
   benchmark_gpu times.

@@ -44,8 +44,11 @@ def test_every_phase_runs_and_reports(tmp_path):
               'dense_train_s', 'msa_train_s', 'index_fp8_s', 'msa_fp8_s',
               'bwd_dq_s', 'bwd_dkv_s', 'bwd_dkv_prefetch_s',
               'bwd_dkv_parts2_s', 'main_plan_s', 'main_kernel_s',
-              'main_combine_s', 'index_scores_s', 'index_topk_s'):
+              'main_combine_s', 'index_scores_s', 'index_topk_s',
+              'main_tiles_s', 'main_shared_s', 'main_tiles_shared_s'):
     assert pre[key] > 0, key
+  # Union tiles read between 1 and q_tile blocks per token-slot.
+  assert 1 <= pre['tiles_union_per_k'] <= bg._tile_rows(TINY)
   assert set(pre['index_scores_variants']) == {
       bg.index_variant_label(kw) for kw in bg.INDEX_VARIANTS}
   assert pre['index_scores_variants_wrong'] == []
@@ -368,3 +371,19 @@ def test_scores_equal_tells_a_different_score_or_mask():
   assert bg.scores_equal(a, [a[0][:, :, :1], a[0][:, :, 1:]])
   assert not bg.scores_equal(a, [a[0].at[0, 1, 1].add(1e-3)])
   assert not bg.scores_equal(a, [a[0].at[0, 0, 1].set(0.0)])
+
+
+def test_a_tile_shared_selection_is_a_valid_one_its_tiles_share():
+  # The union tiles' best case: each tile of q_tile tokens (q_tile <= the
+  # block size) gets its last token's blocks, which is still a selection
+  # every token may make (distinct, visible, the local block last).
+  b, t, s, g, r, d, di, c, k, o = 1, 64, 64, 2, 2, 16, 8, 16, 3, 0
+  _, _, _, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  for q_tile in (4, 16):
+    shared = np.asarray(bg.tile_shared_selection(sel, q_tile))
+    lib.check_selection_invariants(shared, c, o)
+    tiles = shared.reshape(b, g, t // q_tile, q_tile, k)
+    assert np.all(tiles == tiles[:, :, :, -1:])
+    np.testing.assert_array_equal(tiles[:, :, :, -1],
+                                  np.asarray(sel)[:, :, q_tile - 1::q_tile])
