@@ -22,8 +22,8 @@ deadline that falls early still leaves most targets measured:
             forward end to end; each kernel alone: index (the two-launch
             selector), main (the KV-outer sparse forward) and, up to
             train_max_len, their stages apart (index_scores, index_topk;
-            main_plan, main_kernel, main_combine: where the time goes) and
-            the score launch's tilings (INDEX_VARIANTS); the union-tile
+            main_plan, main_kernel, main_combine: where the time goes),
+            the score launch's tilings (INDEX_VARIANTS) and the union-tile
             forward (main_tiles; main_shared / main_tiles_shared: both
             forwards on a selection a tile's tokens share, its best case;
             tiles_union_per_k: blocks it reads per token-slot); up to
@@ -594,11 +594,14 @@ def prefill(cfg: GPUBench, t: int,
   # worst case) and on one where a tile's tokens share their selection
   # (their best case, a union of K); the truth for a trained model lies
   # between, by how much neighbours' selections overlap.
-  tiles = _main_branch(cfg, off, gpu_kernels='tiles')
-  shared = tile_shared_selection(sel, min(_tile_rows(cfg), cfg.block_size))
-  fns['main_tiles'] = (tiles, (q, k, v, sel))
-  fns['main_shared'] = (main, (q, k, v, shared))
-  fns['main_tiles_shared'] = (tiles, (q, k, v, shared))
+  # Up to train_max_len: the budget goes to the 128k row's targets.
+  if t <= cfg.train_max_len:
+    tiles = _main_branch(cfg, off, gpu_kernels='tiles')
+    shared = tile_shared_selection(sel, min(_tile_rows(cfg),
+                                            cfg.block_size))
+    fns['main_tiles'] = (tiles, (q, k, v, sel))
+    fns['main_shared'] = (main, (q, k, v, shared))
+    fns['main_tiles_shared'] = (tiles, (q, k, v, shared))
   # fp8 index scores (an approximate selection: reported apart), with the
   # fastest forward measured so far.
   fns['index_fp8'] = (functools.partial(select, fp8_scores=True),
@@ -654,9 +657,10 @@ def prefill(cfg: GPUBench, t: int,
     row['tuned_config'] = tuned.label()
   # Blocks a union tile reads per token-slot: 1 at full overlap, up to
   # the tile's tokens.
-  count = forward_kernel.tile_union(sel, _tile_rows(cfg),
-                                    -(-t // cfg.block_size))[1]
-  row['tiles_union_per_k'] = float(jnp.mean(count)) / cfg.top_k
+  if 'main_tiles' in med:
+    count = forward_kernel.tile_union(sel, _tile_rows(cfg),
+                                      -(-t // cfg.block_size))[1]
+    row['tiles_union_per_k'] = float(jnp.mean(count)) / cfg.top_k
   # Score-launch tilings: a speedup over the default counts only where the
   # variant's scores equal the default's.
   variants = {name[len('index_scores['):-1]: name for name in med
