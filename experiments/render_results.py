@@ -1054,7 +1054,13 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                  f"{_ms(r['bwd_dq_s'])} / {_ms(r.get('bwd_dkv_s'))}"
                  f" ({_ms(r.get('bwd_dkv_prefetch_s'))} / "
                  f"{_ms(r.get('bwd_dkv_parts2_s'))})"
-                 if 'bwd_dq_s' in r else '-'))]
+                 if 'bwd_dq_s' in r else '-')),
+            ('dQ ms by union tiles: this / shared selection (per-token'
+             ' there)', lambda r: (
+                 f"{_ms(r['bwd_dq_tiles_s'])} /"
+                 f" {_ms(r.get('bwd_dq_tiles_shared_s'))}"
+                 f" ({_ms(r.get('bwd_dq_shared_s'))})"
+                 if 'bwd_dq_tiles_s' in r else '-'))]
     lines += ['', _table(['seq_len', *[c[0] for c in cols]],
                          [[_f(r['seq_len']), *[c[1](r) for c in cols]]
                           for r in done])]

@@ -74,10 +74,10 @@ def model_defaults() -> ml_collections.ConfigDict:
   # The MSA Pallas kernels on a GPU: 'kv_outer' (a two-launch tensor-core
   # selection, query tiles per key block, dK/dV without atomics, split-K
   # decode), 'token' (the first kernels: fused selection, a program per
-  # token, atomic dK/dV), the fallback, or 'tiles' (kv_outer's, but a
-  # forward of a few neighbouring tokens per program against the union of
-  # their blocks: no partials, at the price of the union's unselected
-  # blocks). CPU and TPU ignore it.
+  # token, atomic dK/dV), the fallback, or 'tiles' (kv_outer's, but the
+  # forward and dQ take a few neighbouring tokens per program against the
+  # union of their blocks: no partials, at the price of the union's
+  # unselected blocks). CPU and TPU ignore it.
   m.msa_gpu_kernels = 'kv_outer'
   # Mixed precision (WORKSPACE.md): dtype is the compute dtype (every weight
   # is cast to it where used); param_dtype is the dtype the model is built,

@@ -19,6 +19,10 @@ honoured too (d lse / d s = p).
   (several tokens select the same block). The default GPU backward
   (kv_outer.py) runs this kernel for dq alone and computes dK/dV KV-outer,
   without atomics.
+* GPU, union tiles (`dq_gpu_tiles`): dq of Tq neighbouring tokens per
+  program over the union of their blocks, the union-tile forward's layout
+  (forward_kernel.forward_gpu_tiles); the 'tiles' kernel set's dq, beside
+  the KV-outer dK/dV.
 
 Letter key: B batch, T query tokens, S key tokens, G groups, R heads per
 group, D head dim, K selected blocks, C block size, X = R*D, Q query tiles,
@@ -34,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.msa import forward_kernel
 from pallas_kernels.msa import kernel_common as kc
 from pallas_kernels.msa import schedule
 
@@ -316,3 +321,98 @@ def backward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
       name='msa_backward_gpu',
   )(*args, jnp.zeros(k_BSGD.shape, jnp.float32),
     jnp.zeros(v_BSGD.shape, jnp.float32))
+
+
+def _gpu_dq_tiles_kernel(off_ref, count_ref, blocks_ref, q_ref, k_ref, v_ref,
+                         valid_ref, sel_ref, do_ref, lse_ref, delta_ref,
+                         dq_ref, *, block_size: int, scale: float, precision):
+  """dq of Tq neighbouring tokens' R head rows over the union of their
+  blocks, with the forward's row mask (forward_kernel._gpu_tiles_kernel)."""
+  i = pl.program_id(0)
+  tq, rp, dp = q_ref.shape
+  w = tq * rp
+  q_WD = q_ref[...].reshape(w, dp)
+  do_WD = do_ref[...].reshape(w, dp)
+  lse_W1 = lse_ref[...].reshape(w, 1)
+  delta_W1 = delta_ref[...].reshape(w, 1)
+  qpos_W1 = (off_ref[0] + i * tq +
+             kc.div(jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0), rp))
+  sel_WK = jnp.broadcast_to(sel_ref[...][:, None, :],
+                            (tq, rp, sel_ref.shape[-1])).reshape(w, -1)
+
+  def visit(u, dq_WD):
+    blk = blocks_ref[u]
+    start = blk * block_size
+    k_CD = k_ref[pl.ds(start, block_size), :]
+    v_CD = v_ref[pl.ds(start, block_size), :]
+    kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+    ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
+    hit_W1 = jnp.max((sel_WK == blk).astype(jnp.int32), axis=1,
+                     keepdims=True) > 0
+    mask_WC = hit_W1 & (kpos_1C <= qpos_W1) & ok_1C
+    p_WC = _probs(kc.dot_nt(q_WD, k_CD, precision) * scale, mask_WC, lse_W1)
+    ds_WC = p_WC * (kc.dot_nt(do_WD, v_CD, precision) - delta_W1)
+    return dq_WD + kc.dot_nn(ds_WC.astype(k_CD.dtype), k_CD,
+                             precision) * scale
+
+  dq_WD = jax.lax.fori_loop(0, count_ref[0], visit,
+                            jnp.zeros((w, dp), jnp.float32))
+  dq_ref[...] = dq_WD.reshape(tq, rp, dp).astype(dq_ref.dtype)
+
+
+def dq_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
+                 do_BTGRD, lse_BTGR, delta_BTGR, *, block_size: int,
+                 scale: float, interpret: bool, q_tile: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None):
+  """dq_BTGRD of Tq neighbouring tokens per program over the union of their
+  blocks, no atomics (each program owns its rows): the union-tile forward's
+  layout (forward_kernel.forward_gpu_tiles), for its backward beside the
+  KV-outer dK/dV. Padded operands as backward_gpu's (R, D, K powers of
+  two)."""
+  b, t, g, rp, dp = q_BTGRD.shape
+  sp = k_BSGD.shape[1]
+  kp = sel_BGTK.shape[-1]
+  tq = q_tile or forward_kernel.tiles_per_query_tile(rp, q_BTGRD.dtype)
+  if tq < 1 or tq & (tq - 1):
+    raise ValueError(f'q_tile must be a power of two, got {tq}.')
+  tp = kc.round_up(t, tq)
+  if tp != t:
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+    q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR = map(
+        pad, (q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR))
+    sel_BGTK = jnp.pad(sel_BGTK, ((0, 0), (0, 0), (0, tp - t), (0, 0)),
+                       constant_values=-1)
+  blocks, count = forward_kernel.tile_union(sel_BGTK, tq, sp // block_size)
+  nq, u = blocks.shape[2:]
+  q_spec = pl.BlockSpec((None, tq, None, rp, dp),
+                        lambda ii, bb, gg: (bb, ii, gg, 0, 0))
+  row_spec = pl.BlockSpec((None, tq, None, rp),
+                          lambda ii, bb, gg: (bb, ii, gg, 0))
+  kv_spec = pl.BlockSpec((None, sp, None, dp),
+                         lambda ii, bb, gg: (bb, 0, gg, 0))
+  kernel = functools.partial(
+      _gpu_dq_tiles_kernel, block_size=block_size, scale=scale,
+      precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
+  dq = kc.pallas_call(
+      kernel,
+      grid=(nq, b, g),
+      in_specs=[
+          pl.BlockSpec((1,), lambda ii, bb, gg: (bb,)),
+          pl.BlockSpec((1,), lambda ii, bb, gg: ((bb * g + gg) * nq + ii,)),
+          pl.BlockSpec((None, None, None, u),
+                       lambda ii, bb, gg: (bb, gg, ii, 0)),
+          q_spec, kv_spec, kv_spec,
+          pl.BlockSpec((None, sp), lambda ii, bb, gg: (bb, 0)),
+          pl.BlockSpec((None, None, tq, kp),
+                       lambda ii, bb, gg: (bb, gg, ii, 0)),
+          q_spec, row_spec, row_spec],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct((b, tp, g, rp, dp), q_BTGRD.dtype),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=num_warps or (8 if tq * rp >= 128 else 4),
+          num_stages=num_stages or 1),
+      interpret=interpret,
+      name='msa_backward_dq_gpu_tiles',
+  )(off_B, count.reshape(-1), blocks, q_BTGRD, k_BSGD, v_BSGD, valid_BS,
+    sel_BGTK, do_BTGRD, lse_BTGR, delta_BTGR)
+  return dq[:, :t]

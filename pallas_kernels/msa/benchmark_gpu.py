@@ -36,7 +36,9 @@ deadline that falls early still leaves most targets measured:
             backward's dQ and dK/dV kernels each alone (bwd_dq, bwd_dkv;
             bwd_dkv_prefetch: its next-tile prefetch variant;
             bwd_dkv_parts2: two programs per key block, which compiled
-            for an H100 does not spill, experiments/gpu_static).
+            for an H100 does not spill, experiments/gpu_static;
+            bwd_dq_tiles: dQ by union tiles, and with _shared both dQs
+            on a tile-shared selection).
   decode    per decode_len: one new token for each of decode_batch
             sequences against full caches: dense vs selection + split-K
             attention; each half alone (index, main), and the variants
@@ -715,6 +717,20 @@ def train(cfg: GPUBench, t: int,
                              (q, k, v, fwd_out, fwd_lse))
   fns['bwd_dkv_parts2'] = (bwd('dkv', dkv_parts=2),
                            (q, k, v, fwd_out, fwd_lse))
+  # dQ by union tiles beside the per-token dQ: on this selection and on
+  # one a tile's tokens share (as prefill's main_tiles / _shared).
+  fns['bwd_dq_tiles'] = (bwd('dq', gpu_kernels='tiles'),
+                         (q, k, v, fwd_out, fwd_lse))
+  shared = tile_shared_selection(sel, min(_tile_rows(cfg), cfg.block_size))
+  s_out, s_lse = jax.jit(main)(q, k, v, shared)
+  bwd_shared = lambda kernels: (
+      lambda q, k, v, o, l: pallas_path.sparse_backward(
+          q, k, v, shared, off, None, o, l, jnp.ones_like(o), None,
+          block_size=cfg.block_size, backend='gpu',
+          interpret=cfg.interpret, parts='dq', gpu_kernels=kernels))
+  fns['bwd_dq_shared'] = (bwd_shared('kv_outer'), (q, k, v, s_out, s_lse))
+  fns['bwd_dq_tiles_shared'] = (bwd_shared('tiles'),
+                                (q, k, v, s_out, s_lse))
   compile_s = {}
   med, spread, errs = _measure(cfg, fns, compile_s)
   errors.update(errs)

@@ -348,6 +348,8 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
                            (q, kv, kv, sel, off))
       out['main_tiles'] = (functools.partial(fwd, gpu_kernels='tiles'),
                            (q, kv, kv, sel, off))
+      out['bwd_dq_tiles'] = (bwd(parts='dq', gpu_kernels='tiles'),
+                             (q, kv, kv, sel, off, lse))
       out['bwd_dkv_prefetch'] = (bwd(parts='dkv', dkv_prefetch=True),
                                  (q, kv, kv, sel, off, lse))
       out['bwd_dkv_parts2'] = (bwd(parts='dkv', dkv_parts=2),

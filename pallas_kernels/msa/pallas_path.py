@@ -216,14 +216,16 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
                     dkv_parts: int | None = None):
   """(dq, dk, dv) in the input dtypes.
 
-  GPU, gpu_kernels='kv_outer' (and 'tiles', whose forward alone differs):
-  dq per token, dK/dV KV-outer, no atomics (deterministic); 'token': one
-  kernel, dK/dV by float32 atomics.
-  parts ('kv_outer' only): 'dq' or 'dkv' runs that kernel alone (the
+  GPU, gpu_kernels='kv_outer': dq per token, dK/dV KV-outer, no atomics
+  (deterministic); 'tiles': dq by union tiles (backward_kernel.dq_gpu_tiles),
+  dK/dV KV-outer, no atomics either; 'token': one kernel, dK/dV by float32
+  atomics.
+  parts ('kv_outer' and 'tiles'): 'dq' or 'dkv' runs that kernel alone (the
   others come back None), so a benchmark can time each. dkv_prefetch,
   dkv_parts: kv_outer.dkv's prefetch and key_parts.
   """
-  if gpu_kernels == 'tiles':
+  tiles_dq = gpu_kernels == 'tiles'
+  if tiles_dq:
     gpu_kernels = 'kv_outer'
   if parts not in ('all', 'dq', 'dkv'):
     raise ValueError(f"parts must be 'all', 'dq' or 'dkv', got {parts!r}.")
@@ -261,7 +263,14 @@ def sparse_backward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
   k_p = _pad_axis(_pad_axis(k_BSGD, 1, sp), 3, dp)
   v_p = _pad_axis(_pad_axis(v_BSGD, 1, sp), 3, dp)
   dq = dk = dv = None
-  if parts != 'dkv':
+  if parts != 'dkv' and tiles_dq:
+    rt = kc.next_pow2(r)
+    dq = backward_kernel.dq_gpu_tiles(
+        _to_gpu_q(q_BTHD, g, rt, dp), k_p, v_p,
+        _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid,
+        _to_gpu_q(dout, g, rt, dp), rows(lse_BTH, rt), rows(delta_BTH, rt),
+        block_size=block_size, scale=scale, interpret=interpret)
+  elif parts != 'dkv':
     out = backward_kernel.backward_gpu(
         _to_gpu_q(q_BTHD, g, rp, dp), k_p, v_p,
         _pad_axis(sel_BGTK, 3, kp, -1), off_B, valid,

@@ -45,7 +45,8 @@ def test_every_phase_runs_and_reports(tmp_path):
               'bwd_dq_s', 'bwd_dkv_s', 'bwd_dkv_prefetch_s',
               'bwd_dkv_parts2_s', 'main_plan_s', 'main_kernel_s',
               'main_combine_s', 'index_scores_s', 'index_topk_s',
-              'main_tiles_s', 'main_shared_s', 'main_tiles_shared_s'):
+              'main_tiles_s', 'main_shared_s', 'main_tiles_shared_s',
+              'bwd_dq_tiles_s', 'bwd_dq_shared_s', 'bwd_dq_tiles_shared_s'):
     assert pre[key] > 0, key
   # Union tiles read between 1 and q_tile blocks per token-slot.
   assert 1 <= pre['tiles_union_per_k'] <= bg._tile_rows(TINY)

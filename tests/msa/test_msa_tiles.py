@@ -1,8 +1,8 @@
-"""The union-tile GPU forward (forward_kernel.forward_gpu_tiles) in
-interpret mode: its visit lists against numpy, its output and LSE against
-the dense reference (padding keys, -1 slots, a chunk offset, a length no
-multiple of the tile), gradients through the API, and Triton lowering at
-real shapes (compiles nothing)."""
+"""The union-tile GPU kernels (forward_kernel.forward_gpu_tiles,
+backward_kernel.dq_gpu_tiles) in interpret mode: their visit lists against
+numpy, output, LSE and dq against the dense reference (padding keys, -1
+slots, a chunk offset, a length no multiple of the tile), gradients
+through the API, and Triton lowering at real shapes (compiles nothing)."""
 import functools
 import math
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import msa_testlib as lib
+from pallas_kernels.msa import backward_kernel
 from pallas_kernels.msa import forward_kernel
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference as ref
@@ -87,8 +88,8 @@ def test_tiles_forward_equals_the_reference(dtype, tol):
 
 
 def test_tiles_through_the_api_forward_gradients_and_decode():
-  # gpu_kernels='tiles': the union-tile forward, the KV-outer backward;
-  # at one query per sequence, split-K decode.
+  # gpu_kernels='tiles': the union-tile forward and dq, the KV-outer
+  # dK/dV; at one query per sequence, split-K decode.
   (q, kk, v, w, sel, valid), (b, t, s, g, r, d, c, k, o) = _case(
       jnp.float32, seed=1)
   off = jnp.full((b,), o, jnp.int32)
@@ -119,6 +120,38 @@ def test_tiles_through_the_api_forward_gradients_and_decode():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5),
+                                       (jnp.bfloat16, 2e-2)])
+def test_tiles_dq_equals_the_reference(dtype, tol):
+  # dq of union tiles (any tile size, the last one ragged) against the
+  # reference's gradient w.r.t. q, with LSE and delta from the reference.
+  (q, kk, v, w, sel, valid), (b, t, s, g, r, d, c, k, o) = _case(dtype,
+                                                                 seed=3)
+  f32 = lambda x: x.astype(jnp.float32)
+  attend = lambda q_: ref.sparse_attention(q_, f32(kk), f32(v), sel,
+                                           block_size=c, q_offset=o,
+                                           kv_valid_BS=valid)
+  (out, lse), vjp = jax.vjp(attend, f32(q))
+  (want,) = vjp((w, jnp.zeros_like(lse)))
+  rp, dp, sp = 4, 16, 112
+  pad_kv = lambda x: pallas_path._pad_axis(pallas_path._pad_axis(x, 1, sp),
+                                           3, dp)
+  rows = lambda x: pallas_path._pad_axis(x.reshape(b, t, g, r), 3, rp)
+  delta = jnp.sum(w * out, -1)
+  args = (pallas_path._to_gpu_q(q, g, rp, dp), pad_kv(kk), pad_kv(v), sel,
+          jnp.full((b,), o, jnp.int32),
+          pallas_path._valid_mask(valid, b, s, sp),
+          pallas_path._to_gpu_q(w.astype(dtype), g, rp, dp), rows(lse),
+          rows(delta))
+  for q_tile in (1, 4, 16, None):
+    dq = jax.jit(functools.partial(
+        backward_kernel.dq_gpu_tiles, block_size=c, scale=1 / math.sqrt(d),
+        interpret=True, q_tile=q_tile))(*args)
+    assert dq.dtype == dtype
+    lib.assert_close(dq[..., :r, :d].reshape(b, t, g * r, d), want, tol,
+                     f'dq q_tile={q_tile}')
+
+
 @lib.with_cuda_lowering
 def test_tiles_forward_lowers_for_cuda():
   b, t, g, r, d, c, k = 1, 2048, 4, 16, 128, 128, 16
@@ -132,3 +165,14 @@ def test_tiles_forward_lowers_for_cuda():
                             shape((b,), jnp.int32)).lower(
                                 lowering_platforms=('cuda',)).as_text()
   assert 'msa_forward_gpu_tiles' in text
+  train = lambda q, k_, v_, sel, off: jax.grad(
+      lambda q, k_, v_: pallas_path.sparse_attention(
+          q, k_, v_, sel, off, c, 'gpu', False, None, 'tiles')[0].astype(
+              jnp.float32).sum(), argnums=(0, 1, 2))(q, k_, v_)
+  text = jax.jit(train).trace(q, kv, kv, shape((b, g, t, k), jnp.int32),
+                              shape((b,), jnp.int32)).lower(
+                                  lowering_platforms=('cuda',)).as_text()
+  for name in ('msa_forward_gpu_tiles', 'msa_backward_dq_gpu_tiles',
+               'msa_kv_outer_dkv'):
+    assert name in text, name
+  assert 'msa_backward_dq_gpu"' not in text  # not the per-token dq
