@@ -328,28 +328,18 @@ def _gpu_dq_tiles_kernel(off_ref, count_ref, blocks_ref, q_ref, k_ref, v_ref,
                          dq_ref, *, block_size: int, scale: float, precision):
   """dq of Tq neighbouring tokens' R head rows over the union of their
   blocks, with the forward's row mask (forward_kernel._gpu_tiles_kernel)."""
-  i = pl.program_id(0)
   tq, rp, dp = q_ref.shape
   w = tq * rp
   q_WD = q_ref[...].reshape(w, dp)
   do_WD = do_ref[...].reshape(w, dp)
   lse_W1 = lse_ref[...].reshape(w, 1)
   delta_W1 = delta_ref[...].reshape(w, 1)
-  qpos_W1 = (off_ref[0] + i * tq +
-             kc.div(jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0), rp))
-  sel_WK = jnp.broadcast_to(sel_ref[...][:, None, :],
-                            (tq, rp, sel_ref.shape[-1])).reshape(w, -1)
+  qpos_W1, sel_WK = forward_kernel.tile_row_views(
+      off_ref, sel_ref, pl.program_id(0), tq, rp)
 
   def visit(u, dq_WD):
-    blk = blocks_ref[u]
-    start = blk * block_size
-    k_CD = k_ref[pl.ds(start, block_size), :]
-    v_CD = v_ref[pl.ds(start, block_size), :]
-    kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-    ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
-    hit_W1 = jnp.max((sel_WK == blk).astype(jnp.int32), axis=1,
-                     keepdims=True) > 0
-    mask_WC = hit_W1 & (kpos_1C <= qpos_W1) & ok_1C
+    k_CD, v_CD, mask_WC = forward_kernel.union_block(
+        blocks_ref[u], k_ref, v_ref, valid_ref, block_size, qpos_W1, sel_WK)
     p_WC = _probs(kc.dot_nt(q_WD, k_CD, precision) * scale, mask_WC, lse_W1)
     ds_WC = p_WC * (kc.dot_nt(do_WD, v_CD, precision) - delta_W1)
     return dq_WD + kc.dot_nn(ds_WC.astype(k_CD.dtype), k_CD,
@@ -373,17 +363,13 @@ def dq_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
   sp = k_BSGD.shape[1]
   kp = sel_BGTK.shape[-1]
   tq = q_tile or forward_kernel.tiles_per_query_tile(rp, q_BTGRD.dtype)
-  if tq < 1 or tq & (tq - 1):
-    raise ValueError(f'q_tile must be a power of two, got {tq}.')
-  tp = kc.round_up(t, tq)
-  if tp != t:
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
-    q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR = map(
-        pad, (q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR))
-    sel_BGTK = jnp.pad(sel_BGTK, ((0, 0), (0, 0), (0, tp - t), (0, 0)),
-                       constant_values=-1)
-  blocks, count = forward_kernel.tile_union(sel_BGTK, tq, sp // block_size)
-  nq, u = blocks.shape[2:]
+  sel_BGTK, blocks, count, union_specs = forward_kernel.union_plan(
+      sel_BGTK, tq, sp // block_size)
+  tp = sel_BGTK.shape[2]
+  q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR = (
+      forward_kernel.pad_tokens(x, tp)
+      for x in (q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR))
+  nq = blocks.shape[2]
   q_spec = pl.BlockSpec((None, tq, None, rp, dp),
                         lambda ii, bb, gg: (bb, ii, gg, 0, 0))
   row_spec = pl.BlockSpec((None, tq, None, rp),
@@ -397,10 +383,7 @@ def dq_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
       kernel,
       grid=(nq, b, g),
       in_specs=[
-          pl.BlockSpec((1,), lambda ii, bb, gg: (bb,)),
-          pl.BlockSpec((1,), lambda ii, bb, gg: ((bb * g + gg) * nq + ii,)),
-          pl.BlockSpec((None, None, None, u),
-                       lambda ii, bb, gg: (bb, gg, ii, 0)),
+          *union_specs,
           q_spec, kv_spec, kv_spec,
           pl.BlockSpec((None, sp), lambda ii, bb, gg: (bb, 0)),
           pl.BlockSpec((None, None, tq, kp),
@@ -413,6 +396,6 @@ def dq_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
           num_stages=num_stages or 1),
       interpret=interpret,
       name='msa_backward_dq_gpu_tiles',
-  )(off_B, count.reshape(-1), blocks, q_BTGRD, k_BSGD, v_BSGD, valid_BS,
-    sel_BGTK, do_BTGRD, lse_BTGR, delta_BTGR)
+  )(off_B, count, blocks, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK,
+    do_BTGRD, lse_BTGR, delta_BTGR)
   return dq[:, :t]

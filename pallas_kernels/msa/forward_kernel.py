@@ -230,6 +230,31 @@ def forward_gpu(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   )(off_B, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK)
 
 
+def tile_row_views(off_ref, sel_ref, i, tq: int, rp: int):
+  """A union tile's per-row (qpos_W1, sel_WK): each of its Tq x Rp rows'
+  token position and that token's selection (tile i of the grid)."""
+  w = tq * rp
+  qpos_W1 = (off_ref[0] + i * tq +
+             kc.div(jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0), rp))
+  sel_WK = jnp.broadcast_to(sel_ref[...][:, None, :],
+                            (tq, rp, sel_ref.shape[-1])).reshape(w, -1)
+  return qpos_W1, sel_WK
+
+
+def union_block(blk, k_ref, v_ref, valid_ref, block_size: int, qpos_W1,
+                sel_WK):
+  """(k_CD, v_CD, mask_WC) of block blk for a union tile: a row sees the
+  block only if its own token selected it, causally, at valid keys."""
+  start = blk * block_size
+  k_CD = k_ref[pl.ds(start, block_size), :]
+  v_CD = v_ref[pl.ds(start, block_size), :]
+  kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+  ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
+  hit_W1 = jnp.max((sel_WK == blk).astype(jnp.int32), axis=1,
+                   keepdims=True) > 0
+  return k_CD, v_CD, hit_W1 & (kpos_1C <= qpos_W1) & ok_1C
+
+
 def _gpu_tiles_kernel(off_ref, count_ref, blocks_ref, q_ref, k_ref, v_ref,
                       valid_ref, sel_ref, o_ref, lse_ref, *, block_size: int,
                       scale: float, precision):
@@ -237,27 +262,16 @@ def _gpu_tiles_kernel(off_ref, count_ref, blocks_ref, q_ref, k_ref, v_ref,
   tile, against the union of the tokens' selected blocks (ascending, each
   read once); a row sees a block only if its own token selected it (and
   causally), so every token still attends exactly its K blocks."""
-  i = pl.program_id(0)
   tq, rp, dp = q_ref.shape
   w = tq * rp
   q_WD = q_ref[...].reshape(w, dp)
-  # Each row's token (t0 + row // Rp) and that token's selection.
-  qpos_W1 = (off_ref[0] + i * tq +
-             kc.div(jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0), rp))
-  sel_WK = jnp.broadcast_to(sel_ref[...][:, None, :],
-                            (tq, rp, sel_ref.shape[-1])).reshape(w, -1)
+  qpos_W1, sel_WK = tile_row_views(off_ref, sel_ref, pl.program_id(0), tq,
+                                   rp)
 
   def visit(u, carry):
     m, l, acc = carry
-    blk = blocks_ref[u]
-    start = blk * block_size
-    k_CD = k_ref[pl.ds(start, block_size), :]
-    v_CD = v_ref[pl.ds(start, block_size), :]
-    kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-    ok_1C = valid_ref[pl.ds(start, block_size)][None, :] > 0
-    hit_W1 = jnp.max((sel_WK == blk).astype(jnp.int32), axis=1,
-                     keepdims=True) > 0
-    mask_WC = hit_W1 & (kpos_1C <= qpos_W1) & ok_1C
+    k_CD, v_CD, mask_WC = union_block(blocks_ref[u], k_ref, v_ref, valid_ref,
+                                      block_size, qpos_W1, sel_WK)
     s_WC = kc.dot_nt(q_WD, k_CD, precision) * scale
     return kc.online_softmax_step(m, l, acc, s_WC, mask_WC, v_CD, precision)
 
@@ -282,6 +296,33 @@ def tile_union(sel_BGTK, q_tile: int, n_blocks: int):
         [blocks, jnp.broadcast_to(blocks[..., -1:], (*blocks.shape[:-1],
                                                      up - u))], axis=-1)
   return blocks, count
+
+
+def union_plan(sel_BGTK, q_tile: int, n_blocks: int):
+  """The union-tile kernels' shared launch plan: (sel_BGTK padded to whole
+  tiles with -1, blocks, count, in_specs of the offsets, the tile's union
+  count and its block list for grid (tiles, B, G))."""
+  if q_tile < 1 or q_tile & (q_tile - 1):
+    raise ValueError(f'q_tile must be a power of two, got {q_tile}.')
+  b, g, t, _ = sel_BGTK.shape
+  tp = kc.round_up(t, q_tile)
+  if tp != t:
+    sel_BGTK = jnp.pad(sel_BGTK, ((0, 0), (0, 0), (0, tp - t), (0, 0)),
+                       constant_values=-1)
+  blocks, count = tile_union(sel_BGTK, q_tile, n_blocks)
+  nq, u = blocks.shape[2:]
+  specs = [pl.BlockSpec((1,), lambda ii, bb, gg: (bb,)),
+           pl.BlockSpec((1,), lambda ii, bb, gg: ((bb * g + gg) * nq + ii,)),
+           pl.BlockSpec((None, None, None, u),
+                        lambda ii, bb, gg: (bb, gg, ii, 0))]
+  return sel_BGTK, blocks, count.reshape(-1), specs
+
+
+def pad_tokens(x, tp: int):
+  """x [B, T, ...] padded with zeros to tp tokens."""
+  t = x.shape[1]
+  return x if tp == t else jnp.pad(
+      x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
 
 
 def tiles_per_query_tile(heads_p: int, dtype) -> int:
@@ -311,15 +352,11 @@ def forward_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   sp = k_BSGD.shape[1]
   kp = sel_BGTK.shape[-1]
   tq = q_tile or tiles_per_query_tile(rp, q_BTGRD.dtype)
-  if tq < 1 or tq & (tq - 1):
-    raise ValueError(f'q_tile must be a power of two, got {tq}.')
-  tp = kc.round_up(t, tq)
-  if tp != t:
-    q_BTGRD = jnp.pad(q_BTGRD, ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
-    sel_BGTK = jnp.pad(sel_BGTK, ((0, 0), (0, 0), (0, tp - t), (0, 0)),
-                       constant_values=-1)
-  blocks, count = tile_union(sel_BGTK, tq, sp // block_size)
-  nq, u = blocks.shape[2:]
+  sel_BGTK, blocks, count, union_specs = union_plan(sel_BGTK, tq,
+                                                    sp // block_size)
+  tp = sel_BGTK.shape[2]
+  q_BTGRD = pad_tokens(q_BTGRD, tp)
+  nq = blocks.shape[2]
   itemsize = jnp.dtype(q_BTGRD.dtype).itemsize
   kernel = functools.partial(
       _gpu_tiles_kernel, block_size=block_size, scale=scale,
@@ -328,10 +365,7 @@ def forward_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
       kernel,
       grid=(nq, b, g),
       in_specs=[
-          pl.BlockSpec((1,), lambda ii, bb, gg: (bb,)),
-          pl.BlockSpec((1,), lambda ii, bb, gg: ((bb * g + gg) * nq + ii,)),
-          pl.BlockSpec((None, None, None, u),
-                       lambda ii, bb, gg: (bb, gg, ii, 0)),
+          *union_specs,
           pl.BlockSpec((None, tq, None, rp, dp),
                        lambda ii, bb, gg: (bb, ii, gg, 0, 0)),
           pl.BlockSpec((None, sp, None, dp), lambda ii, bb, gg: (bb, 0, gg, 0)),
@@ -353,6 +387,5 @@ def forward_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
           num_stages=num_stages or (2 if itemsize <= 2 else 1)),
       interpret=interpret,
       name='msa_forward_gpu_tiles',
-  )(off_B, count.reshape(-1), blocks, q_BTGRD, k_BSGD, v_BSGD, valid_BS,
-    sel_BGTK)
+  )(off_B, count, blocks, q_BTGRD, k_BSGD, v_BSGD, valid_BS, sel_BGTK)
   return o[:, :t], lse[:, :t]
