@@ -360,36 +360,22 @@ def dq_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS,
   KV-outer dK/dV. Padded operands as backward_gpu's (R, D, K powers of
   two)."""
   b, t, g, rp, dp = q_BTGRD.shape
-  sp = k_BSGD.shape[1]
-  kp = sel_BGTK.shape[-1]
   tq = q_tile or forward_kernel.tiles_per_query_tile(rp, q_BTGRD.dtype)
-  sel_BGTK, blocks, count, union_specs = forward_kernel.union_plan(
-      sel_BGTK, tq, sp // block_size)
+  sel_BGTK, blocks, count, in_specs, rows, per_row = forward_kernel.union_plan(
+      sel_BGTK, tq, block_size=block_size, heads_p=rp, head_dim_p=dp,
+      keys_p=k_BSGD.shape[1])
   tp = sel_BGTK.shape[2]
   q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR = (
       forward_kernel.pad_tokens(x, tp)
       for x in (q_BTGRD, do_BTGRD, lse_BTGR, delta_BTGR))
-  nq = blocks.shape[2]
-  q_spec = pl.BlockSpec((None, tq, None, rp, dp),
-                        lambda ii, bb, gg: (bb, ii, gg, 0, 0))
-  row_spec = pl.BlockSpec((None, tq, None, rp),
-                          lambda ii, bb, gg: (bb, ii, gg, 0))
-  kv_spec = pl.BlockSpec((None, sp, None, dp),
-                         lambda ii, bb, gg: (bb, 0, gg, 0))
   kernel = functools.partial(
       _gpu_dq_tiles_kernel, block_size=block_size, scale=scale,
       precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
   dq = kc.pallas_call(
       kernel,
-      grid=(nq, b, g),
-      in_specs=[
-          *union_specs,
-          q_spec, kv_spec, kv_spec,
-          pl.BlockSpec((None, sp), lambda ii, bb, gg: (bb, 0)),
-          pl.BlockSpec((None, None, tq, kp),
-                       lambda ii, bb, gg: (bb, gg, ii, 0)),
-          q_spec, row_spec, row_spec],
-      out_specs=q_spec,
+      grid=(blocks.shape[2], b, g),
+      in_specs=[*in_specs, rows, per_row, per_row],
+      out_specs=rows,
       out_shape=jax.ShapeDtypeStruct((b, tp, g, rp, dp), q_BTGRD.dtype),
       compiler_params=plgpu.CompilerParams(
           num_warps=num_warps or (8 if tq * rp >= 128 else 4),

@@ -572,6 +572,11 @@ def _tile_rows(cfg: GPUBench) -> int:
       kc.next_pow2(cfg.heads_per_group), jnp.dtype(cfg.dtype))
 
 
+def _shared_selection(cfg: GPUBench, sel_BGTK):
+  """`tile_shared_selection` at the bench's union tiles (at most a block)."""
+  return tile_shared_selection(sel_BGTK, min(_tile_rows(cfg), cfg.block_size))
+
+
 def prefill(cfg: GPUBench, t: int,
             tuned: kv_outer.ForwardConfig | None = None) -> dict:
   kw = dict(block_size=cfg.block_size, top_k=cfg.top_k)
@@ -599,8 +604,7 @@ def prefill(cfg: GPUBench, t: int,
   # Up to train_max_len: the budget goes to the 128k row's targets.
   if t <= cfg.train_max_len:
     tiles = _main_branch(cfg, off, gpu_kernels='tiles')
-    shared = tile_shared_selection(sel, min(_tile_rows(cfg),
-                                            cfg.block_size))
+    shared = _shared_selection(cfg, sel)
     fns['main_tiles'] = (tiles, (q, k, v, sel))
     fns['main_shared'] = (main, (q, k, v, shared))
     fns['main_tiles_shared'] = (tiles, (q, k, v, shared))
@@ -706,9 +710,9 @@ def train(cfg: GPUBench, t: int,
   # The backward's two kernels alone (with their XLA glue), on the
   # forward's out and LSE and the cotangent of sum(out).
   fwd_out, fwd_lse = jax.jit(main)(q, k, v, sel)
-  bwd = lambda parts, **kw: (
+  bwd = lambda parts, on=sel, **kw: (
       lambda q, k, v, o, l: pallas_path.sparse_backward(
-          q, k, v, sel, off, None, o, l, jnp.ones_like(o), None,
+          q, k, v, on, off, None, o, l, jnp.ones_like(o), None,
           block_size=cfg.block_size, backend='gpu',
           interpret=cfg.interpret, parts=parts, **kw))
   for parts in ('dq', 'dkv'):
@@ -721,15 +725,10 @@ def train(cfg: GPUBench, t: int,
   # one a tile's tokens share (as prefill's main_tiles / _shared).
   fns['bwd_dq_tiles'] = (bwd('dq', gpu_kernels='tiles'),
                          (q, k, v, fwd_out, fwd_lse))
-  shared = tile_shared_selection(sel, min(_tile_rows(cfg), cfg.block_size))
+  shared = _shared_selection(cfg, sel)
   s_out, s_lse = jax.jit(main)(q, k, v, shared)
-  bwd_shared = lambda kernels: (
-      lambda q, k, v, o, l: pallas_path.sparse_backward(
-          q, k, v, shared, off, None, o, l, jnp.ones_like(o), None,
-          block_size=cfg.block_size, backend='gpu',
-          interpret=cfg.interpret, parts='dq', gpu_kernels=kernels))
-  fns['bwd_dq_shared'] = (bwd_shared('kv_outer'), (q, k, v, s_out, s_lse))
-  fns['bwd_dq_tiles_shared'] = (bwd_shared('tiles'),
+  fns['bwd_dq_shared'] = (bwd('dq', shared), (q, k, v, s_out, s_lse))
+  fns['bwd_dq_tiles_shared'] = (bwd('dq', shared, gpu_kernels='tiles'),
                                 (q, k, v, s_out, s_lse))
   compile_s = {}
   med, spread, errs = _measure(cfg, fns, compile_s)

@@ -298,24 +298,37 @@ def tile_union(sel_BGTK, q_tile: int, n_blocks: int):
   return blocks, count
 
 
-def union_plan(sel_BGTK, q_tile: int, n_blocks: int):
-  """The union-tile kernels' shared launch plan: (sel_BGTK padded to whole
-  tiles with -1, blocks, count, in_specs of the offsets, the tile's union
-  count and its block list for grid (tiles, B, G))."""
+def union_plan(sel_BGTK, q_tile: int, *, block_size: int, heads_p: int,
+               head_dim_p: int, keys_p: int):
+  """The union-tile kernels' shared launch plan for grid (tiles, B, G):
+  (sel_BGTK padded to whole tiles with -1, blocks, count, in_specs of
+  their common operands (offsets, the tile's union count and block list,
+  q, K, V, key-valid mask, selection), the spec of a tile's [Tq, Rp, Dp]
+  rows and of its [Tq, Rp] per-row values)."""
   if q_tile < 1 or q_tile & (q_tile - 1):
     raise ValueError(f'q_tile must be a power of two, got {q_tile}.')
-  b, g, t, _ = sel_BGTK.shape
+  b, g, t, kp = sel_BGTK.shape
   tp = kc.round_up(t, q_tile)
   if tp != t:
     sel_BGTK = jnp.pad(sel_BGTK, ((0, 0), (0, 0), (0, tp - t), (0, 0)),
                        constant_values=-1)
-  blocks, count = tile_union(sel_BGTK, q_tile, n_blocks)
+  blocks, count = tile_union(sel_BGTK, q_tile, keys_p // block_size)
   nq, u = blocks.shape[2:]
+  rows = pl.BlockSpec((None, q_tile, None, heads_p, head_dim_p),
+                      lambda ii, bb, gg: (bb, ii, gg, 0, 0))
+  per_row = pl.BlockSpec((None, q_tile, None, heads_p),
+                         lambda ii, bb, gg: (bb, ii, gg, 0))
+  kv = pl.BlockSpec((None, keys_p, None, head_dim_p),
+                    lambda ii, bb, gg: (bb, 0, gg, 0))
   specs = [pl.BlockSpec((1,), lambda ii, bb, gg: (bb,)),
            pl.BlockSpec((1,), lambda ii, bb, gg: ((bb * g + gg) * nq + ii,)),
            pl.BlockSpec((None, None, None, u),
+                        lambda ii, bb, gg: (bb, gg, ii, 0)),
+           rows, kv, kv,
+           pl.BlockSpec((None, keys_p), lambda ii, bb, gg: (bb, 0)),
+           pl.BlockSpec((None, None, q_tile, kp),
                         lambda ii, bb, gg: (bb, gg, ii, 0))]
-  return sel_BGTK, blocks, count.reshape(-1), specs
+  return sel_BGTK, blocks, count.reshape(-1), specs, rows, per_row
 
 
 def pad_tokens(x, tp: int):
@@ -349,37 +362,21 @@ def forward_gpu_tiles(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   decides it (`tile_union`'s count against K).
   """
   b, t, g, rp, dp = q_BTGRD.shape
-  sp = k_BSGD.shape[1]
-  kp = sel_BGTK.shape[-1]
   tq = q_tile or tiles_per_query_tile(rp, q_BTGRD.dtype)
-  sel_BGTK, blocks, count, union_specs = union_plan(sel_BGTK, tq,
-                                                    sp // block_size)
+  sel_BGTK, blocks, count, in_specs, rows, per_row = union_plan(
+      sel_BGTK, tq, block_size=block_size, heads_p=rp, head_dim_p=dp,
+      keys_p=k_BSGD.shape[1])
   tp = sel_BGTK.shape[2]
   q_BTGRD = pad_tokens(q_BTGRD, tp)
-  nq = blocks.shape[2]
   itemsize = jnp.dtype(q_BTGRD.dtype).itemsize
   kernel = functools.partial(
       _gpu_tiles_kernel, block_size=block_size, scale=scale,
       precision=kc.gpu_precision_for(q_BTGRD.dtype, interpret))
   o, lse = kc.pallas_call(
       kernel,
-      grid=(nq, b, g),
-      in_specs=[
-          *union_specs,
-          pl.BlockSpec((None, tq, None, rp, dp),
-                       lambda ii, bb, gg: (bb, ii, gg, 0, 0)),
-          pl.BlockSpec((None, sp, None, dp), lambda ii, bb, gg: (bb, 0, gg, 0)),
-          pl.BlockSpec((None, sp, None, dp), lambda ii, bb, gg: (bb, 0, gg, 0)),
-          pl.BlockSpec((None, sp), lambda ii, bb, gg: (bb, 0)),
-          pl.BlockSpec((None, None, tq, kp),
-                       lambda ii, bb, gg: (bb, gg, ii, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, tq, None, rp, dp),
-                       lambda ii, bb, gg: (bb, ii, gg, 0, 0)),
-          pl.BlockSpec((None, tq, None, rp),
-                       lambda ii, bb, gg: (bb, ii, gg, 0)),
-      ],
+      grid=(blocks.shape[2], b, g),
+      in_specs=in_specs,
+      out_specs=[rows, per_row],
       out_shape=[jax.ShapeDtypeStruct((b, tp, g, rp, dp), q_BTGRD.dtype),
                  jax.ShapeDtypeStruct((b, tp, g, rp), jnp.float32)],
       compiler_params=plgpu.CompilerParams(

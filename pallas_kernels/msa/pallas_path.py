@@ -169,7 +169,7 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
     return _from_group_major_q(o, t, h), _rows_BTH(lse, t)
   _check_gpu_kernels(gpu_kernels)
   if gpu_kernels == 'tiles' and t > 1:
-    rp, _, kp = _gpu_dims(r, d, sel_BGTK.shape[-1])
+    kp = _gpu_dims(r, d, sel_BGTK.shape[-1])[2]
     q_p, k_p, v_p, valid, scale = _gpu_operands(
         q_BTHD, k_BSGD, v_BSGD, valid_BS, block_size=block_size,
         heads_p=kc.next_pow2(r))
@@ -196,7 +196,8 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
 
 def _selector(gpu_kernels: str) -> str:
   """The GPU selection kernel of a kernel set: the two-launch one with the
-  KV-outer kernels, the fused one with the per-token kernels."""
+  KV-outer and union-tile kernels, the fused one with the per-token
+  kernels."""
   return 'fused' if gpu_kernels == 'token' else 'two_pass'
 
 
@@ -351,8 +352,8 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
 
   gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
   kv_outer.py), 'token' (the fused selection and per-token kernels) or
-  'tiles' (two-launch selection, forward_kernel.forward_gpu_tiles, the
-  KV-outer backward).
+  'tiles' (two-launch selection, then union tiles for the forward and dQ,
+  KV-outer dK/dV).
   topk ('pallas' / 'xla'), fp8_scores (index_kernel.select_blocks_BGTK)
   and kv_config (kv_outer.ForwardConfig) pick the GPU variants
   benchmark_gpu times.
