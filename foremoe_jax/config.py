@@ -17,6 +17,8 @@ import ml_collections
 REMAT_POLICIES = ('none', 'full', 'minimal', 'dots')
 # Hugging Face model types foremoe_jax/hf imports and exports.
 HF_MODEL_TYPES = ('qwen3_moe', 'mixtral', 'olmoe')
+# Names of model.msa_gpu_kernels (pallas_kernels/msa/api.py GPU_KERNELS).
+MSA_GPU_KERNELS = ('kv_outer', 'token', 'tiles')
 # parallel.dispatch values (the strategies live in foremoe_jax/model/).
 DISPATCHES = ('exact', 'padded')
 
@@ -233,8 +235,7 @@ def validate_config(config) -> None:
   _require(m.get('remat_policy', 'none') in REMAT_POLICIES,
            'model.remat_policy', f'must be one of {", ".join(REMAT_POLICIES)}, '
            f"got {m.get('remat_policy')!r}")
-  _require(m.get('msa_gpu_kernels', 'kv_outer') in ('kv_outer', 'token',
-                                                   'tiles'),
+  _require(m.get('msa_gpu_kernels', 'kv_outer') in MSA_GPU_KERNELS,
            'model.msa_gpu_kernels', "must be 'kv_outer', 'token' or 'tiles', "
            f"got {m.get('msa_gpu_kernels')!r}")
   _require(m.get('msa_indexer_kl', 'selected') in ('selected', 'dense'),

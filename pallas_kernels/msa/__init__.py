@@ -9,11 +9,12 @@ key-centric), the Pallas kernels `select_kernel` (a), `forward_kernel` (b),
 `indexer_loss` (the KL that trains the indexer), and `api`, which the model
 calls.
 """
+from pallas_kernels.msa.api import GPU_KERNELS
 from pallas_kernels.msa.api import decode_cache_len
 from pallas_kernels.msa.api import msa_attention
 from pallas_kernels.msa.api import msa_decode
 from pallas_kernels.msa.api import msa_indexer_kl_loss
 from pallas_kernels.msa.api import resolve_impl
 
-__all__ = ['decode_cache_len', 'msa_attention', 'msa_decode',
+__all__ = ['GPU_KERNELS', 'decode_cache_len', 'msa_attention', 'msa_decode',
            'msa_indexer_kl_loss', 'resolve_impl']

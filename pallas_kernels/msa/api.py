@@ -41,8 +41,9 @@ IMPLS = ('auto', 'xla', 'pallas', 'reference')
 # The GPU kernel set (impl 'pallas' on a GPU): 'kv_outer', the two-launch
 # selection with the KV-outer forward, dK/dV and split-K decode; 'token',
 # the first kernels (fused selection, a program per token, atomic dK/dV),
-# kept as the oracle and the fallback.
-GPU_KERNELS = ('kv_outer', 'token')
+# kept as the oracle and the fallback; 'tiles', the two-launch selection
+# with union-tile forward and dQ (KV-outer dK/dV, split-K decode).
+GPU_KERNELS = pallas_path.GPU_KERNELS
 
 
 def resolve_impl(impl: str, pallas_backend: str | None = None):

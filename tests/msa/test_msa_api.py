@@ -41,8 +41,13 @@ def test_all_impls_agree_through_the_api():
   lib.assert_close(dec['xla'][0], dec['reference'][0], 1e-5, 'decode')
 
 
-@pytest.mark.parametrize('gpu_kernels', ['kv_outer', 'token'])
-def test_both_gpu_kernel_sets_through_the_api(gpu_kernels):
+def test_config_names_every_gpu_kernel_set():
+  from foremoe_jax import config as config_lib
+  assert config_lib.MSA_GPU_KERNELS == msa.GPU_KERNELS
+
+
+@pytest.mark.parametrize('gpu_kernels', msa.GPU_KERNELS)
+def test_every_gpu_kernel_set_through_the_api(gpu_kernels):
   # Prefill and decode on the GPU backend (interpret mode here) with each
   # kernel set, against the reference.
   b, t, s, g, r, d, di, c, k, o = 1, 24, 48, 2, 2, 16, 8, 16, 2, 24
