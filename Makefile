@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= /tmp/foremoe_demo/$(shell date +%Y%m%d-%H%M%S)
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo demo-dataset demo-results test bench simulate gpu-check clean
+.PHONY: venv demo demo-dataset demo-results test bench simulate gpu-check \
+	gpu-launches clean
 
 venv: $(STAMP)
 
@@ -66,5 +67,20 @@ simulate: venv
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# What an H100 launches for each MSA call (kernels, XLA glue, loops),
+# compiled by XLA on this host: results/gpu_launches.json. The CUDA PJRT
+# plugin (of jax's own version) and cuDNN (for the dense baseline's rows)
+# go in a venv of their own, so the project's CPU runs never try to start
+# CUDA.
+LAUNCH_VENV := .venv-launches
+gpu-launches:
+	test -x $(LAUNCH_VENV)/bin/python || $(PYTHON) -m venv $(LAUNCH_VENV)
+	$(LAUNCH_VENV)/bin/python -m pip install -q -e '.[test]'
+	v=$$($(LAUNCH_VENV)/bin/python -c 'import jax; print(jax.__version__)') \
+	  && $(LAUNCH_VENV)/bin/python -m pip install -q "jax-cuda13-plugin==$$v" \
+	  "jax-cuda13-pjrt==$$v" "nvidia-cudnn-cu13>=9.12,<10"
+	JAX_PLATFORMS=cpu $(LAUNCH_VENV)/bin/python -m experiments.gpu_launches \
+	  --json
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LAUNCH_VENV) build *.egg-info

@@ -1,0 +1,79 @@
+"""What an H100 launches for each MSA call, compiled by XLA on this host.
+
+  make gpu-launches          # a separate venv with the CUDA PJRT plugin,
+                             # then this; writes results/gpu_launches.json
+  python -m experiments.gpu_launches --json     # in that venv
+  python -m experiments.gpu_launches --calls=decode --launches
+
+Each call a user makes at the GPU bench's shapes (decode at a 128k cache,
+batch 8; prefill and its training backward at 32k, per GPU kernel set;
+and the cuDNN dense attention the bench compares with) is compiled whole
+by XLA's own GPU compiler for a compile-only H100: the Pallas kernels, the
+XLA glue around them, and the loops. One row per call: launches by kind,
+the glue's launches and bytes, loops and the host syncs of loops whose
+trip count XLA cannot prove, and the glue launches that move most. The
+logic lives in pallas_kernels/msa/launches.py.
+
+The plugin goes in its own venv (`make gpu-launches` builds .venv-launches):
+installed beside jax in the project's venv, every CPU run without
+JAX_PLATFORMS would try and fail to start CUDA first.
+"""
+import dataclasses
+import os
+
+from absl import app, flags
+
+from experiments import common
+from foremoe_jax.utils.run_info import print_run_info
+from pallas_kernels.msa import benchmark_gpu
+from pallas_kernels.msa import launches
+
+_JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line '
+                          '(progress on stderr).')
+_CALLS = flags.DEFINE_list('calls', None, 'Only the calls whose name holds '
+                           'one of these (default: all).')
+_LAUNCHES = flags.DEFINE_bool('launches', False, 'Also print every launch '
+                              'of each call.')
+
+
+def _line(name: str, out: dict) -> str:
+  if 'error' in out:
+    return f'{name:<26} ERROR {out["error"][:200]}'
+  s = out['summary']
+  kinds = ' '.join(f'{k} {n}' for k, n in s['by_kind'].items())
+  return (f"{name:<26} {s['launches']:4d} launches ({kinds}); glue "
+          f"{s['glue_launches']} launches, {s['glue_bytes'] / 1e9:.3f} GB; "
+          f"loops {len(s['loops'])}, host syncs {s['host_syncs']}")
+
+
+def main(argv):
+  del argv
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  if not launches.plugin_available():
+    raise app.UsageError(launches.PLUGIN_HINT + '; or run `make '
+                         'gpu-launches`.')
+  cfg = benchmark_gpu.GPUBench()
+  run = print_run_info({'bench': 'gpu_launches', 'target': 'NVIDIA H100 '
+                        '(compile-only)', 'calls': _CALLS.value,
+                        **dataclasses.asdict(cfg)})
+  calls = launches.msa_calls(cfg)
+  if _CALLS.value:
+    calls = {n: c for n, c in calls.items()
+             if any(s in n for s in _CALLS.value)}
+  log = common.progress(_JSON.value)
+
+  def show(name, out):
+    log(_line(name, out))
+    if _LAUNCHES.value and 'launches' in out:
+      for r in out['launches']:
+        log(f"    {r['kind']:<8} x{r['times']:<3} {r['name'][:34]:<34} "
+            f"{str(r.get('shape', ''))[:44]:<44} "
+            f"w {r.get('write_bytes', 0) / 1e6:9.2f} MB "
+            f"r {r.get('read_bytes', 0) / 1e6:9.2f} MB {r.get('grid', '')}")
+
+  result = launches.audit(calls, log=show)
+  common.finish('gpu_launches', run, {'calls': result})
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,126 @@
+"""The launch audit (pallas_kernels/msa/launches.py): the HLO reader on a
+hand-written module whose launches are counted by hand, and, where the
+CUDA PJRT plugin is installed (`make gpu-launches`), XLA's own compile of
+MSA calls for a compile-only H100."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.msa import launches
+
+# A module in the printer's format: a Triton kernel, a loop fusion, a
+# cuDNN call, a view, a loop of known trip count (body: a fusion and a
+# copy; condition: a compare fusion) and one of unknown trip count.
+MODULE = """\
+HloModule jit_f, entry_computation_layout={(f32[4,8]{1,0})->f32[4,8]{1,0}}
+
+%fused_add (p.0: f32[4,8]) -> f32[4,8] {
+  %p.0 = f32[4,8]{1,0} parameter(0)
+  ROOT %add.0 = f32[4,8]{1,0} add(%p.0, %p.0)
+}
+
+%body.1 (arg.0: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %arg.0 = (s32[], f32[4,8]{1,0}) parameter(0)
+  %gte.0 = f32[4,8]{1,0} get-tuple-element(%arg.0), index=1
+  %gte.1 = s32[] get-tuple-element(%arg.0), index=0
+  %loop_add_fusion.2 = f32[4,8]{1,0} fusion(%gte.0), kind=kLoop, calls=%fused_add
+  %copy.3 = s32[] copy(%gte.1)
+  ROOT %tuple.0 = (s32[], f32[4,8]{1,0}) tuple(%copy.3, %loop_add_fusion.2)
+}
+
+%cond.1 (arg.1: (s32[], f32[4,8])) -> pred[] {
+  %arg.1 = (s32[], f32[4,8]{1,0}) parameter(0)
+  %gte.2 = s32[] get-tuple-element(%arg.1), index=0
+  ROOT %loop_compare_fusion = pred[] fusion(%gte.2), kind=kLoop, calls=%fused_add
+}
+
+ENTRY %main.9 (x.1: f32[4,8], n.1: s32[]) -> f32[4,8] {
+  %x.1 = f32[4,8]{1,0} parameter(0), metadata={op_name="x"}
+  %n.1 = s32[] parameter(1)
+  %bitcast.1 = f32[32]{0} bitcast(%x.1)
+  %pallas_call.5 = (bf16[2,16]{1,0}, f32[2]{0}) custom-call(%x.1, %n.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/msa_index_scores/pallas_call"}, backend_config={debug = false, grid_x = 8 : i32, grid_y = 1 : i32, grid_z = 64 : i32, ir = "ML\\EFR", name = "msa_index_scores", num_stages = 2 : i32, num_warps = 4 : i32}
+  %loop_add_fusion = f32[4,8]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/add"}
+  %cudnn.1 = (bf16[4,8]{1,0}, u8[0]{0}) custom-call(%x.1), custom_call_target="__cudnn$fmhaSoftmax"
+  %tuple.1 = (s32[], f32[4,8]{1,0}) tuple(%n.1, %loop_add_fusion)
+  %while.7 = (s32[], f32[4,8]{1,0}) while(%tuple.1), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
+  %while.8 = (s32[], f32[4,8]{1,0}) while(%while.7), condition=%cond.1, body=%body.1
+  ROOT %gte.9 = f32[4,8]{1,0} get-tuple-element(%while.8), index=1
+}
+"""
+
+
+def test_shape_bytes_by_hand():
+  assert launches.shape_bytes('f32[2,3]{1,0}') == 24
+  assert launches.shape_bytes('(f32[2,3]{1,0}, s32[])') == 28
+  assert launches.shape_bytes('(bf16[8,16,128]{2,1,0}, pred[5])') == \
+      8 * 16 * 128 * 2 + 5
+  assert launches.shape_bytes('f8e4m3fn[10]') == 10
+  assert launches.shape_bytes('u8[0]{0}') == 0
+
+
+def test_launches_of_a_hand_counted_module():
+  rows = launches.launches(MODULE)
+  got = [(r['kind'], r['name'], r['times']) for r in rows]
+  assert got == [
+      ('triton', 'msa_index_scores', 1),
+      ('fusion', 'loop_add_fusion', 1),
+      ('library', 'cudnn.1', 1),
+      ('loop', 'while.7', 1),
+      ('fusion', 'loop_compare_fusion', 4),   # trip count 3: 4 checks
+      ('fusion', 'loop_add_fusion.2', 3),
+      ('copy', 'copy.3', 3),
+      ('loop', 'while.8', 1),
+      ('fusion', 'loop_compare_fusion', 1),   # unknown: counted once
+      ('fusion', 'loop_add_fusion.2', 1),
+      ('copy', 'copy.3', 1)]
+  triton = rows[0]
+  assert triton['grid'] == [8, 1, 64]
+  assert triton['write_bytes'] == 2 * 16 * 2 + 2 * 4
+  assert triton['read_bytes'] == 4 * 8 * 4 + 4   # x and n
+  assert rows[1]['source'] == 'jit(f)/add'
+  assert rows[3]['trip_count'] == 3 and not rows[3]['host_sync']
+  assert rows[7]['trip_count'] is None and rows[7]['host_sync']
+  s = launches.summarize(rows)
+  assert s['by_kind'] == {'copy': 4, 'fusion': 10, 'library': 1, 'triton': 1}
+  assert s['launches'] == 16
+  assert s['glue_launches'] == 14
+  assert s['host_syncs'] == 1
+  assert [l['trip_count'] for l in s['loops']] == [3, None]
+  # Glue bytes: each fusion/copy's (read + write) times its launches.
+  fusion = 2 * 4 * 8 * 4
+  compare = 4 + 1
+  copy = 4 + 4
+  assert s['glue_bytes'] == fusion * (1 + 3 + 1) + compare * 5 + copy * 4
+  assert s['largest_glue'][0]['name'] == 'loop_add_fusion.2'
+
+
+def test_a_module_without_entry_is_refused():
+  with pytest.raises(ValueError, match='ENTRY'):
+    launches.launches('HloModule m\n')
+
+
+needs_plugin = pytest.mark.skipif(
+    not launches.plugin_available(),
+    reason='needs the CUDA PJRT plugin: make gpu-launches')
+
+
+@needs_plugin
+def test_union_tile_prefill_has_no_loop():
+  """Prefill by union tiles: selection, the union tile forward, and XLA
+  glue without loops or host syncs."""
+  from pallas_kernels.msa import pallas_path  # pylint: disable=g-import-not-at-top
+  t, g, r, d, di, c, k = 512, 2, 16, 64, 64, 64, 4
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  fn = lambda q, k_, v, qi, ki: pallas_path.msa_attention(
+      q, k_, v, qi, ki, block_size=c, top_k=k, q_offset=0, backend='gpu',
+      interpret=False, gpu_kernels='tiles')[0]
+  rows = launches.launches(launches.optimized_hlo(
+      fn, sds((1, t, g * r, d), bf), sds((1, t, g, d), bf),
+      sds((1, t, g, d), bf), sds((1, t, g, di), bf), sds((1, t, di), bf)))
+  names = [x['name'] for x in rows if x['kind'] == 'triton']
+  assert names == ['msa_index_scores', 'msa_index_topk',
+                   'msa_forward_gpu_tiles']
+  assert launches.summarize(rows)['host_syncs'] == 0
