@@ -755,9 +755,12 @@ def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):
   first_item_BGN = last_item_BGN - items_BGN
   # Item u belongs to the first block whose items end past u (blocks with
   # no tile end where the one before them does, so they own nothing).
+  # 'compare_all': one fused [U, N] comparison; the default binary search
+  # is a loop, which XLA launches as kernels per step on a GPU
+  # (launches.py).
   u = jnp.arange(n_items)
-  owner = jax.vmap(jax.vmap(
-      lambda ends: jnp.searchsorted(ends, u, side='right')))(last_item_BGN)
+  owner = jax.vmap(jax.vmap(lambda ends: jnp.searchsorted(
+      ends, u, side='right', method='compare_all')))(last_item_BGN)
   live = owner < n_blocks
   owner_c = jnp.minimum(owner, n_blocks - 1)
   part = u[None, None, :] - jnp.take_along_axis(first_item_BGN, owner_c, -1)
@@ -774,22 +777,65 @@ def _work_items(tile_blk_BGJ, n_blocks: int, per_program: int):
           items_BGN, slot_BGU)
 
 
-def _sum_items(part_BGUCD, first_item_BGN, items_BGN, slot_BGU):
-  """Each block's items summed in item order (deterministic), [B, G, N, C,
-  D]; item u's partial sum is at launch slot slot_BGU[u]."""
-  b, g, n = first_item_BGN.shape
-  n_items = part_BGUCD.shape[2]
+# Elements of one block's [C, D] sum a program owns: 32 f32 a thread at
+# four warps.
+SUM_CHUNK = 4096
+
+
+def _sum_items_kernel(first_ref, items_ref, slot_ref, dk_ref, dv_ref,
+                      dk_out_ref, dv_out_ref, *, chunk: int, chunks: int):
+  """One chunk of one key block's dK and dV: its items' partials added in
+  item order (the order of a sequential sum, so deterministic), each read
+  once. Grid (B, G, N * chunks)."""
+  j = pl.program_id(2)
+  n = kc.div(j, chunks)
+  at = pl.ds((j - n * chunks) * chunk, chunk)
+  first = first_ref[n]
 
   def add(i, acc):
-    item = jnp.minimum(first_item_BGN + i, n_items - 1)
-    idx = jnp.take_along_axis(slot_BGU, item, axis=-1)
-    x = jnp.take_along_axis(part_BGUCD, idx[..., None, None], axis=2)
-    return acc + jnp.where((i < items_BGN)[..., None, None], x, 0.0)
+    dk_E, dv_E = acc
+    u = slot_ref[first + i]
+    return dk_E + dk_ref[u, at], dv_E + dv_ref[u, at]
 
-  zeros = kc.like_inputs(jnp.zeros((b, g, n, *part_BGUCD.shape[3:]),
-                                   jnp.float32),
-                         part_BGUCD, first_item_BGN, items_BGN)
-  return jax.lax.fori_loop(0, jnp.max(items_BGN), add, zeros)
+  zeros = jnp.zeros((chunk,), jnp.float32)
+  dk_E, dv_E = jax.lax.fori_loop(0, items_ref[n], add, (zeros, zeros))
+  dk_out_ref[...] = dk_E
+  dv_out_ref[...] = dv_E
+
+
+def _sum_items(dk_BGUCD, dv_BGUCD, first_item_BGN, items_BGN, slot_BGU, *,
+               interpret: bool):
+  """Each block's items summed in item order (deterministic): (dk, dv)
+  [B, G, N, C, D] f32; item u's partial sum is at launch slot
+  slot_BGU[u]. One launch; as XLA ops it was a loop of data-dependent trip
+  count, which on a GPU syncs with the host every step (launches.py)."""
+  b, g, n = first_item_BGN.shape
+  n_items, c, dp = dk_BGUCD.shape[2:]
+  e = c * dp
+  chunk = min(e, SUM_CHUNK)  # both powers of two (C and the padded D)
+  chunks = e // chunk
+  flat = lambda a: a.reshape(b, g, n_items, e)
+  part_spec = pl.BlockSpec((None, None, n_items, e),
+                           lambda bb, gg, jj: (bb, gg, 0, 0))
+  index_spec = lambda size: pl.BlockSpec((None, None, size),
+                                         lambda bb, gg, jj: (bb, gg, 0))
+  out_spec = pl.BlockSpec((None, None, None, chunk),
+                          lambda bb, gg, jj: (bb, gg, jj // chunks,
+                                              jj % chunks))
+  kernel = functools.partial(_sum_items_kernel, chunk=chunk, chunks=chunks)
+  dk, dv = kc.pallas_call(
+      kernel,
+      grid=(b, g, n * chunks),
+      in_specs=[index_spec(n), index_spec(n), index_spec(n_items),
+                part_spec, part_spec],
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, g, n, e), jnp.float32)] * 2,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name='msa_kv_outer_dkv_sum',
+  )(first_item_BGN, items_BGN, slot_BGU, flat(dk_BGUCD), flat(dv_BGUCD))
+  whole = lambda a: a.reshape(b, g, n, c, dp)
+  return whole(dk), whole(dv)
 
 
 def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
@@ -864,5 +910,6 @@ def dkv(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, do_BTGRD,
   # Item u's parts are consecutive programs: in key order once reshaped.
   whole = lambda a: a.reshape(b, g, n_items, block_size, dp)
   to_bsgd = lambda a: a.reshape(b, g, sp, dp).transpose(0, 2, 1, 3)
-  return (to_bsgd(_sum_items(whole(dk_u), first_item, items, slot)),
-          to_bsgd(_sum_items(whole(dv_u), first_item, items, slot)))
+  dk, dv = _sum_items(whole(dk_u), whole(dv_u), first_item, items, slot,
+                      interpret=interpret)
+  return to_bsgd(dk), to_bsgd(dv)

@@ -362,6 +362,34 @@ def test_work_items_launch_largest_first_and_cover_every_tile_once():
           assert first[bb, gg, u] == start + i * per
 
 
+@pytest.mark.parametrize('c,dp', [(8, 16), (64, 128)])
+def test_item_sums_add_each_blocks_items_in_item_order(c, dp):
+  # The dK/dV sum launch against numpy: block n's items (block order) read
+  # at their launch slots and added in that order, in f32, so the bits
+  # match a sequential numpy sum. 64 x 128 is two chunks of a program.
+  (_, _, _, _, sel), (b, t, s, g, r, d, _, k, o) = _selection('gqa', seed=3)
+  n_blocks = -(-s // 8)
+  tile_blk, _, _ = kv_outer.build_tiles(sel, n_blocks=n_blocks, q_per_tile=2)
+  *_, first_item, items, slot = kv_outer._work_items(tile_blk, n_blocks, 2)
+  n_items = slot.shape[-1]
+  rng = np.random.default_rng(0)
+  dk_u, dv_u = (rng.normal(size=(b, g, n_items, c, dp)).astype(np.float32)
+                for _ in range(2))
+  dk, dv = jax.jit(functools.partial(kv_outer._sum_items, interpret=True))(
+      jnp.asarray(dk_u), jnp.asarray(dv_u), first_item, items, slot)
+  first_item, items, slot = (np.asarray(a) for a in (first_item, items, slot))
+  assert (items > 1).any() and (items == 0).any()
+  for got, part in ((dk, dk_u), (dv, dv_u)):
+    want = np.zeros((b, g, n_blocks, c, dp), np.float32)
+    for bb in range(b):
+      for gg in range(g):
+        for n in range(n_blocks):
+          for i in range(items[bb, gg, n]):
+            want[bb, gg, n] += part[bb, gg,
+                                    slot[bb, gg, first_item[bb, gg, n] + i]]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def _dkv_case(dtype, c: int, k: int, seed: int, sp: int):
   """kv_outer.dkv's arguments on a ragged chunk with a padding hole
   (T 160 at offset 240, S 400 padded to sp, G 2, R 2, D 16, block c, top

@@ -107,6 +107,31 @@ needs_plugin = pytest.mark.skipif(
 
 
 @needs_plugin
+def test_kv_outer_training_step_has_no_loop():
+  """Forward and backward by KV-outer: no XLA loop (the work items' block
+  lookup is one comparison, the dK/dV sums one launch), so no host sync."""
+  from pallas_kernels.msa import pallas_path  # pylint: disable=g-import-not-at-top
+  t, g, r, d, di, c, k = 512, 2, 16, 64, 64, 64, 4
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+
+  def step(q, k_, v, qi, ki, do):
+    attend = lambda q_, k2, v2: pallas_path.msa_attention(
+        q_, k2, v2, qi, ki, block_size=c, top_k=k, q_offset=0,
+        backend='gpu', interpret=False)[0]
+    return jax.vjp(attend, q, k_, v)[1](do)
+  q = sds((1, t, g * r, d), bf)
+  rows = launches.launches(launches.optimized_hlo(
+      step, q, sds((1, t, g, d), bf), sds((1, t, g, d), bf),
+      sds((1, t, g, di), bf), sds((1, t, di), bf), q))
+  names = {x['name'] for x in rows if x['kind'] == 'triton'}
+  assert {'msa_kv_outer_forward', 'msa_kv_outer_dkv', 'msa_kv_outer_dkv_sum',
+          'msa_backward_dq_gpu'} <= names
+  summary = launches.summarize(rows)
+  assert summary['loops'] == [] and summary['host_syncs'] == 0
+
+
+@needs_plugin
 def test_union_tile_prefill_has_no_loop():
   """Prefill by union tiles: selection, the union tile forward, and XLA
   glue without loops or host syncs."""
