@@ -686,12 +686,20 @@ def forward_combine(plan: list, partials: list, *, top_k: int,
                     interpret: bool = False):
   """Each token's partials merged across slots: (out_BTGRD in `dtype`,
   lse_BTGR f32), the chunks joined along T (each cast first, so the join
-  copies the narrow output). With config.fused_combine, by
-  `combine_kernel`."""
+  copies the narrow output). With config.fused_combine, and always at one
+  query per sequence (decode), by `combine_kernel`."""
   config = config or ForwardConfig()
   outs, lses = [], []
   for (_, _, out_rows, pair), (o, lse) in zip(plan, partials):
-    if config.fused_combine:
+    if out_rows is None and pair.shape[-1] == top_k:
+      # One query per sequence (decode): tile k is slot k, so the partials
+      # are in pair order as they stand, and one launch merges them (as
+      # XLA ops the merge was five launches on a few MB: launches.py).
+      b, g = o.shape[:2]
+      out_c, lse_c = combine_kernel(
+          o.reshape(b, g, -1, o.shape[-1]), lse.reshape(b, g, -1), pair,
+          top_k=top_k, heads_p=heads_p, dtype=dtype, interpret=interpret)
+    elif config.fused_combine:
       out_c, lse_c = combine_kernel(o, lse, pair, top_k=top_k,
                                     heads_p=heads_p, dtype=dtype,
                                     interpret=interpret)

@@ -107,6 +107,30 @@ needs_plugin = pytest.mark.skipif(
 
 
 @needs_plugin
+def test_xla_compiles_msa_decode_for_an_h100():
+  """The whole decode step, compiled by XLA for a compile-only H100: four
+  Pallas launches (the selection's two, the split-K forward and the
+  merge) and a few small glue launches: no loop, and glue traffic a small
+  fraction of the index-key cache the step must read."""
+  from pallas_kernels.msa import pallas_path  # pylint: disable=g-import-not-at-top
+  b, s, g, r, d, di, c, k = 2, 1024, 2, 16, 64, 64, 64, 4
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  fn = functools.partial(pallas_path.msa_decode, block_size=c, top_k=k,
+                         backend='gpu', interpret=False)
+  rows = launches.launches(launches.optimized_hlo(
+      fn, sds((b, g * r, d), bf), sds((b, s, g, d), bf),
+      sds((b, s, g, d), bf), sds((b, g, di), bf), sds((b, s, di), bf),
+      sds((b,), jnp.int32)))
+  names = [x['name'] for x in rows if x['kind'] == 'triton']
+  assert names == ['msa_index_scores', 'msa_index_topk',
+                   'msa_kv_outer_forward', 'msa_kv_outer_combine']
+  summary = launches.summarize(rows)
+  assert not summary['loops'] and summary['glue_launches'] <= 8
+  assert summary['glue_bytes'] < 0.1 * b * s * di * 2
+
+
+@needs_plugin
 def test_kv_outer_training_step_has_no_loop():
   """Forward and backward by KV-outer: no XLA loop (the work items' block
   lookup is one comparison, the dK/dV sums one launch), so no host sync."""
