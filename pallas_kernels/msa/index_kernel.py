@@ -182,14 +182,17 @@ def _scores_call(offset_B, qi_BQI, ki_BSI, valid_BS, *, n_blocks_p: int,
 
 
 def _topk_call(offset_B, scores_BNQ, *, block_size: int, groups: int,
-               row_base: int, top_k: int, topk_rows: int, interpret: bool):
+               row_base: int, top_k: int, topk_rows: int, interpret: bool,
+               real_rows: int | None = None):
+  """Tiles of topk_rows rows up to real_rows (default: all q); the
+  columns past them (padding rows) are left unwritten."""
   b, n_p, q = scores_BNQ.shape
   kp = kc.next_pow2(top_k)
   kernel = functools.partial(_topk_kernel, block_size=block_size,
                              groups=groups, row_base=row_base, top_k=top_k)
   return kc.pallas_call(
       kernel,
-      grid=(b, q // topk_rows),
+      grid=(b, -(-(q if real_rows is None else real_rows) // topk_rows)),
       in_specs=[
           pl.BlockSpec((1,), lambda bb, ii: (bb,)),
           pl.BlockSpec((None, n_p, topk_rows), lambda bb, ii: (bb, 0, ii)),
@@ -423,14 +426,17 @@ def index_topk(scores: list, offset_B, *, t: int, groups: int,
         b, n_blocks, t, groups).transpose(0, 3, 2, 1)
     return xla.select_blocks_BGTK(scores_BGTN, block_size=block_size,
                                   top_k=top_k, q_offset=offset_B)
-  # The score tile's rows bound the top-k tile's (the tilings must agree).
+  # The score tile's rows bound the top-k tile's (the tilings must agree);
+  # a tile is no wider than the real rows (decode: G of the score tile's
+  # 16), whose [N, w] scores a program holds in registers.
   w = min(topk_rows or max(8, min(128, kc.next_pow2(8192 // n_p))),
-          _score_tile_rows(row_tile, rows))
+          _score_tile_rows(row_tile, rows), kc.next_pow2(rows))
   parts, r0 = [], 0
   for sc in scores:
     parts.append(_topk_call(offset_B, sc, block_size=block_size,
                             groups=groups, row_base=r0, top_k=top_k,
-                            topk_rows=w, interpret=interpret))
+                            topk_rows=w, real_rows=min(sc.shape[2], rows - r0),
+                            interpret=interpret))
     r0 += sc.shape[2]
   sel_BKQ = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
   sel_BKTG = sel_BKQ[:, :top_k, :rows].reshape(b, top_k, t, groups)

@@ -194,6 +194,21 @@ def test_every_kernel_gpu_check_runs_fits_an_h100():
   assert total['launches'] == 1 and total['spill_store_bytes'] == 0
 
 
+
+def test_decode_topk_takes_only_the_real_rows():
+  # At the bench's 128k cache (1,024 blocks) a top-k tile holds [1024, w]
+  # scores in registers: w = the G = 4 real rows, one program a sequence.
+  # A tile of 8 of the score tile's 16 rows took twice the programs, half
+  # on padding, and spilled.
+  cfg = benchmark_gpu.GPUBench(decode_batch=2)
+  (site,) = [v for n, v in gpu_static.msa_sites(cfg).items() if n == 'decode']
+  (topk,) = [kern for kern in gpu_static.triton_kernels(site[0], *site[1])
+             if kern.name == 'msa_index_topk']
+  assert topk.grid[:2] == (2, 1)
+  report = gpu_static.compile_sm90(topk)
+  assert report['spill_store_bytes'] == 0
+
+
 def test_the_entry_point_prints_one_json_line_and_saves_it(tmp_path):
   # One site, the per-token forward: a fast compile.
   out = subprocess.run(
