@@ -404,6 +404,38 @@ def render_gpu_static(res: dict) -> str:
       f" {listed(summ['without_wgmma'])}."])
 
 
+def _first_shape(shape: str) -> str:
+  """A tuple shape as its first element ('(f32[2], s32[3])' -> 'f32[2],
+  ...')."""
+  if not shape.startswith('('):
+    return shape
+  return shape[1:].split(', ')[0] + ', ...'
+
+
+def render_gpu_launches(res: dict) -> str:
+  """What XLA launches on an H100 for each MSA call (compiled on this
+  host, no GPU)."""
+  rows = []
+  for name, out in res['calls'].items():
+    if 'error' in out:
+      rows.append([name, f"error: {out['error'][:80]}"] + ['-'] * 5)
+      continue
+    s = out['summary']
+    kinds = s['by_kind']
+    big = s['largest_glue'][0] if s['largest_glue'] else None
+    rows.append([
+        name, _f(s['launches']),
+        _f(kinds.get('triton', 0) + kinds.get('gemm', 0)
+           + kinds.get('library', 0)),
+        _f(s['glue_launches']), _bytes(s['glue_bytes']),
+        f"{len(s['loops'])} ({_f(s['host_syncs'])})",
+        f"`{_first_shape(big['shape'])}` {_bytes(big['bytes'])}" if big
+        else '-'])
+  return _table(['call', 'launches', 'kernels (Pallas, GEMM, library)',
+                 'glue launches', 'glue bytes (read + written)',
+                 'loops (host syncs)', 'largest glue launch'], rows)
+
+
 def render_msa_from_dense(res: dict) -> str:
   sh = res['shapes']
   rows = []
@@ -1257,6 +1289,16 @@ def render_headline(results_dir: str) -> str:
       f" {main['num_warps']} warps per SM",
       f'[Static GPU check]({_DETAILS}#static-gpu-check-no-gpu-needed),'
       f' [`gpu_static.json`](results/gpu_static.json)'])
+  calls = load('gpu_launches')['calls']
+  launch = lambda name: _f(calls[name]['summary']['launches'])
+  rows.append([
+      'What an H100 launches per MSA call (XLA compiled on this host)',
+      f"decode 128k x8: {launch('decode 128k x8')} launches (cuDNN dense"
+      f" {launch('decode 128k x8, dense')}); 32k training step:"
+      f" {launch('train 32k, kv_outer')} (KV-outer),"
+      f" {launch('train 32k, tiles')} (union tiles), no host syncs",
+      f'[What an H100 launches]({_DETAILS}#what-an-h100-launches-no-gpu-'
+      f'needed), [`gpu_launches.json`](results/gpu_launches.json)'])
   mfd = load('msa_from_dense')
   q = mfd['budgets'][0]
   rows.append([
@@ -1314,6 +1356,7 @@ RENDERERS = {
     'bench_rewards': render_rewards,
     'memory_report': render_memory_report,
     'gpu_static': render_gpu_static,
+    'gpu_launches': render_gpu_launches,
     'demo': render_demo,
     'demo_dataset': render_demo,
 }

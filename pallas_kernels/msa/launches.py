@@ -197,7 +197,7 @@ def _row(name: str, op: str, shape: str, line: str, sizes: dict,
   kind = _kind(op, line)
   label = re.search(r'\bname = "([^"]+)"', line) if kind == 'triton' else None
   row = {'name': label.group(1) if label else name, 'kind': kind, 'op': op,
-         'shape': shape.split('{')[0] if '(' not in shape else shape,
+         'shape': re.sub(r'\{[^}]*\}', '', shape),  # layouts dropped
          'write_bytes': shape_bytes(shape),
          'read_bytes': sum(sizes.get(o, 0) for o in operands)}
   grid = re.search(r'grid_x = (\d+) : i32, grid_y = (\d+) : i32, '
