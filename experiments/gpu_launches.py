@@ -9,7 +9,10 @@ Each call a user makes at the GPU bench's shapes (decode at a 128k cache,
 batch 8; prefill and its training backward at 32k, per GPU kernel set;
 and the cuDNN dense attention the bench compares with) is compiled whole
 by XLA's own GPU compiler for a compile-only H100: the Pallas kernels, the
-XLA glue around them, and the loops. One row per call: launches by kind,
+XLA glue around them, and the loops. So is one expert-parallel MoE layer,
+forward and backward, on 8 compile-only H100s (a Qwen3-30B-A3B layer:
+128 experts, top-8, model dim 2048, expert dim 768; 4,096 tokens a
+device), per grouped-GEMM kind (`--moe_gemms`). One row per call: launches by kind,
 the glue's launches and bytes, loops and the host syncs of loops whose
 trip count XLA cannot prove, and the glue launches that move most. The
 logic lives in pallas_kernels/msa/launches.py.
@@ -34,6 +37,42 @@ _CALLS = flags.DEFINE_list('calls', None, 'Only the calls whose name holds '
                            'one of these (default: all).')
 _LAUNCHES = flags.DEFINE_bool('launches', False, 'Also print every launch '
                               'of each call.')
+_MOE_GEMMS = flags.DEFINE_list('moe_gemms', ['ragged_dot', 'tiles_static'],
+                               'Grouped-GEMM kinds of the MoE layer calls '
+                               '(grouped_swiglu.KINDS; ragged_dot is the GPU '
+                               'default); empty: none.')
+
+
+def moe_calls(gemms, ep: int = 8, tokens: int = 4096, experts: int = 128,
+              top_k: int = 8, d_model: int = 2048, d_ff: int = 768,
+              replicas: int = 2) -> dict:
+  """{name: (fn, args)}: the expert-parallel layer's forward and backward
+  (routed_experts: weight transfer, exact-count dispatch, grouped SwiGLU)
+  on `ep` compile-only H100s, per grouped-GEMM kind. Each device holds
+  experts / ep experts plus `replicas` replica slots; a device's buffer
+  holds twice its mean rows."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.model import expert_parallel as ep_lib  # pylint: disable=g-import-not-at-top
+  mesh = ep_lib.make_mesh(1, ep, devices=launches.compile_only_h100s(ep))
+  n, spd = tokens * ep, experts // ep + replicas
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  args = (sds((n, d_model), bf), sds((n, top_k), jnp.int32),
+          sds((n, top_k), jnp.float32), sds((n,), bool),
+          sds((experts, d_model, d_ff), bf), sds((experts, d_model, d_ff), bf),
+          sds((experts, d_ff, d_model), bf), sds((ep * spd,), jnp.int32),
+          sds((ep, ep * spd), jnp.float32))
+
+  def layer(gemm):
+    def loss(x, ids, gates, valid, wg, wu, wd, slot_expert, share):
+      y, _ = ep_lib.routed_experts(x, ids, gates, valid, wg, wu, wd,
+                                   slot_expert, share, mesh=mesh,
+                                   capacity=2 * tokens * top_k, gemm=gemm)
+      return jnp.sum(y.astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 2, 4, 5, 6))
+
+  return {f'moe layer x{ep}, {gemm}': (layer(gemm), args) for gemm in gemms}
 
 
 def _line(name: str, out: dict) -> str:
@@ -57,6 +96,7 @@ def main(argv):
                         '(compile-only)', 'calls': _CALLS.value,
                         **dataclasses.asdict(cfg)})
   calls = launches.msa_calls(cfg)
+  calls.update(moe_calls(_MOE_GEMMS.value))
   if _CALLS.value:
     calls = {n: c for n, c in calls.items()
              if any(s in n for s in _CALLS.value)}
@@ -71,7 +111,8 @@ def main(argv):
             f"w {r.get('write_bytes', 0) / 1e6:9.2f} MB "
             f"r {r.get('read_bytes', 0) / 1e6:9.2f} MB {r.get('grid', '')}")
 
-  result = launches.audit(calls, log=show)
+  result = launches.audit(calls, log=show,
+                          unplaced=[n for n in calls if n.startswith('moe')])
   common.finish('gpu_launches', run, {'calls': result})
 
 

@@ -1291,12 +1291,16 @@ def render_headline(results_dir: str) -> str:
       f' [`gpu_static.json`](results/gpu_static.json)'])
   calls = load('gpu_launches')['calls']
   launch = lambda name: _f(calls[name]['summary']['launches'])
+  moe = calls['moe layer x8, ragged_dot']['summary']
   rows.append([
-      'What an H100 launches per MSA call (XLA compiled on this host)',
-      f"decode 128k x8: {launch('decode 128k x8')} launches (cuDNN dense"
-      f" {launch('decode 128k x8, dense')}); 32k training step:"
+      'What an H100 launches (XLA compiled on this host)',
+      f"MSA decode 128k x8: {launch('decode 128k x8')} launches (cuDNN"
+      f" dense {launch('decode 128k x8, dense')}); 32k training step:"
       f" {launch('train 32k, kv_outer')} (KV-outer),"
-      f" {launch('train 32k, tiles')} (union tiles), no host syncs",
+      f" {launch('train 32k, tiles')} (union tiles), no host syncs. MoE"
+      f" layer on 8 GPUs, GPU default `ragged_dot`: **dense GEMMs over all"
+      f" groups**, {_bytes(moe['glue_bytes'])} of glue a forward and"
+      f" backward",
       f'[What an H100 launches]({_DETAILS}#what-an-h100-launches-no-gpu-'
       f'needed), [`gpu_launches.json`](results/gpu_launches.json)'])
   mfd = load('msa_from_dense')

@@ -20,8 +20,12 @@ Shared by both dispatch strategies, in three forms:
   wall-clock follow the straggler as it does on a real mesh, where an
   idle device waits at the next collective. The CPU default.
 * ``ragged_dot``: rows sorted by slot and `jax.lax.ragged_dot` with the
-  slot counts as group sizes: the grouped GEMM of GPU/TPU backends (XLA's
-  own kernel; rows past the groups are skipped).
+  slot counts as group sizes: the GPU/TPU default. On a GPU this XLA (jax
+  0.10 and 0.11) has no grouped kernel for it: compiled for an H100 it
+  masks the rows into every group and runs dense GEMMs over groups x rows
+  (s x the work, and tens of GB of masking at a Qwen3-30B-A3B layer:
+  experiments/gpu_launches, docs/results.md "What an H100 launches"). A
+  grouped GEMM kernel for GPUs is still to be written.
 
 All three compute in x's dtype, casting the weights per slot, so the
 weights may be stored wider (the float32 master); weight gradients are

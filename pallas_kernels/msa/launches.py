@@ -13,19 +13,22 @@ target description, `H100_TARGET`, no GPU or driver needed), and the
 optimized module's entry computation is read launch by launch:
 
   kind      what it is
-  triton    a Pallas kernel (XLA's Triton custom call), with its grid
-  gemm      a matmul XLA emits itself (its Triton GEMM or a library call)
-  library   another library call (cuDNN attention, cuBLAS)
-  fusion    an XLA loop/input fusion: the glue
-  copy      a copy or other unfused op that moves memory
+  triton      a Pallas kernel (XLA's Triton custom call), with its grid
+  gemm        a matmul XLA emits itself (its Triton GEMM or a library call)
+  library     another library call (cuDNN attention, cuBLAS)
+  collective  a communication op (its start; the wait launches nothing)
+  fusion      an XLA loop/input fusion: the glue
+  copy        a copy or other unfused op that moves memory
 
 A while loop's body and condition are launched once per iteration: counted
 times the trip count when XLA knows it (`known_trip_count`), once and
 flagged `host_sync` when it does not.
 
 Bytes are the sizes of a launch's result (written) and operands (read; an
-upper bound: a kernel may read part of an operand). They say where the glue
-moves memory, not how long it takes.
+upper bound: a kernel may read part of an operand). A slice counts what it
+keeps; a scatter or dynamic-update-slice (in place) its operands but the
+largest, the buffer. They say where the glue moves memory, not how long it
+takes.
 
 Needs the CUDA PJRT plugin matching the installed jax (the `gpu-launches`
 extra: jax-cuda13-plugin and jax-cuda13-pjrt, about 140 MB; no CUDA
@@ -37,6 +40,7 @@ Letter key: as in kv_outer.py.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import re
 
@@ -81,10 +85,16 @@ PLUGIN_HINT = ("the CUDA PJRT plugin matching jax is missing: pip install "
 _BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2,
           'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8,
           'f64': 8, 'c64': 8, 'c128': 16, 's4': 1, 'u4': 1}
-# Ops that launch nothing: views, constants, tuples.
+# Ops that launch nothing: views, constants, tuples, and the waits that
+# end an asynchronous collective (its `-start` is the launch).
 _FREE = {'parameter', 'constant', 'bitcast', 'get-tuple-element', 'tuple',
          'after-all', 'opt-barrier', 'add-dependency', 'partition-id',
-         'replica-id'}
+         'replica-id', 'all-to-all-done', 'all-gather-done',
+         'all-reduce-done', 'reduce-scatter-done', 'collective-permute-done',
+         'ragged-all-to-all-done', 'copy-done', 'send-done', 'recv-done',
+         'async-done'}
+_COLLECTIVES = ('all-to-all', 'all-gather', 'all-reduce', 'reduce-scatter',
+                'collective-permute', 'ragged-all-to-all', 'send', 'recv')
 _CONTROL = {'while', 'conditional', 'call'}
 
 _INSTR = re.compile(r'^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.+?) '
@@ -93,16 +103,22 @@ _COMP = re.compile(r'^(?P<entry>ENTRY )?%(?P<name>[\w.\-]+) \(.*\{\s*$')
 
 
 @functools.lru_cache(maxsize=None)
-def compile_only_h100():
-  """A compile-only H100 (jax.Device); RuntimeError naming the install
-  when the CUDA plugin is missing."""
+def compile_only_h100s(n: int = 1) -> tuple:
+  """n compile-only H100s on one host (jax.Devices, for a mesh);
+  RuntimeError naming the install when the CUDA plugin is missing."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:
-    topo = topologies.get_topology_desc('h100', 'cuda', target_config=H100_TARGET,
-                                        topology='1x1x1')
+    topo = topologies.get_topology_desc('h100', 'cuda',
+                                        target_config=H100_TARGET,
+                                        topology=f'1x1x{n}')
   except Exception as e:  # pylint: disable=broad-except
     raise RuntimeError(f'{PLUGIN_HINT} ({type(e).__name__}: {e})') from e
-  return topo.devices[0]
+  return tuple(topo.devices)
+
+
+def compile_only_h100():
+  """One compile-only H100 (see compile_only_h100s)."""
+  return compile_only_h100s(1)[0]
 
 
 def plugin_available() -> bool:
@@ -113,18 +129,23 @@ def plugin_available() -> bool:
     return False
 
 
-def optimized_hlo(fn, *args) -> str:
+def optimized_hlo(fn, *args, place: bool = True) -> str:
   """The optimized HLO text of jit(fn) compiled for an H100, args being
-  jax.ShapeDtypeStructs (placed on the compile-only device here)."""
+  jax.ShapeDtypeStructs, placed on one compile-only device here, Pallas
+  kernels lowered for an abstract H100 (place False: args as given, for a
+  fn without Pallas kernels that runs a shard_map over a mesh of
+  compile_only_h100s; the abstract device's mesh would clash with it)."""
   from pallas_kernels.msa import gpu_static  # pylint: disable=g-import-not-at-top
-  device = compile_only_h100()
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  placed = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-      args)
+  context = contextlib.nullcontext()
+  if place:
+    sharding = jax.sharding.SingleDeviceSharding(compile_only_h100())
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        args)
+    context = gpu_static.cuda_lowering()
   # Each call lowers a fresh wrapper: jax caches lowerings by function.
-  with gpu_static.cuda_lowering():
-    lowered = jax.jit(lambda *a: fn(*a)).lower(*placed)
+  with context:
+    lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
   return lowered.compile().as_text()
 
 
@@ -176,6 +197,8 @@ def _operands(rest: str) -> list[str]:
 
 
 def _kind(op: str, line: str) -> str:
+  if op.removesuffix('-start') in _COLLECTIVES:
+    return 'collective'
   if op == 'custom-call':
     target = re.search(r'custom_call_target="([^"]+)"', line)
     target = target.group(1) if target else ''
@@ -183,10 +206,12 @@ def _kind(op: str, line: str) -> str:
       return 'triton'
     return 'gemm' if ('gemm' in target or 'cublas' in target) else 'library'
   if op == 'fusion':
-    if re.search(r'"kind":"__(triton_(nested_)?gemm|cublas|custom)', line) or \
-        'gemm_fusion' in line:
+    # The fusion's own backend kind (an operand's name may say gemm too).
+    kind = re.search(r'"fusion_backend_config":\{"kind":"([^"]+)"', line)
+    kind = kind.group(1) if kind else ''
+    if 'gemm' in kind or 'cublas' in kind:
       return 'gemm'
-    if re.search(r'"kind":"__cudnn', line):
+    if 'cudnn' in kind:
       return 'library'
     return 'fusion'
   return 'copy'
@@ -196,10 +221,16 @@ def _row(name: str, op: str, shape: str, line: str, sizes: dict,
          operands: list[str]) -> dict:
   kind = _kind(op, line)
   label = re.search(r'\bname = "([^"]+)"', line) if kind == 'triton' else None
+  reads = [sizes.get(o, 0) for o in operands]
   row = {'name': label.group(1) if label else name, 'kind': kind, 'op': op,
          'shape': re.sub(r'\{[^}]*\}', '', shape),  # layouts dropped
-         'write_bytes': shape_bytes(shape),
-         'read_bytes': sum(sizes.get(o, 0) for o in operands)}
+         'write_bytes': shape_bytes(shape), 'read_bytes': sum(reads)}
+  if re.search(r'scatter|dynamic.update.slice', f'{op} {name}') and reads:
+    # In place: the buffer (the largest operand) is neither read nor
+    # rewritten whole; the update is.
+    row['read_bytes'] = row['write_bytes'] = sum(reads) - max(reads)
+  elif re.search(r'slice', f'{op} {name}'):
+    row['read_bytes'] = row['write_bytes']  # a slice reads what it keeps
   grid = re.search(r'grid_x = (\d+) : i32, grid_y = (\d+) : i32, '
                    r'grid_z = (\d+)', line)
   if grid:
@@ -258,8 +289,9 @@ def launches(hlo: str) -> list[dict]:
 
 
 def summarize(rows: list[dict], top: int = 5) -> dict:
-  """Launches per call by kind, the glue's bytes (everything not a Pallas,
-  GEMM or library kernel), loops, and the glue launches that move most."""
+  """Launches per call by kind, the glue's bytes (fusions and copies: not
+  a Pallas, GEMM or library kernel, nor a collective), loops, and the glue
+  launches that move most."""
   count = collections.Counter()
   for r in rows:
     if r['kind'] != 'loop':
@@ -273,6 +305,8 @@ def summarize(rows: list[dict], top: int = 5) -> dict:
       'glue_bytes': sum(moved(r) for r in glue),
       'kernel_bytes': sum(moved(r) for r in rows
                           if r['kind'] in ('triton', 'gemm', 'library')),
+      'collective_bytes': sum(moved(r) for r in rows
+                              if r['kind'] == 'collective'),
       'loops': [{'name': r['name'], 'trip_count': r['trip_count']}
                 for r in rows if r['kind'] == 'loop'],
       'host_syncs': sum(r['times'] for r in rows
@@ -347,13 +381,14 @@ def msa_calls(cfg=None) -> dict:
   return calls
 
 
-def audit(calls: dict, log=None) -> dict:
-  """{name: {'summary', 'launches'} or {'error'}} for each call."""
+def audit(calls: dict, log=None, unplaced=()) -> dict:
+  """{name: {'summary', 'launches'} or {'error'}} for each call; the calls
+  named in `unplaced` get their args as given (`optimized_hlo`'s place)."""
   from pallas_kernels.msa import benchmark  # pylint: disable=g-import-not-at-top
   out = {}
   for name, (fn, args) in calls.items():
     try:
-      rows = launches(optimized_hlo(fn, *args))
+      rows = launches(optimized_hlo(fn, *args, place=name not in unplaced))
       out[name] = {'summary': summarize(rows), 'launches': rows}
     except Exception as e:  # pylint: disable=broad-except
       out[name] = {'error': benchmark.error_text(e)}

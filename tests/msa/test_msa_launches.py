@@ -11,8 +11,10 @@ import pytest
 from pallas_kernels.msa import launches
 
 # A module in the printer's format: a Triton kernel, a loop fusion, a
-# cuDNN call, a view, a loop of known trip count (body: a fusion and a
-# copy; condition: a compare fusion) and one of unknown trip count.
+# cuDNN call, XLA's GEMM and a fusion reading it, a view, a slice and a
+# scatter (in place), a loop of known trip count (body: a fusion and a
+# copy; condition: a compare fusion), one of unknown trip count, and an
+# asynchronous all-to-all (its start launches, its done waits).
 MODULE = """\
 HloModule jit_f, entry_computation_layout={(f32[4,8]{1,0})->f32[4,8]{1,0}}
 
@@ -40,13 +42,19 @@ ENTRY %main.9 (x.1: f32[4,8], n.1: s32[]) -> f32[4,8] {
   %x.1 = f32[4,8]{1,0} parameter(0), metadata={op_name="x"}
   %n.1 = s32[] parameter(1)
   %bitcast.1 = f32[32]{0} bitcast(%x.1)
+  %dynamic_slice_fusion = f32[1,8]{1,0} fusion(%x.1, %n.1), kind=kLoop, calls=%fused_add
+  %input_scatter_fusion = f32[4,8]{1,0} fusion(%x.1, %n.1, %dynamic_slice_fusion), kind=kInput, calls=%fused_add
   %pallas_call.5 = (bf16[2,16]{1,0}, f32[2]{0}) custom-call(%x.1, %n.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/msa_index_scores/pallas_call"}, backend_config={debug = false, grid_x = 8 : i32, grid_y = 1 : i32, grid_z = 64 : i32, ir = "ML\\EFR", name = "msa_index_scores", num_stages = 2 : i32, num_warps = 4 : i32}
   %loop_add_fusion = f32[4,8]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/add"}
   %cudnn.1 = (bf16[4,8]{1,0}, u8[0]{0}) custom-call(%x.1), custom_call_target="__cudnn$fmhaSoftmax"
+  %gemm_fusion_dot.1 = bf16[4,8]{1,0} fusion(%x.1), kind=kCustom, calls=%fused_add, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %loop_multiply_fusion = f32[4,8]{1,0} fusion(%gemm_fusion_dot.1), kind=kLoop, calls=%fused_add, backend_config={"fusion_backend_config":{"kind":"__triton"}}
   %tuple.1 = (s32[], f32[4,8]{1,0}) tuple(%n.1, %loop_add_fusion)
   %while.7 = (s32[], f32[4,8]{1,0}) while(%tuple.1), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
   %while.8 = (s32[], f32[4,8]{1,0}) while(%while.7), condition=%cond.1, body=%body.1
-  ROOT %gte.9 = f32[4,8]{1,0} get-tuple-element(%while.8), index=1
+  %gte.9 = f32[4,8]{1,0} get-tuple-element(%while.8), index=1
+  %all-to-all-start = ((f32[4,8]{1,0}), f32[4,8]{1,0}) all-to-all-start(%gte.9), replica_groups={{0,1}}
+  ROOT %all-to-all-done = f32[4,8]{1,0} all-to-all-done(%all-to-all-start)
 }
 """
 
@@ -63,10 +71,20 @@ def test_shape_bytes_by_hand():
 def test_launches_of_a_hand_counted_module():
   rows = launches.launches(MODULE)
   got = [(r['kind'], r['name'], r['times']) for r in rows]
+  assert got[:2] == [('fusion', 'dynamic_slice_fusion', 1),
+                     ('fusion', 'input_scatter_fusion', 1)]
+  # A slice reads what it keeps; a scatter reads and writes its update and
+  # indices, not the buffer it updates in place.
+  assert rows[0]['read_bytes'] == rows[0]['write_bytes'] == 32
+  assert rows[1]['read_bytes'] == rows[1]['write_bytes'] == 4 + 32
+  rows = rows[2:]
+  got = got[2:]
   assert got == [
       ('triton', 'msa_index_scores', 1),
       ('fusion', 'loop_add_fusion', 1),
       ('library', 'cudnn.1', 1),
+      ('gemm', 'gemm_fusion_dot.1', 1),
+      ('fusion', 'loop_multiply_fusion', 1),
       ('loop', 'while.7', 1),
       ('fusion', 'loop_compare_fusion', 4),   # trip count 3: 4 checks
       ('fusion', 'loop_add_fusion.2', 3),
@@ -74,25 +92,30 @@ def test_launches_of_a_hand_counted_module():
       ('loop', 'while.8', 1),
       ('fusion', 'loop_compare_fusion', 1),   # unknown: counted once
       ('fusion', 'loop_add_fusion.2', 1),
-      ('copy', 'copy.3', 1)]
+      ('copy', 'copy.3', 1),
+      ('collective', 'all-to-all-start', 1)]
   triton = rows[0]
   assert triton['grid'] == [8, 1, 64]
   assert triton['write_bytes'] == 2 * 16 * 2 + 2 * 4
   assert triton['read_bytes'] == 4 * 8 * 4 + 4   # x and n
   assert rows[1]['source'] == 'jit(f)/add'
-  assert rows[3]['trip_count'] == 3 and not rows[3]['host_sync']
-  assert rows[7]['trip_count'] is None and rows[7]['host_sync']
+  assert rows[5]['trip_count'] == 3 and not rows[5]['host_sync']
+  assert rows[9]['trip_count'] is None and rows[9]['host_sync']
   s = launches.summarize(rows)
-  assert s['by_kind'] == {'copy': 4, 'fusion': 10, 'library': 1, 'triton': 1}
-  assert s['launches'] == 16
-  assert s['glue_launches'] == 14
+  assert s['by_kind'] == {'collective': 1, 'copy': 4, 'fusion': 11,
+                          'gemm': 1, 'library': 1, 'triton': 1}
+  assert s['launches'] == 19
+  assert s['collective_bytes'] == 3 * 4 * 8 * 4  # read 32 floats, write 64
+  assert s['glue_launches'] == 15
   assert s['host_syncs'] == 1
   assert [l['trip_count'] for l in s['loops']] == [3, None]
   # Glue bytes: each fusion/copy's (read + write) times its launches.
   fusion = 2 * 4 * 8 * 4
   compare = 4 + 1
   copy = 4 + 4
-  assert s['glue_bytes'] == fusion * (1 + 3 + 1) + compare * 5 + copy * 4
+  multiply = 4 * 8 * 2 + 4 * 8 * 4  # reads the GEMM's bf16, writes f32
+  assert s['glue_bytes'] == (fusion * (1 + 3 + 1) + compare * 5 + copy * 4
+                             + multiply)
   assert s['largest_glue'][0]['name'] == 'loop_add_fusion.2'
 
 
