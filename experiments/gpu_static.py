@@ -7,7 +7,7 @@
 
 Every kernel `make gpu-check` compiles, at the GPU bench's shapes (bf16
 prefill at 32k with each forward variant, decode at a 128k cache and batch
-8) and at the GPU tests' f32 shapes, is lowered by jax for CUDA and taken
+8) and at the GPU tests' f32 shapes, and the MoE layer's grouped matmul, is lowered by jax for CUDA and taken
 by Triton to sm_90a machine code. One row per (site, kernel): shared
 memory (and whether it fits the 227 KiB a block may have), registers,
 spills, blocks per SM and what bounds them, and the tensor-core
@@ -53,6 +53,7 @@ def main(argv):
                         'triton': version, 'sites': _SITES.value,
                         **dataclasses.asdict(cfg)})
   sites = gpu_static.msa_sites(cfg)
+  sites.update(gpu_static.grouped_matmul_sites())
   if _SITES.value:
     sites = {name: site for name, site in sites.items()
              if any(s in name for s in _SITES.value)}

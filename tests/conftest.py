@@ -127,15 +127,15 @@ def pytest_xdist_make_scheduler(config, log):
 def gpu_choices(monkeypatch):
   """What a GPU backend picks when nothing is named (the defaults read
   jax.default_backend(), which is 'cpu' here): the ragged exchanges, the
-  ragged_dot grouped GEMM and the Pallas Triton MSA kernels, for tests
-  that trace or lower the GPU path on this host."""
+  Pallas grouped GEMM and the Pallas Triton MSA kernels, for tests that
+  trace or lower the GPU path on this host."""
   # pylint: disable=g-import-not-at-top
   from foremoe_jax.model import dispatch_exact, grouped_swiglu
   from pallas_kernels.msa import api as msa_api
   monkeypatch.setattr(dispatch_exact, 'default_exchange',
                       lambda backend=None: 'ragged')
   monkeypatch.setattr(grouped_swiglu, 'default_kind',
-                      lambda backend=None: 'ragged_dot')
+                      lambda backend=None: 'pallas')
   monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, pallas_backend=None: (
       'pallas' if impl == 'auto' else impl, 'gpu', False))
   # From jax 0.11 the Triton lowering asks the device for its compute

@@ -122,14 +122,16 @@ def _body_kwargs(dispatch, capacity, num_experts, num_ep, spd, tile, gemm,
                  exchange) -> dict:
   rows, cell = split_capacity(capacity)
   received = rows * (num_ep if dispatch == 'padded' else 1)
-  if tile is None:
-    tile = default_tile(received, spd)
-  kw = dict(dispatch=dispatch, capacity=rows, num_experts=num_experts,
-            tile=int(tile))
   if dispatch == 'padded':
-    kw['gemm'] = 'tiles_static' if gemm is None else gemm
+    gemm = 'tiles_static' if gemm is None else gemm
   else:
-    kw['gemm'] = grouped_swiglu.default_kind() if gemm is None else gemm
+    gemm = grouped_swiglu.default_kind() if gemm is None else gemm
+  if tile is None:
+    tile = (grouped_swiglu.PALLAS_TILE if gemm == 'pallas'
+            else default_tile(received, spd))
+  kw = dict(dispatch=dispatch, capacity=rows, num_experts=num_experts,
+            tile=int(tile), gemm=gemm)
+  if dispatch != 'padded':
     kw['exchange'] = (dispatch_exact.default_exchange() if exchange is None
                       else exchange)
     # Only the emulation pads pairs; the ragged collective moves exact

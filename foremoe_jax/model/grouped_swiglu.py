@@ -20,14 +20,18 @@ Shared by both dispatch strategies, in three forms:
   wall-clock follow the straggler as it does on a real mesh, where an
   idle device waits at the next collective. The CPU default.
 * ``ragged_dot``: rows sorted by slot and `jax.lax.ragged_dot` with the
-  slot counts as group sizes: the GPU/TPU default. On a GPU this XLA (jax
-  0.10 and 0.11) has no grouped kernel for it: compiled for an H100 it
-  masks the rows into every group and runs dense GEMMs over groups x rows
-  (s x the work, and tens of GB of masking at a Qwen3-30B-A3B layer:
-  experiments/gpu_launches, docs/results.md "What an H100 launches"). A
-  grouped GEMM kernel for GPUs is still to be written.
+  slot counts as group sizes: the TPU default. On a GPU this XLA (jax 0.10
+  and 0.11) has no grouped kernel for it: compiled for an H100 it masks the
+  rows into every group and runs dense GEMMs over groups x rows (s x the
+  work, and tens of GB of masking at a Qwen3-30B-A3B layer:
+  experiments/gpu_launches, docs/results.md "What an H100 launches").
+* ``pallas``: the tiles of ``tiles`` (of PALLAS_TILE rows), each matmul one
+  Pallas Triton launch (pallas_kernels/grouped_matmul.py: a program per
+  tile and column block; the weight gradient per slot over its tiles):
+  the GPU default. Compiled for a CPU it runs the kernels' jnp references
+  over the same tiles.
 
-All three compute in x's dtype, casting the weights per slot, so the
+All of them compute in x's dtype, casting the weights per slot, so the
 weights may be stored wider (the float32 master); weight gradients are
 summed in float32 and rounded once to the weights' dtype.
 
@@ -42,7 +46,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-KINDS = ('tiles_static', 'tiles', 'tiles_lockstep', 'ragged_dot')
+from pallas_kernels import grouped_matmul
+
+KINDS = ('tiles_static', 'tiles', 'tiles_lockstep', 'ragged_dot', 'pallas')
+# Rows per tile of 'pallas': a tensor-core tile (a dot needs 16 rows on a
+# GPU; 128 fills a warpgroup MMA's M twice).
+PALLAS_TILE = 128
 SCOPE = 'grouped_swiglu'
 
 
@@ -60,10 +69,12 @@ def default_tile(num_rows: int, slots_per_device: int) -> int:
 
 
 def default_kind(backend: str | None = None) -> str:
-  """'tiles_lockstep' on CPU (simulated devices), 'ragged_dot' on GPU and
-  TPU."""
+  """'tiles_lockstep' on CPU (simulated devices), 'pallas' on GPU (XLA
+  compiles ragged_dot there as dense GEMMs over every group), 'ragged_dot'
+  on TPU."""
   backend = jax.default_backend() if backend is None else backend
-  return 'tiles_lockstep' if backend == 'cpu' else 'ragged_dot'
+  return {'cpu': 'tiles_lockstep', 'gpu': 'pallas'}.get(backend,
+                                                        'ragged_dot')
 
 
 # ----------------------------------------------------------------- tiles
@@ -205,10 +216,20 @@ def _tiles(x_RM, label_R, w_sXY, tile: int, kind: str, mesh_axes=(),
   first_n = jnp.arange(num_tiles_static) * tile
   slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
                        spd - 1).astype(jnp.int32)
-  num_used = (tiles_to_run(count_s, tile, kind, mesh_axes)
-              if num_tiles is None or kind == 'tiles_static' else
-              jnp.minimum(num_tiles, num_tiles_static))
-  y_ntM = _tiled_swiglu(x_ntM, *w_sXY, slot_n, num_used)
+  if kind == 'pallas':
+    # One launch per matmul over the same tiles (GPUs): the device's own
+    # non-empty tiles, the rest skipped in the kernels.
+    used_1 = jnp.reshape(tiles_to_run(count_s, tile, 'tiles'), (1,)).astype(
+        jnp.int32)
+    mm = lambda a, w: grouped_matmul.tile_matmul(a, w, slot_n, used_1)
+    wg_sMF, wu_sMF, wd_sFM = w_sXY
+    h_ntF = jax.nn.silu(mm(x_ntM, wg_sMF)) * mm(x_ntM, wu_sMF)
+    y_ntM = mm(h_ntF, wd_sFM)
+  else:
+    num_used = (tiles_to_run(count_s, tile, kind, mesh_axes)
+                if num_tiles is None or kind == 'tiles_static' else
+                jnp.minimum(num_tiles, num_tiles_static))
+    y_ntM = _tiled_swiglu(x_ntM, *w_sXY, slot_n, num_used)
   y_TM = y_ntM.reshape(num_tiles_static * tile, -1)
   # Empty rows read some tile's row; the combine never reads them back.
   return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles_static * tile - 1),
@@ -252,7 +273,7 @@ def grouped_swiglu(x_RM, label_R, wg_sMF, wu_sMF, wd_sFM, *, tile: int,
   # The scope names these ops (and their transposes) in profiles
   # (`utils.op_profile`: the expert compute, apart from the rest).
   with jax.named_scope(SCOPE):
-    if kind in ('tiles_static', 'tiles', 'tiles_lockstep'):
+    if kind in ('tiles_static', 'tiles', 'tiles_lockstep', 'pallas'):
       return _tiles(x_RM, label_R, w_sXY, tile, kind, mesh_axes, num_tiles)
     if kind == 'ragged_dot':
       return _ragged(x_RM, label_R, w_sXY)

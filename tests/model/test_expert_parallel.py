@@ -20,9 +20,10 @@ from foremoe_jax.model import slot_assignment
 from foremoe_jax.model.moe_reference import reference_moe_ffn
 
 # (dispatch, grouped GEMM): the CPU defaults of both strategies, and the
-# GPU/TPU grouped GEMM (ragged_dot) behind the exact dispatch.
+# accelerator grouped GEMMs behind the exact dispatch: ragged_dot (TPU) and
+# pallas (GPU; on CPU its jnp reference over the same tiles).
 PATHS = [('exact', None), ('exact', 'tiles'), ('exact', 'ragged_dot'),
-         ('padded', None)]
+         ('exact', 'pallas'), ('padded', None)]
 
 E, M, F, N, K = 16, 8, 12, 128, 2
 

@@ -1,8 +1,9 @@
 """The expert-parallel layer on one NVIDIA GPU (a 1 x 1 mesh).
 
 Run by `make gpu-check`; skipped without a GPU. With one EP device every
-slot is local, but dispatch, the slot split rule, the grouped SwiGLU and
-their custom VJPs all run as on a larger mesh; the loop-over-experts
+slot is local, but dispatch, the slot split rule, the grouped SwiGLU (the
+Triton grouped matmul, and XLA's ragged_dot) and their custom VJPs all run
+as on a larger mesh; the loop-over-experts
 reference is the independent check. Matmuls run at Precision.HIGHEST so the
 GPU's TF32 default does not hide a real error behind a loose tolerance.
 """
@@ -41,7 +42,10 @@ def _placement_with_replicas(rng, spd):
   return placement_lib.Placement(se[None], (share / tot[se])[None])
 
 
-def test_routed_experts_match_reference_on_gpu():
+@pytest.mark.parametrize('gemm', ['pallas', 'ragged_dot'])
+def test_routed_experts_match_reference_on_gpu(gemm):
+  # pallas: the GPU default, the Triton grouped matmul; ragged_dot: XLA's
+  # (dense GEMMs over every group on a GPU, kept as a second opinion).
   assert jax.devices()[0].platform == 'gpu'
   rng = np.random.default_rng(0)
   x, ids, gates, valid, wg, wu, wd = _inputs(rng)
@@ -55,7 +59,7 @@ def test_routed_experts_match_reference_on_gpu():
 
     def ep_loss(x, gates, wg, wu, wd, se, share):
       y, _ = ep.routed_experts(x, ids, gates, valid, wg, wu, wd, se, share,
-                               mesh=mesh, capacity=N * K)
+                               mesh=mesh, capacity=N * K, gemm=gemm)
       return jnp.sum(jnp.sin(y)), y
 
     ep_grad = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1, 2, 3, 4),

@@ -195,6 +195,18 @@ def test_every_kernel_gpu_check_runs_fits_an_h100():
 
 
 
+def test_the_moe_grouped_matmul_fits_an_h100_on_warpgroup_mmas():
+  rows = gpu_static.report(gpu_static.grouped_matmul_sites())
+  summary = gpu_static.summary(rows)
+  assert summary['errors'] == [] and summary['over_shared_memory'] == []
+  assert summary['spilling'] == []
+  assert {r['kernel'] for r in rows} == {'grouped_tile_matmul',
+                                         'grouped_slot_matmul_t'}
+  for r in rows:
+    if not r['site'].startswith('f32'):
+      assert r['opcodes']['HGMMA'] > 0 and r['opcodes']['HMMA'] == 0, r
+
+
 def test_decode_topk_takes_only_the_real_rows():
   # At the bench's 128k cache (1,024 blocks) a top-k tile holds [1024, w]
   # scores in registers: w = the G = 4 real rows, one program a sequence.

@@ -6,8 +6,8 @@ fills and returns never cross a device boundary, and the MSA kernels never
 run inside the sharded step. Here the update of an 8-device EP mesh is
 traced and lowered for CUDA with the choices a GPU backend makes (the
 `gpu_choices` fixture of tests/conftest.py: `jax.lax.ragged_all_to_all` for
-the exchanges, `jax.lax.ragged_dot` for the grouped GEMM, the Pallas Triton
-MSA kernels): every shape, dtype, varying
+the exchanges, the Pallas Triton grouped GEMM, the Pallas Triton MSA
+kernels): every shape, dtype, varying
 axis and transpose rule of that path is checked by jax's own abstract
 evaluation, at no device time. It cannot compile here (XLA:CPU has no
 ragged all-to-all), so what runs on a GPU is left to the gpu tests.
@@ -43,7 +43,8 @@ def _moved(text: str) -> collections.Counter:
 
 def test_the_update_lowers_for_cuda_with_ragged_exchanges(gpu_choices):
   del gpu_choices
-  moved = _moved(_lowered_text('tiny', 24))
+  text = _lowered_text('tiny', 24)
+  moved = _moved(text)
   # Tokens to their slots and back, forward and backward, and the engine's
   # fills and gradient returns: every float crosses a device boundary in a
   # ragged all-to-all. The fixed-size collectives carry only the int32
@@ -51,6 +52,10 @@ def test_the_update_lowers_for_cuda_with_ragged_exchanges(gpu_choices):
   assert moved['ragged_all_to_all', 'f32'] >= 4, moved
   assert {dtype for kind, dtype in moved
           if kind != 'ragged_all_to_all'} <= {'i32'}, moved
+  # The expert SwiGLU: its matmuls and weight gradients as Triton kernels,
+  # per device, not ragged_dot (dense GEMMs over every group on a GPU).
+  assert 'grouped_tile_matmul' in text and 'grouped_slot_matmul_t' in text
+  assert 'ragged_dot' not in text
 
 
 def test_the_msa_update_lowers_its_triton_kernels_per_device(gpu_choices,
@@ -71,5 +76,5 @@ def test_the_msa_update_lowers_its_triton_kernels_per_device(gpu_choices,
   for name in ('msa_index_scores', 'msa_index_topk', 'msa_kv_outer_forward',
                'msa_kv_outer_dkv', 'msa_backward_dq_gpu'):
     assert name in text, name
-  assert 'ragged_dot' in text
+  assert 'grouped_tile_matmul' in text
   assert _moved(text)['ragged_all_to_all', 'f32'] >= 4

@@ -1,0 +1,197 @@
+"""Grouped matmul over row tiles of one group each, for GPUs (Pallas Triton).
+
+The MoE layer's expert compute multiplies each received row by its slot's
+expert matrix. grouped_swiglu lays the rows out in tiles of t rows, one
+slot per tile, tiles in slot order (x_ntK, slot_n). On a GPU the
+alternatives are poor: XLA compiles `jax.lax.ragged_dot` as dense GEMMs
+over every group (s x the work), and a loop over tiles is a few launches
+per tile. Here each matmul is one launch:
+
+  tile_matmul   y[i] = x[i] @ w[slot_n[i]] for tiles i < num_used (the rest
+                zero): a program per (tile, column block), f32
+                accumulation over K blocks, output in x's dtype.
+  slot_matmul_t dw[s] = sum of x[i]^T @ dy[i] over slot s's tiles
+                (i < num_used), in f32: a program per (slot, row block,
+                column block) walking its slot's tiles, which are
+                contiguous.
+
+`tile_matmul` carries a custom VJP built from the two: dx = tile_matmul(dy,
+w^T), dw = slot_matmul_t(x, dy) rounded once to w's dtype. w may be stored
+wider than x (a float32 master): blocks are cast to x's dtype in the
+kernel. f32 operands multiply in three TF32 passes (f32-level error; the
+MSA kernels' rule, kernel_common.gpu_precision_for). Compiled for a CPU the same calls run their jnp references
+(`reference_tile_matmul`, `reference_slot_matmul_t`); the kernels run in
+interpret mode only when asked (tests).
+
+Shape letters: n tiles, t rows per tile, K contraction dim, N output dim,
+s slots.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.msa import kernel_common as kc
+
+
+def _block(dim: int, most: int) -> int:
+  """The largest power of two <= most that divides dim (dims are powers
+  of two times small factors: 2048, 768)."""
+  b = most
+  while b > 1 and dim % b:
+    b //= 2
+  return b
+
+
+def _tile_kernel(used_ref, slot_ref, x_ref, w_ref, y_ref, *, block_k: int,
+                 precision):
+  i = pl.program_id(0)
+  t, k = x_ref.shape
+  bn = y_ref.shape[1]
+  slot = slot_ref[i]
+
+  def step(kk, acc_tN):
+    at = pl.ds(kk * block_k, block_k)
+    x_tk = x_ref[:, at]
+    w_kN = w_ref[slot, at, :].astype(x_tk.dtype)
+    return acc_tN + jnp.dot(x_tk, w_kN, precision=precision,
+                            preferred_element_type=jnp.float32)
+
+  live = i < used_ref[0]
+  # A tile past num_used runs no step: it writes zeros.
+  steps = jnp.where(live, jnp.int32(k // block_k), jnp.int32(0))
+  acc = jax.lax.fori_loop(jnp.int32(0), steps, step,
+                          jnp.zeros((t, bn), jnp.float32))
+  y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _tile_matmul(x_ntK, w_sKN, slot_n, used_1, *, interpret: bool):
+  n, t, k = x_ntK.shape
+  s, _, big_n = w_sKN.shape
+  bn = _block(big_n, 128)
+  bk = _block(k, 64)
+  return kc.pallas_call(
+      functools.partial(_tile_kernel, block_k=bk,
+                        precision=kc.gpu_precision_for(x_ntK.dtype,
+                                                       interpret)),
+      grid=(n, big_n // bn),
+      in_specs=[
+          pl.BlockSpec((1,), lambda i, j: (0,)),
+          pl.BlockSpec((n,), lambda i, j: (0,)),
+          pl.BlockSpec((None, t, k), lambda i, j: (i, 0, 0)),
+          pl.BlockSpec((s, k, bn), lambda i, j: (0, 0, j)),
+      ],
+      out_specs=pl.BlockSpec((None, t, bn), lambda i, j: (i, 0, j)),
+      out_shape=jax.ShapeDtypeStruct((n, t, big_n), x_ntK.dtype),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=8 if t * bn >= 128 * 128 else 4, num_stages=3),
+      interpret=interpret,
+      name='grouped_tile_matmul',
+  )(used_1, slot_n, x_ntK, w_sKN)
+
+
+def _slot_t_kernel(first_ref, count_ref, a_ref, b_ref, dw_ref, *,
+                   precision):
+  s = pl.program_id(0)
+  bk, bn = dw_ref.shape
+
+  def tile(ii, acc_kN):
+    i = first_ref[s] + ii
+    return acc_kN + jnp.dot(a_ref[i].T, b_ref[i], precision=precision,
+                            preferred_element_type=jnp.float32)
+
+  dw_ref[...] = jax.lax.fori_loop(jnp.int32(0), count_ref[s], tile,
+                                  jnp.zeros((bk, bn), jnp.float32))
+
+
+def slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int, *,
+                  interpret: bool):
+  """dw [s, K, N] f32: sum over slot s's tiles i < num_used of a[i]^T @
+  b[i]. Tiles are in slot order (slot_n non-decreasing)."""
+  n, t, k = a_ntK.shape
+  big_n = b_ntN.shape[2]
+  live_n = jnp.arange(n) < used_1[0]
+  count_s = jnp.zeros((num_slots,), jnp.int32).at[slot_n].add(
+      live_n.astype(jnp.int32))
+  first_s = (jnp.cumsum(count_s) - count_s).astype(jnp.int32)
+  bk, bn = _block(k, 64), _block(big_n, 128)
+  return kc.pallas_call(
+      functools.partial(_slot_t_kernel,
+                        precision=kc.gpu_precision_for(a_ntK.dtype, interpret)),
+      grid=(num_slots, k // bk, big_n // bn),
+      in_specs=[
+          pl.BlockSpec((num_slots,), lambda s, kk, j: (0,)),
+          pl.BlockSpec((num_slots,), lambda s, kk, j: (0,)),
+          pl.BlockSpec((n, t, bk), lambda s, kk, j: (0, 0, kk)),
+          pl.BlockSpec((n, t, bn), lambda s, kk, j: (0, 0, j)),
+      ],
+      out_specs=pl.BlockSpec((None, bk, bn), lambda s, kk, j: (s, kk, j)),
+      out_shape=jax.ShapeDtypeStruct((num_slots, k, big_n), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+      interpret=interpret,
+      name='grouped_slot_matmul_t',
+  )(first_s, count_s, a_ntK, b_ntN)
+
+
+def _by_platform(kernel, reference, *args, interpret):
+  """kernel(*args, interpret=...) as asked, or (None) by the platform the
+  computation is compiled for: on CPU the jnp reference, elsewhere the
+  Triton kernel (so a compile for a GPU from a CPU host gets the kernel).
+  Interpret mode is for tests: inside a shard_map that checks varying
+  axes (the expert-parallel layer's) jax's interpreter refuses a kernel's
+  ref indexing."""
+  if interpret is not None:
+    return kernel(*args, interpret=interpret)
+  return jax.lax.platform_dependent(
+      *args, cpu=reference, default=functools.partial(kernel, interpret=False))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def tile_matmul(x_ntK, w_sKN, slot_n, used_1, interpret: bool | None = None):
+  """y [n, t, N] in x's dtype: y[i] = x[i] @ w[slot_n[i]] (f32 sums) for
+  tiles i < used_1[0]; zeros past them. used_1: int32 [1]. interpret:
+  None, by the platform compiled for (`_by_platform`)."""
+  return _by_platform(_tile_matmul, reference_tile_matmul, x_ntK, w_sKN,
+                      slot_n, used_1, interpret=interpret)
+
+
+def _tile_matmul_fwd(x_ntK, w_sKN, slot_n, used_1, interpret):
+  return (tile_matmul(x_ntK, w_sKN, slot_n, used_1, interpret),
+          (x_ntK, w_sKN, slot_n, used_1))
+
+
+def _tile_matmul_bwd(interpret, res, dy_ntN):
+  x_ntK, w_sKN, slot_n, used_1 = res
+  s = w_sKN.shape[0]
+  dx = _by_platform(_tile_matmul, reference_tile_matmul, dy_ntN,
+                    jnp.swapaxes(w_sKN, 1, 2), slot_n, used_1,
+                    interpret=interpret)
+  dw = _by_platform(functools.partial(slot_matmul_t, num_slots=s),
+                    functools.partial(reference_slot_matmul_t, num_slots=s),
+                    x_ntK, dy_ntN, slot_n, used_1, interpret=interpret)
+  return dx, dw.astype(w_sKN.dtype), None, None
+
+
+tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+
+
+def reference_tile_matmul(x_ntK, w_sKN, slot_n, used_1):
+  """tile_matmul in jnp: each tile against its slot's matrix (f32 sums)."""
+  w_ntKN = w_sKN[slot_n].astype(x_ntK.dtype)
+  y = jnp.einsum('ntk,nkm->ntm', x_ntK, w_ntKN,
+                 preferred_element_type=jnp.float32)
+  live = (jnp.arange(x_ntK.shape[0]) < used_1[0])[:, None, None]
+  return jnp.where(live, y, 0).astype(x_ntK.dtype)
+
+
+def reference_slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int):
+  """slot_matmul_t in jnp: each live tile's a^T b, summed per slot (f32)."""
+  live = (jnp.arange(a_ntK.shape[0]) < used_1[0])[:, None, None]
+  per_tile = jnp.einsum('ntk,ntm->nkm', a_ntK, b_ntN,
+                        preferred_element_type=jnp.float32)
+  return jax.ops.segment_sum(jnp.where(live, per_tile, 0), slot_n,
+                             num_segments=num_slots)

@@ -1,0 +1,104 @@
+"""The GPU grouped matmul (pallas_kernels/grouped_matmul.py) in interpret
+mode against jnp references: the tile matmul, the per-slot transposed
+matmul, their VJP, and through grouped_swiglu against the loop kinds."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from foremoe_jax.model import grouped_swiglu
+from pallas_kernels import grouped_matmul as gm
+
+
+def _tiles(rng, n=7, t=16, k=64, big_n=48, s=4, used=5):
+  x = jnp.asarray(rng.normal(size=(n, t, k)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(s, k, big_n)), jnp.float32)
+  # Slot order with an empty slot (2) and a slot of several tiles.
+  slot = jnp.asarray([0, 1, 1, 3, 3, 3, 3][:n], jnp.int32)
+  return x, w, slot, jnp.asarray([used], jnp.int32)
+
+
+def test_tile_matmul_and_its_vjp_equal_the_reference():
+  rng = np.random.default_rng(0)
+  x, w, slot, used = _tiles(rng)
+  run = jax.jit(functools.partial(gm.tile_matmul, interpret=True))
+  y = run(x, w, slot, used)
+  want = gm.reference_tile_matmul(x, w, slot, used)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+  assert not np.asarray(y[5:]).any()  # tiles past num_used: zeros
+  dy = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
+  _, vjp = jax.vjp(lambda a, b: gm.tile_matmul(a, b, slot, used, True), x, w)
+  _, vjp_ref = jax.vjp(
+      lambda a, b: gm.reference_tile_matmul(a, b, slot, used), x, w)
+  for got, ref, name in zip(vjp(dy), vjp_ref(dy), ('dx', 'dw')):
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_slot_sums_walk_each_slots_tiles_by_hand():
+  # dw[s] = sum of a[i]^T b[i] over slot s's live tiles, in numpy; slot 2
+  # has none and a tile past num_used is left out.
+  rng = np.random.default_rng(1)
+  a = rng.normal(size=(7, 16, 64)).astype(np.float32)
+  b = rng.normal(size=(7, 16, 32)).astype(np.float32)
+  slot = np.array([0, 1, 1, 3, 3, 3, 3], np.int32)
+  dw = jax.jit(functools.partial(gm.slot_matmul_t, num_slots=4,
+                                 interpret=True))(
+      jnp.asarray(a), jnp.asarray(b), jnp.asarray(slot),
+      jnp.asarray([6], jnp.int32))
+  want = np.zeros((4, 64, 32), np.float32)
+  for i in range(6):
+    want[slot[i]] += a[i].T @ b[i]
+  np.testing.assert_allclose(dw, want, rtol=1e-4, atol=1e-4)
+  assert not np.asarray(dw[2]).any()
+
+
+def test_bf16_tiles_with_a_float32_master():
+  # Weights stored in f32 are cast per block to x's bf16; dw comes back in
+  # f32, summed in f32.
+  rng = np.random.default_rng(2)
+  x, w, slot, used = _tiles(rng)
+  xb = x.astype(jnp.bfloat16)
+  y, vjp = jax.vjp(lambda a, b: gm.tile_matmul(a, b, slot, used, True),
+                   xb, w)
+  want = gm.reference_tile_matmul(xb, w, slot, used)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(y.astype(np.float32), want.astype(np.float32),
+                             rtol=2e-2, atol=2e-2)
+  dx, dw = vjp(jnp.ones_like(y))
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+
+
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-4),
+                                       (jnp.bfloat16, 5e-2)])
+def test_grouped_swiglu_pallas_equals_the_tile_loop(dtype, tol):
+  # The same tiles, by the loop ('tiles') and by one launch per matmul
+  # ('pallas'): outputs of the labelled rows and all gradients.
+  rng = np.random.default_rng(3)
+  r, m, f, s, tile = 96, 32, 48, 4, 16
+  x = jnp.asarray(rng.normal(size=(r, m)), dtype)
+  label = jnp.asarray(rng.integers(-1, s, size=r), jnp.int32)
+  label = label.at[label == 2].set(1)  # an empty slot
+  w = [jnp.asarray(rng.normal(size=sh) * 0.2, jnp.float32)
+       for sh in ((s, m, f), (s, m, f), (s, f, m))]
+
+  def loss(kind, x, *w):
+    y = grouped_swiglu.grouped_swiglu(x, label, *w, tile=tile, kind=kind)
+    keep = (label >= 0)[:, None]
+    return jnp.sum(jnp.where(keep, y.astype(jnp.float32), 0) ** 2), y
+
+  grads = {}
+  for kind in ('tiles', 'pallas'):
+    (_, y), g = jax.jit(jax.value_and_grad(
+        functools.partial(loss, kind), argnums=(0, 1, 2, 3),
+        has_aux=True))(x, *w)
+    grads[kind] = (np.where((np.asarray(label) >= 0)[:, None],
+                            np.asarray(y, np.float32), 0), g)
+  (y0, g0), (y1, g1) = grads['tiles'], grads['pallas']
+  np.testing.assert_allclose(y1, y0, rtol=tol, atol=tol)
+  for a, b in zip(g1, g0):
+    scale = float(np.abs(np.asarray(b, np.float32)).max()) + 1e-6
+    np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                               np.asarray(b, np.float32) / scale,
+                               rtol=tol, atol=tol)
