@@ -37,9 +37,10 @@ _CALLS = flags.DEFINE_list('calls', None, 'Only the calls whose name holds '
                            'one of these (default: all).')
 _LAUNCHES = flags.DEFINE_bool('launches', False, 'Also print every launch '
                               'of each call.')
-_MOE_GEMMS = flags.DEFINE_list('moe_gemms', ['ragged_dot', 'tiles_static'],
+_MOE_GEMMS = flags.DEFINE_list('moe_gemms',
+                               ['pallas', 'ragged_dot', 'tiles_static'],
                                'Grouped-GEMM kinds of the MoE layer calls '
-                               '(grouped_swiglu.KINDS; ragged_dot is the GPU '
+                               '(grouped_swiglu.KINDS; pallas is the GPU '
                                'default); empty: none.')
 
 
@@ -47,13 +48,17 @@ def moe_calls(gemms, ep: int = 8, tokens: int = 4096, experts: int = 128,
               top_k: int = 8, d_model: int = 2048, d_ff: int = 768,
               replicas: int = 2) -> dict:
   """{name: (fn, args)}: the expert-parallel layer's forward and backward
-  (routed_experts: weight transfer, exact-count dispatch, grouped SwiGLU)
-  on `ep` compile-only H100s, per grouped-GEMM kind. Each device holds
+  (routed_experts: weight transfer, exact-count dispatch by the GPU's
+  ragged all-to-all, grouped SwiGLU) on `ep` compile-only H100s, per
+  grouped-GEMM kind. Each device holds
   experts / ep experts plus `replicas` replica slots; a device's buffer
   holds twice its mean rows."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.model import dispatch_exact  # pylint: disable=g-import-not-at-top
   from foremoe_jax.model import expert_parallel as ep_lib  # pylint: disable=g-import-not-at-top
+  # A GPU's exchange (this process's default backend is the CPU's).
+  exchange = dispatch_exact.default_exchange('gpu')
   mesh = ep_lib.make_mesh(1, ep, devices=launches.compile_only_h100s(ep))
   n, spd = tokens * ep, experts // ep + replicas
   sds = jax.ShapeDtypeStruct
@@ -68,7 +73,8 @@ def moe_calls(gemms, ep: int = 8, tokens: int = 4096, experts: int = 128,
     def loss(x, ids, gates, valid, wg, wu, wd, slot_expert, share):
       y, _ = ep_lib.routed_experts(x, ids, gates, valid, wg, wu, wd,
                                    slot_expert, share, mesh=mesh,
-                                   capacity=2 * tokens * top_k, gemm=gemm)
+                                   capacity=2 * tokens * top_k, gemm=gemm,
+                                   exchange=exchange)
       return jnp.sum(y.astype(jnp.float32))
     return jax.value_and_grad(loss, argnums=(0, 2, 4, 5, 6))
 

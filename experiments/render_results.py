@@ -1292,15 +1292,18 @@ def render_headline(results_dir: str) -> str:
   calls = load('gpu_launches')['calls']
   launch = lambda name: _f(calls[name]['summary']['launches'])
   moe = calls['moe layer x8, ragged_dot']['summary']
+  gmm = calls['moe layer x8, pallas']['summary']
   rows.append([
       'What an H100 launches (XLA compiled on this host)',
       f"MSA decode 128k x8: {launch('decode 128k x8')} launches (cuDNN"
       f" dense {launch('decode 128k x8, dense')}); 32k training step:"
       f" {launch('train 32k, kv_outer')} (KV-outer),"
       f" {launch('train 32k, tiles')} (union tiles), no host syncs. MoE"
-      f" layer on 8 GPUs, GPU default `ragged_dot`: **dense GEMMs over all"
-      f" groups**, {_bytes(moe['glue_bytes'])} of glue a forward and"
-      f" backward",
+      f" layer on 8 GPUs, forward and backward: `ragged_dot` is dense GEMMs"
+      f" over all groups ({_bytes(moe['kernel_bytes'])} in GEMMs,"
+      f" {_bytes(moe['glue_bytes'])} of glue); the Triton grouped matmul"
+      f" (now the GPU default) {_bytes(gmm['kernel_bytes'])} and"
+      f" {_bytes(gmm['glue_bytes'])}",
       f'[What an H100 launches]({_DETAILS}#what-an-h100-launches-no-gpu-'
       f'needed), [`gpu_launches.json`](results/gpu_launches.json)'])
   mfd = load('msa_from_dense')
