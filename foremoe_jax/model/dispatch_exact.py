@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from foremoe_jax.model import grouped_swiglu
-from foremoe_jax.model.slot_assignment import assign_slots, own_share_row
+from foremoe_jax.model.slot_assignment import (assign_slots, own_share_row,
+                                               search_sorted)
 
 DATA, EXPERT = 'data', 'expert'
 EXCHANGES = ('ragged', 'emulated', 'footprint')
@@ -192,7 +193,7 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   # 4. Row i's slot: its (source, slot) run in the source-major layout.
   bounds = jnp.cumsum(recv_Ds.reshape(-1))
   i_R = jnp.arange(capacity, dtype=i32)
-  run_R = jnp.searchsorted(bounds, i_R, side='right')
+  run_R = search_sorted(bounds, i_R)
   used = fit_D.sum()
   label_R = jnp.where(i_R < used, run_R % spd, -1).astype(i32)
   num_tiles = None

@@ -23,6 +23,19 @@ import jax
 import jax.numpy as jnp
 
 
+def search_sorted(sorted_K, query_Q):
+  """jnp.searchsorted(sorted_K, query_Q, side='right'), chosen by the
+  platform compiled for: the binary search on CPU; elsewhere one fused
+  comparison of every query with every key (O(Q K) work, fine on an
+  accelerator, but no [Q, K] array): a GPU runs the binary search as an
+  XLA loop of a few launches per step (experiments/gpu_launches)."""
+  return jax.lax.platform_dependent(
+      sorted_K, query_Q,
+      cpu=lambda k, q: jnp.searchsorted(k, q, side='right'),
+      default=lambda k, q: jnp.searchsorted(k, q, side='right',
+                                            method='compare_all'))
+
+
 class SlotAssignment(NamedTuple):
   slot_A: jax.Array  # int32: global slot of each assignment (any if not found).
   pos_A: jax.Array  # int32: position among this source's rows for that slot.
@@ -109,7 +122,7 @@ def assign_slots(e_A, valid_A, slot_expert_S, share_S,
   # stops non-monotone; the first slot past r is unchanged by it.
   key_S = jax.lax.cummax(key_S)
   query_A = e_A.astype(jnp.int32) * span + rank_A
-  at_A = jnp.searchsorted(key_S, query_A, side='right')
+  at_A = search_sorted(key_S, query_A)
   slot_A = order_S[jnp.minimum(at_A, num_slots - 1)].astype(jnp.int32)
   found_A = (valid_A & (at_A < num_slots)
              & (slot_expert_S[slot_A] == e_A)

@@ -196,3 +196,23 @@ def test_union_tile_prefill_has_no_loop():
   assert names == ['msa_index_scores', 'msa_index_topk',
                    'msa_forward_gpu_tiles']
   assert launches.summarize(rows)['host_syncs'] == 0
+
+
+@needs_plugin
+def test_moe_layer_compiles_to_triton_matmuls_without_loops():
+  """The expert-parallel layer, forward and backward, on 2 compile-only
+  H100s with the GPU's choices: the grouped SwiGLU is Triton launches (no
+  XLA GEMM over every group), and the exact dispatch has no loop."""
+  from experiments import gpu_launches  # pylint: disable=g-import-not-at-top
+  calls = gpu_launches.moe_calls(['pallas', 'ragged_dot'], ep=2, tokens=256,
+                                 experts=8, d_model=64, d_ff=32)
+  out = launches.audit(calls, unplaced=list(calls))
+  gmm = out['moe layer x2, pallas']
+  assert 'error' not in gmm, gmm
+  names = [r['name'] for r in gmm['launches'] if r['kind'] == 'triton']
+  assert names.count('grouped_tile_matmul') == 6  # 3 forward, 3 dx
+  assert names.count('grouped_slot_matmul_t') == 3
+  assert gmm['summary']['loops'] == []
+  assert gmm['summary']['by_kind'].get('gemm', 0) == 0
+  dense = out['moe layer x2, ragged_dot']['summary']
+  assert dense['by_kind']['gemm'] >= 3  # XLA's own GEMMs
