@@ -47,6 +47,18 @@ def _block(dim: int, most: int) -> int:
   return b
 
 
+def _check_gpu_dot(interpret: bool, **dims):
+  """A Triton dot needs 16 along each dim: its rows (the tile) and the
+  power-of-two blocks of K and N."""
+  small = {k: v for k, v in dims.items() if v < 16}
+  if small and not interpret:
+    raise ValueError(
+        f'the GPU grouped matmul needs tiles of at least 16 rows and K, N '
+        f'with a power-of-two factor of at least 16 (a Triton dot); got '
+        f'blocks {small}. Use a larger tile or grouped GEMM kind '
+        f"'ragged_dot'.")
+
+
 def _tile_kernel(used_ref, slot_ref, x_ref, w_ref, y_ref, *, block_k: int,
                  precision):
   i = pl.program_id(0)
@@ -74,6 +86,7 @@ def _tile_matmul(x_ntK, w_sKN, slot_n, used_1, *, interpret: bool):
   s, _, big_n = w_sKN.shape
   bn = _block(big_n, 128)
   bk = _block(k, 64)
+  _check_gpu_dot(interpret, rows=t, k=bk, n=bn)
   return kc.pallas_call(
       functools.partial(_tile_kernel, block_k=bk,
                         precision=kc.gpu_precision_for(x_ntK.dtype,
@@ -119,6 +132,7 @@ def slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int, *,
       live_n.astype(jnp.int32))
   first_s = (jnp.cumsum(count_s) - count_s).astype(jnp.int32)
   bk, bn = _block(k, 64), _block(big_n, 128)
+  _check_gpu_dot(interpret, rows=t, k=bk, n=bn)
   return kc.pallas_call(
       functools.partial(_slot_t_kernel,
                         precision=kc.gpu_precision_for(a_ntK.dtype, interpret)),

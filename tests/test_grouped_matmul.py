@@ -102,3 +102,15 @@ def test_grouped_swiglu_pallas_equals_the_tile_loop(dtype, tol):
     np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
                                np.asarray(b, np.float32) / scale,
                                rtol=tol, atol=tol)
+
+
+def test_shapes_a_triton_dot_cannot_take_are_refused_clearly():
+  # K = 24 has a power-of-two factor of 8 only: a GPU compile would fail
+  # deep in Triton; it is refused up front (interpret mode takes it).
+  rng = np.random.default_rng(4)
+  x, w, slot, used = _tiles(rng, k=24)
+  with pytest.raises(ValueError, match='at least 16'):
+    gm.tile_matmul(x, w, slot, used, False)
+  y = gm.tile_matmul(x, w, slot, used, True)
+  np.testing.assert_allclose(y, gm.reference_tile_matmul(x, w, slot, used),
+                             rtol=1e-5, atol=1e-5)
