@@ -47,11 +47,13 @@ def _block(dim: int, most: int) -> int:
   return b
 
 
-def _check_gpu_dot(interpret: bool, **dims):
+def _check_gpu_dot(a_ntK, b_sKN):
   """A Triton dot needs 16 along each dim: its rows (the tile) and the
-  power-of-two blocks of K and N."""
+  power-of-two blocks of K and N (the last two dims of b)."""
+  dims = dict(rows=a_ntK.shape[1], k=_block(b_sKN.shape[-2], 64),
+              n=_block(b_sKN.shape[-1], 128))
   small = {k: v for k, v in dims.items() if v < 16}
-  if small and not interpret:
+  if small:
     raise ValueError(
         f'the GPU grouped matmul needs tiles of at least 16 rows and K, N '
         f'with a power-of-two factor of at least 16 (a Triton dot); got '
@@ -86,7 +88,6 @@ def _tile_matmul(x_ntK, w_sKN, slot_n, used_1, *, interpret: bool):
   s, _, big_n = w_sKN.shape
   bn = _block(big_n, 128)
   bk = _block(k, 64)
-  _check_gpu_dot(interpret, rows=t, k=bk, n=bn)
   return kc.pallas_call(
       functools.partial(_tile_kernel, block_k=bk,
                         precision=kc.gpu_precision_for(x_ntK.dtype,
@@ -132,7 +133,6 @@ def slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int, *,
       live_n.astype(jnp.int32))
   first_s = (jnp.cumsum(count_s) - count_s).astype(jnp.int32)
   bk, bn = _block(k, 64), _block(big_n, 128)
-  _check_gpu_dot(interpret, rows=t, k=bk, n=bn)
   return kc.pallas_call(
       functools.partial(_slot_t_kernel,
                         precision=kc.gpu_precision_for(a_ntK.dtype, interpret)),
@@ -158,6 +158,12 @@ def _by_platform(kernel, reference, *args, interpret):
   Interpret mode is for tests: inside a shard_map that checks varying
   axes (the expert-parallel layer's) jax's interpreter refuses a kernel's
   ref indexing."""
+  # Compiled for a GPU (asked for, or running on one), shapes a Triton dot
+  # cannot take are refused here, not deep in Triton. Both branches of
+  # platform_dependent are traced, so on a CPU they pass.
+  if interpret is False or (interpret is None
+                            and jax.default_backend() == 'gpu'):
+    _check_gpu_dot(args[0], args[1])
   if interpret is not None:
     return kernel(*args, interpret=interpret)
   return jax.lax.platform_dependent(
