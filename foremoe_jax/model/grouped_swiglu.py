@@ -26,10 +26,10 @@ Shared by both dispatch strategies, in three forms:
   work, and tens of GB of masking at a Qwen3-30B-A3B layer:
   experiments/gpu_launches, docs/results.md "What an H100 launches").
 * ``pallas``: the tiles of ``tiles`` (of PALLAS_TILE rows), each matmul one
-  Pallas Triton launch (pallas_kernels/grouped_matmul.py: a program per
+  Pallas Triton launch (pallas_kernels/grouped_matmul: a program per
   tile and column block; the weight gradient per slot over its tiles):
-  the GPU default. Compiled for a CPU it runs the kernels' jnp references
-  over the same tiles.
+  the GPU default. Compiled for anything else it runs the kernels' jnp
+  reference over the same tiles.
 
 All of them compute in x's dtype, casting the weights per slot, so the
 weights may be stored wider (the float32 master); weight gradients are

@@ -374,12 +374,12 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
 
 def grouped_matmul_sites() -> dict:
   """{site: (fn, args)}: the MoE layer's GPU grouped matmul (forward and
-  its VJP: pallas_kernels/grouped_matmul.py) in bf16 at a Qwen3-30B-A3B
+  its VJP: pallas_kernels/grouped_matmul) in bf16 at a Qwen3-30B-A3B
   layer on 8 devices (530 tiles of 128 rows, 18 slots, model dim 2048,
   expert dim 768; f32 master weights) and in f32 at the GPU test's shapes
   (tests/model/test_expert_parallel_gpu.py)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import grouped_matmul as gm  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.grouped_matmul import kernel as gm  # pylint: disable=g-import-not-at-top
   shape = jax.ShapeDtypeStruct
 
   def fwd_bwd(x, w, slot, used, dy):

@@ -1,4 +1,4 @@
-"""Grouped matmul over row tiles of one group each, for GPUs (Pallas Triton).
+"""Grouped matmul over row tiles of one group each: the Pallas Triton kernels.
 
 The MoE layer's expert compute multiplies each received row by its slot's
 expert matrix. grouped_swiglu lays the rows out in tiles of t rows, one
@@ -19,9 +19,9 @@ per tile. Here each matmul is one launch:
 w^T), dw = slot_matmul_t(x, dy) rounded once to w's dtype. w may be stored
 wider than x (a float32 master): blocks are cast to x's dtype in the
 kernel. f32 operands multiply in three TF32 passes (f32-level error; the
-MSA kernels' rule, kernel_common.gpu_precision_for). Compiled for a CPU the same calls run their jnp references
-(`reference_tile_matmul`, `reference_slot_matmul_t`); the kernels run in
-interpret mode only when asked (tests).
+MSA kernels' rule, kernel_common.gpu_precision_for). Compiled for anything
+but a CUDA GPU the same calls run their jnp references (reference.py, the
+spec); the kernels run in interpret mode only when asked (tests).
 
 Shape letters: n tiles, t rows per tile, K contraction dim, N output dim,
 s slots.
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.grouped_matmul import reference
 from pallas_kernels.msa import kernel_common as kc
 
 
@@ -151,10 +152,11 @@ def slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int, *,
   )(first_s, count_s, a_ntK, b_ntN)
 
 
-def _by_platform(kernel, reference, *args, interpret):
+def _by_platform(kernel, spec, *args, interpret):
   """kernel(*args, interpret=...) as asked, or (None) by the platform the
-  computation is compiled for: on CPU the jnp reference, elsewhere the
-  Triton kernel (so a compile for a GPU from a CPU host gets the kernel).
+  computation is compiled for: the Triton kernel for a CUDA GPU (so a
+  compile for a GPU from a CPU host gets the kernel), elsewhere `spec`,
+  the jnp reference.
   Interpret mode is for tests: inside a shard_map that checks varying
   axes (the expert-parallel layer's) jax's interpreter refuses a kernel's
   ref indexing."""
@@ -167,7 +169,7 @@ def _by_platform(kernel, reference, *args, interpret):
   if interpret is not None:
     return kernel(*args, interpret=interpret)
   return jax.lax.platform_dependent(
-      *args, cpu=reference, default=functools.partial(kernel, interpret=False))
+      *args, cuda=functools.partial(kernel, interpret=False), default=spec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -175,7 +177,7 @@ def tile_matmul(x_ntK, w_sKN, slot_n, used_1, interpret: bool | None = None):
   """y [n, t, N] in x's dtype: y[i] = x[i] @ w[slot_n[i]] (f32 sums) for
   tiles i < used_1[0]; zeros past them. used_1: int32 [1]. interpret:
   None, by the platform compiled for (`_by_platform`)."""
-  return _by_platform(_tile_matmul, reference_tile_matmul, x_ntK, w_sKN,
+  return _by_platform(_tile_matmul, reference.tile_matmul, x_ntK, w_sKN,
                       slot_n, used_1, interpret=interpret)
 
 
@@ -187,31 +189,13 @@ def _tile_matmul_fwd(x_ntK, w_sKN, slot_n, used_1, interpret):
 def _tile_matmul_bwd(interpret, res, dy_ntN):
   x_ntK, w_sKN, slot_n, used_1 = res
   s = w_sKN.shape[0]
-  dx = _by_platform(_tile_matmul, reference_tile_matmul, dy_ntN,
+  dx = _by_platform(_tile_matmul, reference.tile_matmul, dy_ntN,
                     jnp.swapaxes(w_sKN, 1, 2), slot_n, used_1,
                     interpret=interpret)
   dw = _by_platform(functools.partial(slot_matmul_t, num_slots=s),
-                    functools.partial(reference_slot_matmul_t, num_slots=s),
+                    functools.partial(reference.slot_matmul_t, num_slots=s),
                     x_ntK, dy_ntN, slot_n, used_1, interpret=interpret)
   return dx, dw.astype(w_sKN.dtype), None, None
 
 
 tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
-
-
-def reference_tile_matmul(x_ntK, w_sKN, slot_n, used_1):
-  """tile_matmul in jnp: each tile against its slot's matrix (f32 sums)."""
-  w_ntKN = w_sKN[slot_n].astype(x_ntK.dtype)
-  y = jnp.einsum('ntk,nkm->ntm', x_ntK, w_ntKN,
-                 preferred_element_type=jnp.float32)
-  live = (jnp.arange(x_ntK.shape[0]) < used_1[0])[:, None, None]
-  return jnp.where(live, y, 0).astype(x_ntK.dtype)
-
-
-def reference_slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int):
-  """slot_matmul_t in jnp: each live tile's a^T b, summed per slot (f32)."""
-  live = (jnp.arange(a_ntK.shape[0]) < used_1[0])[:, None, None]
-  per_tile = jnp.einsum('ntk,ntm->nkm', a_ntK, b_ntN,
-                        preferred_element_type=jnp.float32)
-  return jax.ops.segment_sum(jnp.where(live, per_tile, 0), slot_n,
-                             num_segments=num_slots)

@@ -1,5 +1,5 @@
-"""The GPU grouped matmul (pallas_kernels/grouped_matmul.py) in interpret
-mode against jnp references: the tile matmul, the per-slot transposed
+"""The GPU grouped matmul (pallas_kernels/grouped_matmul) in interpret
+mode against its jnp reference: the tile matmul, the per-slot transposed
 matmul, their VJP, and through grouped_swiglu against the loop kinds."""
 import functools
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from foremoe_jax.model import grouped_swiglu
-from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.grouped_matmul import kernel as gm
+from pallas_kernels.grouped_matmul import reference
 
 
 def _tiles(rng, n=7, t=16, k=64, big_n=48, s=4, used=5):
@@ -25,13 +26,13 @@ def test_tile_matmul_and_its_vjp_equal_the_reference():
   x, w, slot, used = _tiles(rng)
   run = jax.jit(functools.partial(gm.tile_matmul, interpret=True))
   y = run(x, w, slot, used)
-  want = gm.reference_tile_matmul(x, w, slot, used)
+  want = reference.tile_matmul(x, w, slot, used)
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
   assert not np.asarray(y[5:]).any()  # tiles past num_used: zeros
   dy = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
   _, vjp = jax.vjp(lambda a, b: gm.tile_matmul(a, b, slot, used, True), x, w)
   _, vjp_ref = jax.vjp(
-      lambda a, b: gm.reference_tile_matmul(a, b, slot, used), x, w)
+      lambda a, b: reference.tile_matmul(a, b, slot, used), x, w)
   for got, ref, name in zip(vjp(dy), vjp_ref(dy), ('dx', 'dw')):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
@@ -62,7 +63,7 @@ def test_bf16_tiles_with_a_float32_master():
   xb = x.astype(jnp.bfloat16)
   y, vjp = jax.vjp(lambda a, b: gm.tile_matmul(a, b, slot, used, True),
                    xb, w)
-  want = gm.reference_tile_matmul(xb, w, slot, used)
+  want = reference.tile_matmul(xb, w, slot, used)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(y.astype(np.float32), want.astype(np.float32),
                              rtol=2e-2, atol=2e-2)
@@ -112,5 +113,5 @@ def test_shapes_a_triton_dot_cannot_take_are_refused_clearly():
   with pytest.raises(ValueError, match='at least 16'):
     gm.tile_matmul(x, w, slot, used, False)
   y = gm.tile_matmul(x, w, slot, used, True)
-  np.testing.assert_allclose(y, gm.reference_tile_matmul(x, w, slot, used),
+  np.testing.assert_allclose(y, reference.tile_matmul(x, w, slot, used),
                              rtol=1e-5, atol=1e-5)
