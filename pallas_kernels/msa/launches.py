@@ -274,7 +274,7 @@ def launches(hlo: str) -> list[dict]:
           walk(called['condition'], times * (n + 1 if n else 1))
           walk(called['body'], times * (n or 1))
         else:
-          targets = [c for k, c in called.items()]
+          targets = list(called.values())
           if branches:
             targets += re.findall(r'%([\w.\-]+)', branches.group(1))
           for c in targets:
