@@ -1163,7 +1163,38 @@ def render_gpu_check(results_dir: str, name: str) -> str:
         f"{name} {r.get('seq_len', r.get('cache_len', ''))}"
         f" ({r.get('skipped') or r.get('error', '')[:80]})" for name, r in cut)
         + '.']
+  gemm = rec.get('bench_grouped_gemm')
+  if gemm:
+    lines += ['', _grouped_gemm_text(gemm)]
   return '\n'.join(lines)
+
+
+def _grouped_gemm_text(gemm: dict) -> str:
+  """gpu-check's grouped-GEMM bench (foremoe_jax/benchmarks/grouped_gemm):
+  each kind beside the dense batched GEMM of the same rows, or why it has
+  no times."""
+  sh = gemm.get('shape', {})
+  head = ('Expert compute, forward+backward (`experiments.bench_grouped_gemm'
+          ' --device=gpu`; one device\'s rows of an MoE layer: '
+          f"{_f(sh.get('live_rows'))} routed rows in a buffer of"
+          f" {_f(sh.get('rows'))}, {_f(sh.get('slots'))} slots, model dim"
+          f" {_f(sh.get('model_dim'))}, expert dim {_f(sh.get('hidden_dim'))},"
+          f" {sh.get('dtype', '?')})")
+  if 'seconds' not in gemm:
+    why = gemm.get('skipped') or gemm.get('error') or gemm.get('errors')
+    return f'{head}: not measured ({str(why)[:200]}).'
+  sec, check = gemm['seconds'], gemm.get('check', {})
+  rows = [[f'`{k}`', _ms(v), _f(gemm['tflops'][k]),
+           _f(gemm.get('efficiency_vs_batched', {}).get(k, 1.0)),
+           _f(check[k], 2) if k in check else '-']
+          for k, v in sorted(sec.items(), key=lambda kv: kv[1])]
+  text = head + ':\n\n' + _table(
+      ['kind', 'ms', 'useful TFLOP/s', 'batched GEMM time / its time',
+       'error vs f32'], rows)
+  if gemm.get('errors'):
+    text += '\n\nNot timed: ' + '; '.join(
+        f'`{k}` ({str(v)[:80]})' for k, v in gemm['errors'].items()) + '.'
+  return text
 
 
 def _profile_table(prof: dict) -> str:

@@ -18,7 +18,12 @@
 #      reference in f32 and bf16; the expert-parallel layer; one RL step),
 #      in what is left (at least TESTS_TIME_LIMIT, more when the bench
 #      ends early);
-#   3. one JSON summary line, also written to $RESULTS, whatever happened.
+#   3. experiments.bench_grouped_gemm --device=gpu, when GEMM_TIME (60 s)
+#      is left: the MoE layer's expert compute on one device's rows, the
+#      Triton grouped matmul ('pallas') vs XLA's ragged_dot vs a dense
+#      batched GEMM, each checked against a float32 reference first. The
+#      tests give it only what they have beyond TESTS_TIME_LIMIT;
+#   4. one JSON summary line, also written to $RESULTS, whatever happened.
 # DRY_RUN=1 runs the same plumbing on CPU (no GPU asserted, the gpu tests
 # skip, the bench at toy shapes in interpret mode: tests/test_gpu_check.py).
 # Environment: PYTHON (python3), WHEELS (.whl), SITE (/tmp/foremoe_site),
@@ -27,7 +32,8 @@
 # ten minutes), DECODE_LENS (131072), BENCH_REPEATS (5), RESULTS
 # (results/gpu_check.json), LOGDIR (/tmp/foremoe_gpu_check), TEST_WORKERS
 # (8: the lent machines have 16 cores), TEST_TIMEOUT (300 s per test),
-# TESTS_TIME_LIMIT (200 s kept for the tests).
+# TESTS_TIME_LIMIT (200 s kept for the tests), GEMM_TIME (60 s for the
+# grouped-GEMM bench, 0: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -37,6 +43,7 @@ SEQ_LENS=${SEQ_LENS:-32768,131072}
 DECODE_LENS=${DECODE_LENS:-131072}
 BUDGET=${BUDGET:-570}
 TESTS_TIME_LIMIT=${TESTS_TIME_LIMIT:-200}
+GEMM_TIME=${GEMM_TIME:-60}
 START=$SECONDS
 RESULTS=${RESULTS:-results/gpu_check.json}
 LOGDIR=${LOGDIR:-/tmp/foremoe_gpu_check}
@@ -110,10 +117,13 @@ if [ "$DRY_RUN" != 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
   pytest_args+=(-n "${TEST_WORKERS:-8}" --dist worksteal)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
-# The tests get what is left but 10 s for the summary. Tests not started
-# 40 s before that are skipped (tests/conftest.py), so pytest ends by
-# itself and writes its report.
+# The tests get what is left but 10 s for the summary and the grouped-GEMM
+# bench's GEMM_TIME, which they give up only beyond TESTS_TIME_LIMIT. Tests
+# not started 40 s before their end are skipped (tests/conftest.py), so
+# pytest ends by itself and writes its report.
 tests_left=$(( BUDGET - (SECONDS - START) - 10 ))
+spare=$(( tests_left - TESTS_TIME_LIMIT ))
+(( spare > 0 )) && tests_left=$(( tests_left - (spare < GEMM_TIME ? spare : GEMM_TIME) ))
 (( tests_left < 5 )) && tests_left=5
 export FOREMOE_TEST_DEADLINE=$(( $(date +%s) + tests_left - 40 ))
 if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
@@ -129,6 +139,23 @@ timeout "$tests_left" \
 tests_rc=${PIPESTATUS[0]}
 unset XLA_PYTHON_CLIENT_PREALLOCATE FOREMOE_TEST_DEADLINE
 
+# The grouped-GEMM bench in what is left but the summary's 10 s: started
+# only with 30 s to go, no phase past 15 s before its end.
+gemm_left=$(( BUDGET - (SECONDS - START) - 10 ))
+gemm_rc=
+if (( GEMM_TIME > 0 && gemm_left >= 30 )); then
+  timeout "$gemm_left" "$PY" -m experiments.bench_grouped_gemm --device=gpu \
+      --deadline_s=$(( gemm_left - 15 )) \
+      --results_dir="$( [ "$DRY_RUN" = 1 ] && echo "$LOGDIR" || echo results )" \
+      $( [ "$DRY_RUN" = 1 ] && echo --dry_run ) 2>&1 \
+    | tee "$LOGDIR/bench_grouped_gemm.log"
+  gemm_rc=${PIPESTATUS[0]}
+else
+  echo "gpu-check: no time left for the grouped-GEMM bench" \
+       "(${gemm_left} s)" > "$LOGDIR/bench_grouped_gemm.log"
+fi
+
 "$PY" scripts/gpu_check_summary.py --junit="$LOGDIR/gpu_tests.xml" \
     --bench_log="$LOGDIR/bench_msa.log" --tests_rc=$tests_rc \
-    --bench_rc=$bench_rc --out="$RESULTS"
+    --bench_rc=$bench_rc --out="$RESULTS" \
+    --gemm_log="$LOGDIR/bench_grouped_gemm.log" ${gemm_rc:+--gemm_rc=$gemm_rc}

@@ -1,8 +1,10 @@
-"""One JSON line for `make gpu-check`: the run's setup, test counts, bench.
+"""One JSON line for `make gpu-check`: the run's setup, test counts, benches.
 
-Reads the pytest junit XML and the last JSON line of the bench log, prints
-one JSON object and writes it to --out. Exits non-zero when a gpu test
-failed or the bench did not finish, so `make gpu-check` fails too.
+Reads the pytest junit XML and the last JSON line of each bench log (the
+MSA bench; the grouped-GEMM bench, when it had time to run), prints one
+JSON object and writes it to --out. Exits non-zero when a gpu test failed,
+the MSA bench did not finish, or the grouped-GEMM bench ran and failed,
+so `make gpu-check` fails too.
 """
 import argparse
 from importlib import metadata
@@ -62,6 +64,9 @@ def main():
   ap.add_argument('--tests_rc', type=int, required=True)
   ap.add_argument('--bench_rc', type=int, required=True)
   ap.add_argument('--out', required=True)
+  ap.add_argument('--gemm_log', default=None)
+  ap.add_argument('--gemm_rc', type=int, default=None,
+                  help='absent: the grouped-GEMM bench did not run')
   a = ap.parse_args()
   info = run_info()
   info['packages'] = {}
@@ -75,9 +80,20 @@ def main():
   ok = (a.tests_rc == 0 and a.bench_rc == 0 and not tests.get('failed')
         and 'error' not in bench and bench.get('complete', False)
         and tests.get('passed', 0) > 0)
+  gemm = None
+  if a.gemm_rc is not None:
+    gemm = _bench(a.gemm_log)
+    gemm.pop('partial', None)
+    ok = ok and a.gemm_rc == 0 and gemm.get('complete', False)
+  elif a.gemm_log:
+    try:
+      gemm = {'skipped': open(a.gemm_log).read().strip()}
+    except OSError:
+      pass
   summary = {'gpu_check': 'pass' if ok else 'fail', 'setup': info,
              'tests': tests, 'tests_rc': a.tests_rc, 'bench_rc': a.bench_rc,
-             'bench_msa': bench}
+             'bench_msa': bench, 'gemm_rc': a.gemm_rc,
+             'bench_grouped_gemm': gemm}
   with open(a.out, 'w') as f:
     json.dump(summary, f, indent=1)
     f.write('\n')

@@ -38,8 +38,15 @@ def test_dry_run_writes_a_complete_summary(tmp_path):
   assert out['tests_rc'] == 0 and out['bench_rc'] == 0
   # No GPU test ran, so it is not a pass; the docs' table renders it.
   assert out['gpu_check'] == 'fail' and proc.returncode == 1
+  # The grouped-GEMM bench ran in the time the tests left, checked each
+  # kind against float32, and landed beside the logs too.
+  gemm = out['bench_grouped_gemm']
+  assert out['gemm_rc'] == 0 and gemm['complete'], gemm
+  assert set(gemm['check']) == {'pallas', 'ragged_dot'}
+  assert (tmp_path / 'bench_grouped_gemm_gpu.json').exists()
   text = render_results.render_gpu_check(str(tmp_path), 'gpu_check_dry')
   assert '| 128 |' in text
+  assert '| `ragged_dot` |' in text and '2,048 routed rows' in text
 
 
 def test_a_spent_budget_still_writes_the_summary(tmp_path):
@@ -51,6 +58,8 @@ def test_a_spent_budget_still_writes_the_summary(tmp_path):
   assert not bench['complete']
   assert all(r.get('skipped') == 'deadline'
              for r in [bench['ceilings'], *bench['results'], *bench['decode']])
+  assert out['gemm_rc'] is None
+  assert 'no time left' in out['bench_grouped_gemm']['skipped']
 
 
 # What the GPU image lacks of the CPU install (its package list has
