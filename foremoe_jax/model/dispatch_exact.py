@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from foremoe_jax.model import grouped_swiglu
+from foremoe_jax.model.vma import vary, varying_axes
 from foremoe_jax.model.slot_assignment import (assign_slots, own_share_row,
                                                search_sorted)
 
@@ -91,6 +92,12 @@ def _exchange(kind: str, chunk: int):
   if kind == 'ragged':
     def ragged(operand, output, in_off, send, out_off, recv, recv_off):
       del recv_off
+      # The collective's result takes `output`'s type. A zeros buffer is
+      # typed as the same on every device, so what arrives would be too,
+      # and autodiff would psum its cotangent over the mesh (every
+      # device's row gradients summed into every other's). Typed as
+      # differing per device, the transpose is the ragged exchange back.
+      output = vary(output, varying_axes(operand) | {EXPERT})
       return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off,
                                        recv, axis_name=EXPERT)
     return ragged

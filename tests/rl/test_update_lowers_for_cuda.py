@@ -18,12 +18,13 @@ import re
 from foremoe_jax.benchmarks import memory_report
 
 
-def _lowered_text(config: str, tokens_per_seq: int) -> str:
+def _lowered_text(config: str, tokens_per_seq: int,
+                  exchange: str = 'ragged') -> str:
   report = memory_report.MemoryReport(
       config=config, ep=8, seqs_per_device=2, tokens_per_seq=tokens_per_seq,
       microsteps=2, redundant_slots_per_device=1)
   return memory_report.lowered_update(
-      report, 2, exchange='ragged', platforms=('cuda',)).as_text()
+      report, 2, exchange=exchange, platforms=('cuda',)).as_text()
 
 
 def _moved(text: str) -> collections.Counter:
@@ -56,6 +57,22 @@ def test_the_update_lowers_for_cuda_with_ragged_exchanges(gpu_choices):
   # per device, not ragged_dot (dense GEMMs over every group on a GPU).
   assert 'grouped_tile_matmul' in text and 'grouped_slot_matmul_t' in text
   assert 'ragged_dot' not in text
+
+
+def test_the_ragged_exchange_adds_no_all_reduce(gpu_choices):
+  # What a ragged all-to-all writes differs per device. Typed as the same
+  # on every device (its zeros output buffer's type), autodiff summed the
+  # received rows' cotangents over the mesh: an all-reduce of every
+  # device's row gradients into every other's, wrong values that a
+  # one-GPU run cannot show. The CPU emulation, checked against the
+  # loop-over-experts reference, has its all-reduces only where the
+  # update needs them (loss, statistics, replicated weights): the ragged
+  # exchange must have the same ones.
+  del gpu_choices
+  count = lambda text: text.count('stablehlo.all_reduce')
+  ragged = count(_lowered_text('tiny', 24))
+  emulated = count(_lowered_text('tiny', 24, exchange='emulated'))
+  assert ragged == emulated, (ragged, emulated)
 
 
 def test_the_msa_update_lowers_its_triton_kernels_per_device(gpu_choices,
