@@ -187,6 +187,30 @@ def _slot_order(label_R, num_slots: int):
   return key_R, order_R, count_s
 
 
+@jax.custom_vjp
+def _gather_rows(a_XM, to_Y, from_X):
+  """out[y] = a[to_Y[y]], a zero row where to_Y[y] is out of range.
+
+  to_Y and from_X are inverse partial maps (row x goes to y = from_X[x],
+  and to_Y[y] = x; out of range on either side: no partner), so the
+  transpose is the same gather the other way, da[x] = g[from_X[x]], where
+  autodiff would scatter-add (on a GPU a scatter into a zeroed buffer,
+  twice the bytes of a gather and serialised on duplicate targets)."""
+  return jnp.take(a_XM, to_Y, axis=0, mode='fill', fill_value=0)
+
+
+def _gather_rows_fwd(a_XM, to_Y, from_X):
+  return _gather_rows(a_XM, to_Y, from_X), (to_Y, from_X)
+
+
+def _gather_rows_bwd(res, g_YM):
+  to_Y, from_X = res
+  return _gather_rows(g_YM, from_X, to_Y), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def _tiles(x_RM, label_R, w_sXY, tile: int, kind: str, mesh_axes=(),
            num_tiles=None):
   num_rows = x_RM.shape[0]
@@ -207,11 +231,12 @@ def _tiles(x_RM, label_R, w_sXY, tile: int, kind: str, mesh_axes=(),
                           + rank_sorted, num_tiles_static * tile)
   dest_R = jnp.zeros((num_rows,), jnp.int32).at[order_R].set(dest_sorted)
   # Gather (not scatter) the tiled rows: the inverse map is an int scatter.
+  # Padding rows of the tiles have src num_rows (out of range: zeros).
   src_T = jnp.full((num_tiles_static * tile,), num_rows, jnp.int32)
   src_T = src_T.at[dest_R].set(jnp.arange(num_rows, dtype=jnp.int32),
                                mode='drop')
-  x_pad_RM = jnp.concatenate([x_RM, jnp.zeros_like(x_RM[:1])])
-  x_ntM = x_pad_RM[src_T].reshape(num_tiles_static, tile, -1)
+  x_ntM = _gather_rows(x_RM, src_T, dest_R).reshape(num_tiles_static, tile,
+                                                    -1)
   # A tile's slot: how many slot groups end at or before its first row.
   first_n = jnp.arange(num_tiles_static) * tile
   slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
@@ -231,9 +256,9 @@ def _tiles(x_RM, label_R, w_sXY, tile: int, kind: str, mesh_axes=(),
                 jnp.minimum(num_tiles, num_tiles_static))
     y_ntM = _tiled_swiglu(x_ntM, *w_sXY, slot_n, num_used)
   y_TM = y_ntM.reshape(num_tiles_static * tile, -1)
-  # Empty rows read some tile's row; the combine never reads them back.
-  return jnp.take(y_TM, jnp.minimum(dest_R, num_tiles_static * tile - 1),
-                  axis=0)
+  # Empty rows (dest out of range) read zeros; the combine never reads
+  # them back.
+  return _gather_rows(y_TM, dest_R, src_T)
 
 
 # ------------------------------------------------------------ ragged_dot

@@ -16,7 +16,8 @@ per tile. Here each matmul is one launch:
                 contiguous.
 
 `tile_matmul` carries a custom VJP built from the two: dx = tile_matmul(dy,
-w^T), dw = slot_matmul_t(x, dy) rounded once to w's dtype. w may be stored
+w^T) (w read transposed in the kernel, never copied), dw = slot_matmul_t(x,
+dy) rounded once to w's dtype as the kernel writes it. w may be stored
 wider than x (a float32 master): blocks are cast to x's dtype in the
 kernel. f32 operands multiply in three TF32 passes (f32-level error; the
 MSA kernels' rule, kernel_common.gpu_precision_for). Compiled for anything
@@ -63,18 +64,23 @@ def _check_gpu_dot(a_ntK, b_sKN):
 
 
 def _tile_kernel(used_ref, slot_ref, x_ref, w_ref, y_ref, *, block_k: int,
-                 precision):
+                 precision, transpose_w: bool):
   i = pl.program_id(0)
   t, k = x_ref.shape
   bn = y_ref.shape[1]
   slot = slot_ref[i]
+  # w's block is [k, bn], or [bn, k] read as its transpose (a Triton dot
+  # takes a transposed operand as it is: no copy of w^T anywhere).
+  contract = 1 if transpose_w else 0
 
   def step(kk, acc_tN):
     at = pl.ds(kk * block_k, block_k)
     x_tk = x_ref[:, at]
-    w_kN = w_ref[slot, at, :].astype(x_tk.dtype)
-    return acc_tN + jnp.dot(x_tk, w_kN, precision=precision,
-                            preferred_element_type=jnp.float32)
+    w_blk = (w_ref[slot, :, at] if transpose_w else
+             w_ref[slot, at, :]).astype(x_tk.dtype)
+    return acc_tN + jax.lax.dot_general(
+        x_tk, w_blk, (((1,), (contract,)), ((), ())), precision=precision,
+        preferred_element_type=jnp.float32)
 
   live = i < used_ref[0]
   # A tile past num_used runs no step: it writes zeros.
@@ -84,13 +90,19 @@ def _tile_kernel(used_ref, slot_ref, x_ref, w_ref, y_ref, *, block_k: int,
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _tile_matmul(x_ntK, w_sKN, slot_n, used_1, *, interpret: bool):
+def _tile_matmul(x_ntK, w, slot_n, used_1, *, interpret: bool,
+                 transpose_w: bool = False):
+  """y[i] = x[i] @ w[slot_n[i]]; w [s, K, N], or with transpose_w [s, N, K]
+  multiplied as its transpose (the VJP's dx against the forward's w)."""
   n, t, k = x_ntK.shape
-  s, _, big_n = w_sKN.shape
+  s = w.shape[0]
+  big_n = w.shape[1] if transpose_w else w.shape[2]
   bn = _block(big_n, 128)
   bk = _block(k, 64)
+  w_spec = (pl.BlockSpec((s, bn, k), lambda i, j: (0, j, 0)) if transpose_w
+            else pl.BlockSpec((s, k, bn), lambda i, j: (0, 0, j)))
   return kc.pallas_call(
-      functools.partial(_tile_kernel, block_k=bk,
+      functools.partial(_tile_kernel, block_k=bk, transpose_w=transpose_w,
                         precision=kc.gpu_precision_for(x_ntK.dtype,
                                                        interpret)),
       grid=(n, big_n // bn),
@@ -98,15 +110,15 @@ def _tile_matmul(x_ntK, w_sKN, slot_n, used_1, *, interpret: bool):
           pl.BlockSpec((1,), lambda i, j: (0,)),
           pl.BlockSpec((n,), lambda i, j: (0,)),
           pl.BlockSpec((None, t, k), lambda i, j: (i, 0, 0)),
-          pl.BlockSpec((s, k, bn), lambda i, j: (0, 0, j)),
+          w_spec,
       ],
       out_specs=pl.BlockSpec((None, t, bn), lambda i, j: (i, 0, j)),
       out_shape=jax.ShapeDtypeStruct((n, t, big_n), x_ntK.dtype),
       compiler_params=plgpu.CompilerParams(
           num_warps=8 if t * bn >= 128 * 128 else 4, num_stages=3),
       interpret=interpret,
-      name='grouped_tile_matmul',
-  )(used_1, slot_n, x_ntK, w_sKN)
+      name='grouped_tile_matmul_t' if transpose_w else 'grouped_tile_matmul',
+  )(used_1, slot_n, x_ntK, w)
 
 
 def _slot_t_kernel(first_ref, count_ref, a_ref, b_ref, dw_ref, *,
@@ -119,14 +131,16 @@ def _slot_t_kernel(first_ref, count_ref, a_ref, b_ref, dw_ref, *,
     return acc_kN + jnp.dot(a_ref[i].T, b_ref[i], precision=precision,
                             preferred_element_type=jnp.float32)
 
-  dw_ref[...] = jax.lax.fori_loop(jnp.int32(0), count_ref[s], tile,
-                                  jnp.zeros((bk, bn), jnp.float32))
+  dw_ref[...] = jax.lax.fori_loop(
+      jnp.int32(0), count_ref[s], tile,
+      jnp.zeros((bk, bn), jnp.float32)).astype(dw_ref.dtype)
 
 
 def slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int, *,
-                  interpret: bool):
-  """dw [s, K, N] f32: sum over slot s's tiles i < num_used of a[i]^T @
-  b[i]. Tiles are in slot order (slot_n non-decreasing)."""
+                  interpret: bool, out_dtype=jnp.float32):
+  """dw [s, K, N]: sum over slot s's tiles i < num_used of a[i]^T @ b[i],
+  in f32, rounded once to out_dtype as it is written. Tiles are in slot
+  order (slot_n non-decreasing)."""
   n, t, k = a_ntK.shape
   big_n = b_ntN.shape[2]
   live_n = jnp.arange(n) < used_1[0]
@@ -145,7 +159,7 @@ def slot_matmul_t(a_ntK, b_ntN, slot_n, used_1, num_slots: int, *,
           pl.BlockSpec((n, t, bn), lambda s, kk, j: (0, 0, j)),
       ],
       out_specs=pl.BlockSpec((None, bk, bn), lambda s, kk, j: (s, kk, j)),
-      out_shape=jax.ShapeDtypeStruct((num_slots, k, big_n), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((num_slots, k, big_n), out_dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
       interpret=interpret,
       name='grouped_slot_matmul_t',
@@ -189,13 +203,16 @@ def _tile_matmul_fwd(x_ntK, w_sKN, slot_n, used_1, interpret):
 def _tile_matmul_bwd(interpret, res, dy_ntN):
   x_ntK, w_sKN, slot_n, used_1 = res
   s = w_sKN.shape[0]
-  dx = _by_platform(_tile_matmul, reference.tile_matmul, dy_ntN,
-                    jnp.swapaxes(w_sKN, 1, 2), slot_n, used_1,
-                    interpret=interpret)
-  dw = _by_platform(functools.partial(slot_matmul_t, num_slots=s),
-                    functools.partial(reference.slot_matmul_t, num_slots=s),
-                    x_ntK, dy_ntN, slot_n, used_1, interpret=interpret)
-  return dx, dw.astype(w_sKN.dtype), None, None
+  dx = _by_platform(functools.partial(_tile_matmul, transpose_w=True),
+                    functools.partial(reference.tile_matmul,
+                                      transpose_w=True),
+                    dy_ntN, w_sKN, slot_n, used_1, interpret=interpret)
+  dw = _by_platform(
+      functools.partial(slot_matmul_t, num_slots=s, out_dtype=w_sKN.dtype),
+      functools.partial(reference.slot_matmul_t, num_slots=s,
+                        out_dtype=w_sKN.dtype),
+      x_ntK, dy_ntN, slot_n, used_1, interpret=interpret)
+  return dx, dw, None, None
 
 
 tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
