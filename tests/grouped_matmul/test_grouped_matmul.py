@@ -115,3 +115,25 @@ def test_shapes_a_triton_dot_cannot_take_are_refused_clearly():
   y = gm.tile_matmul(x, w, slot, used, True)
   np.testing.assert_allclose(y, reference.tile_matmul(x, w, slot, used),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_tile_gathers_transpose_as_gathers():
+  # Rows <-> tile slots by inverse partial maps (rows 1 and 4 are empty,
+  # slots 0, 3, 6, 7 padding): the VJP equals autodiff's scatter-add, but is
+  # itself a gather.
+  rng = np.random.default_rng(4)
+  a = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+  to_Y = jnp.asarray([6, 0, 2, 6, 5, 3, 6, 6], jnp.int32)  # 6: no row
+  from_X = jnp.asarray([1, 8, 2, 5, 8, 4], jnp.int32)      # 8: no slot
+  c = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+  mine = lambda a: jnp.sum(
+      grouped_swiglu._gather_rows(a, to_Y, from_X) ** 2 * c)
+  autodiff = lambda a: jnp.sum(
+      jnp.take(a, to_Y, axis=0, mode='fill', fill_value=0) ** 2 * c)
+  np.testing.assert_allclose(mine(a), autodiff(a), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(mine)(a), jax.grad(autodiff)(a),
+                             rtol=1e-6)
+  assert not np.asarray(jax.grad(mine)(a))[[1, 4]].any()
+  text = str(jax.make_jaxpr(jax.grad(mine))(a))
+  assert 'scatter' not in text and 'gather' in text
+  assert 'scatter' in str(jax.make_jaxpr(jax.grad(autodiff))(a))
