@@ -134,12 +134,16 @@ def reference_step(x, label, wg, wu, wd, ct, num_slots: int,
   slot_o = jnp.where(live, key[order], num_slots)  # dropped when empty
   pos_o = jnp.where(live, rank, 0)
 
+  # Full float32 products (a GPU's default f32 dot may use TF32).
+  mm = lambda eq, a, b: jnp.einsum(eq, a, b,
+                                   precision=jax.lax.Precision.HIGHEST)
+
   def loss(x, wg, wu, wd):
     x_sgM = jnp.zeros((num_slots, per_slot, x.shape[1]), jnp.float32).at[
         slot_o, pos_o].set(f32(x[order]), mode='drop')
-    h = (jax.nn.silu(jnp.einsum('sgm,smf->sgf', x_sgM, f32(wg)))
-         * jnp.einsum('sgm,smf->sgf', x_sgM, f32(wu)))
-    y_sgM = jnp.einsum('sgf,sfm->sgm', h, f32(wd))
+    h = (jax.nn.silu(mm('sgm,smf->sgf', x_sgM, f32(wg)))
+         * mm('sgm,smf->sgf', x_sgM, f32(wu)))
+    y_sgM = mm('sgf,sfm->sgm', h, f32(wd))
     y_o = y_sgM.at[slot_o, pos_o].get(mode='fill', fill_value=0)
     y = jnp.zeros((label.shape[0], x.shape[1]), jnp.float32).at[order].set(
         y_o)
