@@ -16,6 +16,7 @@ import collections
 import re
 
 from foremoe_jax.benchmarks import memory_report
+from pallas_kernels.msa import api as msa_api
 
 
 def _lowered_text(config: str, tokens_per_seq: int,
@@ -95,3 +96,12 @@ def test_the_msa_update_lowers_its_triton_kernels_per_device(gpu_choices,
     assert name in text, name
   assert 'grouped_tile_matmul' in text
   assert _moved(text)['ragged_all_to_all', 'f32'] >= 4
+  # A kernel output typed as the same on every device would be summed over
+  # the mesh in the backward: the XLA attention's update has the same
+  # all-reduces.
+  monkeypatch.setattr(msa_api, 'resolve_impl', lambda impl, *a, **k: (
+      'xla', None, False))
+  xla_text = _lowered_text('tiny_msa', 63)
+  assert 'msa_kv_outer_forward' not in xla_text
+  assert (text.count('stablehlo.all_reduce')
+          == xla_text.count('stablehlo.all_reduce'))
