@@ -26,10 +26,12 @@ Shared by both dispatch strategies, in three forms:
   work, and tens of GB of masking at a Qwen3-30B-A3B layer:
   experiments/gpu_launches, docs/results.md "What an H100 launches").
 * ``pallas``: the tiles of ``tiles`` (of PALLAS_TILE rows), each matmul one
-  Pallas Triton launch (pallas_kernels/grouped_matmul: a program per
-  tile and column block; the weight gradient per slot over its tiles):
-  the GPU default. Compiled for anything else it runs the kernels' jnp
-  reference over the same tiles.
+  Pallas Triton launch (pallas_kernels/grouped_matmul.swiglu: a program
+  per tile and column block; the weight gradient per slot over its
+  tiles): the GPU default. The kernels gather a tile's rows as they read
+  them and scatter the output rows as they write them, so the rows are
+  never copied into tiles and back. Compiled for anything else it runs
+  the kernels' jnp reference over the same tiles.
 
 All of them compute in x's dtype, casting the weights per slot, so the
 weights may be stored wider (the float32 master); weight gradients are
@@ -230,31 +232,32 @@ def _tiles(x_RM, label_R, w_sXY, tile: int, kind: str, mesh_axes=(),
                           start_s[jnp.minimum(key_R[order_R], spd - 1)]
                           + rank_sorted, num_tiles_static * tile)
   dest_R = jnp.zeros((num_rows,), jnp.int32).at[order_R].set(dest_sorted)
-  # Gather (not scatter) the tiled rows: the inverse map is an int scatter.
-  # Padding rows of the tiles have src num_rows (out of range: zeros).
+  # The row in each tile slot (the inverse map, an int scatter). Padding
+  # slots hold num_rows (out of range: a zero row).
   src_T = jnp.full((num_tiles_static * tile,), num_rows, jnp.int32)
   src_T = src_T.at[dest_R].set(jnp.arange(num_rows, dtype=jnp.int32),
                                mode='drop')
-  x_ntM = _gather_rows(x_RM, src_T, dest_R).reshape(num_tiles_static, tile,
-                                                    -1)
   # A tile's slot: how many slot groups end at or before its first row.
   first_n = jnp.arange(num_tiles_static) * tile
   slot_n = jnp.minimum((end_s[None, :] <= first_n[:, None]).sum(axis=1),
                        spd - 1).astype(jnp.int32)
   if kind == 'pallas':
-    # One launch per matmul over the same tiles (GPUs): the device's own
-    # non-empty tiles, the rest skipped in the kernels.
+    # One launch per matmul over the device's own non-empty tiles (GPUs),
+    # the rest skipped in the kernels. The kernels read the rows through
+    # src_nt and write the output rows the same way: the rows are never
+    # copied into tiles and back (2 GB of copies at a Qwen3-30B-A3B layer).
     used_1 = jnp.reshape(tiles_to_run(count_s, tile, 'tiles'), (1,)).astype(
         jnp.int32)
-    mm = lambda a, w: grouped_matmul.tile_matmul(a, w, slot_n, used_1)
-    wg_sMF, wu_sMF, wd_sFM = w_sXY
-    h_ntF = jax.nn.silu(mm(x_ntM, wg_sMF)) * mm(x_ntM, wu_sMF)
-    y_ntM = mm(h_ntF, wd_sFM)
-  else:
-    num_used = (tiles_to_run(count_s, tile, kind, mesh_axes)
-                if num_tiles is None or kind == 'tiles_static' else
-                jnp.minimum(num_tiles, num_tiles_static))
-    y_ntM = _tiled_swiglu(x_ntM, *w_sXY, slot_n, num_used)
+    # Empty rows come out zero.
+    return grouped_matmul.swiglu(x_RM, *w_sXY,
+                                 src_T.reshape(num_tiles_static, tile),
+                                 slot_n, used_1)
+  x_ntM = _gather_rows(x_RM, src_T, dest_R).reshape(num_tiles_static, tile,
+                                                    -1)
+  num_used = (tiles_to_run(count_s, tile, kind, mesh_axes)
+              if num_tiles is None or kind == 'tiles_static' else
+              jnp.minimum(num_tiles, num_tiles_static))
+  y_ntM = _tiled_swiglu(x_ntM, *w_sXY, slot_n, num_used)
   y_TM = y_ntM.reshape(num_tiles_static * tile, -1)
   # Empty rows (dest out of range) read zeros; the combine never reads
   # them back.

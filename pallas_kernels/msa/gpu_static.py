@@ -373,29 +373,29 @@ def msa_sites(cfg=None, *, f32_len: int = 2048) -> dict:
 
 
 def grouped_matmul_sites() -> dict:
-  """{site: (fn, args)}: the MoE layer's GPU grouped matmul (forward and
-  its VJP: pallas_kernels/grouped_matmul) in bf16 at a Qwen3-30B-A3B
-  layer on 8 devices (530 tiles of 128 rows, 18 slots, model dim 2048,
-  expert dim 768; f32 master weights) and in f32 at the GPU test's shapes
-  (tests/model/test_expert_parallel_gpu.py)."""
+  """{site: (fn, args)}: the MoE layer's GPU grouped SwiGLU (forward and
+  its VJP: pallas_kernels/grouped_matmul.swiglu, rows in and out) in bf16
+  at a Qwen3-30B-A3B layer on 8 devices (65,536 rows in 530 tiles of 128,
+  18 slots, model dim 2048, expert dim 768; f32 master weights) and in f32
+  at the GPU test's shapes (tests/model/test_expert_parallel_gpu.py)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.grouped_matmul import kernel as gm  # pylint: disable=g-import-not-at-top
   shape = jax.ShapeDtypeStruct
 
-  def fwd_bwd(x, w, slot, used, dy):
-    y, vjp = jax.vjp(lambda a, b: gm.tile_matmul(a, b, slot, used, False),
-                     x, w)
+  def fwd_bwd(x, wg, wu, wd, src, slot, used, dy):
+    y, vjp = jax.vjp(lambda *w: gm.swiglu(*w, src, slot, used, False),
+                     x, wg, wu, wd)
     return y, vjp(dy)
 
-  def site(n, t, k, big_n, s, dtype, w_dtype):
-    return (fwd_bwd, (shape((n, t, k), dtype), shape((s, k, big_n), w_dtype),
-                      shape((n,), jnp.int32), shape((1,), jnp.int32),
-                      shape((n, t, big_n), dtype)))
-  return {'moe gmm 2048x768': site(530, 128, 2048, 768, 18, jnp.bfloat16,
-                                   jnp.float32),
-          'moe gmm 768x2048': site(530, 128, 768, 2048, 18, jnp.bfloat16,
-                                   jnp.float32),
-          'f32 moe gmm': site(8, 128, 32, 48, 24, jnp.float32, jnp.float32)}
+  def site(rows, n, t, m, f, s, dtype, w_dtype):
+    return (fwd_bwd, (shape((rows, m), dtype), shape((s, m, f), w_dtype),
+                      shape((s, m, f), w_dtype), shape((s, f, m), w_dtype),
+                      shape((n, t), jnp.int32), shape((n,), jnp.int32),
+                      shape((1,), jnp.int32), shape((rows, m), dtype)))
+  return {'moe swiglu 2048x768': site(65536, 530, 128, 2048, 768, 18,
+                                      jnp.bfloat16, jnp.float32),
+          'f32 moe swiglu': site(256, 8, 128, 32, 48, 24, jnp.float32,
+                                 jnp.float32)}
 
 
 def report(sites: dict, log=None) -> list[dict]:

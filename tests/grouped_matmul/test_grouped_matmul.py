@@ -137,3 +137,99 @@ def test_tile_gathers_transpose_as_gathers():
   text = str(jax.make_jaxpr(jax.grad(mine))(a))
   assert 'scatter' not in text and 'gather' in text
   assert 'scatter' in str(jax.make_jaxpr(jax.grad(autodiff))(a))
+
+
+def _rows_case(rng, r=50, n=7, t=8, k=32, big_n=48, s=4, used=5):
+  """Rows [r, k] in random tile slots (slot order 0,1,1,3,3,3,3; tile 6
+  past num_used), some slots empty (src r), some rows in no tile."""
+  slot = np.asarray([0, 1, 1, 3, 3, 3, 3][:n], np.int32)
+  src = np.full((n, t), r, np.int32)
+  live_slots = [(i, j) for i in range(used) for j in range(t)
+                if (i * t + j) % 5 != 4]  # every fifth slot empty
+  rows = rng.permutation(r)[:len(live_slots)]
+  for (i, j), row in zip(live_slots, rows):
+    src[i, j] = row
+  src[6, :3] = rng.permutation(r)[:3] * 0 + r  # past num_used: none
+  x = jnp.asarray(rng.normal(size=(r, k)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(s, k, big_n)), jnp.float32)
+  return x, w, jnp.asarray(src), jnp.asarray(slot), jnp.asarray([used],
+                                                                 jnp.int32)
+
+
+def test_rows_layout_reference_by_hand():
+  # Rows in, rows out: row src[i, j] of the output is row src[i, j] of x
+  # times w[slot[i]] for live tiles; every other row zero.
+  rng = np.random.default_rng(5)
+  x, w, src, slot, used = _rows_case(rng)
+  y = reference.grouped_matmul(x, w, src, slot, used, a_rows=True,
+                               out_rows=50)
+  want = np.zeros((50, 48), np.float32)
+  for i in range(int(used[0])):
+    for j in range(src.shape[1]):
+      if src[i, j] < 50:
+        want[src[i, j]] = np.asarray(x)[src[i, j]] @ np.asarray(w)[slot[i]]
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('a_rows,out_rows', [(True, None), (False, 50),
+                                             (True, 50)])
+def test_rows_layouts_and_their_vjp_equal_the_reference(a_rows, out_rows):
+  rng = np.random.default_rng(6)
+  x, w, src, slot, used = _rows_case(rng)
+  a = x if a_rows else reference.rows_to_tiles(x, src)
+  def run(interpret):
+    fn = lambda a_, w_: gm.grouped_matmul(a_, w_, src, slot, used, a_rows,
+                                          out_rows, interpret)
+    y, vjp = jax.vjp(fn, a, w)
+    dy = jnp.asarray(np.random.default_rng(7).normal(size=y.shape),
+                     jnp.float32)
+    return (y, *vjp(dy))
+  ref = lambda a_, w_: reference.grouped_matmul(
+      a_, w_, src, slot, used, a_rows=a_rows, out_rows=out_rows)
+  y_ref, vjp_ref = jax.vjp(ref, a, w)
+  dy = jnp.asarray(np.random.default_rng(7).normal(size=y_ref.shape),
+                   jnp.float32)
+  want = (y_ref, *vjp_ref(dy))
+  got = jax.jit(lambda: run(True))()
+  for g, r_, name in zip(got, want, ('y', 'da', 'dw')):
+    np.testing.assert_allclose(g, r_, rtol=1e-4, atol=1e-4, err_msg=name)
+  # The platform rule on CPU runs the reference: the same values.
+  for g, r_ in zip(jax.jit(lambda: run(None))(), want):
+    np.testing.assert_allclose(g, r_, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('interpret', [True, None])
+def test_swiglu_rows_and_its_vjp_against_each_row_through_its_slot(
+    interpret):
+  # Rows in, rows out, the kernels in interpret mode (and the platform
+  # rule's reference): y[r] = (silu(x[r] wg) * (x[r] wu)) wd for the slot
+  # of the tile slot holding r, autodiff'd per row in jnp; rows no live
+  # tile holds give zeros and get zero gradient.
+  rng = np.random.default_rng(8)
+  x, wg, src, slot, used = _rows_case(rng, big_n=32)
+  wu = jnp.asarray(rng.normal(size=wg.shape), jnp.float32)
+  wd = jnp.asarray(rng.normal(size=(4, 32, 32)), jnp.float32)
+  src_np, slot_np = np.asarray(src), np.asarray(slot)
+  slot_of_row = np.full(50, -1)
+  for i in range(int(used[0])):
+    for j in range(src_np.shape[1]):
+      if src_np[i, j] < 50:
+        slot_of_row[src_np[i, j]] = slot_np[i]
+  held = jnp.asarray(slot_of_row >= 0)
+  s_r = jnp.asarray(np.maximum(slot_of_row, 0))
+
+  def per_row(x_, wg_, wu_, wd_):
+    h = (jax.nn.silu(jnp.einsum('rm,rmf->rf', x_, wg_[s_r]))
+         * jnp.einsum('rm,rmf->rf', x_, wu_[s_r]))
+    return jnp.where(held[:, None], jnp.einsum('rf,rfm->rm', h, wd_[s_r]), 0)
+
+  dy = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+  mine = lambda *w: gm.swiglu(*w, src, slot, used, interpret)
+  y, vjp = jax.vjp(mine, x, wg, wu, wd)
+  y_ref, vjp_ref = jax.vjp(per_row, x, wg, wu, wd)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+  for got, want, name in zip(vjp(dy), vjp_ref(dy),
+                             ('dx', 'dwg', 'dwu', 'dwd')):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3,
+                               err_msg=name)
+  assert not np.asarray(y)[~np.asarray(held)].any()
