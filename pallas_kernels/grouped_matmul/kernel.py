@@ -237,11 +237,14 @@ def slot_matmul_t(a, b, slot_n, used_1, num_slots: int, *,
   count_s = jnp.zeros((num_slots,), jnp.int32).at[slot_n].add(
       live_n.astype(jnp.int32))
   first_s = (jnp.cumsum(count_s) - count_s).astype(jnp.int32)
-  bk, bn = _block(k, 64), _block(big_n, 128)
-  # f32 rows gathered by index, a whole tile at once, spill registers on
-  # an H100 (experiments/gpu_static): half a tile at a time.
-  wide = (a_rows or b_rows) and jnp.dtype(a.dtype).itemsize > 2
-  part_rows = t // 2 if wide and t >= 32 else t
+  # f32 operands: [t, bk] and [t, bn] blocks of twice the bytes, and
+  # three stages of them, overflow an H100's shared memory at bn = 128
+  # (experiments/gpu_static).
+  f32 = jnp.dtype(a.dtype).itemsize > 2
+  bk, bn = _block(k, 64), _block(big_n, 64 if f32 else 128)
+  # f32 tiles, a whole tile at once, spill registers on an H100: half a
+  # tile at a time.
+  part_rows = t // 2 if f32 and t >= 32 else t
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, kk, j: (0, 0))
   return kc.pallas_call(
       functools.partial(_slot_t_kernel, a_rows=a_rows, b_rows=b_rows,

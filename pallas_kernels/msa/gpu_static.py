@@ -377,7 +377,8 @@ def grouped_matmul_sites() -> dict:
   its VJP: pallas_kernels/grouped_matmul.swiglu, rows in and out) in bf16
   at a Qwen3-30B-A3B layer on 8 devices (65,536 rows in 530 tiles of 128,
   18 slots, model dim 2048, expert dim 768; f32 master weights) and in f32
-  at the GPU test's shapes (tests/model/test_expert_parallel_gpu.py)."""
+  at the GPU tests' shapes (tests/model/test_expert_parallel_gpu.py,
+  tests/grouped_matmul/test_grouped_matmul_gpu.py)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.grouped_matmul import kernel as gm  # pylint: disable=g-import-not-at-top
   shape = jax.ShapeDtypeStruct
@@ -392,10 +393,24 @@ def grouped_matmul_sites() -> dict:
                       shape((s, m, f), w_dtype), shape((s, f, m), w_dtype),
                       shape((n, t), jnp.int32), shape((n,), jnp.int32),
                       shape((1,), jnp.int32), shape((rows, m), dtype)))
+  def tiles_site(n, t, k, big_n, s, dtype, w_dtype):
+    def tiles_fwd_bwd(x, w, slot, used, dy):
+      y, vjp = jax.vjp(lambda a, b: gm.tile_matmul(a, b, slot, used, False),
+                       x, w)
+      return y, vjp(dy)
+    return (tiles_fwd_bwd, (shape((n, t, k), dtype),
+                            shape((s, k, big_n), w_dtype),
+                            shape((n,), jnp.int32), shape((1,), jnp.int32),
+                            shape((n, t, big_n), dtype)))
   return {'moe swiglu 2048x768': site(65536, 530, 128, 2048, 768, 18,
                                       jnp.bfloat16, jnp.float32),
           'f32 moe swiglu': site(256, 8, 128, 32, 48, 24, jnp.float32,
-                                 jnp.float32)}
+                                 jnp.float32),
+          # tests/grouped_matmul/test_grouped_matmul_gpu.py's shapes.
+          'f32 gmm test swiglu': site(700, 9, 128, 256, 384, 5, jnp.float32,
+                                      jnp.float32),
+          'f32 gmm test tiles': tiles_site(9, 128, 256, 384, 5, jnp.float32,
+                                           jnp.float32)}
 
 
 def report(sites: dict, log=None) -> list[dict]:
