@@ -25,8 +25,9 @@ launch:
 grouped_matmul(dy, w^T) from dy's layout to a's (w read transposed in the
 kernel, never copied), dw = slot_matmul_t(a, dy) rounded once to w's dtype
 as the kernel writes it. w may be stored wider than a (a float32 master):
-blocks are cast to a's dtype in the kernel. f32 operands multiply in three TF32 passes (f32-level error; the
-MSA kernels' rule, kernel_common.gpu_precision_for). Compiled for anything
+blocks are cast to a's dtype in the kernel. f32 operands multiply in three
+TF32 passes (f32-level error; the MSA kernels' rule,
+kernel_common.gpu_precision_for). Compiled for anything
 but a CUDA GPU the same calls run their jnp references (reference.py, the
 spec); the kernels run in interpret mode only when asked (tests).
 
@@ -288,6 +289,32 @@ def _by_platform(kernel, spec, *args, interpret, dims):
       *args, cuda=functools.partial(kernel, interpret=False), default=spec)
 
 
+def _tile_size(a, src_nt) -> int:
+  return src_nt.shape[1] if src_nt is not None else a.shape[1]
+
+
+def _mm(a, w, src_nt, slot_n, used_1, init=None, *, interpret, **kw):
+  """One grouped matmul launch (no VJP of its own), by `_by_platform`;
+  kw: `_matmul`'s layout arguments."""
+  big_n = w.shape[1] if kw.get('transpose_w') else w.shape[2]
+  return _by_platform(functools.partial(_matmul, **kw),
+                      functools.partial(reference.grouped_matmul, **kw),
+                      a, w, src_nt, slot_n, used_1, init,
+                      interpret=interpret,
+                      dims=(_tile_size(a, src_nt), a.shape[-1], big_n))
+
+
+def _slot_t(a, b, src_nt, slot_n, used_1, *, interpret, **kw):
+  """One weight-gradient launch, by `_by_platform`; kw: slot_matmul_t's."""
+  kw = dict(kw, src_nt=src_nt)
+  return _by_platform(
+      lambda a_, b_, sl, u, interpret: slot_matmul_t(
+          a_, b_, sl, u, interpret=interpret, **kw),
+      lambda a_, b_, sl, u: reference.slot_matmul_t(a_, b_, sl, u, **kw),
+      a, b, slot_n, used_1, interpret=interpret,
+      dims=(_tile_size(a, src_nt), a.shape[-1], b.shape[-1]))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def grouped_matmul(a, w, src_nt, slot_n, used_1, a_rows: bool = False,
                    out_rows: int | None = None,
@@ -298,16 +325,8 @@ def grouped_matmul(a, w, src_nt, slot_n, used_1, a_rows: bool = False,
   or rows [out_rows, N] written through src_nt (rows no live tile holds:
   zero). used_1: int32 [1]. interpret: None, by the platform compiled for
   (`_by_platform`)."""
-  return _by_platform(
-      functools.partial(_matmul, a_rows=a_rows, out_rows=out_rows),
-      functools.partial(reference.grouped_matmul, a_rows=a_rows,
-                        out_rows=out_rows),
-      a, w, src_nt, slot_n, used_1, interpret=interpret,
-      dims=(_tile_size(a, src_nt), a.shape[-1], w.shape[2]))
-
-
-def _tile_size(a, src_nt) -> int:
-  return src_nt.shape[1] if src_nt is not None else a.shape[1]
+  return _mm(a, w, src_nt, slot_n, used_1, a_rows=a_rows, out_rows=out_rows,
+             interpret=interpret)
 
 
 def _grouped_matmul_fwd(a, w, src_nt, slot_n, used_1, a_rows, out_rows,
@@ -319,26 +338,14 @@ def _grouped_matmul_fwd(a, w, src_nt, slot_n, used_1, a_rows, out_rows,
 
 def _grouped_matmul_bwd(a_rows, out_rows, interpret, res, dy):
   a, w, src_nt, slot_n, used_1 = res
-  s = w.shape[0]
   y_rows = out_rows is not None
-  t = _tile_size(a, src_nt)
+  at = dict(src_nt=src_nt, slot_n=slot_n, used_1=used_1,
+            interpret=interpret)
   # dy in y's layout, da in a's.
-  da_rows = a.shape[0] if a_rows else None
-  da = _by_platform(
-      functools.partial(_matmul, a_rows=y_rows, out_rows=da_rows,
-                        transpose_w=True),
-      functools.partial(reference.grouped_matmul, a_rows=y_rows,
-                        out_rows=da_rows, transpose_w=True),
-      dy, w, src_nt, slot_n, used_1, interpret=interpret,
-      dims=(t, dy.shape[-1], w.shape[1]))
-  kw = dict(num_slots=s, out_dtype=w.dtype, a_rows=a_rows, b_rows=y_rows)
-  dw = _by_platform(
-      lambda a_, b_, src, sl, u, interpret: slot_matmul_t(
-          a_, b_, sl, u, src_nt=src, interpret=interpret, **kw),
-      lambda a_, b_, src, sl, u: reference.slot_matmul_t(
-          a_, b_, sl, u, src_nt=src, **kw),
-      a, dy, src_nt, slot_n, used_1, interpret=interpret,
-      dims=(t, w.shape[1], w.shape[2]))
+  da = _mm(dy, w, a_rows=y_rows, out_rows=a.shape[0] if a_rows else None,
+           transpose_w=True, **at)
+  dw = _slot_t(a, dy, num_slots=w.shape[0], out_dtype=w.dtype,
+               a_rows=a_rows, b_rows=y_rows, **at)
   return da, dw, None, None, None
 
 
@@ -353,27 +360,6 @@ def tile_matmul(x_ntK, w_sKN, slot_n, used_1, interpret: bool | None = None):
 
 
 # --------------------------------------------------------------- SwiGLU
-
-
-def _mm(a, w, src_nt, slot_n, used_1, init=None, *, interpret, **kw):
-  """One grouped matmul launch (no VJP of its own), by `_by_platform`."""
-  k = a.shape[-1]
-  big_n = w.shape[1] if kw.get('transpose_w') else w.shape[2]
-  return _by_platform(functools.partial(_matmul, **kw),
-                      functools.partial(reference.grouped_matmul, **kw),
-                      a, w, src_nt, slot_n, used_1, init,
-                      interpret=interpret,
-                      dims=(src_nt.shape[1], k, big_n))
-
-
-def _slot_t(a, b, src_nt, slot_n, used_1, *, interpret, **kw):
-  kw = dict(kw, src_nt=src_nt)
-  return _by_platform(
-      lambda a_, b_, sl, u, interpret: slot_matmul_t(
-          a_, b_, sl, u, interpret=interpret, **kw),
-      lambda a_, b_, sl, u: reference.slot_matmul_t(a_, b_, sl, u, **kw),
-      a, b, slot_n, used_1, interpret=interpret,
-      dims=(src_nt.shape[1], a.shape[-1], b.shape[-1]))
 
 
 def _swiglu_forward(x_RM, wg_sMF, wu_sMF, wd_sFM, src_nt, slot_n, used_1,
