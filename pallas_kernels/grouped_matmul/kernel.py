@@ -89,7 +89,7 @@ def _read(ref, i, rows, ok, col0, width: int, as_rows: bool):
 
 def _mm_kernel(used_ref, slot_ref, src_ref, a_ref, w_ref, *refs,
                block_k: int, precision, transpose_w: bool, a_rows: bool,
-               y_rows: bool, accumulate: bool, interpret: bool):
+               y_rows: bool, accumulate: bool):
   y_ref = refs[-1]  # (the aliased buffer it starts from before it: rows)
   i, j = pl.program_id(0), pl.program_id(1)
   k = w_ref.shape[2] if transpose_w else w_ref.shape[1]
@@ -129,14 +129,12 @@ def _mm_kernel(used_ref, slot_ref, src_ref, a_ref, w_ref, *refs,
     # read-add-write of a row block races with no other program.
     acc = acc + _read(y_ref, i, y_r, ok, j * bn, bn, True).astype(
         jnp.float32)
-  if interpret:
-    # jax's interpreter stores a masked scatter as a read-modify-write of
-    # every lane, so masked lanes clamped onto a live row could restore
-    # its old value; out-of-range lanes dropped write nothing.
-    drop = jnp.where(ok, y_r, y_ref.shape[0])
-    y_ref[...] = y_ref[...].at[drop[:, None], cols].set(
-        acc.astype(y_ref.dtype), mode='drop')
-    return
+  # Lanes that write nothing point past the last row: a GPU's masked store
+  # never touches them, and jax's interpreter (which stores a masked
+  # scatter as a read-modify-write of every lane) drops them, where a lane
+  # clamped onto a live row of this tile could restore that row's old
+  # value. So one store serves both, and interpret mode runs the GPU's.
+  y_r = jnp.where(ok, y_r, y_ref.shape[0])
   plgpu.store(y_ref.at[y_r[:, None], cols], acc.astype(y_ref.dtype),
               mask=ok[:, None])
 
@@ -178,7 +176,7 @@ def _matmul(a, w, src_nt, slot_n, used_1, init=None, *, interpret: bool,
   return kc.pallas_call(
       functools.partial(_mm_kernel, block_k=bk, transpose_w=transpose_w,
                         a_rows=a_rows, y_rows=out_rows is not None,
-                        accumulate=init is not None, interpret=interpret,
+                        accumulate=init is not None,
                         precision=kc.gpu_precision_for(a.dtype, interpret)),
       grid=(n, big_n // bn),
       in_specs=specs,
