@@ -69,6 +69,12 @@ def test_routed_experts_match_reference_on_gpu(gemm):
       placement_lib.validate_placement(p, E, spd)
       (_, y), g = ep_grad(x, gates, wg, wu, wd, p.slot_expert[0],
                           p.slot_share[0])
-      np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
-      for a, b in zip(g, g_ref):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+      # f32 sums in another order: against a float64 reference the f32
+      # reference itself is off by up to 2e-6 of each gradient's largest
+      # entry (the gate gradients reach 66), and so are ragged_dot and the
+      # tile kinds on CPU. A tolerance of 1e-5 absolute failed them; a
+      # wrong row is off by O(1) of it.
+      for a, b, name in zip((y, *g), (y_ref, *g_ref),
+                            ('y', 'dx', 'dgates', 'dwg', 'dwu', 'dwd')):
+        np.testing.assert_allclose(a, b, rtol=1e-5,
+                                   atol=2e-5 * np.abs(b).max(), err_msg=name)
