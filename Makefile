@@ -10,7 +10,7 @@ DEMO_DIR ?= /tmp/foremoe_demo/$(shell date +%Y%m%d-%H%M%S)
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: venv demo demo-dataset demo-results test bench simulate gpu-check \
-	gpu-launches clean
+	gpu-rehearsal gpu-launches clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,18 @@ simulate: venv
 # bench_msa vs cuDNN, then the `gpu` tests; see scripts/gpu_check.sh.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# The `gpu` tests on this host, no GPU (tests/gpu_rehearsal.py): every
+# Triton kernel they launch runs in interpret mode, as the GPU would run it,
+# and is compiled for an H100 at the shapes it ran with; a failed test, a
+# kernel Triton refuses or one over shared memory fails it. Writes
+# results/gpu_rehearsal.json. About 12 minutes on 2 cores, one process (the
+# report gathers every test's kernels). REHEARSAL_PY: another Python, e.g.
+# one with the GPU machine's jax 0.11 (WORKSPACE.md).
+REHEARSAL_PY ?= $(PY)
+gpu-rehearsal: venv
+	FOREMOE_GPU_REHEARSAL=1 $(REHEARSAL_PY) -m pytest -q -p no:cacheprovider \
+	  -W ignore::DeprecationWarning -m gpu tests/*/*_gpu.py
 
 # What an H100 launches for each MSA call (kernels, XLA glue, loops),
 # compiled by XLA on this host: results/gpu_launches.json. The CUDA PJRT

@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+import gpu_rehearsal
+
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
@@ -71,6 +73,8 @@ _FILE_SECONDS = os.path.join(os.path.dirname(__file__), 'file_seconds.json')
 
 
 def _gpu_missing_reason():
+  if gpu_rehearsal.active():
+    return None
   import jax  # pylint: disable=g-import-not-at-top
   try:
     if jax.default_backend() == 'gpu':
@@ -88,6 +92,11 @@ def _slowest_files_first(items):
     seconds = json.load(f)
   items.sort(key=lambda item: -seconds.get(item.nodeid.split('::', 1)[0],
                                            float('inf')))
+
+
+def pytest_configure(config):
+  # `make gpu-rehearsal`: the gpu tests on this host (tests/gpu_rehearsal.py).
+  gpu_rehearsal.pytest_configure(config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -141,11 +150,7 @@ def gpu_choices(monkeypatch):
   # From jax 0.11 the Triton lowering asks the device for its compute
   # capability. The public way to name one with no GPU (an abstract mesh
   # with a GPU device) clashes with the step's own shard_map mesh, so the
-  # H100 is named through jax's GPU table (absent before 0.11, which needs
-  # no target).
-  try:
-    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return
-  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-  monkeypatch.setattr(gpu_info, 'get_gpu_info', lambda: h100)
+  # H100 is named through jax's GPU table.
+  from pallas_kernels.msa import gpu_static  # pylint: disable=g-import-not-at-top
+  with gpu_static.h100_gpu_table():
+    yield

@@ -59,7 +59,8 @@ def test_each_results_file_names_its_command_and_machine():
   for bench in {name.split('.')[0] for name in render_results.RENDERERS}:
     record = results.load(bench, os.path.join(ROOT, 'results'))
     assert record['bench'] == bench
-    assert record['command'].startswith('python -m experiments.')
+    assert record['command'].startswith(('python -m experiments.',
+                                         'make '))
     assert {'python', 'cpu_count', 'numpy'} <= set(record['run'])
 
 

@@ -56,13 +56,17 @@ def path_for(bench: str, results_dir: str = DEFAULT_DIR) -> str:
 
 def save(bench: str, run: dict, result: dict, *,
          results_dir: str | None = DEFAULT_DIR,
-         argv: list[str] | None = None) -> str | None:
-  """Writes results/<bench>.json atomically; returns its path (None: off)."""
+         argv: list[str] | None = None,
+         command: str | None = None) -> str | None:
+  """Writes results/<bench>.json atomically; returns its path (None: off).
+  command: what regenerates it, when not this process's `python -m`
+  (e.g. a make target)."""
   if not results_dir:
     return None
   os.makedirs(results_dir, exist_ok=True)
   path = path_for(bench, results_dir)
-  record = {'bench': bench, 'command': command_line(argv), 'run': run,
+  record = {'bench': bench, 'command': command or command_line(argv),
+            'run': run,
             'result': result}
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:

@@ -100,6 +100,29 @@ def cuda_lowering():
 
 
 @contextlib.contextmanager
+def h100_gpu_table():
+  """cuda_lowering for kernels whose jaxprs were traced inside a shard_map:
+  their values carry that shard_map's mesh, which the abstract mesh of
+  cuda_lowering clashes with. The H100 is named through jax's GPU table
+  instead (absent before jax 0.11, which needs no target)."""
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    yield
+    return
+  if jax.default_backend() == 'gpu':
+    yield
+    return
+  original = gpu_info.get_gpu_info
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  gpu_info.get_gpu_info = lambda: h100
+  try:
+    yield
+  finally:
+    gpu_info.get_gpu_info = original
+
+
+@contextlib.contextmanager
 def _captured_modules():
   """Yields a list that fills with a TritonKernel per pallas_call lowered
   for CUDA inside the context.
@@ -137,14 +160,15 @@ def _captured_modules():
     lowering.lower_jaxpr_to_triton_module = original
 
 
-def triton_kernels(fn, *args) -> list[TritonKernel]:
+def triton_kernels(fn, *args, target=cuda_lowering) -> list[TritonKernel]:
   """The Triton kernels `fn(*args)` launches on a GPU, in lowering order.
 
   args may be jax.ShapeDtypeStructs: nothing runs, only lowers. The same
   module launched again (the query chunks of one call) is one entry whose
-  `launches` counts them.
+  `launches` counts them. target: the context naming the GPU
+  (cuda_lowering, or h100_gpu_table).
   """
-  with cuda_lowering(), _captured_modules() as found:
+  with target(), _captured_modules() as found:
     # A fresh function each call: jax caches lowerings by function, and a
     # cached one would lower (and hand over) nothing.
     jax.jit(lambda *a: fn(*a)).trace(*args).lower(
@@ -413,13 +437,14 @@ def grouped_matmul_sites() -> dict:
                                            jnp.float32)}
 
 
-def report(sites: dict, log=None) -> list[dict]:
+def report(sites: dict, log=None, target=cuda_lowering) -> list[dict]:
   """A row per (site, distinct kernel): captured, compiled, or the error
-  that stopped either (the other sites still go on)."""
+  that stopped either (the other sites still go on). target: as in
+  triton_kernels."""
   rows = []
   for label, (fn, args) in sites.items():
     try:
-      kernels = triton_kernels(fn, *args)
+      kernels = triton_kernels(fn, *args, target=target)
     except Exception as e:  # pylint: disable=broad-except
       rows.append({'site': label,
                    'error': f'lowering: {benchmark.error_text(e)}'})

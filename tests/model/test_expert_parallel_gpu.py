@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gpu_rehearsal
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model.moe_reference import reference_moe_ffn
@@ -46,7 +47,7 @@ def _placement_with_replicas(rng, spd):
 def test_routed_experts_match_reference_on_gpu(gemm):
   # pallas: the GPU default, the Triton grouped matmul; ragged_dot: XLA's
   # (dense GEMMs over every group on a GPU, kept as a second opinion).
-  assert jax.devices()[0].platform == 'gpu'
+  assert gpu_rehearsal.platform() == 'gpu'
   rng = np.random.default_rng(0)
   x, ids, gates, valid, wg, wu, wd = _inputs(rng)
   mesh = ep.make_mesh(1, 1)

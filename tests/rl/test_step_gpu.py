@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import gpu_rehearsal
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.model import expert_parallel as ep
 from foremoe_jax.model import sharding, transformer
@@ -44,7 +45,7 @@ def test_tiny_msa_rl_step_on_gpu():
 
 
 def _one_rl_step(cfg, task):
-  assert jax.devices()[0].platform == 'gpu'
+  assert gpu_rehearsal.platform() == 'gpu'
   num_layers, num_experts = cfg.model.num_layers, cfg.model.num_experts
   mesh = ep.make_mesh(1, 1)
   with jax.default_matmul_precision('highest'):
