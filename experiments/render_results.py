@@ -18,6 +18,7 @@ check.
 """
 from __future__ import annotations
 
+import collections
 import difflib
 import json
 import os
@@ -402,6 +403,56 @@ def render_gpu_static(res: dict) -> str:
       f"- Spilling registers: {listed(summ['spilling'])}.",
       f"- Tensor-core dots on mma.sync only (HMMA, no wgmma):"
       f" {listed(summ['without_wgmma'])}."])
+
+
+def render_gpu_rehearsal(res: dict) -> str:
+  """The `gpu` tests rehearsed on this host (no GPU): each test file's
+  outcomes, and the kernels they launched, compiled for an H100 at the
+  tests' shapes (one row per kernel name over its distinct compiles)."""
+  files: dict = {}
+  for nodeid, test in res['tests'].items():
+    c = files.setdefault(nodeid.split('::')[0], collections.Counter())
+    c[test['outcome']] += 1
+    c['launches'] += test['kernel_launches']
+  file_rows = [[f'`{name}`', _f(c['passed']), _f(c['failed']),
+                _f(c['skipped']), _f(c['launches'])]
+               for name, c in sorted(files.items())]
+  kernels: dict = {}
+  for r in res['rows']:
+    name = r.get('kernel') or r['site'].split('(')[0]
+    k = kernels.setdefault(name, collections.Counter())
+    k['compiles'] += 1
+    if 'error' in r:
+      k['errors'] += 1
+      continue
+    k['shared'] = max(k['shared'], r['shared_bytes'])
+    k['registers'] = max(k['registers'], r['registers'])
+    k['spilling'] += bool(r['spill_store_bytes'])
+    k['wgmma'] += bool(r['opcodes']['HGMMA'] or r['opcodes'].get('QGMMA'))
+  kernel_rows = [[f'`{name}`', _f(k['compiles']), _f(k['errors']),
+                  f"{k['shared'] / 1024:.1f}", _f(k['registers']),
+                  _f(k['spilling']), _f(k['wgmma'])]
+                 for name, k in sorted(kernels.items())]
+  summ = res['summary']
+  outcomes = collections.Counter(t['outcome'] for t in res['tests'].values())
+  listed = lambda xs: ', '.join(f'`{x}`' for x in xs) or 'none'
+  return '\n'.join([
+      _table(['test file', 'passed', 'failed', 'skipped',
+              'kernel launches lowered'], file_rows),
+      '',
+      _table(['kernel', 'distinct compiles', 'errors', 'most shared KiB',
+              'most registers', 'compiles that spill',
+              'compiles on wgmma'], kernel_rows),
+      '',
+      f"- Tests: {_f(outcomes['passed'])} passed,"
+      f" {_f(outcomes['failed'])} failed, {_f(outcomes['skipped'])}"
+      f" skipped.",
+      f"- {_f(summ['recorded'])} distinct kernels (a kernel at one set of"
+      f" shapes and launch parameters) compiled for sm_90a in"
+      f" {summ['compile_seconds']:.0f} s; over the 227 KiB of shared"
+      f" memory a block may have: {listed(summ['over_shared_memory'])}"
+      f" (largest {summ['max_shared_bytes'] / 1024:.1f} KiB); errors:"
+      f" {listed(summ['errors'])}."])
 
 
 def _first_shape(shape: str) -> str:
@@ -1320,6 +1371,19 @@ def render_headline(results_dir: str) -> str:
       f" {main['num_warps']} warps per SM",
       f'[Static GPU check]({_DETAILS}#static-gpu-check-no-gpu-needed),'
       f' [`gpu_static.json`](results/gpu_static.json)'])
+  rehearsal = load('gpu_rehearsal')
+  outcomes = collections.Counter(
+      t['outcome'] for t in rehearsal['tests'].values())
+  summ = rehearsal['summary']
+  rows.append([
+      'The `gpu` tests rehearsed on this host, no GPU (`make gpu-rehearsal`)',
+      f"{_f(outcomes['passed'])} of {_f(len(rehearsal['tests']))} passed"
+      f" with the Triton kernels' own code in interpret mode;"
+      f" {_f(summ['recorded'])} kernels compiled for an H100 at the tests'"
+      f" shapes, {len(summ['errors'])} refused,"
+      f" {len(summ['over_shared_memory'])} over shared memory",
+      f'[GPU rehearsal]({_DETAILS}#gpu-rehearsal-no-gpu-needed),'
+      f' [`gpu_rehearsal.json`](results/gpu_rehearsal.json)'])
   calls = load('gpu_launches')['calls']
   launch = lambda name: _f(calls[name]['summary']['launches'])
   moe = calls['moe layer x8, ragged_dot']['summary']
@@ -1394,6 +1458,7 @@ RENDERERS = {
     'bench_rewards': render_rewards,
     'memory_report': render_memory_report,
     'gpu_static': render_gpu_static,
+    'gpu_rehearsal': render_gpu_rehearsal,
     'gpu_launches': render_gpu_launches,
     'demo': render_demo,
     'demo_dataset': render_demo,
