@@ -71,9 +71,10 @@ gpu-check:
 # Triton kernel they launch runs in interpret mode, as the GPU would run it,
 # and is compiled for an H100 at the shapes it ran with; a failed test, a
 # kernel Triton refuses or one over shared memory fails it. Writes
-# results/gpu_rehearsal.json. About 12 minutes on 2 cores, one process (the
-# report gathers every test's kernels). REHEARSAL_PY: another Python, e.g.
-# one with the GPU machine's jax 0.11 (WORKSPACE.md).
+# results/gpu_rehearsal.json. One process (the report gathers every test's
+# kernels), on 2 cores: 9 minutes under jax 0.11.2, over half an hour under
+# this venv's 0.10.2 (a slower interpreter). REHEARSAL_PY: another Python,
+# e.g. one with the GPU machine's jax 0.11 (WORKSPACE.md).
 REHEARSAL_PY ?= $(PY)
 gpu-rehearsal: venv
 	FOREMOE_GPU_REHEARSAL=1 $(REHEARSAL_PY) -m pytest -q -p no:cacheprovider \
