@@ -30,7 +30,6 @@ distinct kernel, with the tests that launched it) goes to
 gpu_rehearsal.json in $FOREMOE_GPU_REHEARSAL_DIR (results/).
 """
 import hashlib
-import json
 import os
 import time
 
@@ -109,6 +108,7 @@ class Rehearsal:
     self.kernels: dict = {}
     self.per_test: dict[str, int] = {}
     self.outcomes: dict[str, str] = {}
+    self.summary = None  # gpu_static's summary, once compile_all has run.
     self._undo = []
 
   # ---- the lowering rule ---------------------------------------------------
@@ -242,13 +242,14 @@ class Rehearsal:
     """Every recorded kernel, lowered for CUDA and compiled for sm_90a."""
     from pallas_kernels.msa import gpu_static  # pylint: disable=g-import-not-at-top
     start = time.time()
-    sites = {e['label']: (e['fn'], e['args']) for e in self.kernels.values()}
+    entries = {e['label']: e for e in self.kernels.values()}
     # The jaxprs recorded inside a shard_map carry its mesh: the H100 is
     # named through jax's GPU table, not an abstract mesh.
-    rows = gpu_static.report(sites, target=gpu_static.h100_gpu_table)
-    tests = {e['label']: e['tests'] for e in self.kernels.values()}
+    rows = gpu_static.report(
+        {label: (e['fn'], e['args']) for label, e in entries.items()},
+        target=gpu_static.h100_gpu_table)
     for r in rows:
-      r['tests'] = tests.get(r['site'], [])
+      r['tests'] = entries[r['site']]['tests']
     summary = gpu_static.summary(rows)
     summary['recorded'] = len(self.kernels)
     summary['compile_seconds'] = round(time.time() - start, 1)
@@ -260,7 +261,7 @@ class Rehearsal:
     for nodeid, outcome in sorted(self.outcomes.items()):
       tr.write_line(f'{outcome:8s} {self.per_test.get(nodeid, 0):4d} kernel '
                     f'launches lowered  {nodeid}')
-    s = getattr(self, 'summary', None)
+    s = self.summary
     if s is not None:
       tr.write_line(
           f'{len(self.kernels)} distinct kernels compiled for sm_90a in '
