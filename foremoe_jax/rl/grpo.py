@@ -36,6 +36,11 @@ from foremoe_jax.config import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 # value (k3 >= 0, so only the upper bound can bind).
 K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
+# Bounds on the importance log-ratios before exp (verl's): per token
+# (+-20) and per sequence with 'gspo' (at most 10).
+MAX_LOG_RATIO = 20.0
+MAX_LOG_SEQ_RATIO = 10.0
+
 _KL_CANONICAL = {'k1': 'k1', 'kl': 'k1', 'abs': 'abs', 'k2': 'k2',
                  'mse': 'k2', 'k3': 'k3', 'low_var_kl': 'k3'}
 
@@ -69,7 +74,12 @@ def group_advantages(rewards_B: jax.Array, num_generations: int,
     raise ValueError(f'ddof must be 0 or 1 and < num_generations '
                      f'({num_generations}), got {ddof!r}.')
   r_NG = rewards_B.reshape(num // num_generations, num_generations)
-  centred_NG = r_NG - r_NG.mean(axis=1, keepdims=True)
+  # Centred about the group's first reward before the mean: a group of
+  # equal rewards is then exactly 0, where r - mean(r) in float32 leaves
+  # a rounding residue (1e-8 at 0.7, G = 8) that dividing by its own std
+  # (+ eps) blew up to an advantage of +-0.06, one sign for the group.
+  shifted_NG = r_NG - r_NG[:, :1]
+  centred_NG = shifted_NG - shifted_NG.mean(axis=1, keepdims=True)
   if not scale_by_std:
     return centred_NG.reshape(num)
   std_N1 = jnp.sqrt(jnp.sum(jnp.square(centred_NG), axis=1, keepdims=True)
@@ -283,11 +293,21 @@ def policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array,
     len_B1 = jnp.maximum(mask_BT.sum(axis=1, keepdims=True), 1.0)
     log_s_B1 = jnp.sum((logp_BT - old_logp_BT) * mask_BT, axis=1,
                        keepdims=True) / len_B1
+    # Capped as verl caps it (at 10): past that the clip zeroes the
+    # gradient anyway, and exp must not overflow.
+    log_s_B1 = jnp.minimum(log_s_B1, MAX_LOG_SEQ_RATIO)
     ratio_BT = jnp.exp(jax.lax.stop_gradient(log_s_B1) + logp_BT
                        - jax.lax.stop_gradient(logp_BT))
   else:
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    ratio_BT = jnp.exp(logp_BT - old_logp_BT)
+    # The log-ratio clamped to +-20 as verl does: a token whose ratio
+    # overflowed exp (log-ratio past 88.7) had a finite, clipped loss but
+    # the gradient 0 * inf = NaN. Inside the clamp nothing changes; past
+    # it the gradient is 0, as the clip (A > 0) or the dual-clip (A < 0)
+    # would make it, and without the dual-clip an A < 0 token's loss is
+    # e^20 |A| rather than inf.
+    ratio_BT = jnp.exp(jnp.clip(logp_BT - old_logp_BT, -MAX_LOG_RATIO,
+                                MAX_LOG_RATIO))
   clipped_BT = jnp.clip(ratio_BT, lo, hi)
   pg_BT = -jnp.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
   is_clipped_BT = (((ratio_BT < lo) & (adv_B1 < 0))

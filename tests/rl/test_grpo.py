@@ -127,6 +127,53 @@ def test_equal_rewards_give_no_policy_gradient():
   chex.assert_trees_all_equal(grad, jnp.zeros_like(grad))
 
 
+@pytest.mark.parametrize('value', [0.7, 0.1, 1 / 3, 0.9])
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero(value):
+  # Rewards a float32 mean does not return exactly (0.7 * 8 / 8 != 0.7):
+  # the residue divided by its own std + eps was an advantage of +-0.06.
+  rewards = np.array([value] * 8 + [0, 1, 0, 1, 1, 1, 0, .5], np.float32)
+  adv = np.asarray(group_advantages(jnp.asarray(rewards), num_generations=8))
+  np.testing.assert_array_equal(adv[:8], 0.0)
+  r = rewards[8:].astype(np.float64)
+  want = (r - r.mean()) / (r.std() + 1e-6)  # ddof 0, the default
+  np.testing.assert_allclose(adv[8:], want, rtol=1e-5, atol=1e-6)
+  unscaled = group_advantages(jnp.asarray(rewards), num_generations=8,
+                              scale_by_std=False)
+  np.testing.assert_array_equal(np.asarray(unscaled)[:8], 0.0)
+
+
+@pytest.mark.parametrize('adv,dual_clip', [(-1.0, 3.0), (1.0, None)])
+def test_a_ratio_past_exp_range_has_a_finite_zero_gradient(adv, dual_clip):
+  # Token 1's log-ratio is 94: exp overflows to inf. The clip (A > 0) or
+  # the dual-clip (A < 0) bounds its loss, so its gradient is 0, not
+  # 0 * inf = NaN. By hand (seq-mean-token-mean over 2 tokens): token 0
+  # has ratio 1, loss -A, gradient -A / 2; token 1's loss is -A * 1.28
+  # (clipped, A > 0) or -A * c (capped, A < 0).
+  logp = jnp.array([[-0.5, -1.0]], jnp.float32)
+  old = jnp.array([[-0.5, -95.0]], jnp.float32)
+  mask = jnp.ones((1, 2), jnp.float32)
+  loss, grad = jax.value_and_grad(lambda lp: policy_loss(
+      lp, old, None, jnp.array([adv]), mask, eps_low=.2, eps_high=.28,
+      beta=0., clip_ratio_c=dual_clip)[0])(logp)
+  token1 = -adv * (1.28 if adv > 0 else dual_clip)
+  np.testing.assert_allclose(float(loss), (-adv + token1) / 2, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), [[-adv / 2, 0.0]], atol=1e-7)
+
+
+def test_gspo_with_a_huge_sequence_ratio_has_finite_gradients():
+  logp = jnp.array([[-0.5, -1.0], [-0.3, -0.2]], jnp.float32)
+  old = jnp.array([[-300.0, -400.0], [-0.3, -0.2]], jnp.float32)
+  mask = jnp.ones((2, 2), jnp.float32)
+  (loss, metrics), grad = jax.value_and_grad(lambda lp: policy_loss(
+      lp, old, None, jnp.array([1.0, 1.0]), mask, eps_low=.2, eps_high=.28,
+      beta=0., policy_loss_mode='gspo'), has_aux=True)(logp)
+  chex.assert_tree_all_finite((loss, metrics, grad))
+  # Sequence 0 is clipped (no gradient); sequence 1 has ratio 1: -A / (2*2)
+  # per token.
+  np.testing.assert_allclose(np.asarray(grad), [[0, 0], [-.25, -.25]],
+                             atol=1e-7)
+
+
 def test_fully_masked_sequence_is_finite_and_contributes_zero():
   logp, old, ref, adv, mask = _random_batch(4, num_seq=4)
   logp[2], old[2], ref[2], mask[2] = -np.inf, np.nan, -np.inf, 0.
