@@ -137,10 +137,10 @@ def cumulative_shares(p: Placement) -> tuple[np.ndarray, np.ndarray]:
   """(lo, hi) cumulative share bounds per slot, float32 [L, D, S] each.
 
   lo[l, d, s] is the sum of shares of the slots before s holding the same
-  expert; hi = lo + share. The device computes it as a matmul with a
-  same-expert mask; here the few slots of each expert are summed in slot
-  order instead (O(S) per source, not O(S^2): at 256 devices the mask
-  product dominated planning). In float32 the two agree exactly whenever an
+  expert; hi = lo + share. The device sums them under a same-expert mask
+  (float32 adds: `slot_assignment.slot_ranges`); here the few slots of
+  each expert are summed in slot order instead (O(S) per source, not
+  O(S^2): at 256 devices the masked product dominated planning). In float32 the two agree exactly whenever an
   expert has at most 3 slots (at most two nonzero terms, added in either
   order) and to an ulp otherwise.
   """

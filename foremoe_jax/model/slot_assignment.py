@@ -70,13 +70,17 @@ def slot_ranges(n_E, slot_expert_S, share_S):
   num_slots = slot_expert_S.shape[0]
   share_S = share_S.astype(jnp.float32)
   # lo[s]: shares of the earlier slots holding the same expert. A masked
-  # matmul (S^2, S ~ 10^3), not a segmented cumsum: the numpy side
+  # sum (S^2, S ~ 10^3), not a segmented cumsum: the numpy side
   # (`placement.cumulative_shares`) agrees with it exactly for experts with
   # at most three slots, and to an ulp beyond (its docstring says why).
+  # Not a matmul: at default precision a float32 dot is one bfloat16 pass
+  # on a TPU and TF32 on a GPU, which rounds the shares (tokens then fall
+  # between two slots' ranges, or into both); adds of float32 are exact
+  # on every backend.
   same_SS = slot_expert_S[:, None] == slot_expert_S[None, :]
   before_SS = jnp.tril(jnp.ones((num_slots, num_slots), bool), k=-1)
-  lo_S = jnp.einsum('t,st->s', share_S,
-                    (same_SS & before_SS).astype(jnp.float32))
+  lo_S = jnp.sum(jnp.where(same_SS & before_SS, share_S[None, :], 0.0),
+                 axis=1)
   hi_S = lo_S + share_S
   n_S = n_E[slot_expert_S].astype(jnp.float32)
   start_S = jnp.floor(lo_S * n_S + 0.5).astype(jnp.int32)

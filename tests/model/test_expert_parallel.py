@@ -448,6 +448,22 @@ def test_slot_assignment_is_the_split_rule():
         np.sort(np.where(found_A, slot_A, num_slots)))
 
 
+@pytest.mark.parametrize('platform', ['cuda', 'tpu'])
+def test_slot_ranges_take_no_matmul_on_an_accelerator(platform):
+  """A GPU's default float32 dot is TF32 and a TPU's one bfloat16 pass:
+  shares summed by a matmul there would be rounded, and tokens would fall
+  between two slots' ranges (dropped) or into both. The ranges are
+  float32 adds on every backend: no dot in the program a GPU or TPU gets
+  (on the CPU every dot is exact, so the test above cannot see it)."""
+  s, n = 24, 300
+  text = jax.jit(slot_assignment.assign_slots, static_argnums=4).trace(
+      jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), bool),
+      jax.ShapeDtypeStruct((s,), jnp.int32),
+      jax.ShapeDtypeStruct((s,), jnp.float32), E).lower(
+          lowering_platforms=(platform,)).as_text()
+  assert 'dot_general' not in text and 'stablehlo.dot' not in text
+
+
 @pytest.mark.parametrize('chunk', [5, 12])
 def test_emulated_ragged_all_to_all_is_the_collective(chunk):
   """Random ragged sends between 8 devices, each received run placed at
