@@ -395,7 +395,8 @@ def _finalize(ctx: RLContext, t_submit: float, loads_MGLDE, start_LS=None):
   placement whose slots the recompute prefilled (None: none)."""
   def finalize(plan, loads_MLDE):
     plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, ctx.topo,
-                                                 ctx.cost, ctx.budget)
+                                                 ctx.cost, ctx.budget,
+                                                 start_LS=start_LS)
     transfer = schedule.build_step_transfer(
         plan.placement.slot_expert, ctx.num_experts, ctx.topo, ctx.budget,
         start_LS=start_LS)

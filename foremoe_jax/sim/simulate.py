@@ -194,12 +194,8 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
             moves_per_layer=None))
       else:
         plan = planner.submit(loads_MLDE).result()
-      plan, reverted = schedule.fit_plan_to_budget(plan, loads_MLDE, topo,
-                                                   cost, budget)
-      plan_s = time.perf_counter() - t0
-      cap, bucket_s = _buckets(loads_MLDE, plan, buckets)
-      mp = MethodPlan(plan, None, cap, static_cap, reverted, plan_s,
-                      recompute_capacity=static_cap, bucket_s=bucket_s)
+      mp = MethodPlan(plan, None, None, static_cap, 0,
+                      time.perf_counter() - t0, recompute_capacity=static_cap)
       start_LS = None
       if method != 'static':
         def recompute_plan():
@@ -228,12 +224,16 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
         if prefill:
           start_LS = rplan.placement.slot_expert[0]
           mp.prefilled = True
-      # The update's moves (made in the planner thread, after its plan).
+      # The update's fit and moves (made in the planner thread, after its
+      # plan), from what the recompute prefilled: the fill that will run.
       t0 = time.perf_counter()
+      mp.plan, mp.reverted = schedule.fit_plan_to_budget(
+          plan, loads_MLDE, topo, cost, budget, start_LS=start_LS)
       mp.transfer = schedule.build_step_transfer(
-          plan.placement.slot_expert, num_experts, topo, budget,
+          mp.plan.placement.slot_expert, num_experts, topo, budget,
           start_LS=start_LS)
       mp.plan_s += time.perf_counter() - t0
+      mp.capacity, mp.bucket_s = _buckets(loads_MLDE, mp.plan, buckets)
     finally:
       planner.close()
     out[method] = mp

@@ -898,14 +898,21 @@ def fit_layers(prev_LS, next_LS, ref_LS, num_rounds, num_experts, topo,
 
 
 def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
-                       cost: CostModel, budget: TransferBudget
-                       ) -> tuple[plan_lib.StepPlan, int]:
+                       cost: CostModel, budget: TransferBudget,
+                       start_LS=None) -> tuple[plan_lib.StepPlan, int]:
   """A plan whose transitions all fit the budget, and the number of
   (micro-step, layer, slot) entries changed to get there.
 
+  start_LS: what the slots hold before the fill, as for
+  `build_step_transfer` (None: empty buffers). The fill is checked from
+  there, since that is the fill that will run: from a prefilled placement
+  it may need more rounds than from empty buffers (a fill takes a
+  same-node source where one exists, so one device holding several of
+  micro-step 0's experts sends them all).
+
   Greedy over micro-steps: an over-budget layer's changed slots go back to
-  the reference (the home layout for the fill, else the fitted previous
-  micro-step), the most useful first (`fit_layers`). A layer whose flush
+  the reference (for the fill, start_LS, else the home layout; after it,
+  the fitted previous micro-step), the most useful first (`fit_layers`). A layer whose flush
   does not fit keeps, from the last micro-step whose placement can flush,
   that placement to the end of the step (home all step only when none
   can). The input plan itself is returned when everything fits.
@@ -917,6 +924,10 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
       num_layers, num_experts, topo.num_devices,
       topo.slots_per_device).slot_expert.astype(np.int64)
   empty_LS = _rows(None, home_LS)
+  # Where the fill starts, and what its over-budget slots revert to (a
+  # fill from start_LS to itself moves nothing, so reverting all fits).
+  first_LS = empty_LS if start_LS is None else _rows(start_LS, home_LS)
+  first_ref_LS = home_LS if start_LS is None else first_LS
 
   mode = check_mode(budget.mode)
 
@@ -925,14 +936,14 @@ def fit_plan_to_budget(plan: plan_lib.StepPlan, loads_MLDE, topo: Topology,
 
   flat = se.reshape(-1, se.shape[-1])
   nxt = np.concatenate([se[1:], se[-1:]]).reshape(flat.shape)
-  if (fits(empty_LS, se[0], budget.step_rounds).all()
+  if (fits(first_LS, se[0], budget.step_rounds).all()
       and fits(flat, nxt, budget.microstep_rounds).all()
       and fits(se[-1], empty_LS, budget.step_rounds).all()):
     return plan, 0
   out = se.copy()
   for m in range(num_micro):
-    prev_LS = empty_LS if m == 0 else out[m - 1]
-    ref_LS = home_LS if m == 0 else out[m - 1]
+    prev_LS = first_LS if m == 0 else out[m - 1]
+    ref_LS = first_ref_LS if m == 0 else out[m - 1]
     num_rounds = budget.step_rounds if m == 0 else budget.microstep_rounds
     bad = np.flatnonzero(~fits(prev_LS, out[m], num_rounds))
     if len(bad):

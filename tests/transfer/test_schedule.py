@@ -497,6 +497,46 @@ def test_unflushable_tail_holds_the_last_flushable_placement():
   schedule.build_step_transfer(out, e, topo, budget)
 
 
+@pytest.mark.parametrize('mode', ['exact', 'rounds'])
+def test_fit_checks_the_fill_from_the_prefilled_slots(mode):
+  """2 nodes x 4 devices, s = 3, h = 1. The recompute's placement (start)
+  holds experts 0 and 1 on device 4 as well as home; micro-step 0 puts
+  them on each of devices 4-7. From empty buffers the homes send them (a
+  fill that fits); from start, device 4 is the same-node source for all
+  six copies, a fill of more rounds. The fit must judge the fill that will
+  run: from start, whatever then fits build_step_transfer(start_LS=)."""
+  topo, e, cost = Topology(2, 4, 3), 8, CostModel()
+  rows = lambda slots: np.array([x for d in range(8) for x in slots[d]])
+  home = {d: [d, d, d] for d in range(8)}
+  start = rows(home | {4: [4, 0, 1]})[None]
+  se0 = rows(home | {d: [d, 0, 1] for d in range(4, 8)})[None]
+  empty_need = int(schedule.rounds_needed(None, se0, e, topo, mode)[0])
+  start_need = int(schedule.rounds_needed(start, se0, e, topo, mode)[0])
+  assert start_need > empty_need
+  budget = schedule.TransferBudget(empty_need, empty_need, mode)
+  loads = np.full((1, 1, 8, e), 8, np.int64)
+  se = se0[None]
+  plan = plan_lib.assemble_plan(
+      loads, se, split.balanced_flows(se0, loads[0].sum(1), topo)[0][None],
+      topo, cost, current_LS=start)
+  # Judged from empty buffers (as before) the plan fits and is kept,
+  # and the fill that runs is over the budget.
+  kept, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost,
+                                               budget)
+  assert kept is plan and reverted == 0
+  with pytest.raises(schedule.BudgetExceeded, match='fill'):
+    schedule.build_step_transfer(se, e, topo, budget, start_LS=start)
+  fitted, reverted = schedule.fit_plan_to_budget(plan, loads, topo, cost,
+                                                 budget, start_LS=start)
+  out = fitted.placement.slot_expert
+  assert 0 < reverted == (out != se).sum()
+  placement_lib.validate_placement(fitted.microstep(0), e, 3)
+  # Reverted slots go back to what start holds there, not home.
+  changed = out[0, 0] != se0[0]
+  np.testing.assert_array_equal(out[0, 0][changed], start[0][changed])
+  schedule.build_step_transfer(out, e, topo, budget, start_LS=start)
+
+
 def test_flush_tree_bounds_every_stage_and_keeps_edges_in_a_node():
   """2 nodes x 4 devices, s = 2, h = 1 (expert d's home is device d).
   Expert 0 is replicated on devices 1-7, twice on device 5; device 0
