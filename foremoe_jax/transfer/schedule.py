@@ -697,6 +697,15 @@ def _schedule(prev_BS, next_BS, num_experts, topo, num_rounds, where,
   """The (Exact)Transition of B rows; `where(b)` names row b in errors;
   flush: the form of a flush and of a fill from empty buffers
   (`flush_form`, `fill_form`)."""
+  for name, x in (('from', prev_BS), ('to', next_BS)):
+    # An id out of range would index another expert's rows (or fail deep
+    # in the scheduler with an unrelated shape error).
+    bad = np.argwhere((np.asarray(x) < -1) | (np.asarray(x) >= num_experts))
+    if len(bad):
+      b, j = bad[0]
+      raise ValueError(f'{where(b)}: the placement moved {name} holds '
+                       f'expert {np.asarray(x)[b, j]} in slot {j}; ids are '
+                       f'0..{num_experts - 1} (-1: empty).')
   mv = _moves(prev_BS, next_BS, num_experts, topo, mode)
   fill_B, ret_B = mv.fill_depth_BK.sum(1), mv.ret_depth_BK.sum(1)
   over = np.flatnonzero(np.maximum(fill_B, ret_B) > num_rounds)

@@ -497,6 +497,17 @@ def test_unflushable_tail_holds_the_last_flushable_placement():
   schedule.build_step_transfer(out, e, topo, budget)
 
 
+@pytest.mark.parametrize('bad', [8, -2])
+def test_an_expert_id_out_of_range_is_refused_by_name(bad):
+  topo, e = Topology(1, 4, 2), 8
+  home = placement_lib.identity_placement(2, e, 4, 2).slot_expert
+  se = np.stack([home, home])
+  se[1, 1, 3] = bad
+  budget = schedule.TransferBudget(16, 16)
+  with pytest.raises(ValueError, match=f'layer 1: .*expert {bad} in slot 3'):
+    schedule.build_step_transfer(se, e, topo, budget)
+
+
 @pytest.mark.parametrize('mode', ['exact', 'rounds'])
 def test_fit_checks_the_fill_from_the_prefilled_slots(mode):
   """2 nodes x 4 devices, s = 3, h = 1. The recompute's placement (start)
