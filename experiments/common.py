@@ -13,11 +13,22 @@ RESULTS_DIR = flags.DEFINE_string(
     'experiments.render_results turns into the README tables; empty: do not.')
 
 
-def finish(bench: str, run: dict, result: dict) -> None:
-  """Prints the result as the last line and saves it under --results_dir."""
-  path = results.save(bench, run, result, results_dir=RESULTS_DIR.value)
-  if path:
-    print(f'# saved: {path}', flush=True)
+def finish(bench: str, run: dict, result: dict, *, subset: bool = False
+           ) -> None:
+  """Prints the result as the last line and saves it under --results_dir.
+
+  subset: the run covered only part of the bench (a --calls or --sites
+  filter); it is saved only where --results_dir was given, so that a quick
+  look at one part does not replace the committed file (and the tables
+  rendered from it) with that part.
+  """
+  if subset and not flags.FLAGS['results_dir'].present:
+    print(f'# not saved: a part of {bench} (--results_dir=DIR saves it)',
+          flush=True)
+  else:
+    path = results.save(bench, run, result, results_dir=RESULTS_DIR.value)
+    if path:
+      print(f'# saved: {path}', flush=True)
   print(json.dumps(result), flush=True)
 
 

@@ -119,7 +119,8 @@ def main(argv):
 
   result = launches.audit(calls, log=show,
                           unplaced=[n for n in calls if n.startswith('moe')])
-  common.finish('gpu_launches', run, {'calls': result})
+  common.finish('gpu_launches', run, {'calls': result},
+                subset=bool(_CALLS.value))
 
 
 if __name__ == '__main__':

@@ -60,7 +60,8 @@ def main(argv):
   log = common.progress(_JSON.value)
   rows = gpu_static.report(sites, log=lambda r: log(_line(r)))
   common.finish('gpu_static', run, {'rows': rows,
-                                    'summary': gpu_static.summary(rows)})
+                                    'summary': gpu_static.summary(rows)},
+                subset=bool(_SITES.value))
 
 
 if __name__ == '__main__':

@@ -192,7 +192,16 @@ def test_every_kernel_gpu_check_runs_fits_an_h100():
   (total,) = [r for r in by_site['bwd_dkv']
               if r['kernel'] == 'msa_kv_outer_dkv_sum']
   assert total['launches'] == 1 and total['spill_store_bytes'] == 0
-
+  # Decode: the selection's two launches, the split-K kernel that reads the
+  # selection itself (a program per sequence, group and slot; no spill)
+  # and the merge.
+  assert {r['kernel'] for r in by_site['decode']} == {
+      'msa_index_scores', 'msa_index_topk', 'msa_kv_outer_decode',
+      'msa_kv_outer_combine'}
+  (dec,) = [r for r in by_site['decode']
+            if r['kernel'] == 'msa_kv_outer_decode']
+  assert dec['grid'] == [cfg.decode_batch, cfg.groups, cfg.top_k]
+  assert dec['spill_store_bytes'] == 0
 
 
 def test_the_moe_grouped_matmul_fits_an_h100_on_warpgroup_mmas():
@@ -238,3 +247,15 @@ def test_the_entry_point_prints_one_json_line_and_saves_it(tmp_path):
   saved = json.loads((tmp_path / 'gpu_static.json').read_text())
   assert saved['result'] == result
   assert saved['command'].startswith('python -m experiments.gpu_static')
+  # A part of the sites with no --results_dir is not saved: it would
+  # replace the committed file, all sites, with one.
+  here = tmp_path / 'elsewhere'
+  here.mkdir()
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.gpu_static', '--json',
+       '--sites=main_token'], cwd=here, capture_output=True, text=True,
+      check=True, env=env).stdout.splitlines()
+  assert '# not saved: a part of gpu_static' in out[-2]
+  assert json.loads(out[-1])['rows'][0]['kernel'] == 'msa_forward_gpu'
+  assert not (here / 'results').exists()
