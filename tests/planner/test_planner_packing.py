@@ -51,6 +51,42 @@ def test_hierarchical_placement_is_valid(nodes, per_node, experts):
       assert len(set(held.tolist())) == topo.slots_per_device
 
 
+def greedy_pack_loop(expert_I, unit_I, num_bins, capacity, max_copies):
+  """The packing rule one item at a time: the bin with room, fewer than
+  max_copies of the item's expert, none of it if possible, least loaded,
+  lowest index, compared as tuples."""
+  load, fill = [0.0] * num_bins, [0] * num_bins
+  held = [dict() for _ in range(num_bins)]
+  out = []
+  for e, u in zip(expert_I, unit_I):
+    key = lambda b: (fill[b] >= capacity, held[b].get(e, 0) >= max_copies,
+                     held[b].get(e, 0) > 0, load[b], b)
+    b = min(range(num_bins), key=key)
+    out.append(b)
+    load[b] += max(u, 0.0)
+    fill[b] += 1
+    held[b][e] = held[b].get(e, 0) + 1
+  return out
+
+
+def test_greedy_pack_takes_the_least_loaded_bin_of_its_tier():
+  # Both bins hold expert 0 when its third copy comes: the lighter one
+  # (10 against 19) takes it. With the tiers as 1e30 penalties added to
+  # the load, 1e30 + 19 == 1e30 + 10 and bin 0 took it.
+  got = packing._greedy_pack(np.array([[0, 0, 0]]), np.array([[19., 10., 5.]]),
+                             2, 3, 8, 3)
+  np.testing.assert_array_equal(got, [[0, 1, 1]])
+  rng = np.random.default_rng(7)
+  for _ in range(40):
+    bins, cap = int(rng.integers(2, 6)), int(rng.integers(2, 6))
+    items = int(rng.integers(1, bins * cap + 1))
+    e_I = rng.integers(0, 4, items)
+    u_I = np.sort(rng.gamma(0.5, 10.0, items))[::-1]
+    copies = int(rng.integers(1, 4))
+    got = packing._greedy_pack(e_I[None], u_I[None], bins, cap, 4, copies)
+    assert got[0].tolist() == greedy_pack_loop(e_I, u_I, bins, cap, copies)
+
+
 def test_new_copies_and_overlap_brute_force():
   rng = np.random.default_rng(2)
   topo = Topology(2, 4, 5)
@@ -189,3 +225,4 @@ def test_node_aware_anchor_keeps_rows_on_node():
   assert aware[0] > blind[0] + 0.02
   assert aware[1] < blind[1]
   assert aware[2] < blind[2] + 0.02
+
