@@ -36,7 +36,10 @@ def plan_static(loads_MLDE, topo: Topology, cost: CostModel,
   ident = placement_lib.identity_placement(
       num_layers, num_experts, topo.num_devices, topo.slots_per_device)
   se_LS = ident.slot_expert.astype(np.int64)
-  first_S = np.arange(topo.num_slots) < num_experts
+  # Each device's first E/D slots (its home experts' first copies), not the
+  # first E slots overall: with more slots a device than E/D those were
+  # redundant copies, and some home slots were left without tokens.
+  first_S = np.asarray(ident.slot_share[0, 0]) > 0
   w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
   x_MLS = np.stack([np.take_along_axis(w_MLE[m], se_LS, 1) * first_S
                     for m in range(num_micro)])

@@ -226,3 +226,21 @@ def test_node_aware_anchor_keeps_rows_on_node():
   assert aware[1] < blind[1]
   assert aware[2] < blind[2] + 0.02
 
+
+@pytest.mark.parametrize('slots', [3, 4])
+def test_static_plan_sends_tokens_to_each_devices_home_slots(slots):
+  """plan_static's slot loads are the identity placement's split: every
+  token at its expert's home slot, redundant copies idle (it had taken the
+  first E slots overall as the home ones: D = 2, E = 4, s = 3 sent tokens
+  to a redundant copy and none to a home slot)."""
+  from foremoe_jax.planner import baselines  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.planner.topology import CostModel  # pylint: disable=g-import-not-at-top
+  topo, e = Topology(1, 2, slots), 4
+  loads = np.random.default_rng(3).integers(0, 50, (2, 3, 2, e))
+  plan = baselines.plan_static(loads, topo, CostModel())
+  ident = placement_lib.identity_placement(3, e, 2, slots)
+  for m in range(2):
+    want_LS = placement_lib.slot_counts(loads[m], ident).sum(axis=1)
+    np.testing.assert_array_equal(plan.slot_loads_MLS[m], want_LS)
+    np.testing.assert_array_equal(plan.placement.slot_share[m],
+                                  ident.slot_share)
