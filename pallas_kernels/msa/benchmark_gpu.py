@@ -760,6 +760,11 @@ def decode(cfg: GPUBench, s: int, impl: str,
   fns = {'dense': (dense, (q[:, 0], k, v, lengths)),
          'msa': (msa, args),
          'msa_xla_topk': (functools.partial(msa, topk='xla'), args),
+         # The split-K step as it was: the general tile kernel on tables
+         # XLA builds from the selection (four small launches more).
+         'msa_tiled_decode': (functools.partial(
+             msa, kv_config=kv_outer.ForwardConfig(tiled_decode=True)),
+                              args),
          # Each half alone: where decode's time goes.
          'index': (select, (qi, ki, off)),
          'index_xla_topk': (functools.partial(select, topk='xla'),

@@ -35,7 +35,8 @@ out, as the MSA paper's "KV-outer" sparse attention does:
    atomic anywhere: two runs give the same bits.
 5. **Decode** (`forward` at T = 1): one query per sequence, so the tiles
    are the selection itself: split-K, one program per (sequence, group,
-   slot), then the same combine.
+   slot) that reads its block id from the selection (`decode_partials`:
+   no tables built), then the combine kernel.
 
 Queries are processed in chunks of `query_chunk` tokens so the partial
 outputs stay bounded (at 128k tokens, 16 heads per group and K = 16 they
@@ -96,6 +97,10 @@ class ForwardConfig:
     (`combine_kernel`: each partial read once, the output written once,
     token-major, in its own dtype) instead of XLA's reduction; needs
     pair_order.
+  tiled_decode: at one query per sequence, the general tile kernel on
+    forward_plan's XLA-built tables (tile rows, work items, pair table)
+    instead of `decode_partials`, which reads the selection itself: the
+    decode step as it was, for the GPU bench to time beside the default.
   """
   q_per_tile: int | None = None
   tiles_per_program: int | None = None
@@ -105,6 +110,7 @@ class ForwardConfig:
   prefetch: bool = False
   pair_order: bool = False
   fused_combine: bool = False
+  tiled_decode: bool = False
 
   def __post_init__(self):
     if self.fused_combine and not self.pair_order:
@@ -434,6 +440,84 @@ def _forward_call(off_B, items, rows_BGJW, out_rows_BGJW, q_BXD, k_BSGD,
   )(off_B, blk.reshape(-1), first.reshape(-1), count.reshape(-1), *operands)
 
 
+def _decode_kernel(off_ref, sel_ref, q_ref, k_ref, v_ref, *refs,
+                   block_size: int, scale: float, precision):
+  """Split-K decode: one selected block of one (sequence, group) against
+  the group's Rp head rows (grid (B, G, K)), its partial output and
+  log-sum-exp written at the slot's rows. A -1 slot attends nothing and
+  writes output 0, log-sum-exp -inf (no branch: its block is clamped to 0
+  and wholly masked), so the combine needs no pair table. refs: (valid_ref,
+  o_ref, lse_ref), or (o_ref, lse_ref) where every key is valid."""
+  valid_ref, o_ref, lse_ref = refs if len(refs) == 3 else (None,) + refs
+  blk = sel_ref[0]
+  start = jnp.maximum(blk, 0) * block_size
+  kpos_1C = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+  ok_1C = (kpos_1C <= off_ref[0]) & (blk >= 0)
+  if valid_ref is not None:
+    ok_1C = ok_1C & (valid_ref[pl.ds(start, block_size)][None, :] > 0)
+  q_RD = q_ref[...]
+  s_RC = kc.dot_nt(q_RD, k_ref[pl.ds(start, block_size), :],
+                   precision) * scale
+  mask_RC = jnp.broadcast_to(ok_1C, s_RC.shape)
+  m_R1 = jnp.max(jnp.where(mask_RC, s_RC, kc.MASK_VALUE), axis=1,
+                 keepdims=True)
+  p_RC = jnp.where(mask_RC, jnp.exp(s_RC - m_R1), 0.0)
+  l_R1 = jnp.sum(p_RC, axis=1, keepdims=True)
+  # V is read after the score dot, so that in f32 (each dot operand held
+  # as TF32 halves in shared memory) K's are dead before V's are made.
+  v_CD = v_ref[pl.ds(start, block_size), :]
+  acc_RD = kc.dot_nn(p_RC.astype(v_CD.dtype), v_CD, precision)
+  out_RD, lse_R1 = kc.finish_softmax(m_R1, l_R1, acc_RD)
+  o_ref[...] = out_RD.astype(o_ref.dtype)
+  lse_ref[...] = lse_R1[:, 0]
+
+
+def decode_partials(q_BGRD, k_BSGD, v_BSGD, sel_BGK, off_B, valid_BS, *,
+                    block_size: int, scale: float, interpret: bool):
+  """Decode's split-K partials, one launch straight from the selection:
+  (o_BGKRD, lse_BGKR f32), a program per (sequence, group, slot).
+
+  The general path (`forward_plan` at T = 1) builds the same work as XLA
+  tables first (tile rows, work items, pair table: four small launches a
+  step); here each program reads its block id from the selection and its
+  rows are its group's, so none is needed. valid_BS: int32 [B, Sp] or
+  None (every key valid: no mask operand).
+  """
+  b, g, rp, dp = q_BGRD.shape
+  k = sel_BGK.shape[-1]
+  sp = k_BSGD.shape[1]
+  kernel = functools.partial(
+      _decode_kernel, block_size=block_size, scale=scale,
+      precision=kc.gpu_precision_for(q_BGRD.dtype, interpret))
+  kv = pl.BlockSpec((None, sp, None, dp), lambda bb, gg, kk: (bb, 0, gg, 0))
+  in_specs = [
+      pl.BlockSpec((1,), lambda bb, gg, kk: (bb,)),
+      pl.BlockSpec((1,), lambda bb, gg, kk: ((bb * g + gg) * k + kk,)),
+      pl.BlockSpec((None, None, rp, dp), lambda bb, gg, kk: (bb, gg, 0, 0)),
+      kv, kv]
+  operands = [off_B, sel_BGK.reshape(-1).astype(jnp.int32), q_BGRD, k_BSGD,
+              v_BSGD]
+  if valid_BS is not None:
+    in_specs.append(pl.BlockSpec((None, sp), lambda bb, gg, kk: (bb, 0)))
+    operands.append(valid_BS)
+  return kc.pallas_call(
+      kernel,
+      grid=(b, g, k),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rp, dp),
+                       lambda bb, gg, kk: (bb, gg, kk, 0, 0)),
+          pl.BlockSpec((None, None, None, rp),
+                       lambda bb, gg, kk: (bb, gg, kk, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, g, k, rp, dp), q_BGRD.dtype),
+                 jax.ShapeDtypeStruct((b, g, k, rp), jnp.float32)],
+      compiler_params=_params(rp, q_BGRD.dtype),
+      interpret=interpret,
+      name='msa_kv_outer_decode',
+  )(*operands)
+
+
 def _merge(o_BGTKRD, lse_BGTKR):
   """A token's K partials merged by the log-sum-exp rule: (out_BTGRD f32,
   lse_BTGR), in the output's own (token-major) order.
@@ -489,11 +573,16 @@ def combine_pairs(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int):
   return _merge(o, lse)
 
 
-def _combine_kernel(pair_ref, o_ref, lse_ref, out_ref, lse_out_ref, *,
-                    top_k: int, heads_p: int, groups: int, tokens: int):
+def _combine_kernel(*refs, top_k: int, heads_p: int, groups: int,
+                    tokens: int):
   """`tokens` tokens of one (sequence, group): their K pair-order partials
   merged by a running log-sum-exp (slot by slot, each partial read once),
-  written at their rows of the token-major output view [T*G*Rp, Dp]."""
+  written at their rows of the token-major output view [T*G*Rp, Dp].
+  refs: (pair_ref, o_ref, lse_ref, out_ref, lse_out_ref), or without
+  pair_ref where every partial was written (a -1 slot as output 0 and
+  log-sum-exp -inf, which weigh nothing: `decode_partials`)."""
+  pair_ref = refs[0] if len(refs) == 5 else None
+  o_ref, lse_ref, out_ref, lse_out_ref = refs[-4:]
   i, g = pl.program_id(1), pl.program_id(2)
   rows = tokens * heads_p
   r_W = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -504,12 +593,15 @@ def _combine_kernel(pair_ref, o_ref, lse_ref, out_ref, lse_out_ref, *,
   def slot(k, carry):
     m_W1, s_W1, acc_WD = carry
     pair_W = t_W * top_k + k
-    live_W1 = (pair_ref[pair_W] >= 0)[:, None]
     at_W = pair_W * heads_p + head_W
-    # A -1 slot's rows were never written (garbage, maybe NaN): masked
-    # before any arithmetic.
-    lse_W1 = jnp.where(live_W1, lse_ref[at_W][:, None], NEG_INF)
-    o_WD = jnp.where(live_W1, o_ref[at_W, :].astype(jnp.float32), 0.0)
+    lse_W1 = lse_ref[at_W][:, None]
+    o_WD = o_ref[at_W, :].astype(jnp.float32)
+    if pair_ref is not None:
+      # A -1 slot's rows were never written (garbage, maybe NaN): masked
+      # before any arithmetic.
+      live_W1 = (pair_ref[pair_W] >= 0)[:, None]
+      lse_W1 = jnp.where(live_W1, lse_W1, NEG_INF)
+      o_WD = jnp.where(live_W1, o_WD, 0.0)
     m_new = jnp.maximum(m_W1, lse_W1)
     safe = jnp.where(m_new > NEG_INF, m_new, 0.0)
     old_w = jnp.where(m_W1 > NEG_INF, jnp.exp(m_W1 - safe), 0.0)
@@ -530,8 +622,13 @@ def _combine_kernel(pair_ref, o_ref, lse_ref, out_ref, lse_out_ref, *,
 
 
 def combine_kernel(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int,
-                   dtype, interpret: bool, tokens: int | None = None):
+                   dtype, interpret: bool, tokens: int | None = None,
+                   n_tokens: int | None = None):
   """combine_pairs as one Pallas launch: (out_BTGRD in `dtype`, lse_BTGR).
+
+  pair_BGP None: every partial of the n_tokens tokens was written, a -1
+  slot's as output 0 and log-sum-exp -inf (`decode_partials`), so no pair
+  table is read.
 
   A program merges `tokens` tokens of one (sequence, group) (default: 128
   rows of tokens x heads), slot by slot with a running maximum, so each
@@ -540,8 +637,9 @@ def combine_kernel(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int,
   combine_pairs' (a running log-sum-exp against one over all slots), so
   the two agree to rounding, not bit for bit.
   """
-  b, g, p = pair_BGP.shape
-  t = p // top_k
+  b, g = o_BGXD.shape[:2]
+  t = n_tokens if pair_BGP is None else pair_BGP.shape[-1] // top_k
+  p = t * top_k
   dp = o_BGXD.shape[-1]
   most = max(1, 128 // heads_p)
   # A power of two that divides t (t & -t: t's largest one).
@@ -552,16 +650,21 @@ def combine_kernel(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int,
   kernel = functools.partial(_combine_kernel, top_k=top_k, heads_p=heads_p,
                              groups=g, tokens=tokens)
   rows = tokens * heads_p
+  in_specs = [
+      pl.BlockSpec((None, None) + o_BGXD.shape[2:],
+                   lambda bb, ii, gg: (bb, gg, 0, 0)),
+      pl.BlockSpec((None, None, lse_BGX.shape[2]),
+                   lambda bb, ii, gg: (bb, gg, 0)),
+  ]
+  operands = [o_BGXD, lse_BGX]
+  if pair_BGP is not None:
+    in_specs.insert(
+        0, pl.BlockSpec((None, None, p), lambda bb, ii, gg: (bb, gg, 0)))
+    operands.insert(0, pair_BGP)
   out, lse = kc.pallas_call(
       kernel,
       grid=(b, t // tokens, g),
-      in_specs=[
-          pl.BlockSpec((None, None, p), lambda bb, ii, gg: (bb, gg, 0)),
-          pl.BlockSpec((None, None) + o_BGXD.shape[2:],
-                       lambda bb, ii, gg: (bb, gg, 0, 0)),
-          pl.BlockSpec((None, None, lse_BGX.shape[2]),
-                       lambda bb, ii, gg: (bb, gg, 0)),
-      ],
+      in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, n_out, dp), lambda bb, ii, gg: (bb, 0, 0)),
           pl.BlockSpec((None, n_out), lambda bb, ii, gg: (bb, 0)),
@@ -572,7 +675,7 @@ def combine_kernel(o_BGXD, lse_BGX, pair_BGP, *, top_k: int, heads_p: int,
           num_warps=8 if rows >= 128 else 4, num_stages=2),
       interpret=interpret,
       name='msa_kv_outer_combine',
-  )(pair_BGP, o_BGXD, lse_BGX)
+  )(*operands)
   return (out.reshape(b, t, g, heads_p, dp),
           lse.reshape(b, t, g, heads_p))
 
@@ -733,8 +836,10 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
             config: ForwardConfig | None = None):
   """Padded operands in (R, D powers of two); (o_BTGRD, lse_BTGR f32) out.
 
-  Same contract as forward_kernel.forward_gpu. One query per sequence
-  (T = 1, decode) is split-K: a program per selected slot. Longer inputs
+  Same contract as forward_kernel.forward_gpu, but valid_BS may be None
+  (every key valid). One query per sequence (T = 1, decode) is split-K: a
+  program per selected slot (`decode_partials`; config.tiled_decode: the
+  general tile kernel on forward_plan's tables). Longer inputs
   take the sorted tiles, config.query_chunk tokens at a time, a program
   per key block (or per part of a heavy one: config.tiles_per_program).
   Three stages, each callable alone (the GPU bench times them apart):
@@ -742,7 +847,20 @@ def forward(q_BTGRD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS, *,
   (XLA).
   """
   config = config or ForwardConfig()
-  rp, dp = q_BTGRD.shape[3:]
+  b, t, g, rp, dp = q_BTGRD.shape
+  top_k = sel_BGTK.shape[-1]
+  if t == 1 and not config.tiled_decode:
+    o, lse = decode_partials(q_BTGRD[:, 0], k_BSGD, v_BSGD,
+                             sel_BGTK[:, :, 0], off_B, valid_BS,
+                             block_size=block_size, scale=scale,
+                             interpret=interpret)
+    # Tile k is slot k: the partials are in pair order as they stand.
+    return combine_kernel(o.reshape(b, g, top_k * rp, dp),
+                          lse.reshape(b, g, top_k * rp), None, top_k=top_k,
+                          heads_p=rp, dtype=q_BTGRD.dtype,
+                          interpret=interpret, n_tokens=1)
+  if valid_BS is None:
+    valid_BS = jnp.ones(k_BSGD.shape[:2], jnp.int32)
   plan = forward_plan(sel_BGTK, n_blocks=k_BSGD.shape[1] // block_size,
                       heads_p=rp, head_dim_p=dp, dtype=q_BTGRD.dtype,
                       config=config)

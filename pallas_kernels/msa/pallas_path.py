@@ -180,6 +180,10 @@ def sparse_forward(q_BTHD, k_BSGD, v_BSGD, sel_BGTK, off_B, valid_BS=None, *,
     # (tiles at one query per sequence: decode's split-K)
     q_p, k_p, v_p, valid, scale = kv_outer_operands(
         q_BTHD, k_BSGD, v_BSGD, valid_BS, block_size=block_size)
+    if valid_BS is None and k_p.shape[1] == s:
+      # No key is padding: no [B, S] mask of ones to write and read (a
+      # decode step's whole cache length, every step).
+      valid = None
     o, lse = kv_outer.forward(
         q_p, k_p, v_p, sel_BGTK, off_B, valid, block_size=block_size,
         scale=scale, interpret=interpret, config=kv_config)

@@ -157,8 +157,8 @@ def test_a_tuned_forward_is_timed_beside_the_default(monkeypatch):
   dec = bg.decode(TINY, 128, 'xla', tuned)
   ends = {k[len('decode_'):-2]: v for k, v in dec.items()
           if k.startswith('decode_msa') and k.endswith('_s')}
-  assert set(ends) == {'msa', 'msa_xla_topk', 'msa_tuned',
-                       'msa_tuned_xla_topk'}
+  assert set(ends) == {'msa', 'msa_xla_topk', 'msa_tiled_decode',
+                       'msa_tuned', 'msa_tuned_xla_topk'}
   assert dec['decode_best'] == min(ends, key=ends.get)
   assert dec['decode_speedup_best'] == pytest.approx(
       dec['decode_dense_s'] / min(ends.values()), rel=1e-6)

@@ -462,15 +462,20 @@ def test_bf16_dkv_in_key_parts_equals_whole_blocks_and_the_reference():
         key_parts=8), *args)
 
 
-@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5),
-                                       (jnp.bfloat16, 2e-2)])
-def test_split_k_decode_equals_reference(dtype, tol):
-  b, s, g, r, d, di, c, k = 3, 120, 2, 3, 16, 8, 16, 4
+# s = 120: the keys padded to whole blocks (a key-valid mask operand);
+# 128: none. The length-9 row has one block: its other slots are -1.
+@pytest.mark.parametrize('dtype,tol,s,tiled', [
+    (jnp.float32, 1e-5, 120, False), (jnp.bfloat16, 2e-2, 128, False),
+    (jnp.float32, 1e-5, 128, False), (jnp.float32, 1e-5, 120, True)])
+def test_split_k_decode_equals_reference(dtype, tol, s, tiled):
+  b, g, r, d, di, c, k = 3, 2, 3, 16, 8, 16, 4
   q, kk, v, qi, ki, _ = lib.make_inputs(b, 1, s, g, r, d, di, dtype=dtype)
   lengths = jnp.array([s, 61, 9])
   out, aux = jax.jit(functools.partial(
       pallas_path.msa_decode, block_size=c, top_k=k, backend='gpu',
-      interpret=True))(q[:, 0], kk, v, qi[:, 0], ki, lengths)
+      interpret=True,
+      kv_config=kv_outer.ForwardConfig(tiled_decode=tiled)))(
+          q[:, 0], kk, v, qi[:, 0], ki, lengths)
   f32 = lambda x: x.astype(jnp.float32)
   want, want_aux = ref.msa_attention(f32(q), f32(kk), f32(v), qi, ki,
                                      block_size=c, top_k=k,
@@ -529,8 +534,10 @@ def test_kernels_lower_for_cuda(dtype):
       shape((8, 32768, g, d), dtype), shape((8, g, 128), dtype),
       shape((8, 32768, 128), dtype), shape((8,), jnp.int32)).lower(
           lowering_platforms=('cuda',)).as_text()
-  for name in ('msa_index_scores', 'msa_index_topk', 'msa_kv_outer_forward'):
+  for name in ('msa_index_scores', 'msa_index_topk', 'msa_kv_outer_decode',
+               'msa_kv_outer_combine'):
     assert name in text, name
+  assert 'msa_kv_outer_forward' not in text
 
 
 def test_batched_chunk_plans_equal_chunk_by_chunk_plans():

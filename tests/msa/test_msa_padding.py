@@ -82,8 +82,7 @@ def test_padded_keys_outputs_and_gradients_match_reference():
       pallas_backend=backend, kv_valid_BS=valid))(q[:, 0], k, v, qi[:, 0], ki,
                                                   lengths)
   want_dec, want_dec_aux = dec('reference')
-  # GPU decode is the forward kernel at T = 1, checked above.
-  for impl, backend in (('xla', None), ('pallas', 'tpu')):
+  for impl, backend in (('xla', None), ('pallas', 'tpu'), ('pallas', 'gpu')):
     out_dec, aux_dec = dec(impl, backend)
     lib.assert_close(out_dec, want_dec, 1e-5, f'decode {impl} {backend}')
     np.testing.assert_array_equal(aux_dec['sel_BGK'], want_dec_aux['sel_BGK'])
