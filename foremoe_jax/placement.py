@@ -23,12 +23,28 @@ inclusive cumulative shares c_1 <= ... <= c_r = 1 (c_0 = 0). Slot i receives
 the ranks ``[round(c_{i-1} n), round(c_i n))`` with round(x) = floor(x + 0.5),
 so a slot's tokens from one source are one contiguous rank range, and shares
 built from exact counts (``shares_from_slot_counts``) reproduce those counts.
+
+Shares are whole steps of 2^-24 (``SHARE_GRID``), so every c_i is exact in
+float32 whatever order it is summed in: the host (slot order) and the
+device (a masked sum, in its backend's order) get the same bits, c_i is
+the next slot's lower bound, and c_r is 1 (``grid_shares``).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import numpy as np
+
+
+# The shares' grid: every share is a whole number of 1 / SHARE_GRID steps
+# and an expert's shares from one source add up to exactly 1. Any partial
+# sum is then a multiple of 2^-24 in [0, 1], which float32 holds exactly, so
+# summing needs no rounding in any order. Off the grid, an expert on four or
+# more slots could get bounds an ulp apart on the host and the device: a
+# token the host counted in a slot then fell between two on the device and
+# was lost, where a source's count differs from the one the shares were made
+# for (data groups sharing one placement).
+SHARE_GRID = 2**24
 
 
 class Placement(NamedTuple):
@@ -140,9 +156,10 @@ def cumulative_shares(p: Placement) -> tuple[np.ndarray, np.ndarray]:
   expert; hi = lo + share. The device sums them under a same-expert mask
   (float32 adds: `slot_assignment.slot_ranges`); here the few slots of
   each expert are summed in slot order instead (O(S) per source, not
-  O(S^2): at 256 devices the masked product dominated planning). In float32 the two agree exactly whenever an
-  expert has at most 3 slots (at most two nonzero terms, added in either
-  order) and to an ulp otherwise.
+  O(S^2): at 256 devices the masked product dominated planning). The two
+  agree bit for bit for shares on SHARE_GRID, all the planner makes (no
+  sum rounds); off it, exactly when an expert has at most 3 slots (at most
+  two nonzero terms, added in either order) and to an ulp otherwise.
   """
   se = np.asarray(p.slot_expert)
   share = np.asarray(p.slot_share, np.float32)
@@ -220,7 +237,44 @@ def shares_from_slot_counts(slot_counts_LDS: np.ndarray,
     _, first = np.unique(se[l], return_index=True)
     first_LS[l, first] = True
   share = np.where((tot_LDS == 0) & first_LS[:, None, :], 1.0, share)
-  return share.astype(np.float32)
+  return grid_shares(share, se)
+
+
+def grid_shares(slot_share_LDS: np.ndarray,
+                slot_expert_LS: np.ndarray) -> np.ndarray:
+  """Shares moved onto SHARE_GRID: float32 [L, D, S].
+
+  Each slot's cumulative share (through it, among its expert's slots in
+  slot order) is rounded to a whole number of 2^-24 steps, an expert's
+  last slot's to exactly 1, and a slot's share is the step from the slot
+  before; each share moves by at most 2^-24 (plus the last slot's
+  shortfall from 1). Shares of one source for one expert must add up to
+  about 1, as every placement's do.
+  """
+  se = np.asarray(slot_expert_LS)
+  share = np.asarray(slot_share_LDS, np.float64)
+  num_slots = se.shape[1]
+  order_LS = np.argsort(se, axis=1, kind='stable')
+  se_sorted = np.take_along_axis(se, order_LS, axis=1)
+  first_LS = np.ones(se.shape, bool)
+  first_LS[:, 1:] = se_sorted[:, 1:] != se_sorted[:, :-1]
+  last_LS = np.ones(se.shape, bool)
+  last_LS[:, :-1] = first_LS[:, 1:]
+  pos = np.arange(num_slots)
+  start_LS = np.maximum.accumulate(np.where(first_LS, pos, 0), axis=1)
+  sh = np.take_along_axis(share, order_LS[:, None, :], axis=2)
+  cum = np.cumsum(sh, axis=2)
+  hi = cum - np.take_along_axis(cum - sh, np.broadcast_to(
+      start_LS[:, None, :], sh.shape), axis=2)
+  hi = np.where(last_LS[:, None, :], 1.0, np.clip(hi, 0.0, 1.0))
+  steps = np.rint(hi * SHARE_GRID)
+  before = np.zeros_like(steps)
+  before[:, :, 1:] = np.where(first_LS[:, None, 1:], 0.0, steps[:, :, :-1])
+  out = np.empty(sh.shape, np.float32)
+  np.put_along_axis(out, order_LS[:, None, :],
+                    ((steps - before) / SHARE_GRID).astype(np.float32),
+                    axis=2)
+  return out
 
 
 def cell_counts(counts_LDE: np.ndarray, p: Placement) -> np.ndarray:

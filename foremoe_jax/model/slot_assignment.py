@@ -70,9 +70,11 @@ def slot_ranges(n_E, slot_expert_S, share_S):
   num_slots = slot_expert_S.shape[0]
   share_S = share_S.astype(jnp.float32)
   # lo[s]: shares of the earlier slots holding the same expert. A masked
-  # sum (S^2, S ~ 10^3), not a segmented cumsum: the numpy side
-  # (`placement.cumulative_shares`) agrees with it exactly for experts with
-  # at most three slots, and to an ulp beyond (its docstring says why).
+  # sum (S^2, S ~ 10^3), not a segmented cumsum: the shares are whole steps
+  # of 2^-24 (`placement.SHARE_GRID`), so no partial sum rounds and the
+  # numpy side (`placement.cumulative_shares`, in slot order) gets the same
+  # bits; hi is then exactly the next slot's lo, so no rank falls between
+  # two slots.
   # Not a matmul: at default precision a float32 dot is one bfloat16 pass
   # on a TPU and TF32 on a GPU, which rounds the shares (tokens then fall
   # between two slots' ranges, or into both); adds of float32 are exact

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from foremoe_jax import placement as placement_lib
 from foremoe_jax.planner.topology import Topology
 
 
@@ -560,12 +561,21 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   np.subtract(count[:, 1:], upto[:, :-1], out=count[:, 1:],
               where=~first_LQ[:, 1:, None, None])
   count_LQD = count.reshape(num_layers, width, num_devices)
-  low = upto
   q_loads_LQ = count_LQD.sum(axis=2, dtype=np.float64)
   slot_loads_LS[lk, q_LQ] = q_loads_LQ
-  share_LQD = low.reshape(num_layers, width, num_devices)
-  np.maximum(n_LQD, np.float32(1.0), out=share_LQD)
-  np.divide(count_LQD, share_LQD, out=share_LQD)
+  # Shares on the grid of placement.SHARE_GRID: the cumulative fraction
+  # through each slot (upto / n) in whole steps of 2^-24, a share the step
+  # from the slot before (`placement.SHARE_GRID` says why). upto is n at
+  # an expert's last slot, so its shares add up to exactly 1.
+  # (In float64, as placement.grid_shares rounds: the same steps.)
+  grid = upto.reshape(num_layers, width, num_devices).astype(np.float64)
+  grid /= np.maximum(n_LQD, 1.0)
+  grid *= placement_lib.SHARE_GRID
+  np.rint(grid, out=grid)
+  step = grid.copy()
+  np.subtract(step[:, 1:], grid[:, :-1], out=step[:, 1:],
+              where=~first_LQ[:, 1:, None])
+  share_LQD = (step / placement_lib.SHARE_GRID).astype(np.float32)
   # A source with no tokens for the expert gives its share to the first slot.
   share_LQD += (n_LQD == 0) & first_LQ[..., None]
   share_LDS[lk[..., None], np.arange(num_devices), q_LQ[..., None]] = share_LQD

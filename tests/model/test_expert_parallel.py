@@ -448,6 +448,40 @@ def test_slot_assignment_is_the_split_rule():
         np.sort(np.where(found_A, slot_A, num_slots)))
 
 
+def test_an_expert_on_seven_slots_loses_no_token_at_any_count():
+  """Shares made for one token count and used with others (data groups
+  share a placement): an expert on 7 slots, shares from 7 counts summing to
+  25,875. At every count tried the device's per-slot counts equal the
+  host's (`placement.slot_counts`) and every valid assignment finds a
+  slot. With float32 shares c / sum (not on the 2^-24 grid) the device's
+  bounds, summed in another order, sat an ulp off the host's: at 2,597
+  tokens a row moved between slots, at 6,016 (and 9,466, 12,916) one fell
+  between two."""
+  num_slots, e = 64, 16
+  slots = np.array([0, 7, 16, 32, 40, 59, 62])
+  c = np.array([4904, 1898, 3428, 4750, 3252, 4201, 3442])
+  se = np.array([1 + i % (e - 1) for i in range(num_slots)], np.int32)
+  se[slots] = 0
+  counts = np.zeros((1, 1, num_slots), np.int64)
+  counts[0, 0, slots] = c
+  counts[0, 0, se != 0] = 1
+  share = placement_lib.shares_from_slot_counts(counts, se[None])
+  p = placement_lib.Placement(se[None], share)
+  num_assign = 16384
+  run = jax.jit(lambda valid: slot_assignment.assign_slots(
+      jnp.zeros((num_assign,), jnp.int32), valid, jnp.asarray(se),
+      jnp.asarray(share[0, 0]), e))
+  rng = np.random.default_rng(0)
+  for n in [2597, 6016, 9466, 12916, *rng.integers(1, num_assign, 30)]:
+    got = run(jnp.arange(num_assign) < n)
+    host = np.zeros((1, 1, e), np.int64)
+    host[0, 0, 0] = n
+    np.testing.assert_array_equal(
+        np.asarray(got.count_S)[slots],
+        placement_lib.slot_counts(host, p)[0, 0, slots], err_msg=str(n))
+    assert int(np.asarray(got.found_A).sum()) == n, n
+
+
 @pytest.mark.parametrize('platform', ['cuda', 'tpu'])
 def test_slot_ranges_take_no_matmul_on_an_accelerator(platform):
   """A GPU's default float32 dot is TF32 and a TPU's one bfloat16 pass:

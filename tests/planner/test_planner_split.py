@@ -76,6 +76,36 @@ def test_split_tokens_exact(nodes):
     assert np.abs(slot_LS - x_LS).max() <= topo.num_devices
 
 
+@pytest.mark.parametrize('nodes', [1, 2])
+def test_split_shares_sum_exactly_in_any_order(nodes):
+  """split_tokens' shares are whole steps of 2^-24 that add up to exactly 1
+  per (layer, source, expert), so an expert's cumulative bounds are the
+  same float32 bits in slot order and in any other (the device's masked
+  sum): each slot's upper bound is the next one's lower bound."""
+  trace, topo = lib.one_node() if nodes == 1 else lib.two_nodes()
+  loads_LDE = trace.step(1)[2]
+  se_LS = packing.hierarchical_placement(
+      trace.step(0).sum(axis=(0, 2)), topo).astype(np.int64)
+  x_LS, _ = split.balanced_flows(se_LS, loads_LDE.sum(1), topo)
+  share_LDS, _, _ = split.split_tokens(loads_LDE, se_LS, x_LS, topo)
+  steps = share_LDS.astype(np.float64) * placement_lib.SHARE_GRID
+  np.testing.assert_array_equal(steps, np.rint(steps))
+  rng = np.random.default_rng(0)
+  for l in range(se_LS.shape[0]):
+    for e in np.flatnonzero(np.bincount(se_LS[l]) >= 2):
+      slots = np.flatnonzero(se_LS[l] == e)
+      for d in range(topo.num_devices):
+        sh = share_LDS[l, d, slots]
+        # In slot order and in a random one, every float32 running sum is
+        # the exact (float64) sum of the same shares: no add rounds.
+        for order in (np.arange(len(sh)), rng.permutation(len(sh))):
+          run32 = np.float32(0.0)
+          for k, j in enumerate(order):
+            run32 = np.float32(run32 + sh[j])
+            assert run32 == sh[order[:k + 1]].astype(np.float64).sum()
+        assert run32 == 1.0
+
+
 def test_prefer_local_keeps_tokens_on_node():
   trace, topo = lib.two_nodes()
   loads_LDE = trace.step(1)[0]
