@@ -47,6 +47,20 @@ import numpy as np
 SHARE_GRID = 2**24
 
 
+def grid_steps(upto, n):
+  """Cumulative counts in steps of SHARE_GRID, in place: upto (float32,
+  tokens a source sends the slots of an expert up to and including each)
+  becomes rint(upto / max(n, 1) * 2^24), n the source's tokens for the
+  expert (upto = n at its last slot: exactly 2^24). A slot's share is its
+  step count less the slot before's, over 2^24; with n < 2^22 the split
+  rule turns those shares back into the counts.
+  """
+  np.divide(upto, np.maximum(n, np.float32(1.0)), out=upto)
+  upto *= np.float32(SHARE_GRID)
+  np.rint(upto, out=upto)
+  return upto
+
+
 class Placement(NamedTuple):
   """One micro-step's placement of experts into slots. A jax pytree as-is."""
 
@@ -230,14 +244,32 @@ def shares_from_slot_counts(slot_counts_LDS: np.ndarray,
     np.add.at(totals_LDE[l].T, se[l], sc[l].T)
   tot_LDS = np.take_along_axis(
       totals_LDE, np.broadcast_to(se[:, None, :], sc.shape), axis=2)
-  share = np.where(tot_LDS > 0, sc / np.maximum(tot_LDS, 1), 0.0)
+  # Counts up to and including each slot, in slot order among its expert's.
+  order_LS = np.argsort(se, axis=1, kind='stable')
+  se_sorted = np.take_along_axis(se, order_LS, axis=1)
+  first_sorted = np.ones(se.shape, bool)
+  first_sorted[:, 1:] = se_sorted[:, 1:] != se_sorted[:, :-1]
+  start_LS = np.maximum.accumulate(
+      np.where(first_sorted, np.arange(num_slots), 0), axis=1)
+  sc_sorted = np.take_along_axis(sc, order_LS[:, None, :], axis=2)
+  cum = np.cumsum(sc_sorted, axis=2)
+  upto_sorted = cum - np.take_along_axis(
+      cum - sc_sorted, np.broadcast_to(start_LS[:, None, :], sc.shape), axis=2)
+  upto = np.empty(sc.shape, np.float32)
+  np.put_along_axis(upto, order_LS[:, None, :], upto_sorted, axis=2)
+  steps = grid_steps(upto, tot_LDS.astype(np.float32))
+  prev = np.zeros_like(steps)
+  prev_sorted = np.zeros_like(steps)
+  prev_sorted[:, :, 1:] = np.where(
+      first_sorted[:, None, 1:], 0.0,
+      np.take_along_axis(steps, order_LS[:, None, :], axis=2)[:, :, :-1])
+  np.put_along_axis(prev, order_LS[:, None, :], prev_sorted, axis=2)
+  share = (steps - prev) * np.float32(1.0 / SHARE_GRID)
   # First slot of each expert per layer takes the whole share when idle.
   first_LS = np.zeros_like(se, dtype=bool)
-  for l in range(num_layers):
-    _, first = np.unique(se[l], return_index=True)
-    first_LS[l, first] = True
+  np.put_along_axis(first_LS, order_LS, first_sorted, axis=1)
   share = np.where((tot_LDS == 0) & first_LS[:, None, :], 1.0, share)
-  return grid_shares(share, se)
+  return share.astype(np.float32)
 
 
 def grid_shares(slot_share_LDS: np.ndarray,

@@ -98,17 +98,20 @@ def _greedy_pack(expert_BI, unit_BI, num_bins, capacity, num_experts,
   held_BNE = np.zeros((num_b, num_bins, num_experts), np.int64)
   bin_BI = np.empty((num_b, num_items), np.int64)
   bk = np.arange(num_b)
+  # A bin's tier (full, at max_copies of the expert, holding one) first,
+  # then its load: tiers a step wider than any load can grow (twice all the
+  # items' units) keep one float key lexicographic. (Steps of 1e30 swallowed
+  # the load in float64: among bins of one tier the lowest index won, not
+  # the least loaded.)
+  step_B1 = 2.0 * np.maximum(unit_BI, 0.0).sum(axis=1, keepdims=True) + 1.0
   for i in range(num_items):
     e_B = expert_BI[:, i]
     held_BN = held_BNE[bk, :, e_B]
-    # Lexicographic: a bin's tier (full, at max_copies of the expert,
-    # holding one), then its load. (Tiers as penalties of 1e30 added to
-    # the load swallowed the load in float64: among bins of one tier the
-    # lowest index won, not the least loaded.)
-    tier_BN = (4 * (fill_BN >= capacity) + 2 * (held_BN >= max_copies)
-               + (held_BN > 0))
-    best_BN = tier_BN == tier_BN.min(axis=1, keepdims=True)
-    b_B = np.argmin(np.where(best_BN, load_BN, np.inf), axis=1)
+    cost_BN = load_BN + step_B1 * (
+        np.where(fill_BN >= capacity, 4.0, 0.0)
+        + np.where(held_BN >= max_copies, 2.0, 0.0)
+        + np.where(held_BN > 0, 1.0, 0.0))
+    b_B = np.argmin(cost_BN, axis=1)
     bin_BI[:, i] = b_B
     load_BN[bk, b_B] += np.maximum(unit_BI[:, i], 0.0)
     fill_BN[bk, b_B] += 1

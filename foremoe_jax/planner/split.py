@@ -567,15 +567,14 @@ def split_tokens(loads_LDE, slot_expert_LS, x_LS, topo: Topology,
   # through each slot (upto / n) in whole steps of 2^-24, a share the step
   # from the slot before (`placement.SHARE_GRID` says why). upto is n at
   # an expert's last slot, so its shares add up to exactly 1.
-  # (In float64, as placement.grid_shares rounds: the same steps.)
-  grid = upto.reshape(num_layers, width, num_devices).astype(np.float64)
-  grid /= np.maximum(n_LQD, 1.0)
-  grid *= placement_lib.SHARE_GRID
-  np.rint(grid, out=grid)
-  step = grid.copy()
-  np.subtract(step[:, 1:], grid[:, :-1], out=step[:, 1:],
+  # (In place, in float32: `placement.grid_steps`, as shares_from_slot_counts
+  # makes them, so both give the same shares.)
+  grid = placement_lib.grid_steps(
+      upto.reshape(num_layers, width, num_devices), n_LQD)
+  share_LQD = grid.copy()
+  np.subtract(share_LQD[:, 1:], grid[:, :-1], out=share_LQD[:, 1:],
               where=~first_LQ[:, 1:, None])
-  share_LQD = (step / placement_lib.SHARE_GRID).astype(np.float32)
+  share_LQD *= np.float32(1.0 / placement_lib.SHARE_GRID)
   # A source with no tokens for the expert gives its share to the first slot.
   share_LQD += (n_LQD == 0) & first_LQ[..., None]
   share_LDS[lk[..., None], np.arange(num_devices), q_LQ[..., None]] = share_LQD

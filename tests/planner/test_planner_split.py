@@ -198,3 +198,23 @@ def test_node_aware_flows_stay_under_the_compute_cap():
                                         remote_weight=0.5, slack=0.1)
   assert kept_L[0]
   np.testing.assert_array_equal(same, balanced)
+
+
+def test_grid_shares_moves_any_shares_onto_the_grid():
+  """Shares made off the grid (here random ones per expert run) come back
+  as whole steps of 2^-24, each within two steps of where it was, adding
+  up to exactly 1 per (layer, source, expert)."""
+  rng = np.random.default_rng(5)
+  se = np.stack([rng.permutation(np.arange(24) % 6) for _ in range(2)])
+  raw = rng.random((2, 3, 24))
+  for l in range(2):
+    for e in range(6):
+      raw[l, :, se[l] == e] /= raw[l, :, se[l] == e].sum(axis=0)
+  got = placement_lib.grid_shares(raw.astype(np.float32), se)
+  steps = got.astype(np.float64) * placement_lib.SHARE_GRID
+  np.testing.assert_array_equal(steps, np.rint(steps))
+  assert np.abs(got - raw).max() <= 2.0 / placement_lib.SHARE_GRID
+  for l in range(2):
+    for e in range(6):
+      np.testing.assert_array_equal(
+          got[l][:, se[l] == e].sum(axis=1, dtype=np.float64), 1.0)
