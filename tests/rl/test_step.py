@@ -497,9 +497,17 @@ def test_recompute_prefill_is_the_update_fill(setup):
   (p_a, m_a), (p_b, m_b) = out['prefilled'], out['own fill']
   np.testing.assert_allclose(m_a['loss'], m_b['loss'], rtol=1e-6,
                              atol=1e-6 * float(m_b['adv_abs_mean']))
+  # The two fills return the replicas' gradients in another order, so the
+  # sums differ in their last bits; Adam divides each by its own RMS, and
+  # an element whose gradient is a cancellation near Adam's eps (1e-8) turns
+  # that into a visible part of its step (at most lr). Hence the parameters
+  # agree to 1/200 of a step: once the slot ranges' sum changed order they
+  # were up to 2.1e-6 apart (the experts' weights; 7.5e-7 elsewhere),
+  # past the bound of 1e-6 x their scale this test had.
+  lr = 1e-3
   for a, b in zip(jax.tree.leaves(p_a), jax.tree.leaves(p_b)):
     scale = float(jnp.abs(b).max())
-    assert float(jnp.abs(a - b).max()) <= 1e-6 * scale + 1e-9
+    assert float(jnp.abs(a - b).max()) <= 1e-6 * scale + 5e-3 * lr
   # A prefill needs slots to fill and a single epoch.
   with pytest.raises(ValueError, match='prefill'):
     rl_step.recompute(state, batch, step_lib.CanonicalLayout(None),
