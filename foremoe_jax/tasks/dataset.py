@@ -98,6 +98,19 @@ def _field(records, name: str, path: str) -> list:
   return [r[name] for r in records]
 
 
+
+def prompt_targets(prompts_NP, pad_id: int) -> np.ndarray:
+  """float32 [N, P]: 1 where a prompt token is a warm-start target, i.e. it
+  and the token before it are real. Real means at or after the row's first
+  non-PAD token (the sampler's `prompt_valid`), not `!= pad_id`: with no
+  PAD token the tokenizer pads with EOS (`HFTokenizer`), and an EOS inside
+  a prompt (a chat turn's end) is text the sampler feeds, not padding."""
+  real_NP = np.cumsum(np.asarray(prompts_NP) != pad_id, axis=1) > 0
+  mask_NP = np.zeros(real_NP.shape, np.float32)
+  mask_NP[:, 1:] = real_NP[:, 1:] & real_NP[:, :-1]
+  return mask_NP
+
+
 class DatasetTask(Task):
   """A task read from a dataset file; see the module docstring."""
 
@@ -333,10 +346,7 @@ class DatasetTask(Task):
     tokens_NS = np.concatenate([prompts_NP, targets_NC], axis=1)
     prompt_mask_NP = np.zeros_like(prompts_NP, np.float32)
     if self._sft_prompt_loss:
-      # Token t is a target when it and token t - 1 are real: not the left
-      # PADs, not the first real token (nothing real precedes it).
-      real_NP = prompts_NP != self.pad_id
-      prompt_mask_NP[:, 1:] = real_NP[:, 1:] & real_NP[:, :-1]
+      prompt_mask_NP = prompt_targets(prompts_NP, self.pad_id)
     mask_NS = np.concatenate([prompt_mask_NP, mask_NC], axis=1)
     return tokens_NS, mask_NS
 

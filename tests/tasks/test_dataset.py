@@ -12,6 +12,8 @@ import pytest
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.tasks import get_task, rewards, word_problems
+from foremoe_jax.rollout import sampler as sampler_lib
+from foremoe_jax.tasks import dataset as dataset_lib
 from foremoe_jax.tasks.dataset import DatasetTask
 from foremoe_jax.tasks.hf_tokenizer import HFTokenizer
 
@@ -175,6 +177,22 @@ def test_sft_prompt_loss_adds_every_prompt_token_after_the_first(data):
     # Left PADs and BOS (nothing real before it) carry no loss.
     np.testing.assert_array_equal(
         m[:p], np.r_[np.zeros(p - n_real + 1), np.ones(n_real - 1)])
+
+
+def test_prompt_targets_keep_a_pad_id_inside_the_prompt():
+  # PAD = 0 (an EOS standing in for PAD): the leading zeros are padding, the
+  # zero after real text is a prompt token, a target, and so is the token
+  # after it. Hand-computed: targets are the real tokens after the first.
+  prompts = np.array([[0, 0, 5, 6, 0, 7],
+                      [4, 0, 0, 8, 9, 3],
+                      [0, 0, 0, 0, 0, 2]])
+  np.testing.assert_array_equal(
+      dataset_lib.prompt_targets(prompts, 0),
+      [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+  # The sampler's validity agrees: a target is valid and follows a valid one.
+  valid = sampler_lib.prompt_valid(prompts, 0)
+  assert (dataset_lib.prompt_targets(prompts, 0)[:, 1:]
+          == (valid[:, 1:] & valid[:, :-1])).all()
 
 
 def test_context_facts_hide_the_problem_among_other_names():
