@@ -175,6 +175,28 @@ def prompt_valid(prompts_BP, pad_id: int):
   return xp.cumsum(prompts_BP != pad_id, axis=1) > 0
 
 
+def check_prompts(prompts_NP, pad_id: int) -> None:
+  """Refuses prompts the sampler would read wrongly: only LEADING PADs are
+  padding (`prompt_valid`), so a right-padded prompt's trailing PADs would
+  be fed as text and the completion would follow them; an all-PAD row has
+  no token to condition on."""
+  prompts_NP = np.asarray(prompts_NP)
+  if prompts_NP.ndim != 2 or prompts_NP.shape[1] == 0:
+    raise ValueError(f'prompts must be int [N, P] with P >= 1, got shape '
+                     f'{prompts_NP.shape}.')
+  empty = np.flatnonzero((prompts_NP == pad_id).all(axis=1))
+  if empty.size:
+    raise ValueError(f'prompt rows {empty[:8].tolist()} are all PAD '
+                     f'({pad_id}): every prompt needs at least one token.')
+  right = np.flatnonzero(prompts_NP[:, -1] == pad_id)
+  if right.size:
+    raise ValueError(
+        f'prompt rows {right[:8].tolist()} end with PAD ({pad_id}): prompts '
+        f'must be left-padded (PADs first, the text ending at column P - 1), '
+        f'since only leading PADs are hidden; a right-padded prompt would be '
+        f'continued after its PADs.')
+
+
 def _token_logp(logits_BV, tokens_B):
   logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   return jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
@@ -335,6 +357,7 @@ class Sampler:
               capacity: int | None = None) -> DecodeState:
     """Repeats and pads the prompts, allocates the cache, runs the prompts."""
     p = self.params
+    check_prompts(prompts_NP, p.pad_id)
     prompts_BP = np.repeat(np.asarray(prompts_NP, np.int32), p.num_generations,
                            axis=0)
     num_samples, plen = prompts_BP.shape

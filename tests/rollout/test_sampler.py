@@ -239,6 +239,27 @@ def test_routes_dtype_and_length_check(setup):
     smp(setup.state, setup.prompts_NP, jax.random.key(0))
 
 
+def test_right_padded_and_empty_prompts_are_refused(setup):
+  """Only leading PADs are hidden, so a right-padded prompt would be
+  continued after its PADs as if they were text: refused before any
+  compute, naming the rows; so is a prompt with no token at all."""
+  smp = make_sampler(setup, num_generations=1, greedy=True)
+  right = setup.prompts_NP.copy()
+  right[2] = np.r_[right[2, 2:], [PAD_ID, PAD_ID]]  # Shifted left, PAD after.
+  with pytest.raises(ValueError, match=r'rows \[2\] end with PAD'):
+    smp(setup.state, right, jax.random.key(0))
+  empty = setup.prompts_NP.copy()
+  empty[1] = PAD_ID
+  with pytest.raises(ValueError, match=r'rows \[1\] are all PAD'):
+    smp(setup.state, empty, jax.random.key(0))
+  # Left padding, a PAD id inside the text (PAD standing in for EOS) and
+  # the task's own prompts pass.
+  inner = setup.prompts_NP.copy()
+  inner[0, :2] = PAD_ID
+  inner[0, 3] = PAD_ID
+  sampler_lib.check_prompts(inner, PAD_ID)
+
+
 def test_left_padded_prompts_decode_as_if_alone(setup):
   """Prompts of different lengths, left-padded with PAD to one width: each
   row's greedy completion, log-probs and routes equal the model's on that
