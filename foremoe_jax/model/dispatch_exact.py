@@ -228,5 +228,5 @@ def dispatch_body(x_NM, ids_NK, gates_NK, valid_N, wg_sMF, wu_sMF, wd_sFM,
   keep_A, y_AM = keep_sorted[unsort_A], back_AM[unsort_A]
   w_A = jnp.where(keep_A, gates_NK.reshape(-1), 0).astype(y_AM.dtype)
   y_NM = (y_AM * w_A[:, None]).reshape(num_tokens, top_k, model_dim).sum(axis=1)
-  dropped = (sa.found_A & ~keep_A).sum()
+  dropped = (valid_A & ~keep_A).sum()  # Over capacity or in no slot.
   return y_NM, (sa.count_S, dropped, sent_DD[:, me].sum())

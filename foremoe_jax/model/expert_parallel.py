@@ -46,7 +46,8 @@ default_tile = grouped_swiglu.default_tile
 
 class DispatchStats(NamedTuple):
   """Per-layer dispatch statistics, summed over all devices."""
-  dropped: jax.Array  # int32 []: assignments over capacity (not computed).
+  dropped: jax.Array  # int32 []: valid assignments not computed (over
+  # capacity, or, with a placement the host would refuse, in no slot).
   # int32 []: the largest row count the capacity must hold, over all
   # devices and data groups: a device's received rows ('exact') or a
   # (source, destination device) cell ('padded'). <= capacity is dropless.

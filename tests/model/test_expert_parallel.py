@@ -291,6 +291,30 @@ def test_exact_drops_and_max_received_equal_numpy(setup, num_data, num_expert,
     _assert_close_to_ref(y, g, y_ref, g_ref)
 
 
+@pytest.mark.parametrize('dispatch', ['exact', 'padded'])
+def test_rows_in_no_slot_are_counted_as_dropped(setup, dispatch):
+  """A routed row no slot's range covers is not computed, and `dropped`
+  counts it like a row over capacity. validate_placement refuses such a
+  placement on the host; on the device (a placement built in jit, or
+  shares rounded badly) the count must not hide the loss. Expert 3's
+  shares are zeroed: its rows vanish from the output and from the count
+  of computed rows alike."""
+  rng, (x, ids, gates, valid, wg, wu, wd) = setup
+  mesh = ep.make_mesh(1, 8)
+  p = placement_lib.identity_placement(1, E, 8, 3)
+  share = np.array(p.slot_share[0])
+  share[:, np.asarray(p.slot_expert[0]) == 3] = 0.0
+  y, st = jax.jit(lambda *a: ep.routed_experts(
+      *a, mesh=mesh, capacity=_dropless(dispatch, 1, 8, 3),
+      dispatch=dispatch))(x, ids, gates, valid, wg, wu, wd, p.slot_expert[0],
+                          share)
+  routed_3 = (np.asarray(ids) == 3) & np.asarray(valid)[:, None]
+  assert routed_3.sum() > 0
+  assert int(st.dropped) == int(routed_3.sum())
+  y_ref = reference_moe_ffn(x, ids, gates * ~routed_3, valid, wg, wu, wd)
+  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+
+
 def hot_expert_placement(num_devices, spd):
   """Expert 0 alone on device 0, with all of its share on slot 0.
 
