@@ -66,6 +66,13 @@ class HFTokenizer:
     # must map to their ids, not be split into pieces; that is the library's
     # default, set here so a caller's earlier change cannot leak in.
     self._tokenizer.encode_special_tokens = False
+    # A tokenizer.json may carry truncation or padding settings
+    # (transformers' save_pretrained writes the last call's): encode would
+    # then cut a long prompt from the right, past the length check that
+    # skips it, or pad it on the wrong side. transformers turns both off on
+    # every call that does not ask for them; so do we, once.
+    self._tokenizer.no_truncation()
+    self._tokenizer.no_padding()
     self.eos_token = eos_token
     self.bos_token = bos_token
     self.pad_token = eos_token if pad_token is None else pad_token

@@ -66,6 +66,28 @@ def test_from_file_and_directory_agree(tok_dir, trained):
       trained.encode(text, add_special_tokens=False).ids)
 
 
+def test_saved_truncation_and_padding_are_ignored(tmp_path, trained):
+  """A tokenizer.json saved with truncation and padding on (transformers'
+  save_pretrained keeps the last call's) encodes whole, unpadded texts:
+  the ids equal a clean tokenizer's, however long."""
+  clean = HFTokenizer.from_path(_saved(tmp_path / 'clean', trained))
+  texts = _sentences(random.Random(1), 6)
+  want = clean.encode_batch(texts)
+  assert max(map(len, want)) > 4 and len(set(map(len, want))) > 1
+  cut = Tokenizer.from_str(trained.to_str())
+  cut.enable_truncation(max_length=4)
+  cut.enable_padding(pad_id=0, pad_token='<pad>', length=64)
+  tok = HFTokenizer.from_path(_saved(tmp_path / 'cut', cut))
+  assert tok.encode_batch(texts) == want
+  assert [tok.encode(t) for t in texts] == want
+
+
+def _saved(directory, tokenizer):
+  directory.mkdir()
+  tokenizer.save(str(directory / 'tokenizer.json'))
+  return directory
+
+
 def test_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError, match='nothing_here'):
     HFTokenizer.from_path(tmp_path / 'nothing_here')
