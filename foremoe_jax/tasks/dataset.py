@@ -34,11 +34,16 @@ start. What differs:
     in `reward_workers` spawned processes when that is > 0 (`RewardPool`).
 
 The reference answer of each prompt is kept in a table keyed by the prompt's
-ids when the prompt is drawn, which is how `reward` finds it from the ids the
-trainer passes back.
+ids, built when the files are read, which is how `reward` finds it from the
+ids the trainer passes back. A record whose prompt repeats an earlier one's
+(in the training file, or the training file's in the eval file) with a
+different answer cannot be scored by ids alone: it is left out of RL and
+evaluation and counted (`num_conflicting`, `num_eval_conflicting`); the warm
+start still trains on it.
 """
 from __future__ import annotations
 
+import collections.abc
 import json
 import os
 from typing import Any
@@ -154,7 +159,10 @@ class DatasetTask(Task):
       except json.JSONDecodeError as e:
         raise ValueError(f'chat_template_kwargs {chat_template_kwargs!r} is '
                          f'not a JSON object ({e}).') from None
-    if not isinstance(chat_template_kwargs, dict):
+    # A dict in a Python config arrives as a ConfigDict (no dict subclass).
+    if hasattr(chat_template_kwargs, 'to_dict'):
+      chat_template_kwargs = chat_template_kwargs.to_dict()
+    if not isinstance(chat_template_kwargs, collections.abc.Mapping):
       raise ValueError('chat_template_kwargs must be a JSON object, got '
                        f'{chat_template_kwargs!r}.')
     self._template_vars = dict(chat_template_kwargs)
@@ -180,6 +188,12 @@ class DatasetTask(Task):
                        '(EOS included); raise it.')
     self._sft_ids = sft_ids
     self.num_sft_skipped = len(keep) - len(sft_keep)
+    # reward() finds a prompt's reference from its ids alone, so two
+    # records with one prompt and different answers cannot both be scored
+    # right: the later one is left out of the RL stream (counted).
+    keep = self._claim_references(keep, self._train_prompts, self._train_refs)
+    self.num_conflicting = self.num_records - self.num_skipped - len(keep)
+    self._rl_keep = keep
     # Record indices in training order; ds[i] is the i-th record drawn.
     self._order = grain.MapDataset.source(keep).shuffle(
         seed=shuffle_seed).repeat(None)
@@ -188,12 +202,30 @@ class DatasetTask(Task):
     self._position = self._sft_position = 0
     self._train_path = train_path
     self._eval = None
+    self.num_eval_conflicting = 0
     if eval_path:
       prompts, refs, _ = self._load(eval_path, with_solutions=False)
       fit = [i for i, p in enumerate(prompts) if p is not None]
       if not fit:
         raise ValueError(f'{eval_path}: no prompt fits max_prompt_len.')
+      claimed = self._claim_references(fit, prompts, refs)
+      self.num_eval_conflicting = len(fit) - len(claimed)
+      if not claimed:
+        raise ValueError(f'{eval_path}: every prompt repeats a training '
+                         'prompt with another reference answer.')
+      fit = claimed
       self._eval = ([prompts[i] for i in fit], [refs[i] for i in fit])
+
+  def _claim_references(self, indices, prompts, refs) -> list[int]:
+    """Records the reference of each indexed record's prompt; returns the
+    indices kept: all but those whose prompt already holds a different
+    reference (an earlier record's, of this file or the training file)."""
+    kept = []
+    for i in indices:
+      key = self._pad(prompts[i]).tobytes()
+      if self._references.setdefault(key, refs[i]) == refs[i]:
+        kept.append(i)
+    return kept
 
   # Reading.
 
@@ -227,11 +259,8 @@ class DatasetTask(Task):
     row[self._prompt_len - len(prompt_ids):] = prompt_ids
     return row
 
-  def _rows(self, prompt_ids_list, refs) -> np.ndarray:
-    prompts_NP = np.stack([self._pad(p) for p in prompt_ids_list])
-    for row, ref in zip(prompts_NP, refs):
-      self._references[row.tobytes()] = ref
-    return prompts_NP
+  def _rows(self, prompt_ids_list) -> np.ndarray:
+    return np.stack([self._pad(p) for p in prompt_ids_list])
 
   # The Task interface.
 
@@ -242,8 +271,13 @@ class DatasetTask(Task):
             f'max_prompt_len={self._prompt_len} skipped; '
             f'{used - self.num_sft_skipped} with a warm-start target within '
             f'max_completion_len={self._completion_len})')
+    if self.num_conflicting:
+      line += (f'; {self.num_conflicting} left out of RL: their prompt '
+               'repeats an earlier record\'s with another answer')
     if self._eval is not None:
       line += f'; {len(self._eval[0])} eval prompts'
+      if self.num_eval_conflicting:
+        line += f' ({self.num_eval_conflicting} left out the same way)'
     return line + f'; reward {self._reward_name!r}'
 
   @property
@@ -280,22 +314,20 @@ class DatasetTask(Task):
     del rng
     idx = [self._order[self._position + i] for i in range(n)]
     self._position += n
-    return self._rows([self._train_prompts[i] for i in idx],
-                      [self._train_refs[i] for i in idx])
+    return self._rows([self._train_prompts[i] for i in idx])
 
   def eval_prompts(self, n: int, seed: int) -> np.ndarray:
     """The first n prompts of eval_path, in file order; without an eval
     file, n training prompts in an order of their own (they overlap the
     training data, so the number is a training accuracy)."""
     if self._eval is not None:
-      prompts, refs = self._eval
+      prompts, _ = self._eval
       n = min(n, len(prompts))
-      return self._rows(prompts[:n], refs[:n])
-    keep = [i for i, p in enumerate(self._train_prompts) if p is not None]
+      return self._rows(prompts[:n])
+    keep = self._rl_keep
     order = grain.MapDataset.source(keep).shuffle(seed=10_000 + seed)
     idx = [order[i] for i in range(min(n, len(keep)))]
-    return self._rows([self._train_prompts[i] for i in idx],
-                      [self._train_refs[i] for i in idx])
+    return self._rows([self._train_prompts[i] for i in idx])
 
   def references(self, prompts_NP: np.ndarray) -> list[str]:
     """The reference answer of each prompt row (drawn from this task)."""
@@ -303,8 +335,8 @@ class DatasetTask(Task):
     for row in np.asarray(prompts_NP, np.int32):
       ref = self._references.get(row.tobytes())
       if ref is None:
-        raise KeyError(f'prompt {self.decode(row)!r} was not drawn from this '
-                       'task, so its reference answer is unknown.')
+        raise KeyError(f'prompt {self.decode(row)!r} is not one of this '
+                       "task's prompts, so its reference answer is unknown.")
       out.append(ref)
     return out
 
@@ -335,8 +367,7 @@ class DatasetTask(Task):
     del rng
     idx = [self._sft_order[self._sft_position + i] for i in range(n)]
     self._sft_position += n
-    prompts_NP = self._rows([self._train_prompts[i] for i in idx],
-                            [self._train_refs[i] for i in idx])
+    prompts_NP = self._rows([self._train_prompts[i] for i in idx])
     c = self._completion_len
     targets_NC = np.full((n, c), self.pad_id, np.int32)
     mask_NC = np.zeros((n, c), np.float32)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -126,8 +127,43 @@ def test_rewards_score_decoded_text_against_the_reference(data):
   lengths = np.where(np.arange(6) == 0, 0, c)
   np.testing.assert_array_equal(task.reward(prompts, comps, lengths),
                                 np.where(np.arange(6) == 0, 0.0, want))
-  with pytest.raises(KeyError, match='not drawn from this task'):
+  with pytest.raises(KeyError, match="not one of this task's prompts"):
     task.reward(np.full_like(prompts, 5), comps)
+
+
+def test_a_prompt_repeated_with_another_answer_is_left_out(data, tmp_path):
+  """reward() finds a reference by the prompt's ids, so of two records
+  with one question and different answers only the first is scored (and
+  drawn); the second is left out of RL, counted, and so is an eval record
+  repeating a training question with a third answer. Before, the table
+  held whichever was drawn last, and every sample of that question was
+  scored against it."""
+  rows = records(data['train'])[:6]
+  q = rows[0]['question']
+  train = rows + [dict(rows[0], answer='#### 999')]  # Same question.
+  # An eval record repeating a training one with its answer is fine.
+  evals = [dict(rows[0], answer='#### 777'), rows[1]]
+  paths = {}
+  for name, recs in (('train', train), ('eval', evals)):
+    paths[name] = str(tmp_path / f'{name}.jsonl')
+    with open(paths[name], 'w') as f:
+      f.writelines(json.dumps(r) + '\n' for r in recs)
+  task = make(data, train_path=paths['train'], eval_path=paths['eval'])
+  assert (task.num_conflicting, task.num_eval_conflicting) == (1, 1)
+  assert 'left out of RL' in task.describe()
+  want = rows[0]['answer'].split('####')[-1].strip()
+  kept = task.num_records - task.num_skipped - task.num_conflicting
+  assert kept >= 2
+  drawn = task.sample_prompts(None, kept * 4)  # Four epochs.
+  texts = [task.decode(p)[3:-4] for p in drawn]
+  assert texts.count(q) == 4
+  refs = task.references(drawn)
+  assert {r for t, r in zip(texts, refs) if t == q} == {want}
+  evals_drawn = task.eval_prompts(8, seed=0)
+  assert len(evals_drawn) == 1
+  assert task.decode(evals_drawn[0])[3:-4] == rows[1]['question']
+  # The warm start still trains on every record.
+  assert task.num_sft_skipped == 0
 
 
 def test_a_registered_reward_is_called_with_text_and_reference(data):
@@ -357,6 +393,11 @@ def test_chat_template_kwargs_reach_the_template(data, tmp_path):
   text = task.decode(task.sample_prompts(None, 1)[0])
   q = task.decode(plain)[len('<user>'):-len('[1]<a>')]
   assert text == f'<system>Be brief.<user>{q}[2]<a>(no thinking)'
+  # The same as a dict in a Python config (a ConfigDict by then).
+  cfg = ml_collections.ConfigDict(dict(kwargs=dict(think=False)))
+  task = make(data, chat_template_kwargs=cfg.kwargs, system_prompt='Be brief.',
+              **kw)
+  assert task.decode(task.sample_prompts(None, 1)[0]) == text
   with pytest.raises(ValueError, match='JSON object'):
     make(data, chat_template_kwargs='{think: false}', **kw)
   with pytest.raises(ValueError, match='need a chat template'):
