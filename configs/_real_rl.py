@@ -128,6 +128,7 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
       system_prompt='',
       chat_template_kwargs=chat_template_kwargs,
       add_bos=True,  # Only where the tokenizer has a BOS the template lacks.
+      pad_token='',  # '' = tokenizer_config.json's, else EOS; never BOS.
       reward='math',  # math-verify on the text after the last '####'.
       reward_range=(0.0, 1.0),
       # GSM8K questions take < 200 tokens with the template; 1,024 new

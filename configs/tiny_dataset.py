@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
       system_prompt='',
       chat_template_kwargs='',  # JSON, e.g. '{"enable_thinking": false}'.
       add_bos=True,
+      pad_token='',  # '' = tokenizer_config.json's, else EOS; never BOS.
       reward='math',  # math-verify; or exact_match, numeric, pkg.mod:fn.
       reward_range=(0.0, 1.0),
       max_prompt_len=48,  # Longer prompts are skipped (and counted).

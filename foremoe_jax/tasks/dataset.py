@@ -126,7 +126,7 @@ class DatasetTask(Task):
                answer_field: str = 'answer', solution_field: str = '',
                answer_marker: str = '', prompt_template: str = '{prompt}',
                chat_template: str = '', system_prompt: str = '',
-               chat_template_kwargs: str | dict = '',
+               chat_template_kwargs: str | dict = '', pad_token: str = '',
                add_bos: bool = True, reward: str = 'math',
                reward_range: tuple[float, float] = (0.0, 1.0),
                max_prompt_len: int = 64, max_completion_len: int = 32,
@@ -143,7 +143,8 @@ class DatasetTask(Task):
                        '{prompt}.')
     try:
       self.tokenizer = HFTokenizer.from_path(
-          tokenizer_path, chat_template=chat_template or None)
+          tokenizer_path, chat_template=chat_template or None,
+          pad_token=pad_token or None)
     except FileNotFoundError as e:
       raise ValueError(str(e)) from None
     self.reward_fn = rewards_lib.get_reward(reward)
@@ -174,6 +175,7 @@ class DatasetTask(Task):
 
     train = self._load(train_path, with_solutions=True)
     self._train_prompts, self._train_refs, sft_ids = train
+    self._refuse_pad_first(train_path, self._train_prompts)
     keep = [i for i, p in enumerate(self._train_prompts) if p is not None]
     self.num_records = len(self._train_prompts)
     self.num_skipped = self.num_records - len(keep)
@@ -205,6 +207,7 @@ class DatasetTask(Task):
     self.num_eval_conflicting = 0
     if eval_path:
       prompts, refs, _ = self._load(eval_path, with_solutions=False)
+      self._refuse_pad_first(eval_path, prompts)
       fit = [i for i, p in enumerate(prompts) if p is not None]
       if not fit:
         raise ValueError(f'{eval_path}: no prompt fits max_prompt_len.')
@@ -215,6 +218,19 @@ class DatasetTask(Task):
                          'prompt with another reference answer.')
       fit = claimed
       self._eval = ([prompts[i] for i in fit], [refs[i] for i in fit])
+
+  def _refuse_pad_first(self, path, prompts) -> None:
+    # Only leading PADs are padding (`sampler.prompt_valid`): a prompt that
+    # starts with the PAD id (a BOS that is also PAD, as in tokenizers whose
+    # one special token is BOS, EOS and PAD at once) would lose that token.
+    first = next((p for p in prompts if p and p[0] == self.pad_id), None)
+    if first is not None:
+      raise ValueError(
+          f'{path}: prompts start with token {self.pad_id} '
+          f'({self.tokenizer.pad_token!r}), which is also the PAD token, '
+          f'and leading PADs are hidden as '
+          f'padding. Name another PAD (task_kwargs.pad_token, a token of '
+          f'the vocabulary that prompts never start with), or add_bos=False.')
 
   def _claim_references(self, indices, prompts, refs) -> list[int]:
     """Records the reference of each indexed record's prompt; returns the

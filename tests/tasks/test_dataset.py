@@ -215,6 +215,18 @@ def test_sft_prompt_loss_adds_every_prompt_token_after_the_first(data):
         m[:p], np.r_[np.zeros(p - n_real + 1), np.ones(n_real - 1)])
 
 
+def test_a_pad_that_is_the_bos_is_refused(data):
+  """Leading PADs are hidden, so a BOS that is also PAD (one special token
+  for all three, or a config naming BOS as PAD) would vanish from every
+  prompt: refused, naming the token; add_bos=False, or another PAD, runs."""
+  with pytest.raises(ValueError, match=r"'<s>'\), which is also the PAD"):
+    make(data, pad_token='<s>')
+  assert make(data, pad_token='<s>', add_bos=False).pad_id == (
+      make(data).tokenizer.bos_id)
+  task = make(data, pad_token='</s>')
+  assert task.pad_id == task.eos_id and task.sample_prompts(None, 2).shape
+
+
 def test_prompt_targets_keep_a_pad_id_inside_the_prompt():
   # PAD = 0 (an EOS standing in for PAD): the leading zeros are padding, the
   # zero after real text is a prompt token, a target, and so is the token
