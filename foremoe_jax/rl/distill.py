@@ -23,9 +23,10 @@ blocks (the others select all they see). Both are measured on a held-out
 batch before the first step and after the last (summary.json), and per
 logging step on the training batch (distill.jsonl, TensorBoard).
 
-Data: the task's warm-start sequences (prompt + reference answer, PADs
-masked), or a plain text file cut into max_seq_len windows (the last tenth
-held out for the evaluation).
+Data: the task's warm-start sequences (prompt + reference answer + EOS;
+the PADs before and after are masked), evaluated on the task's held-out
+ones (a dataset's eval records), or a plain text file cut into max_seq_len
+windows (the last tenth held out for the evaluation).
 
 Shape letters: B batch, T tokens, L MSA layers.
 """
@@ -113,6 +114,8 @@ def make_distill_eval(graphdef):
 class TextWindows:
   """Random max_seq_len windows of a tokenised text file (no PADs)."""
 
+  source = 'the last tenth of the text file'
+
   def __init__(self, path: str, tokenizer, seq_len: int):
     with open(path, encoding='utf-8') as f:
       text = f.read()
@@ -142,17 +145,28 @@ class TextWindows:
 
 
 class TaskSequences:
-  """The task's warm-start sequences; the evaluation batch comes from its
-  own generator, so it does not move the training draws."""
+  """The task's warm-start sequences. The evaluation batch is the task's
+  held-out one (`Task.heldout_supervised_batch`: a dataset's eval records,
+  a generated task's draws from their own generator), so it moves no
+  training draw and, for a dataset, is never trained on."""
 
   def __init__(self, task):
     self.task = task
+    self.source = task.heldout_source
+
+  def _valid(self, tokens, mask):
+    # From the first real prompt token (left PADs hidden) to the last
+    # target (EOS): the PADs after it are no text of the sequence.
+    upto_BT = np.cumsum(mask[:, ::-1] > 0, axis=1)[:, ::-1] > 0
+    return sampler_lib.prompt_valid(tokens, self.task.pad_id) & upto_BT
 
   def train_batch(self, rng, n):
-    tokens, _ = self.task.supervised_batch(rng, n)
-    return tokens, sampler_lib.prompt_valid(tokens, self.task.pad_id)
+    tokens, mask = self.task.supervised_batch(rng, n)
+    return tokens, self._valid(tokens, mask)
 
-  eval_batch = train_batch
+  def eval_batch(self, rng, n):
+    tokens, mask = self.task.heldout_supervised_batch(rng, n)
+    return tokens, self._valid(tokens, mask)
 
 
 def data_source(dcfg, task, seq_len: int):
@@ -194,18 +208,21 @@ def run(config, task, graphdef, params, mesh, workdir: str, rng, *,
   step_fn = make_distill_step(dgraph, tx)
   eval_fn = make_distill_eval(dgraph)
   source = data_source(dcfg, task, config.model.max_seq_len)
-  # The held-out batch: its own generator, so the training draws (and a
-  # resumed run's) do not depend on whether it was drawn.
+  # The held-out batch: its own generator (and no data stream), so the
+  # training draws (and a resumed run's) do not depend on whether it was
+  # drawn.
   eval_rng = np.random.default_rng([config.seed, 7_001])
   put = lambda tree: distributed.global_arrays(tree, mesh)
   summary = {}
   if dcfg.eval_sequences:
+    summary['msa_distill_eval_source'] = source.source
     eval_batch = put(source.eval_batch(eval_rng, dcfg.eval_sequences))
     before = _host(eval_fn(index_params, rest_params, *eval_batch))
     summary.update(msa_recall_before=before['recall'],
                    msa_recall_far_before=before['recall_far'],
                    msa_recall_far_oracle=before['recall_far_oracle'],
                    msa_distill_kl_before=before['kl'])
+    _print(f"msa distill: evaluated on {source.source}")
     _print(f"msa distill: held-out recall {before['recall']:.3f} (far "
            f"{before['recall_far']:.3f}; the best {config.model.msa_top_k} "
            f"blocks would keep {before['recall_far_oracle']:.3f}), KL "

@@ -104,6 +104,19 @@ class Task(abc.ABC):
     """One line on the data the run reads ('' for a generated task)."""
     return ''
 
+  def heldout_supervised_batch(self, rng, n: int
+                               ) -> tuple[np.ndarray, np.ndarray]:
+    """Warm-start examples for an evaluation (MSA distillation's), drawn
+    without moving the training draws. A generated task draws them from
+    `rng`, a generator of their own: independent draws of the same
+    problems, not a disjoint set (`heldout_source`)."""
+    return self.supervised_batch(rng, n)
+
+  @property
+  def heldout_source(self) -> str:
+    """Where `heldout_supervised_batch` comes from, for reports."""
+    return 'independent draws of the generated problems'
+
   def eval_prompts(self, n: int, seed: int) -> np.ndarray:
     """int32 [n, prompt_len] held-out prompts for the greedy evaluation."""
     return self.sample_prompts(np.random.default_rng(10_000 + seed), n)

@@ -103,7 +103,6 @@ def _field(records, name: str, path: str) -> list:
   return [r[name] for r in records]
 
 
-
 def prompt_targets(prompts_NP, pad_id: int) -> np.ndarray:
   """float32 [N, P]: 1 where a prompt token is a warm-start target, i.e. it
   and the token before it are real. Real means at or after the row's first
@@ -189,6 +188,7 @@ class DatasetTask(Task):
                        f'max_completion_len={max_completion_len} tokens '
                        '(EOS included); raise it.')
     self._sft_ids = sft_ids
+    self._sft_keep = sft_keep
     self.num_sft_skipped = len(keep) - len(sft_keep)
     # reward() finds a prompt's reference from its ids alone, so two
     # records with one prompt and different answers cannot both be scored
@@ -204,9 +204,15 @@ class DatasetTask(Task):
     self._position = self._sft_position = 0
     self._train_path = train_path
     self._eval = None
+    self._eval_sft = []  # (prompt ids, solution ids) of eval records.
     self.num_eval_conflicting = 0
     if eval_path:
-      prompts, refs, _ = self._load(eval_path, with_solutions=False)
+      # With the solution field, eval records are held-out warm-start
+      # sequences too (MSA distillation's evaluation batch).
+      with_solutions = all(self._fields[2] in r
+                           for r in read_records(eval_path))
+      prompts, refs, sols = self._load(eval_path,
+                                       with_solutions=with_solutions)
       self._refuse_pad_first(eval_path, prompts)
       fit = [i for i, p in enumerate(prompts) if p is not None]
       if not fit:
@@ -218,6 +224,8 @@ class DatasetTask(Task):
                          'prompt with another reference answer.')
       fit = claimed
       self._eval = ([prompts[i] for i in fit], [refs[i] for i in fit])
+      self._eval_sft = [(prompts[i], sols[i]) for i in fit if sols
+                        and len(sols[i]) <= max_completion_len - 1]
 
   def _refuse_pad_first(self, path, prompts) -> None:
     # Only leading PADs are padding (`sampler.prompt_valid`): a prompt that
@@ -383,12 +391,37 @@ class DatasetTask(Task):
     del rng
     idx = [self._sft_order[self._sft_position + i] for i in range(n)]
     self._sft_position += n
-    prompts_NP = self._rows([self._train_prompts[i] for i in idx])
-    c = self._completion_len
+    return self._supervised_rows([self._train_prompts[i] for i in idx],
+                                 [self._sft_ids[i] for i in idx])
+
+  def heldout_supervised_batch(self, rng, n: int
+                               ) -> tuple[np.ndarray, np.ndarray]:
+    """n warm-start examples of eval_path's records (file order, cycled
+    when n exceeds them), when that file has the solution field; else of
+    the training records in an order of their own (`heldout_source` says
+    which). Reads no stream: the training draws do not depend on it."""
+    del rng
+    if self._eval_sft:
+      pairs = [self._eval_sft[i % len(self._eval_sft)] for i in range(n)]
+    else:
+      order = grain.MapDataset.source(self._sft_keep).shuffle(
+          seed=20_000).repeat(None)
+      pairs = [(self._train_prompts[order[i]], self._sft_ids[order[i]])
+               for i in range(n)]
+    return self._supervised_rows(*zip(*pairs))
+
+  @property
+  def heldout_source(self) -> str:
+    return ('eval_path records' if self._eval_sft else
+            'training records (no eval_path with solutions: not held out)')
+
+  def _supervised_rows(self, prompt_ids_list, solution_ids_list):
+    n, c = len(prompt_ids_list), self._completion_len
+    prompts_NP = self._rows(prompt_ids_list)
     targets_NC = np.full((n, c), self.pad_id, np.int32)
     mask_NC = np.zeros((n, c), np.float32)
-    for row, i in enumerate(idx):
-      ids = list(self._sft_ids[i]) + [self.eos_id]
+    for row, sol in enumerate(solution_ids_list):
+      ids = list(sol) + [self.eos_id]
       targets_NC[row, :len(ids)], mask_NC[row, :len(ids)] = ids, 1.0
     tokens_NS = np.concatenate([prompts_NP, targets_NC], axis=1)
     prompt_mask_NP = np.zeros_like(prompts_NP, np.float32)

@@ -142,3 +142,50 @@ def test_checkpoint_replace_puts_the_later_phase_in_place(tmp_path):
   out = ckpt.restore_latest({'w': np.zeros(3, np.float32)}, log=lambda _: 0)
   assert out['phase'] == 'distill_done' and ckpt.steps() == [0]
   np.testing.assert_array_equal(out['params']['w'], np.ones(3))
+
+
+def test_a_datasets_evaluation_batch_is_held_out(tmp_path):
+  """With a dataset task the evaluation sequences are its eval file's
+  records: none is a training record, drawing them moves no training draw,
+  and the valid mask runs from the first prompt token to EOS (the PADs on
+  either side are no text). Before, they were the next records of the
+  warm-start stream itself (trained on once it wrapped), and every PAD
+  after EOS was a query of the KL and of the recall."""
+  from foremoe_jax.tasks import word_problems  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.tasks.dataset import DatasetTask  # pylint: disable=g-import-not-at-top
+  paths = word_problems.make_dataset(str(tmp_path), num_train=40,
+                                     num_eval=6, seed=0, vocab_size=300)
+
+  def make(**kw):
+    return DatasetTask(train_path=paths['train'], tokenizer_path=str(tmp_path),
+                       answer_marker='####', reward='numeric',
+                       max_prompt_len=48, max_completion_len=16,
+                       prompt_template='Q: {prompt}\nA: ', **kw)
+
+  def questions(task, tokens):
+    return [task.decode(t[:task.prompt_len])[3:-4] for t in tokens]
+
+  with_eval, alone = (distill.TaskSequences(make(eval_path=paths['eval'])),
+                      distill.TaskSequences(make()))
+  ev, ev_valid = with_eval.eval_batch(np.random.default_rng(7), 8)
+  train = [with_eval.train_batch(np.random.default_rng(0), 8)[0]
+           for _ in range(12)]  # Several epochs of the 40 records.
+  np.testing.assert_array_equal(  # The same draws as a run without it.
+      np.concatenate(train), np.concatenate(
+          [alone.train_batch(np.random.default_rng(0), 8)[0]
+           for _ in range(12)]))
+  eval_qs = questions(with_eval.task, ev)
+  assert len(set(eval_qs)) >= 3 and set(eval_qs) <= {
+      json.loads(l)['question'] for l in open(paths['eval'])}
+  assert not set(eval_qs) & set(questions(with_eval.task,
+                                          np.concatenate(train)))
+  assert with_eval.source == 'eval_path records'
+  assert 'not held out' in alone.source
+  # valid: from the first non-PAD prompt token through EOS, nothing after.
+  p, eos, pad = with_eval.task.prompt_len, with_eval.task.eos_id, with_eval.task.pad_id
+  for row, v in zip(ev, ev_valid):
+    first, end = int(np.argmax(row != pad)), p + int(np.argmax(row[p:] == eos))
+    np.testing.assert_array_equal(v, (np.arange(len(row)) >= first)
+                                  & (np.arange(len(row)) <= end))
+    assert (row[end + 1:] == pad).all()
+  assert not ev_valid[:, -1].all()  # Some PADs after EOS were hidden.
