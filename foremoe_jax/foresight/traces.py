@@ -30,7 +30,9 @@ The synthetic model (all numpy, deterministic given the seed):
   correlation that makes micro-step loads swing while step totals stay
   stable. The same domain holds in every layer of a sequence.
 * A sequence's ``tokens * top_k`` selections are a multinomial draw from its
-  distribution. Lengths are log-normal around ``tokens_per_seq``.
+  distribution, no expert taking more than ``tokens`` (the excess drawn
+  again over experts with room). Lengths are log-normal around
+  ``tokens_per_seq``.
 * Every source device's micro-batch holds ``seqs_per_microbatch`` sequences
   (RL configs use 1-8); a micro-step's loads on source d are its sequences'
   counts summed.
@@ -146,19 +148,50 @@ def _softmax(z, axis=-1):
   return p / p.sum(axis=axis, keepdims=True)
 
 
-def _cap_simplex(p, cap, iters=8):
+def _cap_simplex(p, cap):
   """Caps each row's entries at `cap`, giving the excess to the rest in
   proportion (a token picks an expert at most once, so an expert can take at
-  most 1/top_k of a sequence's selections)."""
-  for _ in range(iters):
-    over = p > cap
-    if not over.any():
-      break
-    excess = np.where(over, p - cap, 0.0).sum(axis=-1, keepdims=True)
-    p = np.where(over, cap, p)
-    free = np.where(p < cap, p, 0.0)
-    p = p + free / np.maximum(free.sum(axis=-1, keepdims=True), 1e-30) * excess
-  return p / p.sum(axis=-1, keepdims=True)
+  most 1/top_k of a sequence's selections): min(cap, c * p) with the scale
+  c >= 1 that makes the row sum to 1, solved exactly over the sorted row.
+
+  A row whose mass sits on fewer than 1/cap entries (the others ~0) has no
+  mass to scale up: a floor of 1e-12 per entry spreads its excess evenly,
+  as a token's other choices would spread."""
+  p = np.asarray(p, np.float64) + 1e-12
+  p = p / p.sum(axis=-1, keepdims=True)
+  s = -np.sort(-p, axis=-1)  # Descending.
+  n = s.shape[-1]
+  # With the j largest capped, the rest scale by c_j = (1 - j cap) / tail_j;
+  # the answer is the least j whose largest uncapped entry stays <= cap.
+  tail = np.cumsum(s[..., ::-1], axis=-1)[..., ::-1]  # sum of s[j:].
+  j = np.arange(n)
+  c = np.where(j * cap < 1, (1 - j * cap) / np.maximum(tail, 1e-300), np.inf)
+  ok = c * s <= cap * (1 + 1e-12)
+  first = np.argmax(ok, axis=-1)[..., None]
+  scale = np.take_along_axis(c, first, axis=-1)
+  out = np.minimum(cap, scale * p)
+  return out / out.sum(axis=-1, keepdims=True)
+
+
+def _distinct_counts(n_Q, p_QE, top_k, rng):
+  """Each sequence's selections per expert: n * top_k multinomial draws from
+  its (capped) distribution, then any expert over n (a token picks an
+  expert at most once) gives its excess to experts with room, by a draw
+  weighted by their share, until none is over."""
+  counts = rng.multinomial(n_Q * top_k, p_QE)
+  for _ in range(64):
+    over_QE = np.maximum(counts - n_Q[:, None], 0)
+    rows = np.flatnonzero(over_QE.any(axis=1))
+    if not rows.size:
+      return counts
+    for q in rows:
+      counts[q] -= over_QE[q]
+      room = n_Q[q] - counts[q]
+      w = p_QE[q] * (room > 0)
+      extra = rng.multinomial(over_QE[q].sum(), w / w.sum())
+      counts[q] += extra
+  raise RuntimeError('could not spread a sequence\'s selections over '
+                     'distinct experts')
 
 
 def step_expert_distribution(h_KE, tau):
@@ -230,7 +263,7 @@ def synthetic_trace(cfg: SyntheticTraceConfig) -> Trace:
   for l in range(L):
     p_QE = _sequence_distributions(cfg.seq_concentration * p_LKE[l, domain_Q],
                                    cfg.top_k, rng)
-    loads_QLE[:, l] = rng.multinomial(tokens_Q * cfg.top_k, p_QE)
+    loads_QLE[:, l] = _distinct_counts(tokens_Q, p_QE, cfg.top_k, rng)
   if cfg.balance_step_tokens:
     # A step's sequences are drawn independently, so choosing its
     # micro-steps and devices is the trainer's composition, nothing more.

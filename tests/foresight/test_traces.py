@@ -142,3 +142,40 @@ def test_balanced_step_tokens_recomposes_each_step():
   assert not np.array_equal(layout.sum(axis=3), step.sum(axis=3))
   sent = lambda x: x[:, :, 0].sum(-1).max(-1).sum(-1)  # [R] busiest, summed.
   assert (sent(step) < sent(layout)).all()
+
+
+def test_cap_simplex_caps_and_scales_the_rest_in_proportion():
+  """min(cap, c p) summing to 1, against hand-computed rows: one entry over
+  the cap gives its excess to the others in proportion; a one-hot row
+  (nothing to scale) spreads it evenly, as a token's other choices must go
+  somewhere; a row under the cap stays as it is."""
+  cap = 0.25
+  got = traces._cap_simplex(np.array([[0.7, 0.2, 0.1, 0.0, 0.0],
+                                      [1.0, 0.0, 0.0, 0.0, 0.0],
+                                      [0.2, 0.2, 0.2, 0.2, 0.2]]), cap)
+  # Row 0: 0.7 -> 0.25; 0.2 and 0.1 scale by c until 0.2 c hits the cap too
+  # (c = 1.25), then 0.1 takes the rest: 1 - 0.5 = 0.5 over 0.1 and ~0.
+  np.testing.assert_allclose(got[0], [0.25, 0.25, 0.25, 0.125, 0.125],
+                             atol=1e-9)
+  np.testing.assert_allclose(got[1], [0.25, 0.1875, 0.1875, 0.1875, 0.1875],
+                             atol=1e-9)
+  np.testing.assert_allclose(got[2], [0.2] * 5, atol=1e-9)
+  rng = np.random.default_rng(0)
+  g = rng.standard_gamma(np.full((200, 64), 0.05))
+  q = traces._cap_simplex(g / g.sum(1, keepdims=True), 1 / 8)
+  assert q.max() <= 1 / 8 + 1e-12 and np.allclose(q.sum(1), 1)
+
+
+def test_no_expert_takes_more_rows_than_its_sequences_have_tokens():
+  """A token picks top_k distinct experts, so a device's load on one expert
+  is at most its token count, in every layer and micro-step, however
+  concentrated a sequence's routing (a small seq_concentration)."""
+  cfg = traces.SyntheticTraceConfig(
+      num_steps=2, num_microsteps=2, num_layers=3, num_experts=16, top_k=4,
+      num_devices=4, seqs_per_microbatch=2, tokens_per_seq=64,
+      seq_concentration=0.05, hot_share_range=(0.1, 0.15))
+  loads = traces.synthetic_trace(cfg).loads_RMLDE
+  tokens_RMD = loads[:, :, 0].sum(-1) // cfg.top_k
+  assert (loads.sum(-1) == cfg.top_k * tokens_RMD[:, :, None]).all()
+  assert (loads <= tokens_RMD[:, :, None, :, None]).all()
+  assert (loads == tokens_RMD[:, :, None, :, None]).any()  # The cap binds.
