@@ -189,12 +189,16 @@ def optimizer_time(params_per_device: float, hw: HardwareProfile,
 
 
 def allreduce_time(num_bytes: float, num_devices: int,
-                   hw: HardwareProfile) -> float:
+                   hw: HardwareProfile, stride: int = 1) -> float:
   """Ring all-reduce of `num_bytes` over `num_devices` (2 (n-1)/n of the
-  bytes cross the slowest tier the ring uses)."""
+  bytes cross the slowest tier the ring uses). stride: the devices' spacing
+  in the cluster's order, e.g. the EP size for the expert gradients'
+  reduction over data groups (the mesh is data-major: device d's peers are
+  d + ep, d + 2 ep, ...); the ring leaves a node when its span does."""
   if num_devices <= 1:
     return 0.0
-  multi_node = hw.node_size(num_devices) < num_devices
+  span = num_devices * stride
+  multi_node = hw.node_size(span) < span
   bw, lat = ((hw.inter_bw, hw.inter_latency_s) if multi_node
              else (hw.a2a_bandwidth(num_devices)[0], hw.intra_latency_s))
   return (2.0 * (num_devices - 1) / num_devices * num_bytes / bw

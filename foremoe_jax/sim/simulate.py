@@ -116,10 +116,24 @@ def _buckets(loads_MLDE, plan, buckets) -> tuple[dict, dict]:
   out, seconds = {}, {}
   for mode in MODES:
     t0 = time.perf_counter()
-    out[mode] = config_lib.pick_bucket(
-        plan_lib.capacity_demand(loads_MGLDE, plan, mode), buckets[mode])
+    demand = plan_lib.capacity_demand(loads_MGLDE, plan, mode)
+    out[mode] = config_lib.pick_bucket(demand, buckets[mode])
     seconds[mode] = time.perf_counter() - t0
+    if demand > out[mode]:  # pick_bucket's last resort: it would drop.
+      raise ValueError(f'{mode} dispatch: demand {demand} rows exceeds the '
+                       f'largest bucket {out[mode]}; the buckets must come '
+                       f'from the tokens the largest micro-batch holds '
+                       f'(`shape_tokens`).')
   return out, seconds
+
+
+def shape_tokens(loads_MLDE, top_k: int, nominal: int = 0) -> int:
+  """Tokens per device the step's static shapes must hold: its largest
+  micro-batch's (a device's loads sum to top_k rows per token), at least
+  `nominal`. The capacity ladder's dropless bound is taken from it, as
+  the trainer takes it from the batch it compiles for."""
+  most = int(np.asarray(loads_MLDE).sum(axis=-1).max()) // top_k
+  return max(int(nominal), most)
 
 
 def _best_of(fn, repeats: int):
@@ -155,6 +169,7 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
   num_micro, num_layers, _, num_experts = loads_MLDE.shape
   home = placement_lib.identity_placement(num_layers, num_experts,
                                           topo.num_devices, topo.slots_per_device)
+  tokens_per_device = shape_tokens(loads_MLDE, top_k, tokens_per_device)
   buckets = {mode: config_lib.capacity_buckets(
       tokens_per_device, top_k, topo.num_devices, topo.slots_per_device,
       dispatch=mode) for mode in MODES}
@@ -245,16 +260,34 @@ TRAFFIC_KEYS = ('inter_node_send_max_over_mean',
                 'inter_node_recv_max_over_mean', 'on_node_row_fraction')
 
 
+def update_passes(remat_policy: str) -> tuple[int, int]:
+  """(compute passes, token all-to-alls) per layer of the update's forward
+  + backward: 3 passes (forward, and backward's two) and 4 all-to-alls
+  (dispatch and combine, each transposed); every remat policy re-runs the
+  layer's forward exchange in the backward (+2; counted in the compiled
+  step's HLO), and 'full' its compute too (+1 pass), where 'minimal' and
+  'dots' keep the matmuls' outputs."""
+  if remat_policy not in config_lib.REMAT_POLICIES:
+    raise ValueError(f'remat_policy must be one of '
+                     f'{config_lib.REMAT_POLICIES}, got {remat_policy!r}.')
+  if remat_policy == 'none':
+    return 3, 4
+  return (4 if remat_policy == 'full' else 3), 6
+
+
 def _moe_and_a2a(loads_MLDE, placement_of, capacity, model: ModelShape,
                  hw: HardwareProfile, spd: int, mode: str, passes: int,
-                 tokens_per_device: int, traffic: bool = False):
+                 tokens_per_device: int, traffic: bool = False,
+                 num_a2a: int | None = None):
   """Per micro-step expert compute and all-to-all seconds, and with
   `traffic` where the dispatched rows go: ([M], [M], `_traffic_stats` of
   the exact dispatch's rows, or None: not asked, or the padded layer,
-  whose cells are all C)."""
+  whose cells are all C). num_a2a: token all-to-alls per layer (None: 2
+  for a forward, passes = 1, else 4)."""
   num_micro, num_layers, num_dev, _ = np.shape(loads_MLDE)
   act_bytes = model.d_model * model.bytes_per_param
-  num_a2a = 2 if passes == 1 else 4  # Forward: dispatch, combine.
+  if num_a2a is None:
+    num_a2a = 2 if passes == 1 else 4  # Forward: dispatch, combine.
   moe_M, a2a_M = np.zeros(num_micro), np.zeros(num_micro)
   if mode == 'padded':
     tile = default_tile(num_dev * capacity, spd)
@@ -400,7 +433,7 @@ def prefill_exposed(recompute_transfer, compute_M, model, hw, num_dev,
           float((chunk_M - hidden_M).sum() + local_s))
 
 
-def layer_windows(compute_s, nonexpert_s, num_layers: int):
+def layer_windows(compute_s, nonexpert_s, num_layers: int, passes: int = 3):
   """(forward, backward) seconds of one layer's step of a micro-step's
   scan over layers that a transfer issued there may hide under: a loop's
   collectives cannot leave its body, so a fill issued in layer l's
@@ -410,9 +443,10 @@ def layer_windows(compute_s, nonexpert_s, num_layers: int):
   under what that step runs after it, its non-expert part (attention sits
   before the MoE in the forward, so after it in the backward). compute_s,
   nonexpert_s: the micro-step's fwd + bwd compute and its non-expert
-  part; arrays work elementwise."""
-  return (np.asarray(compute_s) / (3.0 * num_layers),
-          2.0 * np.asarray(nonexpert_s) / (3.0 * num_layers))
+  part, in `passes` passes (3; 4 where the backward re-runs the forward,
+  `update_passes`); arrays work elementwise."""
+  return (np.asarray(compute_s) / (passes * num_layers),
+          (passes - 1.0) * np.asarray(nonexpert_s) / (passes * num_layers))
 
 
 def flush_exposed(flush_L, window_s: float,
@@ -506,16 +540,22 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   spd = work.slots_per_device(model)
   plan = mp.plan
   tokens = work.tokens_per_device
+  # The exchange's static bounds hold the largest micro-batch (as the
+  # buckets do, `plan_methods`); compute counts the nominal tokens.
+  shape = shape_tokens(loads_MLDE, model.top_k, tokens)
   nonexpert = lambda passes, prof=hw: (
       tokens * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
       / prof.nonexpert_flops_per_s
       + model.num_layers * prof.layer_overhead_s * (1 + (passes > 1)))
+  upd_passes, num_a2a = update_passes(work.remat_policy)
   moe_M, a2a_M, traffic = _moe_and_a2a(
       loads_MLDE, plan.microstep, mp.capacity[mode], model, hw, spd, mode,
-      passes=3, tokens_per_device=tokens, traffic=True)
-  compute_M = moe_M + nonexpert(3)
+      passes=upd_passes, tokens_per_device=shape, traffic=True,
+      num_a2a=num_a2a)
+  compute_M = moe_M + nonexpert(upd_passes)
   fwd_window_M, bwd_window_M = layer_windows(
-      compute_M, np.full(num_micro, nonexpert(3)), model.num_layers)
+      compute_M, np.full(num_micro, nonexpert(upd_passes)), model.num_layers,
+      upd_passes)
   # Moves into micro-step m + 1: where they run in m's layer steps (fills
   # in its forward, the evicted replicas' returns in its backward), each
   # layer's hides under its own step; elsewhere nothing hides them.
@@ -545,13 +585,14 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   shards = work.num_devices if work.fsdp_all else 1
   optimizer_s = costs.optimizer_time(expert_params + nonexp / shards, hw)
   # f32 gradients, reduced once per step (rl/step.py): non-expert ones over
-  # every device, expert ones over the EP groups beside each other. Split
+  # every device, expert ones over the EP groups beside each other (a
+  # device's peers an EP group apart, on other nodes once EP fills one). Split
   # non-expert weights are gathered (f32) once per step first: half the
   # bytes of an all-reduce.
   sync_s = (costs.allreduce_time(4.0 * nonexp, work.num_devices, hw)
             * (1.5 if shards > 1 else 1.0)
-            + (costs.allreduce_time(4.0 * expert_params, groups, hw)
-               if groups > 1 else 0.0))
+            + (costs.allreduce_time(4.0 * expert_params, groups, hw,
+                                    stride=num_dev) if groups > 1 else 0.0))
   hook_s = num_micro * flush_hook_time(mp.transfer.flush, model, hw, spd,
                                        num_experts // num_dev,
                                        moves=mp.transfer.steps)
@@ -581,7 +622,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
     rmoe_M, ra2a_M, _ = _moe_and_a2a(loads_MLDE, placement_of,
                                      mp.recompute_capacity[mode], model,
                                      fwd, spd, mode, passes=1,
-                                     tokens_per_device=tokens)
+                                     tokens_per_device=shape)
     rec_parts = dict(moe=passes * float(rmoe_M.sum()),
                      a2a=passes * float(ra2a_M.sum()),
                      nonexpert=passes * num_micro * nonexpert(1, fwd))
@@ -613,7 +654,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       recompute_moe_s=rec_parts['moe'], recompute_a2a_s=rec_parts['a2a'],
       recompute_nonexpert_s=rec_parts['nonexpert'],
       moe_compute_s=float(moe_M.sum()), all_to_all_s=float(a2a_M.sum()),
-      nonexpert_s=float(num_micro * nonexpert(3)),
+      nonexpert_s=float(num_micro * nonexpert(upd_passes)),
       # The update's transfers and the recompute's prefill of its slots
       # (whose exposed part lengthens the recompute).
       transfer_s=float(move_M.sum() + fill_s + flush_s + prefill_s),

@@ -10,6 +10,7 @@ import pickle
 import numpy as np
 import pytest
 
+from foremoe_jax import config as config_lib
 from foremoe_jax import placement as placement_lib
 from foremoe_jax.planner import plan as plan_lib
 from foremoe_jax.planner.topology import CostModel, Topology
@@ -30,6 +31,9 @@ ROW_S = 18 * 8 * 16 / 1e12  # fwd + bwd FLOPs of one row / FLOP/s.
 
 
 def _work(num_micro=2, **kw):
+  # The hand-computed tests count 3 passes and 4 all-to-alls (no remat);
+  # test_remat_reruns_the_forward_by_hand prices the others.
+  kw.setdefault('remat_policy', 'none')
   return workload.Workload(num_devices=2, num_microsteps=num_micro,
                            seqs_per_microbatch=1, tokens_per_seq=8,
                            redundant_slots_per_device=1, **kw)
@@ -353,8 +357,10 @@ def test_recorded_trace_is_used_and_checked():
       methods=('static',), modes=('exact',), trace=rec,
       work_kwargs=dict(num_microsteps=2, seqs_per_microbatch=1,
                        tokens_per_seq=100), log=lambda *a: None)
-  # Device 3 computes all 8 x 100 assignments of each layer and micro-step.
-  rows_s = 8 * 100 * mixtral.expert_flops_per_row() / hardware.H100.flops_per_s
+  # Device 3 computes all 8 x 100 assignments of each layer and micro-step,
+  # in 4 passes ('full' remat, Workload's default, re-runs the forward).
+  rows_s = (8 * 100 * mixtral.expert_flops_per_row(passes=4)
+            / hardware.H100.flops_per_s)
   assert rows[0]['moe_compute_s'] == pytest.approx(
       2 * mixtral.num_moe_layers * rows_s)
   with pytest.raises(ValueError, match='does not fit mixtral_8x7b'):
@@ -838,3 +844,61 @@ def test_headline_reports_the_compute_anchor_ablation():
   assert out['on_node_row_fraction_64gpu_foremoe'] == 0.4
   rows.pop()
   assert 'speedup_64gpu_foremoe_vs_compute_anchor' not in cluster.headline(rows)
+
+
+def test_remat_reruns_the_forward_by_hand():
+  """Every remat policy re-runs each layer's forward exchange in the
+  backward (6 token all-to-alls instead of 4, as the compiled step holds);
+  'full' re-runs its compute too (4 passes instead of 3)."""
+  topo = Topology(1, 2, 3)
+  loads = np.zeros((2, 1, 2, 4), np.int64)
+  loads[..., 0] = 30
+  home = placement_lib.identity_placement(1, 4, 2, 3).slot_expert
+  flows = np.zeros((2, 1, 6))
+  flows[..., 0] = 60.0
+  mp = _method_plan(loads, np.broadcast_to(home, (2, 1, 6)), flows, topo)
+  r = {p: simulate.time_step(mp, loads, MODEL, _work(remat_policy=p), HW,
+                             'exact')
+       for p in ('none', 'full', 'dots', 'minimal')}
+  assert r['none']['moe_compute_s'] == pytest.approx(2 * 60 * ROW_S)
+  assert r['full']['moe_compute_s'] == pytest.approx(2 * 60 * ROW_S * 4 / 3)
+  assert r['dots']['moe_compute_s'] == r['none']['moe_compute_s']
+  for p in ('full', 'dots', 'minimal'):
+    assert r[p]['all_to_all_s'] == pytest.approx(
+        1.5 * r['none']['all_to_all_s'])
+    assert r[p]['all_to_all_s'] > 0
+  assert r['full']['nonexpert_s'] == pytest.approx(
+      4 / 3 * r['none']['nonexpert_s'])
+  with pytest.raises(ValueError, match='remat_policy'):
+    simulate.update_passes('some')
+
+
+def test_expert_gradients_reduce_across_nodes_an_ep_group_apart():
+  """The expert gradients' all-reduce runs over the data groups, whose
+  devices sit an EP group apart: with EP filling a node, the ring crosses
+  nodes, priced at the inter-node links, not the node's. By hand, 2 peers
+  (n = 2: one 2 (n-1)/n = 1 times the bytes, 2 hops of latency)."""
+  mb = 1e6
+  intra = costs.allreduce_time(mb, 2, HW)  # Adjacent: one node of 2.
+  assert intra == pytest.approx(mb / HW.intra_bw + 2 * HW.intra_latency_s)
+  apart = costs.allreduce_time(mb, 2, HW, stride=2)  # Peers 2 apart.
+  assert apart == pytest.approx(mb / HW.inter_bw + 2 * HW.inter_latency_s)
+
+
+def test_buckets_hold_the_largest_micro_batch():
+  """The capacity ladder's dropless bound comes from the tokens the
+  largest micro-batch holds, not the nominal size, and a demand past the
+  last bucket is refused rather than priced at a bucket that drops."""
+  loads = np.zeros((2, 1, 2, 4), np.int64)
+  loads[0, 0, 0, 0] = 40  # 40 tokens on device 0 (top_k 1): 5x nominal 8.
+  loads[1, 0, 1, 1] = 3
+  assert simulate.shape_tokens(loads, 1, 8) == 40
+  assert simulate.shape_tokens(loads, 1, 64) == 64
+  home = placement_lib.identity_placement(1, 4, 2, 3)
+  small = {m: (8,) for m in simulate.MODES}
+  with pytest.raises(ValueError, match='exceeds the largest bucket'):
+    simulate._buckets(loads, home, small)
+  buckets = {m: config_lib.capacity_buckets(40, 1, 2, 3, dispatch=m)
+             for m in simulate.MODES}
+  caps, _ = simulate._buckets(loads, home, buckets)
+  assert caps['exact'] >= 40 and caps['padded'] >= 40
