@@ -12,13 +12,15 @@ parallel and only change the gradient all-reduce).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from foremoe_jax.foresight import traces
 from foremoe_jax.planner import baselines
 from foremoe_jax.sim import simulate
 from foremoe_jax.sim.hardware import HardwareProfile
-from foremoe_jax.sim.workload import Workload, load_model_shape, synthetic_loads
+from foremoe_jax.sim.workload import (Workload, load_model_config,
+                                     load_model_shape, synthetic_loads)
 
 DEVICE_COUNTS = (8, 16, 32, 64, 128, 256)
 # Methods whose host planning is hopeless past some EP size: EPLB per
@@ -46,7 +48,8 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
              work_kwargs: dict | None = None, seed: int = 0,
              trace: traces.Trace | None = None, skip_above=None,
              transfer_mode: str = 'exact', planner_workers: int = 1,
-             prefill: bool = True, log=print) -> list[dict]:
+             prefill: bool = True, deadlines: bool = True,
+             log=print) -> list[dict]:
   """One row per (model, devices, profile, mode, method).
 
   planner_workers: the planner's processes (`StepPlanner(workers=...)`),
@@ -59,6 +62,11 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
   prefill: the recompute fills the update's slots under its forward
   (`transfer.prefill`, the trainer's default) wherever the workload runs a
   recompute; False: the update opens with the whole fill.
+
+  deadlines: each update plan runs under the deadline the model config's
+  planner sets the trainer's (`simulate.plan_deadline`, on the first
+  profile): layers still planning then take the recompute's step-level
+  plan, and the step waits no longer. False: every plan runs to its end.
 
   trace: recorded loads (e.g. the sampler's, `traces.trace_from_step_loads`)
   used instead of a synthetic trace wherever its shape fits (step 0 feeds
@@ -84,13 +92,23 @@ def run_grid(models=MODELS, device_counts=DEVICE_COUNTS,
           loads = synthetic_loads(model, work, seed=seed)
         topo = simulate.topology(model, work, profiles[0])
         history = baselines.update_history(None, loads.step(0), 0.5)
+        deadline_of = None
+        if deadlines:
+          # The model config's planner deadline, on the first profile (the
+          # one the plans are made for), as the trainer sets it.
+          pcfg = load_model_config(name).planner
+          deadline_of = functools.partial(
+              simulate.plan_deadline, loads_MLDE=loads.step(1), model=model,
+              work=work, hw=profiles[0], deadline_ms=pcfg.deadline_ms,
+              recompute_frac=pcfg.get('deadline_recompute_frac', 1.0))
         plans = simulate.plan_methods(
             loads.step(1), history, topo, simulate.cost_model(model, profiles[0]),
             simulate.default_budget(topo, transfer_mode), model.top_k,
             work.tokens_per_device,
             [m for m in methods if ep <= skip_above.get(m, ep)],
             workers=planner_workers,
-            prefill=prefill and work.recompute_forward_passes > 0)
+            prefill=prefill and work.recompute_forward_passes > 0,
+            deadline_of=deadline_of)
         cache[ep] = (loads.step(1), plans)
         log(f'{name}: EP {ep} planned in {time.perf_counter() - t0:.1f}s ('
             + ', '.join(f'{m} {p.plan_s:.2f}s' for m, p in plans.items()) + ')')

@@ -80,6 +80,11 @@ class MethodPlan:
   # (the trainer picks one mode's; empty: counted in plan_s already).
   bucket_s: dict = dataclasses.field(default_factory=dict)
   recompute_bucket_s: dict = dataclasses.field(default_factory=dict)
+  # The deadline the update's plan ran under (None: none), and what missed
+  # it: layers that took the recompute's step-level plan instead.
+  deadline_s: float | None = None
+  fell_back_layers: int = 0
+  fallback_reason: str = ''
 
 
 def topology(model: ModelShape, work: Workload, hw: HardwareProfile) -> Topology:
@@ -153,7 +158,8 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
                  tokens_per_device: int, methods=METHODS,
                  config: foremoe.ForeMoEConfig = foremoe.ForeMoEConfig(),
                  workers: int = 1, prefill: bool = True,
-                 timing_repeats: int = 2) -> dict[str, MethodPlan]:
+                 timing_repeats: int = 2,
+                 deadline_of=None) -> dict[str, MethodPlan]:
   """Each method's plans as the trainer makes them (`rl.trainer`): the
   update's plan from the home layout, fit to the budget, scheduled, its
   buckets; the recompute's step-level placement, fit and filled.
@@ -164,7 +170,10 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
   placement (`transfer.prefill`; the workload must run a recompute, with
   one update epoch), so the update's fill starts from them.
   timing_repeats: the recompute's plan, which the step waits for, is timed
-  as the best of this many runs (the first run's plan is used)."""
+  as the best of this many runs (the first run's plan is used).
+  deadline_of(mp) -> seconds the update's plan gets, from the method's
+  recompute (`plan_deadline`, as the trainer sets it); layers still
+  planning then take the recompute's step-level plan. None: no deadline."""
   loads_MLDE = np.asarray(loads_MLDE)
   num_micro, num_layers, _, num_experts = loads_MLDE.shape
   home = placement_lib.identity_placement(num_layers, num_experts,
@@ -180,14 +189,15 @@ def plan_methods(loads_MLDE, history_LE, topo: Topology, cost: CostModel,
   try:
     return _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods,
                          config, home, buckets, static_cap, pool, prefill,
-                         timing_repeats)
+                         timing_repeats, deadline_of)
   finally:
     if pool is not None:
       pool.close()
 
 
 def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
-                  home, buckets, static_cap, pool, prefill, timing_repeats):
+                  home, buckets, static_cap, pool, prefill, timing_repeats,
+                  deadline_of):
   num_experts = loads_MLDE.shape[-1]
   out = {}
   shared = {}  # The recompute's plan by what computes it (below).
@@ -202,16 +212,12 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
         carry_over=False, budget=budget, layer_pool=pool)
     planner.history_LE = history_LE
     try:
-      t0 = time.perf_counter()
-      if method == 'foremoe_before_fixes':
-        plan = foremoe.plan_step(loads_MLDE, topo, cost, home, dataclasses.replace(
-            planner.config, price_gradient_returns=False, anchor_rounds=None,
-            moves_per_layer=None))
-      else:
-        plan = planner.submit(loads_MLDE).result()
-      mp = MethodPlan(plan, None, None, static_cap, 0,
-                      time.perf_counter() - t0, recompute_capacity=static_cap)
+      mp = MethodPlan(None, None, None, static_cap, 0, 0.0,
+                      recompute_capacity=static_cap)
       start_LS = None
+      # As the trainer orders it (`rl.trainer`): the recompute's step-level
+      # plan first, then the update's plan, submitted under the deadline
+      # the recompute sets, with the step-level plan as its fallback.
       if method != 'static':
         def recompute_plan():
           rplan = planner.step_level_plan(loads_MLDE)
@@ -235,10 +241,22 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
                          *_buckets(loads_MLDE, rplan, buckets))
         (mp.recompute_plan, mp.recompute_transfer, mp.recompute_plan_s,
          mp.recompute_capacity, mp.recompute_bucket_s) = shared[key]
-        rplan = mp.recompute_plan
         if prefill:
-          start_LS = rplan.placement.slot_expert[0]
+          start_LS = mp.recompute_plan.placement.slot_expert[0]
           mp.prefilled = True
+      mp.deadline_s = None if deadline_of is None else deadline_of(mp)
+      t0 = time.perf_counter()
+      if method == 'foremoe_before_fixes':
+        plan = foremoe.plan_step(loads_MLDE, topo, cost, home, dataclasses.replace(
+            planner.config, price_gradient_returns=False, anchor_rounds=None,
+            moves_per_layer=None))
+      else:
+        ticket = planner.submit(loads_MLDE, deadline_s=mp.deadline_s,
+                                fallback=mp.recompute_plan)
+        plan = ticket.result()
+        mp.fallback_reason = ticket.fallback_reason or ''
+      mp.plan_s = time.perf_counter() - t0
+      mp.fell_back_layers = plan.layers_fell_back
       # The update's fit and moves (made in the planner thread, after its
       # plan), from what the recompute prefilled: the fill that will run.
       t0 = time.perf_counter()
@@ -531,6 +549,80 @@ def move_overlap(transfer: schedule.StepTransfer,
   return 0.0
 
 
+def _nonexpert_s(model: ModelShape, work: Workload, hw: HardwareProfile,
+                 passes: int) -> float:
+  """Seconds of one micro-step's non-expert work in `passes` passes."""
+  return (work.tokens_per_device
+          * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
+          / hw.nonexpert_flops_per_s
+          + model.num_layers * hw.layer_overhead_s * (1 + (passes > 1)))
+
+
+def recompute_time(mp: MethodPlan, loads_MLDE, model: ModelShape,
+                   work: Workload, hw: HardwareProfile,
+                   mode: str = DEFAULT_MODE) -> dict:
+  """The recompute's seconds (`recompute_s`) and its parts: the forwards
+  the step needs, each on the method's step-level placement (its weights
+  filled first) or on the home layout, and the exposed part of the
+  prefill of the update's slots under the first one. The trainer's plan
+  deadline is a multiple of it (`plan_deadline`)."""
+  loads_MLDE = np.asarray(loads_MLDE)
+  num_micro, num_layers, num_dev, num_experts = loads_MLDE.shape
+  spd = work.slots_per_device(model)
+  shape = shape_tokens(loads_MLDE, model.top_k, work.tokens_per_device)
+  nonexpert = lambda passes, prof: _nonexpert_s(model, work, prof, passes)
+  # The recompute: the forwards the step needs, each on the method's
+  # step-level placement (its weights filled first), or on the home layout.
+  passes = work.recompute_forward_passes
+  if mp.prefilled and not passes:
+    raise ValueError('the plan\'s fill starts from slots the recompute '
+                     'prefills, but this workload runs no recompute: plan '
+                     'it with plan_methods(prefill=False).')
+  fwd = hw.forward_profile()
+  recompute_s, recompute_fill_s = 0.0, 0.0
+  prefill_s, prefill_exposed_s = 0.0, 0.0
+  rec_parts = dict(moe=0.0, a2a=0.0, nonexpert=0.0)
+  if passes:
+    if mp.recompute_plan is None:
+      home = placement_lib.identity_placement(num_layers, num_experts, num_dev,
+                                              spd)
+      placement_of = lambda m: home
+    else:
+      placement_of = mp.recompute_plan.microstep
+      recompute_fill_s = (_fill_s(mp.recompute_transfer, model, hw, num_dev,
+                                  num_layers, spd)
+                          + empty_slots_s(model, hw, num_layers, spd))
+    rmoe_M, ra2a_M, _ = _moe_and_a2a(loads_MLDE, placement_of,
+                                     mp.recompute_capacity[mode], model,
+                                     fwd, spd, mode, passes=1,
+                                     tokens_per_device=shape)
+    rec_parts = dict(moe=passes * float(rmoe_M.sum()),
+                     a2a=passes * float(ra2a_M.sum()),
+                     nonexpert=passes * num_micro * nonexpert(1, fwd))
+    if mp.prefilled:
+      # Under the first forward's compute (its expert GEMMs and the rest;
+      # the token all-to-alls share the links, so they hide nothing).
+      prefill_s, prefill_exposed_s = prefill_exposed(
+          mp.recompute_transfer, rmoe_M + nonexpert(1, fwd), model, hw,
+          num_dev, num_layers, spd, num_home=num_experts // num_dev)
+    recompute_s = (passes * recompute_fill_s + sum(rec_parts.values())
+                   + prefill_exposed_s)
+  return dict(recompute_s=recompute_s, recompute_fill_s=recompute_fill_s,
+              prefill_s=prefill_s, prefill_exposed_s=prefill_exposed_s,
+              parts=rec_parts)
+
+
+def plan_deadline(mp: MethodPlan, loads_MLDE, model: ModelShape,
+                  work: Workload, hw: HardwareProfile, deadline_ms: float,
+                  recompute_frac: float, mode: str = DEFAULT_MODE) -> float:
+  """Seconds the trainer gives the update's plan (`rl.trainer.plan_async`
+  after its first step): `recompute_frac` x the recompute it overlaps,
+  never below `deadline_ms`. Layers whose plan is late take the
+  recompute's step-level plan (`planner.guard`)."""
+  return max(deadline_ms / 1e3, recompute_frac * recompute_time(
+      mp, loads_MLDE, model, work, hw, mode)['recompute_s'])
+
+
 def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
               hw: HardwareProfile, mode: str = DEFAULT_MODE) -> dict:
   """Predicted seconds of one RL step (update phase and whole step) and
@@ -543,10 +635,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   # The exchange's static bounds hold the largest micro-batch (as the
   # buckets do, `plan_methods`); compute counts the nominal tokens.
   shape = shape_tokens(loads_MLDE, model.top_k, tokens)
-  nonexpert = lambda passes, prof=hw: (
-      tokens * model.nonexpert_flops_per_token(work.tokens_per_seq, passes)
-      / prof.nonexpert_flops_per_s
-      + model.num_layers * prof.layer_overhead_s * (1 + (passes > 1)))
+  nonexpert = lambda passes: _nonexpert_s(model, work, hw, passes)
   upd_passes, num_a2a = update_passes(work.remat_policy)
   moe_M, a2a_M, traffic = _moe_and_a2a(
       loads_MLDE, plan.microstep, mp.capacity[mode], model, hw, spd, mode,
@@ -598,42 +687,11 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
                                        moves=mp.transfer.steps)
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum()
                    + flush_exposed_s + hook_s + optimizer_s + sync_s)
-  # The recompute: the forwards the step needs, each on the method's
-  # step-level placement (its weights filled first), or on the home layout.
+  rec = recompute_time(mp, loads_MLDE, model, work, hw, mode)
+  recompute_s, recompute_fill_s = rec['recompute_s'], rec['recompute_fill_s']
+  prefill_s, prefill_exposed_s = rec['prefill_s'], rec['prefill_exposed_s']
+  rec_parts = rec['parts']
   passes = work.recompute_forward_passes
-  if mp.prefilled and not passes:
-    raise ValueError('the plan\'s fill starts from slots the recompute '
-                     'prefills, but this workload runs no recompute: plan '
-                     'it with plan_methods(prefill=False).')
-  fwd = hw.forward_profile()
-  recompute_s, recompute_fill_s = 0.0, 0.0
-  prefill_s, prefill_exposed_s = 0.0, 0.0
-  rec_parts = dict(moe=0.0, a2a=0.0, nonexpert=0.0)
-  if passes:
-    if mp.recompute_plan is None:
-      home = placement_lib.identity_placement(num_layers, num_experts, num_dev,
-                                              spd)
-      placement_of = lambda m: home
-    else:
-      placement_of = mp.recompute_plan.microstep
-      recompute_fill_s = (_fill_s(mp.recompute_transfer, model, hw, num_dev,
-                                  num_layers, spd)
-                          + empty_slots_s(model, hw, num_layers, spd))
-    rmoe_M, ra2a_M, _ = _moe_and_a2a(loads_MLDE, placement_of,
-                                     mp.recompute_capacity[mode], model,
-                                     fwd, spd, mode, passes=1,
-                                     tokens_per_device=shape)
-    rec_parts = dict(moe=passes * float(rmoe_M.sum()),
-                     a2a=passes * float(ra2a_M.sum()),
-                     nonexpert=passes * num_micro * nonexpert(1, fwd))
-    if mp.prefilled:
-      # Under the first forward's compute (its expert GEMMs and the rest;
-      # the token all-to-alls share the links, so they hide nothing).
-      prefill_s, prefill_exposed_s = prefill_exposed(
-          mp.recompute_transfer, rmoe_M + nonexpert(1, fwd), model, hw,
-          num_dev, num_layers, spd, num_home=num_experts // num_dev)
-    recompute_s = (passes * recompute_fill_s + sum(rec_parts.values())
-                   + prefill_exposed_s)
   # As the trainer orders it: the step-level plan, then the recompute, the
   # micro-step plan made while it runs; the update waits for whichever
   # ends last.
@@ -672,6 +730,8 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
                                                             num_dev),
       optimizer_s=optimizer_s, grad_sync_s=sync_s,
       capacity=mp.capacity[mode], reverted_moves=mp.reverted,
+      plan_deadline_s=mp.deadline_s, plan_layers_fell_back=mp.fell_back_layers,
+      plan_fallback_reason=mp.fallback_reason,
       microstep_max_over_mean=float(placement_lib.max_over_mean(
           plan.loads_MLD).mean()),
       # Rows the busiest source device sends over the mean (a device sends

@@ -111,11 +111,15 @@ class ModelShape:
             + 2 * self.vocab_size * d)
 
 
-def load_model_shape(name: str) -> ModelShape:
+def load_model_config(name: str):
+  """The whole experiment config the model's shape comes from."""
   if name not in MODELS:
     raise ValueError(f'unknown model {name!r}; pick from {sorted(MODELS)}.')
-  return ModelShape.from_config(
-      importlib.import_module(MODELS[name]).get_config().model)
+  return importlib.import_module(MODELS[name]).get_config()
+
+
+def load_model_shape(name: str) -> ModelShape:
+  return ModelShape.from_config(load_model_config(name).model)
 
 
 @dataclasses.dataclass(frozen=True)

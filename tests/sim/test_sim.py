@@ -902,3 +902,30 @@ def test_buckets_hold_the_largest_micro_batch():
              for m in simulate.MODES}
   caps, _ = simulate._buckets(loads, home, buckets)
   assert caps['exact'] >= 40 and caps['padded'] >= 40
+
+
+def test_a_late_plan_takes_the_step_level_plan_as_the_trainer_does():
+  """The update's plan runs under the trainer's deadline: a plan still
+  running at it hands its layers the recompute's step-level plan, and the
+  step waits no longer. A deadline of 0 s: every layer falls back and the
+  update's placements are the step-level plan's; no deadline: none does."""
+  rng = np.random.default_rng(0)
+  loads = rng.integers(0, 40, (2, 3, 2, 4)).astype(np.int64)
+  topo = Topology(1, 2, 3)
+  budget = schedule.TransferBudget(step_rounds=2, microstep_rounds=2)
+  run = lambda deadline_of: simulate.plan_methods(
+      loads, None, topo, CostModel(), budget, 1, 100,
+      methods=('eplb_microstep',), deadline_of=deadline_of)['eplb_microstep']
+  free, late = run(None), run(lambda mp: 0.0)
+  assert free.deadline_s is None and free.fell_back_layers == 0
+  assert late.deadline_s == 0.0 and late.fell_back_layers == 3
+  assert 'deadline' in late.fallback_reason
+  np.testing.assert_array_equal(late.plan.placement.slot_expert,
+                                late.recompute_plan.placement.slot_expert)
+  r = simulate.time_step(late, loads, MODEL, _work(), HW, 'exact')
+  assert r['plan_layers_fell_back'] == 3 and r['plan_deadline_s'] == 0.0
+  # The trainer's rule: recompute_frac x the recompute, at least deadline_ms.
+  rec = simulate.recompute_time(late, loads, MODEL, _work(), HW)
+  assert simulate.plan_deadline(late, loads, MODEL, _work(), HW, 5.0,
+                                2.0) == pytest.approx(
+      max(0.005, 2.0 * rec['recompute_s']))
