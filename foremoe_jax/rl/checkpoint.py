@@ -33,6 +33,7 @@ resident.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import orbax.checkpoint as ocp
@@ -80,13 +81,34 @@ def avoid_tensorstore_metrics_leak() -> bool:
   return True
 
 
+# Suffix of a step set aside while a later phase of the same step is saved
+# in its place (`Checkpointer.save(replace=True)`).
+REPLACED = '.replaced'
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 2):
     self.directory = directory
     avoid_tensorstore_metrics_leak()
+    self._recover_replaced()
     self._mgr = ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+
+  def _recover_replaced(self) -> None:
+    """A step set aside by a replacing save that did not finish comes back;
+    one whose replacement was saved whole goes."""
+    if distributed.is_primary() and os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        if not name.endswith(REPLACED):
+          continue
+        aside = os.path.join(self.directory, name)
+        step_dir = os.path.join(self.directory, name[:-len(REPLACED)])
+        if os.path.exists(step_dir):
+          shutil.rmtree(aside)
+        else:
+          os.replace(aside, step_dir)
+    distributed.max_over_processes(0)  # The others wait for process 0.
 
   def save(self, step: int, params, *, phase: str, opt_state=None,
            ref_params=None, host: dict | None = None,
@@ -95,10 +117,19 @@ class Checkpointer:
 
     replace: a later phase of the same step (the MSA distillation after the
     warm start, both step 0) takes the step's place; orbax refuses to save
-    a step twice.
+    a step twice. The old step is set aside (renamed) until the new one is
+    saved whole, so a crash in between leaves it to restore (the next
+    Checkpointer puts it back).
     """
+    aside = None
     if replace and int(step) in self._mgr.all_steps():
-      self._mgr.delete(int(step))
+      aside = os.path.join(self.directory, f'{int(step)}{REPLACED}')
+      if distributed.is_primary():
+        if os.path.exists(aside):
+          shutil.rmtree(aside)
+        os.replace(os.path.join(self.directory, str(int(step))), aside)
+      distributed.max_over_processes(0)
+      self._mgr.reload()
     arrays = dict(params=params, opt_state=opt_state, ref_params=ref_params)
     arrays = {k: v for k, v in arrays.items() if v is not None}
     items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
@@ -107,6 +138,8 @@ class Checkpointer:
         'host': host or {}})
     self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
     self._mgr.wait_until_finished()
+    if aside is not None and distributed.is_primary():
+      shutil.rmtree(aside)
     host_memory.trim()  # The save's host copies are free now; return them.
 
   def _set_aside(self, steps: list[int], log) -> None:

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import threading
 import time
 from typing import Any
@@ -842,6 +843,10 @@ def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
   sft_step = step_lib.make_sft_step(tx, mcfg.msa_indexer_loss_coef,
                                     mcfg.aux_loss_coef)
   t0 = time.perf_counter()
+  # A warm start stopped or killed earlier reruns whole (its checkpoint is
+  # written at its end): the earlier attempt's records go.
+  metrics_lib.truncate_after(os.path.join(workdir, metrics_lib.WARMSTART_FILE),
+                             0)
   with metrics_lib.MetricsWriter(workdir, metrics_lib.WARMSTART_FILE,
                                  mirror=tb) as writer:
     for i in range(config.warmstart.steps):
@@ -958,6 +963,8 @@ def rl_loop(ctx: RLContext, state, start: int, rng, key, writer, ckpt,
 SUMMARY_FILE = 'summary.json'
 EVAL_FILE = 'greedy_eval.json'
 CONFIG_FILE = 'config.json'
+# The config a run started with: what a rerun's differences are named against.
+FIRST_CONFIG_FILE = 'config.first.json'
 # Fields a rerun may change without changing the steps already run.
 _RESUMABLE_CHANGES = ('rl.steps', 'checkpoint_every', 'profile_steps',
                       'eval_prompts', 'sample_log_every')
@@ -975,23 +982,33 @@ def _flat(d: dict, prefix: str = '') -> dict:
 
 def _record_config(workdir: str, config) -> None:
   """Writes workdir/config.json (what export and resume read back); on a
-  rerun, names the fields that differ from the run's first config, since
-  resuming under another config no longer reproduces the run."""
+  rerun, names the fields that differ from the run's first config
+  (config.first.json, kept from the first run), added and removed ones
+  included, since resuming under another config no longer reproduces the
+  run."""
   path = os.path.join(workdir, CONFIG_FILE)
+  first_path = os.path.join(workdir, FIRST_CONFIG_FILE)
   now = json.loads(json.dumps(config.to_dict(), default=str))
-  if os.path.exists(path):
-    with open(path) as f:
+  if not os.path.exists(first_path) and os.path.exists(path):
+    shutil.copyfile(path, first_path)  # A run from before this file.
+  if os.path.exists(first_path):
+    with open(first_path) as f:
       before = _flat(json.load(f))
-    changed = sorted(k for k, v in _flat(now).items()
-                     if before.get(k, v) != v and k not in _RESUMABLE_CHANGES)
+    after = _flat(now)
+    missing = object()
+    changed = sorted(k for k in set(before) | set(after)
+                     if before.get(k, missing) != after.get(k, missing)
+                     and k not in _RESUMABLE_CHANGES)
     if changed:
       print(f'warning: config differs from the run in {workdir} in '
-            f'{", ".join(changed)}; the resumed steps follow the new values',
+            f'{", ".join(changed)} (against its first config, '
+            f'{FIRST_CONFIG_FILE}); the resumed steps follow the new values',
             flush=True)
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(now, f, indent=1)
-  os.replace(tmp, path)
+  for target in ((path,) if os.path.exists(first_path)
+                 else (first_path, path)):
+    with open(target + '.tmp', 'w') as f:
+      json.dump(now, f, indent=1)
+    os.replace(target + '.tmp', target)
 
 
 def _complete(workdir: str, step: int, config) -> dict:
@@ -1093,8 +1110,6 @@ def train(config, workdir: str, guard=None) -> dict:
       sizes = [x.size for x in jax.tree.leaves(params)]
       print(f'init_from_hf: loaded {sum(sizes):,} parameters '
             f'({len(sizes)} arrays) from {config.init_from_hf}', flush=True)
-  if distributed.is_primary():  # One writer of the shared workdir.
-    _record_config(workdir, config)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
   # closing(task): a dataset task's reward workers end with the run.
   with contextlib.closing(tensorboard.TensorBoardWriter(workdir)) as tb, \
@@ -1108,9 +1123,19 @@ def train(config, workdir: str, guard=None) -> dict:
         ref_params=params if config.rl.beta > 0 else None,
         log=lambda line: print(line, flush=True))
     del opt_template
+    # After the restore: a rerun whose config cannot restore the run's
+    # checkpoints must leave the config.json export reads as it was.
+    if distributed.is_primary():  # One writer of the shared workdir.
+      _record_config(workdir, config)
     resumed = restored is not None and restored['phase'] == 'rl'
     if resumed and restored['step'] >= config.rl.steps:
-      return _complete(workdir, restored['step'], config)
+      if os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
+        return _complete(workdir, restored['step'], config)
+      # The last step's checkpoint was written, the run's tail (the final
+      # evaluation, summary.json, the plots) was not: run the tail now.
+      print(f'the run in {workdir} trained to step {restored["step"]} but '
+            f'has no {SUMMARY_FILE}: finishing its evaluation, summary and '
+            f'plots', flush=True)
     if restored is not None and restored['phase'] in ('warmstart_done',
                                                       'distill_done', 'rl'):
       params = restored['params']
@@ -1147,9 +1172,14 @@ def train(config, workdir: str, guard=None) -> dict:
     if resumed:
       # The KL anchor is the policy RL started from, not the restored one.
       ref = restored.get('ref_params', state.ref_params)
+      # The fresh state's step as it is laid out (int32, replicated): a
+      # weak-typed, uncommitted scalar would compile the update anew.
       state = dataclasses.replace(state, opt_state=restored['opt_state'],
                                   ref_params=ref,
-                                  step=jnp.asarray(restored['step']))
+                                  step=jax.device_put(
+                                      jnp.asarray(restored['step'],
+                                                  state.step.dtype),
+                                      state.step.sharding))
       if 'planner' in restored['host']:
         ctx.planner.load_state_dict(restored['host']['planner'])
       ctx.rl_step.old_logp_source = restored['host'].get(
@@ -1187,16 +1217,20 @@ def train(config, workdir: str, guard=None) -> dict:
     summary.update(_reward_summary(workdir), **_distill_summary(workdir),
                    plan_fallbacks=ctx.planner.num_fallbacks,
                    **summary_compiles)
-    if distributed.is_primary():
-      with open(os.path.join(workdir, SUMMARY_FILE), 'w') as f:
-        json.dump(summary, f, indent=1)
     greedy = [(0, summary['greedy_reward_before_rl']),
               (done, summary['greedy_reward_after_rl'])]
-    summary['plots'] = metrics_lib.plot_metrics(
+    plots = metrics_lib.plot_metrics(
         workdir, reward_range=task.reward_range,
         greedy=[g for g in greedy if g[1] is not None])
     if distributed.is_primary():
       load_png = expert_load.plot(workdir)
       if load_png:
-        summary['plots'] = list(summary['plots']) + [load_png]
+        plots = list(plots) + [load_png]
+      # Last, and whole or not at all: its presence marks the run complete
+      # (`_complete`), so a crash before it reruns the tail.
+      path = os.path.join(workdir, SUMMARY_FILE)
+      with open(path + '.tmp', 'w') as f:
+        json.dump(summary, f, indent=1)
+      os.replace(path + '.tmp', path)
+    summary['plots'] = plots
     return summary

@@ -144,6 +144,39 @@ def test_checkpoint_replace_puts_the_later_phase_in_place(tmp_path):
   np.testing.assert_array_equal(out['params']['w'], np.ones(3))
 
 
+def test_a_replacing_save_that_dies_leaves_the_old_step(tmp_path,
+                                                      monkeypatch):
+  """A kill while the later phase's step is written leaves the earlier
+  one to restore (before, it was deleted first: nothing was left); a kill
+  after the new step is whole but before the old one is gone leaves the
+  new one alone."""
+  path = str(tmp_path / 'ckpt')
+  template = {'w': np.zeros(3, np.float32)}
+  ckpt = checkpoint.Checkpointer(path)
+  ckpt.save(0, {'w': np.zeros(3, np.float32)}, phase='warmstart_done')
+
+  def killed(*a, **k):
+    raise KeyboardInterrupt('killed mid-save')
+  monkeypatch.setattr(ckpt._mgr, 'save', killed)  # pylint: disable=protected-access
+  with pytest.raises(KeyboardInterrupt):
+    ckpt.save(0, {'w': np.ones(3, np.float32)}, phase='distill_done',
+              replace=True)
+  again = checkpoint.Checkpointer(path)
+  out = again.restore_latest(template, log=lambda _: 0)
+  assert out['phase'] == 'warmstart_done' and again.steps() == [0]
+  # The new step saved whole, the old one still aside: the new one stays.
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.copytree(os.path.join(path, '0'), str(tmp_path / 'old'))
+  again.save(0, {'w': np.ones(3, np.float32)}, phase='distill_done',
+             replace=True)
+  shutil.copytree(str(tmp_path / 'old'),
+                  os.path.join(path, '0' + checkpoint.REPLACED))
+  third = checkpoint.Checkpointer(path)
+  assert third.restore_latest(template, log=lambda _: 0)['phase'] == (
+      'distill_done')
+  assert sorted(os.listdir(path)) == ['0']
+
+
 def test_a_datasets_evaluation_batch_is_held_out(tmp_path):
   """With a dataset task the evaluation sequences are its eval file's
   records: none is a training record, drawing them moves no training draw,
