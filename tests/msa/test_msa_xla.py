@@ -216,3 +216,22 @@ def test_indexer_kl_loss_and_gradients_match_reference():
   lib.assert_close(l_fast, l_slow, 1e-5, 'loss')
   for a, e in zip(g_fast, g_slow):
     lib.assert_close(a, e, 1e-5, 'grad')
+
+
+@pytest.mark.parametrize('di', [8, 128])
+def test_exact_ties_go_to_the_lower_block_as_in_the_reference(di):
+  """Index scores that tie exactly (entries in {-1, -.5, 0, .5, 1}) at a
+  width whose 1/sqrt(I) is inexact: the prefill selects as the reference
+  and as decode at each position (lower block id first). With the scale
+  folded into the queries the XLA prefill broke ties by rounding (I = 128:
+  2 of 192 rows, outputs O(1) apart from decode's)."""
+  b, t, g, r, d, c, k = 2, 48, 2, 2, 8, 8, 3
+  qi, ki = lib.exact_index_inputs(b, t, t, g, di, seed=1)
+  qi, ki = qi.astype(jnp.float32), ki.astype(jnp.float32)
+  want = lib.brute_force_selection(qi, ki, c, k, 0)
+  scores = xla.block_scores_BGTN(qi, ki, block_size=c)
+  got = xla.select_blocks_BGTK(scores, block_size=c, top_k=k)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_allclose(
+      scores, ref.block_scores_BGTN(ref.index_logits_BGTS(qi, ki),
+                                    block_size=c), rtol=1e-6)
