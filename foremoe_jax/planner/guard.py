@@ -526,7 +526,13 @@ class StepPlanner:
     self.num_layer_fallbacks = c.get('layer_fallbacks', 0)
     self.num_layers_fallen_back = c.get('layers_fallen_back', 0)
 
-  def close(self):
-    self._pool.shutdown(wait=False, cancel_futures=True)
+  def close(self, wait: bool = False):
+    """Stops planning. wait: first let an abandoned plan (one past its
+    deadline, still running in this planner's thread or layer workers)
+    end, so it takes no host time from what runs next (the simulator
+    times the next method's plan); False: leave it to end on its own."""
+    if wait:
+      concurrent.futures.wait(self._chunk_futures)
+    self._pool.shutdown(wait=wait, cancel_futures=True)
     if self._layers is not None and self._own_layers:
       self._layers.close()

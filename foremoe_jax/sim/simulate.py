@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -245,32 +246,45 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
           start_LS = mp.recompute_plan.placement.slot_expert[0]
           mp.prefilled = True
       mp.deadline_s = None if deadline_of is None else deadline_of(mp)
+
+      def finalize(plan, loads, start_LS=start_LS):
+        # The update's fit and moves, from what the recompute prefilled
+        # (the fill that will run), made in the planner's thread after its
+        # plan, inside the deadline, as the trainer's `_finalize` is.
+        fitted, reverted = schedule.fit_plan_to_budget(
+            plan, loads, topo, cost, budget, start_LS=start_LS)
+        return _Finalized(fitted, reverted, schedule.build_step_transfer(
+            fitted.placement.slot_expert, num_experts, topo, budget,
+            start_LS=start_LS), plan.layers_fell_back)
+
       t0 = time.perf_counter()
       if method == 'foremoe_before_fixes':
-        plan = foremoe.plan_step(loads_MLDE, topo, cost, home, dataclasses.replace(
-            planner.config, price_gradient_returns=False, anchor_rounds=None,
-            moves_per_layer=None))
+        done = finalize(foremoe.plan_step(
+            loads_MLDE, topo, cost, home, dataclasses.replace(
+                planner.config, price_gradient_returns=False,
+                anchor_rounds=None, moves_per_layer=None)), loads_MLDE)
       else:
         ticket = planner.submit(loads_MLDE, deadline_s=mp.deadline_s,
-                                fallback=mp.recompute_plan)
-        plan = ticket.result()
+                                fallback=mp.recompute_plan, finalize=finalize)
+        done = ticket.result()
         mp.fallback_reason = ticket.fallback_reason or ''
       mp.plan_s = time.perf_counter() - t0
-      mp.fell_back_layers = plan.layers_fell_back
-      # The update's fit and moves (made in the planner thread, after its
-      # plan), from what the recompute prefilled: the fill that will run.
-      t0 = time.perf_counter()
-      mp.plan, mp.reverted = schedule.fit_plan_to_budget(
-          plan, loads_MLDE, topo, cost, budget, start_LS=start_LS)
-      mp.transfer = schedule.build_step_transfer(
-          mp.plan.placement.slot_expert, num_experts, topo, budget,
-          start_LS=start_LS)
-      mp.plan_s += time.perf_counter() - t0
+      mp.plan, mp.reverted, mp.transfer, mp.fell_back_layers = done
       mp.capacity, mp.bucket_s = _buckets(loads_MLDE, mp.plan, buckets)
     finally:
-      planner.close()
+      # A plan abandoned at its deadline keeps computing off this thread;
+      # the next method's plan is timed only once it has ended.
+      planner.close(wait=True)
     out[method] = mp
   return out
+
+
+class _Finalized(NamedTuple):
+  """A plan as `finalize` hands it over (`StepPlanner` reads `.plan`)."""
+  plan: StepPlan
+  reverted: int
+  transfer: schedule.StepTransfer
+  fell_back_layers: int
 
 
 # What `_traffic_stats` reports (None in a row where it does not apply).
