@@ -515,6 +515,10 @@ def msa_distill_defaults() -> ml_collections.ConfigDict:
   # answer); a path reads plain text, tokenised by the task's tokenizer
   # and cut into max_seq_len windows.
   d.text_file = ''
+  # Tokens per text_file window (0: model.max_seq_len, which an HF import
+  # sets to the checkpoint's context, e.g. 40,960 for Qwen3: windows that
+  # long at batch_size would not fit where the phase runs).
+  d.seq_len = 0
   # Recall and KL are measured on this many held-out sequences before the
   # first step and after the last (summary.json: msa_recall_before/after).
   d.eval_sequences = 64
@@ -537,6 +541,11 @@ def _validate_msa_distill(config) -> None:
   path = d.get('text_file', '')
   _require(not path or os.path.isfile(str(path)), 'msa_distill.text_file',
            f'no such file: {path!r}')
+  seq_len = d.get('seq_len', 0)
+  _require_int(seq_len, 'msa_distill.seq_len', 0)
+  _require(seq_len <= m.max_seq_len, 'msa_distill.seq_len',
+           f'must be at most model.max_seq_len ({m.max_seq_len}), got '
+           f'{seq_len}')
 
 
 def _validate_task(config) -> None:

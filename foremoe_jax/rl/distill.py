@@ -127,7 +127,7 @@ class TextWindows:
     held = max(seq_len, len(ids) // 10)
     if len(ids) < seq_len + held:
       raise ValueError(f'msa_distill.text_file: {path} has {len(ids)} tokens; '
-                       f'needs at least 2 x max_seq_len ({2 * seq_len}): one '
+                       f'needs at least 2 windows ({2 * seq_len}): one '
                        f'window to train on and one held out')
     self.train_ids, self.eval_ids = ids[:-held], ids[-held:]
     self.seq_len = seq_len
@@ -169,6 +169,12 @@ class TaskSequences:
     return tokens, self._valid(tokens, mask)
 
 
+def window_len(config) -> int:
+  """Tokens per text-file window: msa_distill.seq_len, else the model's
+  max_seq_len."""
+  return config.msa_distill.get('seq_len', 0) or config.model.max_seq_len
+
+
 def data_source(dcfg, task, seq_len: int):
   if dcfg.get('text_file', ''):
     return TextWindows(dcfg.text_file, task.tokenizer, seq_len)
@@ -207,7 +213,7 @@ def run(config, task, graphdef, params, mesh, workdir: str, rng, *,
           mesh, jax.sharding.PartitionSpec())), tx.init(index_params))
   step_fn = make_distill_step(dgraph, tx)
   eval_fn = make_distill_eval(dgraph)
-  source = data_source(dcfg, task, config.model.max_seq_len)
+  source = data_source(dcfg, task, window_len(config))
   # The held-out batch: its own generator (and no data stream), so the
   # training draws (and a resumed run's) do not depend on whether it was
   # drawn.

@@ -114,13 +114,13 @@ def test_text_file_windows_and_errors(tmp_path, phase):
   assert len(src.eval_ids) == max(24, len(ids) // 10)
   np.testing.assert_array_equal(src.eval_ids, ids[-len(src.eval_ids):])
   path.write_text('12+3')
-  with pytest.raises(ValueError, match='needs at least 2 x max_seq_len'):
+  with pytest.raises(ValueError, match='needs at least 2 windows'):
     distill.TextWindows(str(path), tok, 24)
   path.write_text('12 + 3 is 15' * 20)
   with pytest.raises(ValueError, match='cannot be tokenised'):
     distill.TextWindows(str(path), tok, 24)
   path.write_text('12+3')
-  with pytest.raises(ValueError, match='needs at least 2 x max_seq_len'):
+  with pytest.raises(ValueError, match='needs at least 2 windows'):
     distill.TextWindows(str(path), tok, 24)
   c = _config()
   c.msa_distill.text_file = str(tmp_path / 'missing.txt')
@@ -129,6 +129,16 @@ def test_text_file_windows_and_errors(tmp_path, phase):
   c = _config()
   c.model.attention_type = 'dense'
   with pytest.raises(config_lib.ConfigError, match='attention_type'):
+    config_lib.validate_config(c)
+  # Windows of their own length (an HF import sets max_seq_len to the
+  # checkpoint's context), at most the model's.
+  c = _config()
+  assert distill.window_len(c) == c.model.max_seq_len == 24
+  c.msa_distill.seq_len = 8
+  config_lib.validate_config(c)
+  assert distill.window_len(c) == 8
+  c.msa_distill.seq_len = 32
+  with pytest.raises(config_lib.ConfigError, match='msa_distill.seq_len'):
     config_lib.validate_config(c)
 
 
