@@ -36,6 +36,8 @@ import os
 import shutil
 import time
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
@@ -79,6 +81,11 @@ def avoid_tensorstore_metrics_leak() -> bool:
     return False
   tensorstore_utils.get_tensorstore_raw_bytes = _raw_bytes_without_leak
   return True
+
+
+class ConfigMismatchError(ValueError):
+  """A checkpoint whose arrays are not this config's (another model or
+  optimizer), as opposed to a damaged one."""
 
 
 # Suffix of a step set aside while a later phase of the same step is saved
@@ -184,6 +191,30 @@ class Checkpointer:
     out.update({k: r[k] for k in wanted})
     return out
 
+  def _shape_mismatch(self, step: int, templates: dict) -> str:
+    """Why step's arrays cannot be this run's ('' if their shapes match,
+    or the step's metadata cannot be read: then the restore decides).
+    Compared as sorted lists of leaf shapes per item, which does not
+    depend on how either side spells its tree's paths."""
+    try:
+      meta = self._mgr.item_metadata(step)
+      items = [k for k in ARRAY_ITEMS
+               if templates.get(k) is not None and k in meta
+               and meta[k] is not None]
+      saved = {k: sorted(tuple(x.shape) for x in jax.tree.leaves(
+          getattr(meta[k], 'tree', meta[k]))) for k in items}
+    except Exception:  # pylint: disable=broad-except
+      return ''
+    for k in items:
+      want = sorted(tuple(np.shape(x)) for x in jax.tree.leaves(templates[k]))
+      if want != saved[k]:
+        extra = sorted(set(saved[k]) - set(want))[:3]
+        missing = sorted(set(want) - set(saved[k]))[:3]
+        return (f'its {k} hold {len(saved[k])} arrays, this config\'s '
+                f'{len(want)}; shapes only in the checkpoint {extra}, only '
+                f'in this config {missing}')
+    return ''
+
   def restore_latest(self, params_template, *, log=print, **templates):
     """The newest checkpoint that restores whole (see `restore`), or None.
 
@@ -197,6 +228,16 @@ class Checkpointer:
     steps = self.steps()
     errors = []
     for step in reversed(steps):
+      why = self._shape_mismatch(step, templates)
+      if why:
+        # Not damage: another config. Falling back to an older step (the
+        # warm start's, which holds no optimizer state) would restart RL
+        # and set the run's own checkpoints aside.
+        raise ConfigMismatchError(
+            f'the checkpoint at step {step} in {self.directory} was written '
+            f'under another config ({why}). Rerun with the run\'s config '
+            f'(config.first.json beside checkpoints/), or pass a new '
+            f'--workdir for a new run.')
       try:
         restored = self.restore(step, templates)
       except Exception as err:  # pylint: disable=broad-except

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from foremoe_jax.rl import trainer
+from foremoe_jax.rl import checkpoint, trainer
 
 
 def _config(**over):
@@ -93,12 +93,18 @@ def test_a_run_killed_in_its_tail_finishes_it_on_rerun(tmp_path, capsys,
       r'compiled (.*) at step (\d+)', log) if 'update' in names]
   assert update_compiles == ['3'], log[-3000:]
 
-  # A rerun whose model cannot restore these checkpoints is refused, and
-  # config.json (which export reads) still describes the run.
+  # A rerun whose model cannot restore these checkpoints is refused as
+  # another config (not taken for damage: an older step is not tried and
+  # nothing is set aside), and config.json (which export reads) still
+  # describes the run.
   before = open(os.path.join(wd, trainer.CONFIG_FILE)).read()
-  with pytest.raises(RuntimeError, match='no checkpoint'):
+  steps = sorted(os.listdir(os.path.join(wd, 'checkpoints')))
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match='written under another config'):
     trainer.train(_config(**{'model.d_model': 48, 'rl.steps': 4}), wd)
   assert open(os.path.join(wd, trainer.CONFIG_FILE)).read() == before
+  assert sorted(os.listdir(os.path.join(wd, 'checkpoints'))) == steps
+  assert not os.path.exists(os.path.join(wd, 'checkpoints.unreadable'))
 
 
 def test_config_changes_are_named_against_the_first_config(tmp_path,
