@@ -41,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from foremoe_jax import config as config_lib
 from foremoe_jax.utils import distributed
 from foremoe_jax.utils import host_memory
 
@@ -83,9 +84,10 @@ def avoid_tensorstore_metrics_leak() -> bool:
   return True
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(config_lib.ConfigError):
   """A checkpoint whose arrays are not this config's (another model or
-  optimizer), as opposed to a damaged one."""
+  optimizer), as opposed to a damaged one; entry points print it as one
+  line, like any config error."""
 
 
 # Suffix of a step set aside while a later phase of the same step is saved
