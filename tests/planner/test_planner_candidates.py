@@ -48,8 +48,9 @@ def _layer_costs(plan, current_LS, topo: Topology, cost: CostModel, price):
 
 def _skewed():
   """Hot experts shift between micro-steps: some greedy moves cost more
-  over the step than they save."""
-  return (lib.small_trace(seed=5, num_layers=4, tokens_per_seq=256,
+  over the step than they save (on this seed; 7 of seeds 0-39 of this
+  shape leave such a layer once the anchor alone is planned)."""
+  return (lib.small_trace(seed=10, num_layers=4, tokens_per_seq=256,
                           hot_share_range=(0.1, 0.2)), Topology(1, 8, 6))
 
 
@@ -162,8 +163,10 @@ def test_priced_all_to_all_is_part_of_the_choice():
   """With the dispatch rows priced (`CostModel.row_bytes`), each layer is
   the cheaper of the two plans counting compute, copies and all-to-alls;
   where a layer's moves balance compute but send more rows across nodes,
-  it becomes foresight_split's."""
-  trace, topo = lib.one_node()
+  it becomes foresight_split's. (The trace is lib.one_node's shape at a
+  seed where such a layer exists: 3 of seeds 0-39 have one; the first
+  assertion, each layer the cheaper plan, holds on every seed.)"""
+  trace, topo = lib.small_trace(seed=4), lib.one_node()[1]
   config = foremoe.ForeMoEConfig()
   loads = trace.step(1)
   plain = lib.COST
