@@ -209,10 +209,7 @@ class DatasetTask(Task):
     if eval_path:
       # With the solution field, eval records are held-out warm-start
       # sequences too (MSA distillation's evaluation batch).
-      with_solutions = all(self._fields[2] in r
-                           for r in read_records(eval_path))
-      prompts, refs, sols = self._load(eval_path,
-                                       with_solutions=with_solutions)
+      prompts, refs, sols = self._load(eval_path, with_solutions=None)
       self._refuse_pad_first(eval_path, prompts)
       fit = [i for i, p in enumerate(prompts) if p is not None]
       if not fit:
@@ -223,7 +220,7 @@ class DatasetTask(Task):
         raise ValueError(f'{eval_path}: every prompt repeats a training '
                          'prompt with another reference answer.')
       fit = claimed
-      self._eval = ([prompts[i] for i in fit], [refs[i] for i in fit])
+      self._eval = [prompts[i] for i in fit]
       self._eval_sft = [(prompts[i], sols[i]) for i in fit if sols
                         and len(sols[i]) <= max_completion_len - 1]
 
@@ -253,9 +250,14 @@ class DatasetTask(Task):
 
   # Reading.
 
-  def _load(self, path, *, with_solutions: bool):
-    """(prompt ids or None when too long, references, solution ids)."""
+  def _load(self, path, *, with_solutions: bool | None):
+    """(prompt ids or None when too long, references, solution ids).
+
+    with_solutions: None reads the solutions when every record has the
+    field (an eval file may not), else returns none."""
     records = read_records(path)
+    if with_solutions is None:
+      with_solutions = all(self._fields[2] in r for r in records)
     prompt_f, answer_f, solution_f = self._fields
     questions = _field(records, prompt_f, path)
     tok = self.tokenizer
@@ -299,7 +301,7 @@ class DatasetTask(Task):
       line += (f'; {self.num_conflicting} left out of RL: their prompt '
                'repeats an earlier record\'s with another answer')
     if self._eval is not None:
-      line += f'; {len(self._eval[0])} eval prompts'
+      line += f'; {len(self._eval)} eval prompts'
       if self.num_eval_conflicting:
         line += f' ({self.num_eval_conflicting} left out the same way)'
     return line + f'; reward {self._reward_name!r}'
@@ -345,9 +347,7 @@ class DatasetTask(Task):
     file, n training prompts in an order of their own (they overlap the
     training data, so the number is a training accuracy)."""
     if self._eval is not None:
-      prompts, _ = self._eval
-      n = min(n, len(prompts))
-      return self._rows(prompts[:n])
+      return self._rows(self._eval[:n])
     keep = self._rl_keep
     order = grain.MapDataset.source(keep).shuffle(seed=10_000 + seed)
     idx = [order[i] for i in range(min(n, len(keep)))]
