@@ -6,6 +6,7 @@ across two nodes, one move round, hidden and exposed moves.
 """
 import dataclasses
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -904,11 +905,22 @@ def test_buckets_hold_the_largest_micro_batch():
   assert caps['exact'] >= 40 and caps['padded'] >= 40
 
 
-def test_a_late_plan_takes_the_step_level_plan_as_the_trainer_does():
+def test_a_late_plan_takes_the_step_level_plan_as_the_trainer_does(
+    monkeypatch):
   """The update's plan runs under the trainer's deadline: a plan still
   running at it hands its layers the recompute's step-level plan, and the
-  step waits no longer. A deadline of 0 s: every layer falls back and the
-  update's placements are the step-level plan's; no deadline: none does."""
+  step waits no longer. A plan that takes 0.5 s under a 0.05 s deadline:
+  every layer falls back and the update's placements are the step-level
+  plan's; no deadline: none does. (The plan is slowed down because this
+  one alone takes microseconds: at a 0 s deadline it could finish before
+  the trainer looks, which made the test flaky.)"""
+  from foremoe_jax.planner import guard  # pylint: disable=import-outside-toplevel
+  real = guard.run_method
+
+  def slow(*args, **kw):
+    time.sleep(0.5)
+    return real(*args, **kw)
+  monkeypatch.setattr(guard, 'run_method', slow)
   rng = np.random.default_rng(0)
   loads = rng.integers(0, 40, (2, 3, 2, 4)).astype(np.int64)
   topo = Topology(1, 2, 3)
@@ -916,14 +928,15 @@ def test_a_late_plan_takes_the_step_level_plan_as_the_trainer_does():
   run = lambda deadline_of: simulate.plan_methods(
       loads, None, topo, CostModel(), budget, 1, 100,
       methods=('eplb_microstep',), deadline_of=deadline_of)['eplb_microstep']
-  free, late = run(None), run(lambda mp: 0.0)
+  free, late = run(None), run(lambda mp: 0.05)
   assert free.deadline_s is None and free.fell_back_layers == 0
-  assert late.deadline_s == 0.0 and late.fell_back_layers == 3
+  assert late.deadline_s == 0.05 and late.fell_back_layers == 3
+  assert late.plan_s < 0.5  # It did not wait for the plan.
   assert 'deadline' in late.fallback_reason
   np.testing.assert_array_equal(late.plan.placement.slot_expert,
                                 late.recompute_plan.placement.slot_expert)
   r = simulate.time_step(late, loads, MODEL, _work(), HW, 'exact')
-  assert r['plan_layers_fell_back'] == 3 and r['plan_deadline_s'] == 0.0
+  assert r['plan_layers_fell_back'] == 3 and r['plan_deadline_s'] == 0.05
   # The trainer's rule: recompute_frac x the recompute, at least deadline_ms.
   rec = simulate.recompute_time(late, loads, MODEL, _work(), HW)
   assert simulate.plan_deadline(late, loads, MODEL, _work(), HW, 5.0,
