@@ -129,6 +129,9 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
       chat_template_kwargs=chat_template_kwargs,
       add_bos=True,  # Only where the tokenizer has a BOS the template lacks.
       pad_token='',  # '' = tokenizer_config.json's, else EOS; never BOS.
+      # Ids besides EOS that end a completion: '' = generation_config.json's
+      # eos_token_id list; else JSON, e.g. '["<|im_end|>"]' ('[]': none).
+      stop_tokens='',
       reward='math',  # math-verify on the text after the last '####'.
       reward_range=(0.0, 1.0),
       # GSM8K questions take < 200 tokens with the template; 1,024 new

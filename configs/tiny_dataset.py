@@ -31,6 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
       chat_template_kwargs='',  # JSON, e.g. '{"enable_thinking": false}'.
       add_bos=True,
       pad_token='',  # '' = tokenizer_config.json's, else EOS; never BOS.
+      # Ids besides EOS that end a completion: '' = generation_config.json's
+      # eos_token_id list; else JSON, e.g. '["<|im_end|>"]' ('[]': none).
+      stop_tokens='',
       reward='math',  # math-verify; or exact_match, numeric, pkg.mod:fn.
       reward_range=(0.0, 1.0),
       max_prompt_len=48,  # Longer prompts are skipped (and counted).

@@ -227,7 +227,8 @@ def make_rl_context(config, graphdef, mesh, task) -> RLContext:
   sp = sampler_lib.SamplingParams(
       max_new_tokens=task.completion_len, num_generations=num_gen,
       temperature=config.sampler.temperature, top_k=config.sampler.top_k,
-      top_p=config.sampler.top_p, eos_id=task.eos_id, pad_id=task.pad_id)
+      top_p=config.sampler.top_p, eos_id=task.eos_id, pad_id=task.pad_id,
+      stop_ids=task.stop_ids)
   tx = rl_optimizer(config)
   rl_step = step_lib.make_rl_step(
       tx, num_generations=num_gen, eps_low=rl.eps_low, eps_high=rl.eps_high,
@@ -893,7 +894,8 @@ def greedy_eval(config, task, graphdef, mesh):
     return lambda params: None
   sp = sampler_lib.SamplingParams(max_new_tokens=task.completion_len,
                                   num_generations=1, greedy=True,
-                                  eos_id=task.eos_id, pad_id=task.pad_id)
+                                  eos_id=task.eos_id, pad_id=task.pad_id,
+                                  stop_ids=task.stop_ids)
   greedy = sampler_lib.Sampler(graphdef, config.model, mesh, sp,
                                config.parallel.dispatch)
   prompts = task.eval_prompts(num_eval, config.seed)

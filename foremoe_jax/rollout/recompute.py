@@ -50,7 +50,7 @@ def recompute_decode(graphdef, state, prompts_BP, key, params, *,
     new_B = jnp.where(alive_B, new_B, params.pad_id)
     tokens_BT = jax.lax.dynamic_update_slice_in_dim(tokens_BT, new_B[:, None],
                                                     pos, axis=1)
-    return tokens_BT, alive_B & (new_B != params.eos_id)
+    return tokens_BT, alive_B & ~sampler_lib.ends(new_B, params)
 
   alive_B = jnp.ones((num_rows,), bool)
   tokens_BT, _ = jax.lax.fori_loop(0, num_steps, body, (tokens_BT, alive_B))

@@ -106,7 +106,9 @@ class SamplingParams:
   """Static sampling settings; one compile per distinct value.
 
   temperature == 0 or greedy=True: argmax. top_k = 0 and top_p = 1 are off.
-  record_routes=False skips the routing record (for measuring its cost).
+  A completion ends at eos_id or at any of stop_ids (a checkpoint's other
+  end-of-turn ids). record_routes=False skips the routing record (for
+  measuring its cost).
   """
 
   max_new_tokens: int
@@ -118,6 +120,7 @@ class SamplingParams:
   eos_id: int = EOS_ID
   pad_id: int = PAD_ID
   record_routes: bool = True
+  stop_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -132,6 +135,15 @@ class SamplingParams:
       raise ValueError(f'top_k must be >= 0 (0 = off), got {self.top_k}.')
     if not 0 < self.top_p <= 1:
       raise ValueError(f'top_p must be in (0, 1], got {self.top_p}.')
+    # A tuple of ints, so the params stay hashable (a static jit argument).
+    object.__setattr__(self, 'stop_ids',
+                       tuple(int(i) for i in self.stop_ids))
+
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    """Every id that ends a completion: EOS, then the stop ids."""
+    return (self.eos_id,) + tuple(i for i in self.stop_ids
+                                  if i != self.eos_id)
 
   @property
   def is_greedy(self) -> bool:
@@ -173,6 +185,15 @@ def prompt_valid(prompts_BP, pad_id: int):
   from its first other token on. Works on numpy and jax arrays."""
   xp = jnp if isinstance(prompts_BP, jax.Array) else np
   return xp.cumsum(prompts_BP != pad_id, axis=1) > 0
+
+
+def ends(tokens, params: SamplingParams):
+  """bool, tokens' shape: where a token ends its completion (EOS or a stop
+  id). Works on numpy and jax arrays."""
+  end = tokens == params.eos_id
+  for i in params.stop_ids:
+    end = end | (tokens == i)
+  return end
 
 
 def check_prompts(prompts_NP, pad_id: int) -> None:
@@ -317,7 +338,7 @@ class Sampler:
       new_B = sample_tokens(logits_B1V[:, 0],
                             jax.random.fold_in(key, c.step + 1), p)
       # The next token is valid iff the one just fed was valid and not EOS.
-      alive_B = c.alive_B & (tok_B1[:, 0] != p.eos_id)
+      alive_B = c.alive_B & ~ends(tok_B1[:, 0], p)
       new_B = jnp.where(alive_B, new_B, p.pad_id)
       lp_B = jnp.where(alive_B, _token_logp(logits_B1V[:, 0], new_B), 0.0)
       tokens_BX = jax.lax.dynamic_update_slice_in_dim(
@@ -404,7 +425,7 @@ class Sampler:
     plen = tokens_BX.shape[1] - 1 - p.max_new_tokens
     tokens_BT = tokens_BX[:num_samples, :-1]
     completion_BC = tokens_BT[:, plen:]
-    is_eos_BC = completion_BC == p.eos_id
+    is_eos_BC = ends(completion_BC, p)
     done_B = is_eos_BC.any(axis=1)
     lengths_B = np.where(done_B, is_eos_BC.argmax(axis=1) + 1,
                          p.max_new_tokens).astype(np.int32)

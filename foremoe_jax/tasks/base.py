@@ -83,6 +83,12 @@ class Task(abc.ABC):
     return EOS_ID
 
   @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Ids other than `eos_id` that also end a completion (a checkpoint's
+    second end-of-turn token); the sampler stops at any of them."""
+    return ()
+
+  @property
   def sequence_len(self) -> int:
     return self.prompt_len + self.completion_len
 

@@ -28,6 +28,9 @@ start. What differs:
     position is the index of the next record, so `data_state` is two
     integers (RL and warm-start streams) and a resumed run reads on from
     exactly where the interrupted one stopped.
+  * A completion ends at EOS or at any of the checkpoint's other end ids
+    (`eos_token_id` in `generation_config.json`, as transformers and vLLM
+    stop; `stop_tokens` overrides them).
   * `reward` decodes each completion to text (up to its EOS) and calls the
     verifier `reward` names (`tasks.rewards`: 'math' for math-verify,
     'exact_match', 'numeric', a registered name or 'pkg.module:function'),
@@ -126,6 +129,7 @@ class DatasetTask(Task):
                answer_marker: str = '', prompt_template: str = '{prompt}',
                chat_template: str = '', system_prompt: str = '',
                chat_template_kwargs: str | dict = '', pad_token: str = '',
+               stop_tokens: str | tuple[str, ...] = '',
                add_bos: bool = True, reward: str = 'math',
                reward_range: tuple[float, float] = (0.0, 1.0),
                max_prompt_len: int = 64, max_completion_len: int = 32,
@@ -140,10 +144,25 @@ class DatasetTask(Task):
     if '{prompt}' not in prompt_template:
       raise ValueError(f'prompt_template {prompt_template!r} must contain '
                        '{prompt}.')
+    # '': the checkpoint's generation_config.json decides; else a JSON list
+    # on the command line ('["<|im_end|>"]'; '[]' for EOS alone).
+    if stop_tokens == '':
+      stop_tokens = None
+    elif isinstance(stop_tokens, str):
+      try:
+        stop_tokens = json.loads(stop_tokens)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'stop_tokens {stop_tokens!r} is not a JSON list of '
+                         f'token strings ({e}).') from None
+    if stop_tokens is not None and (
+        not isinstance(stop_tokens, (list, tuple))
+        or not all(isinstance(t, str) for t in stop_tokens)):
+      raise ValueError('stop_tokens must be a list of token strings, got '
+                       f'{stop_tokens!r}.')
     try:
       self.tokenizer = HFTokenizer.from_path(
           tokenizer_path, chat_template=chat_template or None,
-          pad_token=pad_token or None)
+          pad_token=pad_token or None, stop_tokens=stop_tokens)
     except FileNotFoundError as e:
       raise ValueError(str(e)) from None
     self.reward_fn = rewards_lib.get_reward(reward)
@@ -325,6 +344,10 @@ class DatasetTask(Task):
   @property
   def eos_id(self) -> int:
     return self.tokenizer.eos_id
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self.tokenizer.stop_ids
 
   @property
   def pads_prompts(self) -> bool:

@@ -31,6 +31,10 @@ PAD_CANDIDATES = ('<pad>', '[PAD]', '<|pad|>')
 
 TOKENIZER_FILE = 'tokenizer.json'
 CONFIG_FILE = 'tokenizer_config.json'
+# Where a checkpoint lists every id that ends generation (`eos_token_id`, an
+# int or a list: Qwen3 instruct ends turns with '<|im_end|>' and text with
+# '<|endoftext|>', and either may come first).
+GENERATION_CONFIG_FILE = 'generation_config.json'
 # Recent transformers versions save the chat template in its own file
 # instead of a tokenizer_config.json field.
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'
@@ -47,15 +51,19 @@ class HFTokenizer:
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, *, eos_token: str,
                bos_token: str | None = None, pad_token: str | None = None,
-               chat_template: str | None = None):
+               chat_template: str | None = None,
+               stop_tokens: Sequence[str] = ()):
     """Wraps `tokenizer`; see `from_path` for how the arguments are found.
 
     Args:
       tokenizer: The loaded `tokenizers.Tokenizer`.
       eos_token: End-of-sequence token string; must be in the vocabulary.
+        Warm-start solutions end with it.
       bos_token: Beginning-of-sequence token string, or None for none.
       pad_token: Padding token string, or None to pad with EOS.
       chat_template: Jinja2 template text, or None to use prompts as is.
+      stop_tokens: Further token strings that end a completion as EOS does
+        (`stop_ids`); EOS itself may be among them.
 
     Raises:
       ValueError: A token string is not in the vocabulary, or the template
@@ -80,6 +88,13 @@ class HFTokenizer:
     self._bos_id = None if bos_token is None else self._id_of(bos_token,
                                                               'bos_token')
     self._pad_id = self._id_of(self.pad_token, 'pad_token')
+    if isinstance(stop_tokens, str):
+      raise ValueError(f'stop_tokens must be a list of token strings, got the '
+                       f'string {stop_tokens!r}.')
+    self.stop_tokens = tuple(t for t in dict.fromkeys(stop_tokens)
+                             if t != eos_token)
+    self._stop_ids = tuple(self._id_of(t, 'stop token')
+                           for t in self.stop_tokens)
     self.chat_template = chat_template
     # Compiled once here so a broken template fails at load time, not at the
     # first rollout.
@@ -91,7 +106,8 @@ class HFTokenizer:
                 chat_template: str | None = None,
                 pad_token: str | None = None,
                 bos_token: str | None = None,
-                eos_token: str | None = None) -> HFTokenizer:
+                eos_token: str | None = None,
+                stop_tokens: Sequence[str] | None = None) -> HFTokenizer:
     """Loads a `tokenizer.json`, or the one in a checkpoint directory.
 
     Each special token comes from, in order: the argument; the same field of
@@ -108,6 +124,9 @@ class HFTokenizer:
       pad_token: Padding token string, overriding the config.
       bos_token: Beginning-of-sequence token string, overriding the config.
       eos_token: End-of-sequence token string, overriding the config.
+      stop_tokens: Further tokens that end a completion; None for the other
+        ids of `eos_token_id` in `generation_config.json` beside the
+        tokenizer (none when the file is absent).
 
     Returns:
       The tokenizer.
@@ -143,10 +162,13 @@ class HFTokenizer:
           'vocabulary; pass eos_token=.')
     if chat_template == 'auto':
       chat_template = _auto_chat_template(config, directory)
+    if stop_tokens is None:
+      stop_tokens = _generation_stop_tokens(
+          os.path.join(directory, GENERATION_CONFIG_FILE), tokenizer)
     return cls(tokenizer, eos_token=eos,
                bos_token=resolve('bos_token', bos_token, BOS_CANDIDATES),
                pad_token=resolve('pad_token', pad_token, PAD_CANDIDATES),
-               chat_template=chat_template)
+               chat_template=chat_template, stop_tokens=stop_tokens)
 
   # Special tokens and sizes.
 
@@ -162,6 +184,11 @@ class HFTokenizer:
   @property
   def eos_id(self) -> int:
     return self._eos_id
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Ids other than `eos_id` that also end a completion."""
+    return self._stop_ids
 
   @property
   def bos_id(self) -> int | None:
@@ -222,7 +249,8 @@ class HFTokenizer:
 
   def decode(self, ids: Sequence[int] | np.ndarray, stop_at_eos: bool = True
              ) -> str:
-    """Text of `ids`: ends at the first EOS, drops PAD, BOS and EOS.
+    """Text of `ids`: ends at the first EOS or stop id, drops PAD, BOS, EOS
+    and the stop ids.
 
     Ids outside [0, vocab_size) are dropped rather than raised on: the model's
     embedding table can be wider than the vocabulary, and a sampled padding
@@ -230,9 +258,11 @@ class HFTokenizer:
     kept in the text, so logs show them.
     """
     flat = np.asarray(ids).reshape(-1).tolist()
-    if stop_at_eos and self._eos_id in flat:
-      flat = flat[:flat.index(self._eos_id)]
-    skip = {self._pad_id, self._eos_id}
+    ends = {self._eos_id, *self._stop_ids}
+    if stop_at_eos:
+      end = next((i for i, t in enumerate(flat) if t in ends), len(flat))
+      flat = flat[:end]
+    skip = {self._pad_id, *ends}
     if self._bos_id is not None:
       skip.add(self._bos_id)
     size = self.vocab_size
@@ -242,7 +272,7 @@ class HFTokenizer:
   def __repr__(self) -> str:
     return (f'HFTokenizer(vocab_size={self.vocab_size}, '
             f'eos={self.eos_token!r}, bos={self.bos_token!r}, '
-            f'pad={self.pad_token!r}, '
+            f'pad={self.pad_token!r}, stop={list(self.stop_tokens)!r}, '
             f'chat_template={self.chat_template is not None})')
 
   def _id_of(self, token: str, field: str) -> int:
@@ -264,6 +294,28 @@ def _read_config(path: str) -> dict[str, Any]:
   if not isinstance(config, dict):
     raise ValueError(f'{path!r} does not hold a JSON object.')
   return config
+
+
+def _generation_stop_tokens(path: str, tokenizer: tokenizers.Tokenizer
+                            ) -> tuple[str, ...]:
+  """The tokens of generation_config.json's `eos_token_id` (an int or a
+  list of ints); () when the file or the field is absent."""
+  ids = _read_config(path).get('eos_token_id')
+  if ids is None:
+    return ()
+  ids = [ids] if isinstance(ids, int) else ids
+  if not isinstance(ids, list) or not all(
+      isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    raise ValueError(f'{path!r}: eos_token_id must be an int or a list of '
+                     f'ints, got {ids!r}.')
+  tokens = []
+  for i in ids:
+    token = tokenizer.id_to_token(i)
+    if token is None:
+      raise ValueError(f'{path!r}: eos_token_id {i} is not in the '
+                       'vocabulary.')
+    tokens.append(token)
+  return tuple(tokens)
 
 
 def _token_content(value: Any) -> str | None:

@@ -193,6 +193,35 @@ def test_eos_stops_each_sequence_and_matches_an_eos_free_run(setup):
   assert r.decode_steps == lengths_B.max()
 
 
+def test_stop_ids_end_a_completion_as_eos_does(setup):
+  """A stop id ends a row at its first occurrence, like EOS, whichever of
+  the two comes first; rows with neither run to the budget."""
+  state, prompts_NP = setup.state, setup.prompts_NP
+  key, max_new = jax.random.key(0), C
+  free = make_sampler(setup, num_generations=4, eos_id=-1)(
+      state, prompts_NP, key)
+  # The commonest non-EOS token of the free run, so the stop id fires.
+  ids, num = np.unique(free.completion_BC[free.completion_BC != EOS_ID],
+                       return_counts=True)
+  stop = int(ids[num.argmax()])
+  r = make_sampler(setup, num_generations=4, stop_ids=(stop,))(
+      state, prompts_NP, key)
+  ends_BC = (free.completion_BC == EOS_ID) | (free.completion_BC == stop)
+  done_B = ends_BC.any(1)
+  assert done_B.any() and not done_B.all(), 'want a mix; pick another key'
+  # Some rows must end at the stop id for the test to see it work.
+  first_B = free.completion_BC[np.arange(len(done_B)), ends_BC.argmax(1)]
+  assert (done_B & (first_B == stop)).any()
+  lengths_B = np.where(done_B, ends_BC.argmax(1) + 1, max_new)
+  np.testing.assert_array_equal(r.done_B, done_B)
+  np.testing.assert_array_equal(r.lengths_B, lengths_B)
+  valid_BC = np.arange(max_new) < lengths_B[:, None]
+  np.testing.assert_array_equal(r.completion_BC,
+                                np.where(valid_BC, free.completion_BC, PAD_ID))
+  with pytest.raises(ValueError):
+    sampler_lib.SamplingParams(max_new_tokens=2, stop_ids=('x',))
+
+
 def test_loop_stops_once_all_sequences_end(setup):
   """Greedy with EOS set to the first greedy token: every row ends at once."""
   state, prompts_NP = setup.state, setup.prompts_NP

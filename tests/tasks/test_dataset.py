@@ -414,3 +414,31 @@ def test_chat_template_kwargs_reach_the_template(data, tmp_path):
     make(data, chat_template_kwargs='{think: false}', **kw)
   with pytest.raises(ValueError, match='need a chat template'):
     make(data, chat_template_kwargs='{"think": false}')
+
+
+def test_a_stop_token_ends_the_completion_the_reward_reads(data, tmp_path):
+  """The text after a stop id is not scored: '7<stop> 8' is '7'. Stop ids
+  come from generation_config.json unless stop_tokens (JSON) overrides."""
+  base = make(data)
+  tok = base.tokenizer
+  prompts = base.sample_prompts(None, 2)
+  refs = base.references(prompts)
+  stop = tok.bos_id  # Any vocabulary id; BOS is one the text never holds.
+  comps = np.full((2, base.completion_len), base.pad_id, np.int32)
+  for i, r in enumerate(refs):
+    ids = tok.encode(str(r)) + [stop] + tok.encode(f' {int(r) + 1}')
+    comps[i, :len(ids)] = ids
+  assert base.stop_ids == ()
+  np.testing.assert_array_equal(base.reward(prompts, comps), [0.0, 0.0])
+  bos = tok.bos_token
+  task = make(data, stop_tokens=json.dumps([bos]))
+  assert task.stop_ids == (stop,)
+  np.testing.assert_array_equal(task.reward(prompts, comps), [1.0, 1.0])
+  # The same from a generation_config.json beside the tokenizer.
+  d = _tokenizer_with_template(data, tmp_path, None)
+  (d / 'generation_config.json').write_text(
+      json.dumps({'eos_token_id': [tok.eos_id, stop]}))
+  assert make(data, tokenizer_path=str(d)).stop_ids == (stop,)
+  assert make(data, tokenizer_path=str(d), stop_tokens='[]').stop_ids == ()
+  with pytest.raises(ValueError, match='stop_tokens'):
+    make(data, stop_tokens='<|im_end|>')

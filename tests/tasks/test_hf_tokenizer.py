@@ -249,3 +249,37 @@ def test_bos_may_be_absent(tmp_path):
   assert tok.bos_id is None
   assert tok.eos_id == tok.pad_id == trained.token_to_id('<|endoftext|>')
   assert tok.render_prompt('hi') == '|hi'  # bos_token renders as ''.
+
+
+def test_generation_config_eos_list_gives_stop_ids(tok_dir, trained):
+  """Qwen3-style: tokenizer_config names one EOS, generation_config lists
+  both end ids; a completion ends at whichever comes first."""
+  _write_config(tok_dir, {'eos_token': '<|im_end|>'})
+  im_end, eot = trained.token_to_id('<|im_end|>'), trained.token_to_id('</s>')
+  (tok_dir / 'generation_config.json').write_text(
+      json.dumps({'eos_token_id': [im_end, eot], 'top_p': 0.8}))
+  tok = HFTokenizer.from_path(tok_dir)
+  assert tok.eos_id == im_end and tok.stop_ids == (eot,)
+  answer, after = tok.encode('the answer is 7'), tok.encode(' junk')
+  assert tok.decode(answer + [eot] + after + [im_end]) == 'the answer is 7'
+  assert tok.decode(answer + [eot] + after, stop_at_eos=False) == (
+      'the answer is 7 junk')
+  # An explicit list replaces the file's; [] leaves EOS alone.
+  assert HFTokenizer.from_path(tok_dir, stop_tokens=[]).stop_ids == ()
+  assert HFTokenizer.from_path(
+      tok_dir, stop_tokens=['<pad>']).stop_ids == (trained.token_to_id('<pad>'),)
+  # A single int is the EOS itself: no further stop ids.
+  (tok_dir / 'generation_config.json').write_text(
+      json.dumps({'eos_token_id': im_end}))
+  assert HFTokenizer.from_path(tok_dir).stop_ids == ()
+
+
+@pytest.mark.parametrize('value,match', [([10 ** 6], 'not in the vocabulary'),
+                                         ('</s>', 'int or a list of ints')])
+def test_generation_config_bad_eos_ids_rejected(tok_dir, value, match):
+  (tok_dir / 'generation_config.json').write_text(
+      json.dumps({'eos_token_id': value}))
+  with pytest.raises(ValueError, match=match):
+    HFTokenizer.from_path(tok_dir)
+  with pytest.raises(ValueError, match='list of token strings'):
+    HFTokenizer.from_path(tok_dir, stop_tokens='</s>')
