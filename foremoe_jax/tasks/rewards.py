@@ -140,20 +140,23 @@ def _normalize_whitespace(text: str) -> str:
   return ' '.join(text.split())
 
 
-# A number: optional minus (not when glued to a preceding word or digit, so
-# the '-' in '2023-2024' is a dash, not a sign), digits with optional
-# comma-grouped thousands, optional decimals; or a bare '.5'.
+# A number: optional minus, ASCII or Unicode's U+2212 (not when glued to a
+# preceding word or digit, so the '-' in '2023-2024' is a dash, not a sign),
+# digits with optional comma-grouped thousands, optional decimals, or a bare
+# '.5'; then an optional exponent ('6.02e23', '1E-6').
 _NUMBER_RE = re.compile(
-    r'(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?'
-    r'|(?<![\w.])-?\.\d+')
+    r'(?<![\w.])[-\u2212]?'
+    r'(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)'
+    r'(?:[eE][-+]?\d+(?!\w))?')
 
 
 def last_number(text: str) -> float | None:
-  """The last number written in `text` ('1,234.5', '-3', '.5'), or None."""
+  """The last number written in `text` ('1,234.5', '-3', '.5', '2e-3'), or
+  None."""
   matches = _NUMBER_RE.findall(text)
   if not matches:
     return None
-  return float(matches[-1].replace(',', ''))
+  return float(matches[-1].replace(',', '').replace('\u2212', '-'))
 
 
 # Built-in verifiers.

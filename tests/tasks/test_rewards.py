@@ -62,6 +62,11 @@ def test_exact_match(completion, reference, expected):
     ('first 10, then 3', '10', 0.0),
     ('1000000.0000001', '1000000', 1.0),  # Within 1e-6 relative.
     ('1000002', '1000000', 0.0),  # 2e-6 relative: outside.
+    ('about 6.02e23 atoms', '602000000000000000000000', 1.0),
+    ('the rate is 1E-6 per s', '0.000001', 1.0),
+    ('1e5', '1', 0.0),  # The exponent belongs to the number.
+    ('it drops to \u221217 degrees', '-17', 1.0),  # Unicode minus sign.
+    ('it drops to \u221217 degrees', '17', 0.0),
     ('no number here', '3', 0.0),
     ('3', 'no reference number', 0.0),
     ('', '', 0.0),
