@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from typing import Any
@@ -825,6 +826,15 @@ def restore_host_state(host: dict, rng, task=None):
                                   impl=k['impl'])
 
 
+def _phase_tb(workdir: str, phase: str, first_step: int
+              ) -> tensorboard.TensorBoardWriter:
+  """The TensorBoard run of one phase, hiding what an earlier attempt
+  logged at `first_step` or later (utils/tensorboard.py)."""
+  return tensorboard.TensorBoardWriter(
+      workdir, tensorboard.phase_dir(phase), purge_step=first_step,
+      warn=False)
+
+
 def warm_start(config, task, graphdef, params, mesh, workdir, rng, key, ckpt,
                guard=None, tb=None):
   """Supervised warm start; writes warmstart.jsonl and a checkpoint.
@@ -1073,7 +1083,7 @@ def train(config, workdir: str, guard=None) -> dict:
   """Runs warm start + RL in `workdir`; returns the summary.
 
   Writes warmstart.jsonl (SFT loss), metrics.jsonl (one line per RL step),
-  TensorBoard events (tensorboard/), summary.json, PNG plots and orbax
+  TensorBoard events (tensorboard/<phase>/), summary.json, PNG plots and orbax
   checkpoints; a rerun with the same workdir resumes from the latest
   checkpoint (metrics.jsonl is cut back to its step), and a rerun of a
   finished run changes nothing. With a
@@ -1113,9 +1123,12 @@ def train(config, workdir: str, guard=None) -> dict:
       print(f'init_from_hf: loaded {sum(sizes):,} parameters '
             f'({len(sizes)} arrays) from {config.init_from_hf}', flush=True)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
-  # closing(task): a dataset task's reward workers end with the run.
-  with contextlib.closing(tensorboard.TensorBoardWriter(workdir)) as tb, \
-      contextlib.closing(task):
+  if distributed.is_primary() and not tensorboard.available():
+    print(tensorboard.MISSING, file=sys.stderr, flush=True)
+  with contextlib.ExitStack() as closing:
+    # A dataset task's reward workers end with the run; so does the RL
+    # phase's TensorBoard writer, however the run ends.
+    closing.enter_context(contextlib.closing(task))
     # Templates in the RL state's layout, so a restore lands on the same
     # shardings (the reference policy is laid out like the params).
     opt_template = step_lib.init_train_state(
@@ -1150,14 +1163,17 @@ def train(config, workdir: str, guard=None) -> dict:
       else:
         key = restored_key
     else:
-      params = warm_start(config, task, graphdef, params, mesh, workdir, rng,
-                          key, ckpt, guard, tb)
+      # A warm start reruns whole: its run's earlier events are hidden.
+      with contextlib.closing(_phase_tb(workdir, 'warmstart', 1)) as tb:
+        params = warm_start(config, task, graphdef, params, mesh, workdir,
+                            rng, key, ckpt, guard, tb)
       if params is None:
         return _stopped(workdir, 0, 'warmstart', guard)
     if (config.get('msa_distill') and config.msa_distill.steps
         and (restored is None or restored['phase'] == 'warmstart_done')):
-      params = msa_distill(config, task, graphdef, params, mesh, workdir, rng,
-                           key, ckpt, guard, tb)
+      with contextlib.closing(_phase_tb(workdir, 'msa_distill', 1)) as tb:
+        params = msa_distill(config, task, graphdef, params, mesh, workdir,
+                             rng, key, ckpt, guard, tb)
       if params is None:
         return _stopped(workdir, 0, 'msa_distill', guard)
 
@@ -1195,6 +1211,10 @@ def train(config, workdir: str, guard=None) -> dict:
     metrics_lib.truncate_after(os.path.join(workdir, SAMPLES_FILE), start)
     metrics_lib.truncate_after(
         os.path.join(workdir, expert_load.EXPERT_LOAD_FILE), start)
+    # The steps past `start` that a crash logged are hidden in TensorBoard
+    # as they are dropped from the .jsonl files above.
+    tb = closing.enter_context(contextlib.closing(
+        _phase_tb(workdir, 'rl', start + 1)))
     writer = metrics_lib.MetricsWriter(workdir, mirror=tb)
     samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE,
                                                mirror=tb)

@@ -12,8 +12,16 @@ Host-side; tensorboardX is imported when the writer is made, and without it
 the writer says so once and writes nothing (metrics.jsonl stays complete).
 In a multi-process run only process 0 writes.
 
+The trainer gives each phase its own run (`tensorboard/warmstart`,
+`tensorboard/msa_distill`, `tensorboard/rl`: `phase_dir`) and opens it with
+`purge_step`, the first step it is about to write: TensorBoard then hides
+the events a crashed attempt wrote at that step or later, so a resumed run
+shows each step once. Per-phase runs keep that purge from reaching another
+phase's steps (the warm start's step 100 is not the RL phase's).
+
 `read_scalars` parses the event files back (the TFRecord framing and the
-Event proto that tensorboardX ships), for tests and notebooks.
+Event proto that tensorboardX ships), purging as TensorBoard does, for tests
+and notebooks.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import math
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 
@@ -39,9 +48,38 @@ def _numbers(value):
   return None
 
 
+def phase_dir(phase: str) -> str:
+  """The subdirectory of a workdir that holds one phase's run."""
+  return os.path.join(TB_DIR, phase)
+
+
+def available() -> bool:
+  """Whether tensorboardX can be imported (else writers write nothing)."""
+  try:
+    import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+MISSING = ('tensorboardX is not installed: no TensorBoard events (pip install '
+           'tensorboardX); the .jsonl files have every metric')
+
+
 class TensorBoardWriter:
 
-  def __init__(self, workdir: str, subdir: str = TB_DIR):
+  def __init__(self, workdir: str, subdir: str = TB_DIR, *,
+               purge_step: int | None = None, warn: bool = True):
+    """Events under workdir/subdir.
+
+    Args:
+      workdir: The run's directory.
+      subdir: The run's TensorBoard directory inside it.
+      purge_step: The first step this writer will log: events an earlier
+        writer left in the directory at that step or later are hidden
+        (a resumed run's steps past its checkpoint). None hides nothing.
+      warn: Say on stderr when tensorboardX is missing.
+    """
     self.logdir = os.path.join(workdir, subdir)
     if not distributed.is_primary():  # Process 0 logs for all.
       self._w = None
@@ -49,12 +87,17 @@ class TensorBoardWriter:
     try:
       import tensorboardX  # pylint: disable=g-import-not-at-top
     except ImportError:
-      print('tensorboardX is not installed: no TensorBoard events (pip '
-            'install tensorboardX); metrics.jsonl has every metric',
-            file=sys.stderr, flush=True)
+      if warn:
+        print(MISSING, file=sys.stderr, flush=True)
       self._w = None
       return
-    self._w = tensorboardX.SummaryWriter(self.logdir, flush_secs=10)
+    # The file name holds the creation time in seconds; a second writer
+    # made within the same second (a rerun, a test) would write over the
+    # first's file. The nanoseconds in the suffix keep them apart and order
+    # them (`read_scalars`).
+    self._w = tensorboardX.SummaryWriter(
+        self.logdir, flush_secs=10, purge_step=purge_step,
+        filename_suffix=f'.{time.time_ns()}')
 
   def write(self, step: int, record: dict) -> None:
     if self._w is None:
@@ -77,6 +120,9 @@ class TensorBoardWriter:
           _numbers(v) is not None for v in value):
         for i, v in enumerate(value):
           self._w.add_scalar(f'{phase}/{name}/{i}', float(v), step)
+    # On disk each step, as metrics.jsonl is: a crash must not lose steps
+    # its checkpoint holds (the resumed run does not log them again).
+    self._w.flush()
 
   def _samples(self, step, samples):
     """A markdown table of the samples, under TensorBoard's Text tab."""
@@ -113,6 +159,15 @@ class TensorBoardWriter:
       self._w = None
 
 
+def _created_ns(path: str) -> int:
+  """When an event file was made, from its name: 'events.out.tfevents.<s>.
+  <host>[.<ns>]', the nanoseconds suffix being this writer's."""
+  parts = os.path.basename(path).split('.')
+  if len(parts) > 5 and parts[-1].isdigit():
+    return int(parts[-1])
+  return int(parts[3]) * 10**9 if len(parts) > 3 and parts[3].isdigit() else 0
+
+
 def _records(path: str):
   """Payloads of a TFRecord file: u64 length, u32 crc, data, u32 crc."""
   with open(path, 'rb') as f:
@@ -125,12 +180,21 @@ def _records(path: str):
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-  """{tag: [(step, value), ...]} of every scalar in the logdir's files."""
+  """{tag: [(step, value), ...]} of every scalar in the logdir's files (not
+  its subdirectories), in the order written. A writer's session start at
+  step s (its `purge_step`) drops the values read so far at s or later, as
+  TensorBoard hides them."""
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   out: dict[str, list[tuple[int, float]]] = {}
-  for path in sorted(glob.glob(os.path.join(logdir, 'events.out.tfevents.*'))):
+  paths = glob.glob(os.path.join(logdir, 'events.out.tfevents.*'))
+  paths.sort(key=lambda p: (_created_ns(p), p))
+  for path in paths:
     for payload in _records(path):
       event = event_pb2.Event.FromString(payload)
+      if (event.HasField('session_log')
+          and event.session_log.status == event_pb2.SessionLog.START):
+        out = {tag: [(s, v) for s, v in values if s < event.step]
+               for tag, values in out.items()}
       for v in event.summary.value:
         if v.HasField('simple_value'):
           out.setdefault(v.tag, []).append((event.step, v.simple_value))

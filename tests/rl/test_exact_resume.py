@@ -18,6 +18,7 @@ import pytest
 
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
+from foremoe_jax.utils import tensorboard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -140,6 +141,12 @@ def test_kill_9_mid_rl_then_rerun_equals_the_uninterrupted_run(tmp_path,
       killed / 'checkpoints.unreadable')] == [str(latest)]
   assert 'warm start ' not in out
   assert _metrics(killed) == expected
+  # TensorBoard shows each step once: the killed attempt's events past the
+  # checkpoint (flushed each step) are hidden by the rerun's purge step.
+  tb = lambda w: tensorboard.read_scalars(str(w / 'tensorboard' / 'rl'))
+  assert ([s for s, _ in tb(killed)['rl/reward_mean']]
+          == [r['step'] for r in expected])
+  assert tb(killed)['rl/reward_mean'] == tb(straight)['rl/reward_mean']
   # Samples are logged once across the resume, and equal the
   # uninterrupted run's.
   assert _samples(killed) == expected_samples

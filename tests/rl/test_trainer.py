@@ -89,17 +89,19 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
         assert smp['completion'] == smp['reference'] and smp['finished']
   # ... and TensorBoard's Text tab holds them too.
   events = b''.join(open(p, 'rb').read() for p in glob.glob(
-      os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')))
+      os.path.join(workdir, 'tensorboard', 'rl', 'events.out.tfevents.*')))
   assert b'rl/samples' in events
   assert f"| {samples[-1]['samples'][0]['prompt']} |".encode() in events
   assert os.path.exists(os.path.join(workdir, 'warmstart.png'))
   # TensorBoard holds the same run: every RL step, the warm start, and the
   # per-device load of each micro-step.
-  tags = tensorboard.read_scalars(os.path.join(workdir, 'tensorboard'))
+  tags = tensorboard.read_scalars(os.path.join(workdir, 'tensorboard', 'rl'))
   assert [s for s, _ in tags['rl/reward_mean']] == list(range(1, 21))
   np.testing.assert_allclose([v for _, v in tags['rl/reward_mean']],
                              [l['reward_mean'] for l in rl], rtol=1e-6)
-  assert [s for s, _ in tags['warmstart/sft_loss']] == [50, 100]
+  warm = tensorboard.read_scalars(
+      os.path.join(workdir, 'tensorboard', 'warmstart'))
+  assert [s for s, _ in warm['warmstart/sft_loss']] == [50, 100]
   assert len(tags['rl/device_load_max_over_mean/microstep_0']) == 20
   assert len(rl[0]['device_load_MD']) == cfg.rl.num_microbatches
   # Per-expert load from the foresight: the compact form in metrics.jsonl,

@@ -29,3 +29,21 @@ def test_records_round_trip_through_the_event_files(tmp_path):
           pytest.approx(load_MD[m].max() / load_MD[m].mean(), rel=1e-6)
   # Strings and bools are not scalars.
   assert not any(t.endswith(('planner', 'ok')) for t in got)
+
+
+def test_a_resumed_writer_hides_the_steps_it_logs_again(tmp_path):
+  """A crashed attempt logged steps 1-5; the rerun resumes at 3 (its
+  checkpoint) with purge_step=3: each step reads back once, 3-6 from the
+  rerun, as TensorBoard shows them."""
+  first = tensorboard.TensorBoardWriter(str(tmp_path), 'tb/rl')
+  for step in range(1, 6):
+    first.write(step, {'phase': 'rl', 'loss': float(step)})
+  # No close: a crash leaves the file as written (each write is flushed).
+  rerun = tensorboard.TensorBoardWriter(str(tmp_path), 'tb/rl', purge_step=3)
+  for step in range(3, 7):
+    rerun.write(step, {'phase': 'rl', 'loss': 10.0 * step})
+  rerun.close()
+  got = tensorboard.read_scalars(str(tmp_path / 'tb' / 'rl'))
+  assert got['rl/loss'] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
+                            (5, 50.0), (6, 60.0)]
+  first.close()
