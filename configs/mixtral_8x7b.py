@@ -58,6 +58,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.head_dim = 128
   m.rope_theta = 1_000_000.0
   m.tie_embeddings = False
+  m.norm_eps = 1e-5  # rms_norm_eps (the framework's default is 1e-6).
   m.max_seq_len = 32_768  # max_position_embeddings; only a bound here.
   m.num_experts = 8
   m.top_k = 2

@@ -55,6 +55,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.qk_norm = True
   m.qk_norm_scope = 'full'  # One RMSNorm over all heads' q (and k).
   m.tie_embeddings = False
+  m.norm_eps = 1e-5  # rms_norm_eps (the framework's default is 1e-6).
   m.max_seq_len = 4096  # max_position_embeddings; only a bound here.
   m.num_experts = 64
   m.top_k = 8

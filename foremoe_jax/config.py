@@ -59,7 +59,11 @@ def model_defaults() -> ml_collections.ConfigDict:
   m.shared_d_ff = 0
   m.first_dense_layers = 0  # DeepSeek-style dense FFN in the first layers.
   m.dense_d_ff = 128
-  m.aux_loss_coef = 0.0  # Switch-style balance loss; off by default.
+  # Switch-style balance loss, off by default. The routed shares f_e sum to
+  # 1 over experts (router.balance_loss_from_sums); HF's
+  # load_balancing_loss_func sums top_k of them, so its loss is top_k times
+  # ours: a router_aux_loss_coef acts alike here multiplied by top_k.
+  m.aux_loss_coef = 0.0
   # Attention: 'dense' everywhere, or MSA from first_sparse_layer on.
   m.attention_type = 'dense'
   m.first_sparse_layer = 0

@@ -177,3 +177,44 @@ def test_config_flags_take_the_variant_and_overrides():
   assert fv.config.model.num_layers == 1 and fv.config.rl.steps == 3
   with pytest.raises(ValueError, match="variant 'tiny'"):
     MODULES['qwen3_30b_a3b'].get_config('tiny')
+
+
+# The families' published config.json fields that set the architecture
+# (huggingface.co: mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924,
+# Qwen/Qwen3-30B-A3B).
+PUBLISHED_HF_CONFIGS = {
+    'mixtral_8x7b': dict(
+        model_type='mixtral', hidden_size=4096, intermediate_size=14336,
+        max_position_embeddings=32768, num_attention_heads=32,
+        num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8,
+        num_local_experts=8, rms_norm_eps=1e-05, rope_theta=1e6,
+        tie_word_embeddings=False, vocab_size=32000),
+    'olmoe_1b_7b': dict(
+        model_type='olmoe', hidden_size=2048, intermediate_size=1024,
+        max_position_embeddings=4096, norm_topk_prob=False,
+        num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
+        num_hidden_layers=16, num_key_value_heads=16, rms_norm_eps=1e-05,
+        rope_theta=10000.0, tie_word_embeddings=False, vocab_size=50304),
+    'qwen3_30b_a3b': dict(
+        model_type='qwen3_moe', head_dim=128, hidden_size=2048,
+        intermediate_size=6144, max_position_embeddings=40960,
+        moe_intermediate_size=768, norm_topk_prob=True,
+        num_attention_heads=32, num_experts=128, num_experts_per_tok=8,
+        num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-06,
+        rope_theta=1e6, tie_word_embeddings=False, vocab_size=151936,
+        decoder_sparse_step=1, mlp_only_layers=[]),
+}
+
+
+@pytest.mark.parametrize('name', sorted(PUBLISHED_HF_CONFIGS))
+def test_family_config_matches_the_published_hf_config(name):
+  """Each architecture field of a family's config is what its checkpoint's
+  config.json says (read by the importer, which a random-init run and an
+  export skip): Mixtral and OLMoE had the default norm eps 1e-6, not 1e-5."""
+  from foremoe_jax.hf import convert, families  # pylint: disable=g-import-not-at-top
+  ours = MODULES[name].model_config()
+  theirs = families.model_config_from_hf(PUBLISHED_HF_CONFIGS[name], ours)
+  diff = {f: (ours.get(f), theirs.get(f))
+          for f in convert.ARCH_FIELDS + ('max_seq_len',)
+          if ours.get(f) != theirs.get(f)}
+  assert not diff, diff
