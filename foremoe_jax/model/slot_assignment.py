@@ -122,6 +122,13 @@ def assign_slots(e_A, valid_A, slot_expert_S, share_S,
   rank_A, n_E = expert_ranks(e_A, valid_A, num_experts)
   start_S, stop_S = slot_ranges(n_E, slot_expert_S, share_S)
   span = num_assign + 1  # stop <= A, so (expert, stop) packs into one key.
+  if num_experts * span >= 2**31:
+    # The packed int32 keys would wrap and the search would pick wrong
+    # slots without a word (E = 256 at about 1M tokens x top-8 a device).
+    raise ValueError(
+        f'{num_assign:,} assignments of {num_experts} experts on one device '
+        f'overflow the int32 slot keys (experts x (assignments + 1) must be '
+        f'< 2**31): use fewer tokens per device per micro-step.')
   order_S = jnp.argsort(slot_expert_S, stable=True)
   key_S = slot_expert_S[order_S] * span + stop_S[order_S]
   # A running max keeps the keys sorted even if an ulp made one expert's

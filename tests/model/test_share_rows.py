@@ -56,3 +56,18 @@ def test_device_placement_gives_each_device_its_row_only():
   for shard in dev.slot_expert.addressable_shards:
     assert shard.data.shape == (2, 3, 12)  # Whole on every device.
   assert isinstance(dev.slot_expert, jnp.ndarray)
+
+
+def test_assignments_past_the_int32_keys_are_refused():
+  """The slot search packs (expert, stop) into one int32: 256 experts with
+  2**23 assignments (1M tokens x top-8) would wrap; traced only."""
+  from foremoe_jax.model.slot_assignment import assign_slots  # pylint: disable=g-import-not-at-top
+  spec = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype)
+  ok, big = 2**23 - 2**16, 2**23
+  jax.eval_shape(lambda e, v, s, w: assign_slots(e, v, s, w, 256),
+                 spec(ok, jnp.int32), spec(ok, bool), spec(512, jnp.int32),
+                 spec(512, jnp.float32))
+  with pytest.raises(ValueError, match='overflow the int32 slot keys'):
+    jax.eval_shape(lambda e, v, s, w: assign_slots(e, v, s, w, 256),
+                   spec(big, jnp.int32), spec(big, bool),
+                   spec(512, jnp.int32), spec(512, jnp.float32))
