@@ -257,11 +257,13 @@ def policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array,
   terms are then 0.
   old_logp_BT and ref_logp_BT are constants (no gradient flows into them).
 
-  Metrics, aggregated exactly like the loss (so they also sum over
-  micro-batches): pg_loss, kl, ratio_mean (s_i with 'gspo'), clip_frac
-  (share of tokens, or with 'gspo' of sequences, whose gradient the clip
-  removes: ratio < 1 - eps_low with A < 0, or ratio > 1 + eps_high with
-  A > 0), dual_clip_frac (share capped by the dual-clip) and loss.
+  Metrics, each summing over micro-batches to the step's value: loss,
+  pg_loss and kl aggregated like the loss; ratio_mean (s_i with 'gspo'),
+  clip_frac (share of tokens, or with 'gspo' of sequences, whose gradient
+  the clip removes: ratio < 1 - eps_low with A < 0, or ratio > 1 + eps_high
+  with A > 0) and dual_clip_frac (share capped by the dual-clip) as means
+  over the step's loss tokens (num_tokens_total; without it this call's),
+  or with 'gspo' over its sequences, in every loss_agg_mode.
   """
   check_objective(loss_agg_mode=loss_agg_mode, kl_estimator=kl_estimator,
                   policy_loss_mode=policy_loss_mode, clip_ratio_c=clip_ratio_c,
@@ -330,8 +332,16 @@ def policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array,
   pg_loss = aggregate(pg_BT)
   kl = aggregate(kl_BT)
   loss = pg_loss + beta * kl
+  # The ratio and clip statistics are shares whatever the loss's weights
+  # (verl's masked means): of the step's tokens, or with 'gspo' of its
+  # sequences (gspo's weights, 'seq-mean-token-mean', are those). The
+  # token-sum modes' weights would give counts per sequence, or counts over
+  # the Dr.GRPO constant.
+  share_w_BT = w_BT if policy_loss_mode == 'gspo' else loss_weights(
+      mask_BT, 'token-mean', num_tokens_total=num_tokens_total)
+  share = lambda x_BT: jnp.sum(x_BT * share_w_BT)
   metrics = {'loss': loss, 'pg_loss': pg_loss, 'kl': kl,
-             'ratio_mean': aggregate(ratio_BT),
-             'clip_frac': aggregate(is_clipped_BT.astype(jnp.float32)),
-             'dual_clip_frac': aggregate(is_dual_BT.astype(jnp.float32))}
+             'ratio_mean': share(ratio_BT),
+             'clip_frac': share(is_clipped_BT.astype(jnp.float32)),
+             'dual_clip_frac': share(is_dual_BT.astype(jnp.float32))}
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

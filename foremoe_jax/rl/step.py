@@ -535,6 +535,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   adv_std_ddof / norm_adv_by_std `grpo.group_advantages`' ddof /
   scale_by_std.
   """
+  _check_scale_factor(loss_agg_mode, loss_scale_factor)
   mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
   _check_rows(batch, mesh)
   num_devices = mesh.shape[EXPERT]
@@ -562,6 +563,10 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   local_batch = {k: batch[k] for k in fwd_keys if k in batch}
   has_rollout = 'rollout_logp_MbT' in local_batch
   extra = {'adv_Mb': adv_Mb}
+  if beta and 'ref_logp_MbT' not in logps:
+    # The KL term would be dropped without a word.
+    raise ValueError(f'beta = {beta} needs the reference log-probs '
+                     "(logps['ref_logp_MbT'], `recompute_logps(ref=True)`).")
   extra.update({k: logps[k] for k in ('old_logp_MbT', 'ref_logp_MbT')
                 if k in logps})
   extra_specs = {k: P(None, rows) for k in extra}
@@ -942,12 +947,26 @@ def make_rl_step(tx: optax.GradientTransformation, *, num_generations: int,
   if unknown:
     raise ValueError(f'unknown objective options {sorted(unknown)}; known: '
                      f"{', '.join(OBJECTIVE_OPTIONS)}.")
+  _check_scale_factor(objective.get('loss_agg_mode'),
+                      objective.get('loss_scale_factor'))
   return RLStep(tx, num_update_epochs=num_update_epochs,
                 old_logp_source=old_logp_source,
                 num_generations=num_generations, eps_low=eps_low,
                 eps_high=eps_high, beta=beta,
                 indexer_loss_coef=indexer_loss_coef,
                 balance_loss_coef=balance_loss_coef, **objective)
+
+
+def _check_scale_factor(loss_agg_mode, loss_scale_factor) -> None:
+  """Dr.GRPO's constant must be given to the step: `grpo.loss_weights`
+  falls back to the mask's width, which here spans the prompt's positions
+  too (the loss mask covers all T - 1 targets), not the completion's."""
+  if loss_agg_mode == 'seq-mean-token-sum-norm' and not loss_scale_factor:
+    raise ValueError(
+        "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor "
+        '(the longest completion, as `objective_options` sets it): the RL '
+        "step's loss mask spans prompt and completion, so its width is not "
+        "Dr.GRPO's constant.")
 
 
 OBJECTIVE_OPTIONS = ('loss_agg_mode', 'loss_scale_factor', 'clip_ratio_c',

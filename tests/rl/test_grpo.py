@@ -62,8 +62,33 @@ def test_policy_loss_hand_numbers():
   assert float(m['kl']) == pytest.approx(kl, abs=1e-6)
   assert float(loss) == pytest.approx(pg + 0.1 * kl, abs=1e-5)
   assert float(m['loss']) == pytest.approx(float(loss))
-  assert float(m['ratio_mean']) == pytest.approx((1.2 + 2.8 / 3) / 2, abs=1e-5)
-  assert float(m['clip_frac']) == pytest.approx((1 / 2 + 1 / 3) / 2, abs=1e-6)
+  # Shares of the 5 loss tokens: ratios 1.5, .9, .5, 1, 1.3; two clipped.
+  assert float(m['ratio_mean']) == pytest.approx(5.2 / 5, abs=1e-5)
+  assert float(m['clip_frac']) == pytest.approx(2 / 5, abs=1e-6)
+
+
+@pytest.mark.parametrize('mode', ['token-mean', 'seq-mean-token-mean',
+                                  'seq-mean-token-sum',
+                                  'seq-mean-token-sum-norm'])
+def test_ratio_and_clip_metrics_are_token_shares_in_every_mode(mode):
+  """The loss's weights differ by mode; the ratio and clip statistics are
+  the same token shares (verl's masked means): in the token-sum modes the
+  loss's weights gave counts per sequence (11.5 'clipped share' here)."""
+  logp, old, ref, adv, mask = _hand_example()
+  _, m = policy_loss(jnp.asarray(logp), old, ref, adv, mask,
+                     eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.1,
+                     loss_agg_mode=mode, loss_scale_factor=7.0,
+                     clip_ratio_c=1.5)
+  assert float(m['ratio_mean']) == pytest.approx(5.2 / 5, abs=1e-5)
+  assert float(m['clip_frac']) == pytest.approx(2 / 5, abs=1e-6)
+  # Dual-clip at c = 1.5 (A = -2, cap 3): seq 1's tokens give pg 1.6, 2,
+  # 2.6 - none past the cap; at c = 1.1 (cap 2.2) the 2.6 token is capped.
+  assert float(m['dual_clip_frac']) == 0.0
+  _, m = policy_loss(jnp.asarray(logp), old, ref, adv, mask,
+                     eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.1,
+                     loss_agg_mode=mode, loss_scale_factor=7.0,
+                     clip_ratio_c=1.1)
+  assert float(m['dual_clip_frac']) == pytest.approx(1 / 5, abs=1e-6)
 
 
 def test_policy_loss_hand_gradient():
@@ -211,9 +236,13 @@ def test_reference_optional_when_beta_zero():
 def test_microbatch_values_and_grads_sum_to_full_batch(split):
   logp, old, ref, adv, mask = _random_batch(6)
   kw = dict(eps_low=.2, eps_high=.28, beta=.05)
+  # The step's counts, as update_grads passes them: its sequences and its
+  # loss tokens (the ratio and clip shares are over the latter).
+  num_tokens = float(mask.sum())
   vg = jax.jit(jax.value_and_grad(
       lambda lp, o, r, a, m, n: policy_loss(lp, o, r, a, m,
-                                            num_sequences_total=n, **kw),
+                                            num_sequences_total=n,
+                                            num_tokens_total=num_tokens, **kw),
       has_aux=True))
   (full, full_m), full_g = vg(logp, old, ref, adv, mask, 8)
   total, total_m = 0., jax.tree.map(jnp.zeros_like, full_m)

@@ -79,10 +79,13 @@ def numpy_objective(logp, old, ref, adv, mask, *, mode, kl='k3',
       if dual:
         pg, dpg_dr = -a * clip_c, 0.0
       kl_v, kl_g = _kl_and_grad(logp[b][t], ref[b][t], kl)
-      for k, v in (('pg_loss', pg), ('kl', kl_v), ('ratio_mean', r),
-                   ('clip_frac', cut), ('dual_clip_frac', dual),
-                   ('loss', pg + beta * kl_v)):
+      for k, v in (('pg_loss', pg), ('kl', kl_v), ('loss', pg + beta * kl_v)):
         out[k] += w * v
+      # Shares: of the step's tokens, or with gspo of its sequences.
+      share = 1 / (n * n_seq) if policy == 'gspo' else 1 / n_tok
+      for k, v in (('ratio_mean', r), ('clip_frac', cut),
+                   ('dual_clip_frac', dual)):
+        out[k] += share * v
       grad[b][t] += w * beta * kl_g
       if policy == 'gspo':  # ds / d logp_u = s / n for every token u.
         for u in toks:
@@ -374,3 +377,24 @@ def test_update_grads_passes_every_option_and_step_counts(monkeypatch):
       policy_loss_mode='ppo')
   # Step-level counts (traced scalars), never a micro-batch's own.
   assert {'num_sequences_total', 'num_tokens_total'} <= set(loss_kw)
+
+
+def test_the_step_refuses_a_missing_scale_factor_or_reference():
+  """Dr.GRPO's constant cannot default to the loss mask's width in the
+  step (it spans the prompt's positions too: C / (T - 1) of the loss), and
+  beta > 0 without the reference's log-probs would drop the KL silently."""
+  with pytest.raises(ValueError, match='needs loss_scale_factor'):
+    step_lib.make_rl_step(None, **dict(
+        lib.LOSS_KW, loss_agg_mode='seq-mean-token-sum-norm'))
+  step_lib.make_rl_step(None, **dict(
+      lib.LOSS_KW, loss_agg_mode='seq-mean-token-sum-norm',
+      loss_scale_factor=5.0))
+  cfg, mesh = lib.mini_config('float32'), ep.make_mesh(1, lib.NUM_EP)
+  gd, params = nnx.split(nnx.eval_shape(lambda: transformer.Transformer(
+      cfg.model, mesh, rngs=nnx.Rngs(0))))
+  state = step_lib.TrainState(gd, params, None, None,
+                              jax.ShapeDtypeStruct((), jnp.int32))
+  kw = dict(lib.LOSS_KW, beta=0.1)
+  with pytest.raises(ValueError, match='reference log-probs'):
+    jax.eval_shape(lambda s, b: step_lib.update_grads(
+        s, b, {}, lib.moving_plan(2), **kw), state, lib.synthetic_batch(2))

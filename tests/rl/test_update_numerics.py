@@ -178,7 +178,9 @@ def _numpy_grpo(logp_BT, old_BT, rewards_B, mask_BT, eps_low, eps_high):
   return dict(loss=loss, loss_unclipped=np.sum(-ratio * adv * w),
               grad=np.where(cut, 0.0, grad_unclipped),
               grad_unclipped=grad_unclipped,
-              clip_frac=np.sum(cut * w), ratio_mean=np.sum(ratio * w))
+              # Shares of the loss tokens.
+              clip_frac=np.sum(cut * mask_BT) / mask_BT.sum(),
+              ratio_mean=np.sum(ratio * mask_BT) / mask_BT.sum())
 
 
 def test_second_epoch_ratio_leaves_one_and_clip_acts(setup):
