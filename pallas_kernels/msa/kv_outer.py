@@ -794,10 +794,12 @@ def forward_combine(plan: list, partials: list, *, top_k: int,
   config = config or ForwardConfig()
   outs, lses = [], []
   for (_, _, out_rows, pair), (o, lse) in zip(plan, partials):
-    if out_rows is None and pair.shape[-1] == top_k:
+    if len(plan) == 1 and out_rows is None and pair.shape[-1] == top_k:
       # One query per sequence (decode): tile k is slot k, so the partials
       # are in pair order as they stand, and one launch merges them (as
       # XLA ops the merge was five launches on a few MB: launches.py).
+      # Only a plan of one chunk is decode's: a longer input's one-token
+      # remainder chunk (T % query_chunk == 1) has build_tiles' tile order.
       b, g = o.shape[:2]
       out_c, lse_c = combine_kernel(
           o.reshape(b, g, -1, o.shape[-1]), lse.reshape(b, g, -1), pair,
