@@ -88,7 +88,8 @@ def plan_eplb_step(loads_MLDE, topo: Topology, cost: CostModel,
   else:
     se_LS = _pack(history_LE, topo, cost, home_anchor, max_rounds)
   w_MLE = np.asarray(loads_MLDE).sum(axis=2).astype(np.float64)
-  x_MLS = np.stack([split.uniform_flows(se_LS, w_MLE[m])
+  x_MLS = np.stack([split.uniform_flows(se_LS, w_MLE[m],
+                                        topo.slots_per_device)
                     for m in range(num_micro)])
   return assemble_plan(loads_MLDE, np.broadcast_to(se_LS, x_MLS.shape), x_MLS,
                        topo, cost, cur_LS, prefer_local=False)

@@ -95,12 +95,24 @@ def water_fill(base_NR: np.ndarray, amount_N: np.ndarray,
   return np.maximum(fill_level(b_NR, amount_N)[..., None] - b_NR, 0.0)
 
 
-def uniform_flows(slot_expert_LS: np.ndarray, w_LE: np.ndarray) -> np.ndarray:
-  """EPLB's split: each replica gets an equal part of its expert's load."""
-  count_LE, _ = replica_table(slot_expert_LS, w_LE.shape[1])
+def uniform_flows(slot_expert_LS: np.ndarray, w_LE: np.ndarray,
+                  slots_per_device: int | None = None) -> np.ndarray:
+  """EPLB's split: each replica gets an equal part of its expert's load.
+
+  With slots_per_device, a slot holding an expert an earlier slot of its
+  device holds (`second_copies`: a packing's filler, where a replica found
+  no device) gets none and is not counted: a device computes an expert
+  once, and the copy is not the replica EPLB meant to place.
+  """
   se = np.asarray(slot_expert_LS)
-  return (np.take_along_axis(np.asarray(w_LE, np.float64), se, 1)
-          / np.take_along_axis(count_LE, se, 1))
+  keep_LS = (np.ones(se.shape, bool) if slots_per_device is None
+             else ~second_copies(se, slots_per_device))
+  count_LE = np.zeros((se.shape[0], w_LE.shape[1]), np.float64)
+  np.add.at(count_LE, (np.arange(se.shape[0])[:, None], se), keep_LS)
+  return np.where(keep_LS,
+                  np.take_along_axis(np.asarray(w_LE, np.float64), se, 1)
+                  / np.maximum(np.take_along_axis(count_LE, se, 1), 1.0),
+                  0.0)
 
 
 def device_totals(x_LS: np.ndarray, topo: Topology) -> np.ndarray:

@@ -226,3 +226,32 @@ def test_eplb_step_recompute_plan_is_its_update_plan():
         assert got.max() - got.min() <= loads.shape[2], (m, l, e, got)
   assert replicated  # The history makes EPLB replicate something.
   planner.close()
+
+
+def test_eplb_step_in_training_does_not_split_onto_a_filler_copy():
+  """EPLB-step as the trainer runs it (carry_over=False: home-anchored
+  packing). Expert 0 is hot and wants more replicas than there are
+  devices without it; the packing leaves device 0's redundant slot holding
+  a second copy of expert 0. The even split must not count that copy:
+  device 0 took two shares (loads 200 vs 120 elsewhere, max/mean 1.53)."""
+  from foremoe_jax import placement as placement_lib  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.planner import split  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.planner.topology import CostModel, Topology  # pylint: disable=g-import-not-at-top
+  from foremoe_jax.transfer import schedule  # pylint: disable=g-import-not-at-top
+  topo, num_experts = Topology(1, 8, 5), 32
+  w_E = np.full(num_experts, 10.0)
+  w_E[0] = 800.0
+  loads = np.zeros((2, 1, 8, num_experts), np.int64)
+  loads[:, 0] = (np.tile(w_E, (8, 1)) / 8).astype(np.int64)
+  home = placement_lib.identity_placement(1, num_experts, 8, 5)
+  planner = guard.StepPlanner('eplb_step', topo, CostModel(), home,
+                              carry_over=False,
+                              budget=schedule.TransferBudget(8, 2))
+  planner.plan(loads)  # The first step keeps the home layout (no history).
+  plan = planner.plan(loads)
+  planner.close()
+  se_S = plan.placement.slot_expert[0, 0]
+  dup_S = split.second_copies(se_S[None], 5)[0]
+  assert dup_S.any() and (se_S[dup_S] == 0).all()  # The scenario holds.
+  load_D = plan.loads_MLD[0, 0]
+  assert load_D.max() / load_D.mean() < 1.05  # Integer rounding only.

@@ -133,6 +133,18 @@ def test_uniform_flows_is_even_split():
                              [[2.0, 2.0, 2.0, 1.0, 2.0, 2.0]])
 
 
+def test_uniform_flows_leave_a_devices_second_copy_idle():
+  """A slot repeating an expert its device already holds (a packing's
+  filler) gets no share and does not count as a replica: expert 0 on
+  slot 0 (device 0) and slots 2 and 3 (device 1 twice) is split over two."""
+  se = np.array([[0, 1, 0, 0]])  # Two devices of two slots.
+  w = np.array([[6.0, 4.0]])
+  np.testing.assert_allclose(split.uniform_flows(se, w, 2),
+                             [[3.0, 4.0, 3.0, 0.0]])
+  np.testing.assert_allclose(split.uniform_flows(se, w),
+                             [[2.0, 4.0, 2.0, 2.0]])
+
+
 def _remote_rows(loads_LDE, se_LS, x_LS, topo):
   """Rows each device receives from other nodes once `split_tokens` fills
   the flows (local first), counted from the exact cells: [L, D]."""
