@@ -55,8 +55,9 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # 6: the CPU engine's single-stage transitions in place. 7: the
 # calibration runs' skews moved off the buckets the methods are judged at
 # (`rl_step.held_out_skews`). 8: each method's recompute timed again alone
-# (`recompute_alone_s`), and every repetition's seconds kept.
-CACHE_FORMAT = 8
+# (`recompute_alone_s`), and every repetition's seconds kept. 9: EPLB-step's
+# even split leaves a packing's filler copies idle (`split.uniform_flows`).
+CACHE_FORMAT = 9
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
