@@ -4,14 +4,13 @@
 """
 import json
 
-from ml_collections import config_flags
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.model import shapes
 from foremoe_jax.utils import cli
 from foremoe_jax.utils.run_info import print_run_info
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
+_CONFIG = cli.define_config_file('configs/tiny.py')
 
 
 def main(argv):

@@ -15,14 +15,13 @@ import json  # pylint: disable=g-import-not-at-top
 
 from absl import flags
 import jax
-from ml_collections import config_flags
 
 from foremoe_jax.benchmarks import remat
 from foremoe_jax.model import expert_parallel
 from foremoe_jax.utils import cli
 from foremoe_jax.utils.run_info import print_run_info
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_msa.py')
+_CONFIG = cli.define_config_file('configs/tiny_msa.py')
 _BATCH = flags.DEFINE_integer('batch', 16, 'Sequences per step.')
 _SEQ_LEN = flags.DEFINE_integer('seq_len', 32, 'Tokens per sequence.')
 _JSON = flags.DEFINE_bool('json', False, 'Print only setup + one JSON line.')

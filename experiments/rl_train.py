@@ -25,7 +25,6 @@ import sys
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 from absl import flags, logging  # pylint: disable=g-import-not-at-top
-from ml_collections import config_flags
 
 from foremoe_jax import config as config_lib
 from foremoe_jax import hf
@@ -34,7 +33,7 @@ from foremoe_jax.utils import cli, distributed, host_memory
 from foremoe_jax.utils.preemption import PreemptionGuard
 from foremoe_jax.utils.run_info import print_run_info
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
+_CONFIG = cli.define_config_file('configs/tiny.py')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory.',
                                required=True)
 

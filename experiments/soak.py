@@ -32,7 +32,6 @@ import tempfile  # pylint: disable=g-import-not-at-top
 
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from experiments import common
 from foremoe_jax.benchmarks import soak
@@ -40,7 +39,7 @@ from foremoe_jax.utils import cli
 from foremoe_jax.utils import host_memory
 from foremoe_jax.utils.run_info import print_run_info
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py')
+_CONFIG = cli.define_config_file('configs/tiny.py')
 _STEPS = flags.DEFINE_integer('steps', 200, 'RL steps to run.')
 _WARMUP = flags.DEFINE_integer(
     'warmup_steps', None, 'Steps left out of the trend (compiles, allocator '

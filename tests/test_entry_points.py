@@ -50,6 +50,31 @@ def test_unknown_config_field_is_one_line_with_the_nearest_name(tmp_path):
       '--config.planner.method?']
 
 
+def test_overrides_of_the_default_config_are_one_line_too(tmp_path):
+  """Without --config the default file loads where a given one does (at
+  flag parsing): ml_collections loaded it, overrides applied, while the
+  flag was defined at import, so a typo was a 50-line traceback (exit 1)
+  and, run from elsewhere, a missing default an OSError traceback."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  run = lambda *flags, cwd=ROOT: subprocess.run(
+      [sys.executable, '-m', 'experiments.rl_train',
+       f'--workdir={tmp_path}', *flags], cwd=cwd, capture_output=True,
+      text=True, timeout=300, env=env)
+  out = run('--config.rl.stepz=3')
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+      'unknown config field --config.rl.stepz; did you mean --config.rl.steps?']
+  out = run('--config.rll.steps=3')
+  assert (out.returncode, out.stderr.strip().splitlines()) == (2, [
+      'unknown config field --config.rll.steps; did you mean '
+      '--config.rl.steps?'])
+  out = run('--config.rl.steps=3', cwd=str(tmp_path))
+  assert (out.returncode, out.stderr.strip().splitlines()) == (2, [
+      f'config file not found: --config=configs/tiny.py (from {tmp_path}); '
+      'run from the repository root, where configs/ is'])
+  assert not os.listdir(tmp_path)
+
+
 @pytest.fixture(scope='module')
 def preempted_run(tmp_path_factory):
   """One job with --config.* overrides, as a scheduler preempts it: SIGTERM

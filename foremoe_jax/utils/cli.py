@@ -29,6 +29,7 @@ import signal
 import sys
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from foremoe_jax import config as config_lib
 from foremoe_jax.utils import distributed
@@ -37,6 +38,42 @@ USAGE_ERROR = 2
 # Set by experiments.launch: the command that starts the whole job again,
 # which a child prints in its resume hint instead of its own command line.
 RERUN_ENV = 'FOREMOE_RERUN_COMMAND'
+
+
+# The attribute of the --config flag that holds its default file (the flag
+# itself is defined with none: see `define_config_file`).
+_DEFAULT_FILE = 'foremoe_default_file'
+
+
+def define_config_file(default: str, name: str = 'config'):
+  """`config_flags.DEFINE_config_file(name, default)` whose default loads
+  when the flags are parsed, as a given --config does.
+
+  ml_collections loads a default config file (and applies the
+  --config.a.b overrides on the command line) while the flag is being
+  defined, at import: a typo in an override, or a default that does not
+  exist where the user runs, was then a traceback before `run` could make
+  it one line. So the flag is defined without a default and `run` puts
+  `--config=<default>` on the command line it parses when none is there.
+  """
+  holder = config_flags.DEFINE_config_file(
+      name, None, f'Config file (default {default}); --{name}.a.b=v '
+      'overrides a field.')
+  setattr(flags.FLAGS[name], _DEFAULT_FILE, default)
+  return holder
+
+
+def with_default_config(argv: list[str], name: str = 'config') -> list[str]:
+  """argv with `--config=<default>` after the program name when it names
+  no config file and the flag was made by `define_config_file`."""
+  if name not in flags.FLAGS:
+    return argv
+  default = getattr(flags.FLAGS[name], _DEFAULT_FILE, None)
+  given = any(a == f'--{name}' or a.startswith(f'--{name}=')
+              for a in argv[1:])
+  if default is None or given:
+    return argv
+  return [argv[0], f'--{name}={default}', *argv[1:]]
 
 
 def flat_fields(config, prefix: str = '') -> list[str]:
@@ -109,6 +146,7 @@ def _last_line(e: BaseException) -> str:
 
 
 def _parse(argv):
+  argv = with_default_config(list(argv))
   path = _config_file(argv)
   if path:
     missing = missing_config_file(path)
