@@ -296,8 +296,15 @@ def validate_config(config) -> None:
     _require(t.get('flush', 'auto') in ('auto', 'tree', 'direct'),
              'transfer.flush', "must be 'auto', 'tree' (least memory) or "
              f"'direct' (fewest collectives), got {t.get('flush')!r}")
+  if 'seed' in config:
+    _require_int(config.seed, 'seed', 0)
   if 'planner' in config:
     _validate_planner(config.planner)
+    if 'parallel' in config:
+      nodes, ring = config.planner.get('num_nodes', 1), config.parallel.num_expert
+      _require(ring % nodes == 0, 'planner.num_nodes',
+               f'must divide parallel.num_expert ({ring}): the EP ring is '
+               f'split into nodes of equal size, got {nodes}')
   if 'rl' in config:
     _validate_rl(config.rl)
     if config.rl.get('balance_step_tokens', False):
@@ -323,6 +330,8 @@ def validate_config(config) -> None:
     w = config.warmstart
     _require_int(w.steps, 'warmstart.steps', 0)
     _require_int(w.batch_size, 'warmstart.batch_size', 1)
+    if 'parallel' in config:
+      _require_rows_split(w.batch_size, 'warmstart.batch_size', config)
     _require(w.learning_rate > 0, 'warmstart.learning_rate',
              f'must be > 0, got {w.learning_rate!r}')
   if 'msa_distill' in config:
@@ -387,6 +396,13 @@ def _validate_planner(p) -> None:
              'must be > 0')
   if 'num_nodes' in p:
     _require_int(p.num_nodes, 'planner.num_nodes', 1)
+  for f in ('flops_per_s', 'intra_node_bw', 'inter_node_bw'):
+    if f in p:
+      _require(p[f] > 0, f'planner.{f}', f'must be > 0, got {p[f]!r}')
+  if 'overlap' in p:
+    _require(0 <= p.overlap <= 1, 'planner.overlap',
+             f'must be in [0, 1] (the share of a copy hidden under compute), '
+             f'got {p.overlap!r}')
   if 'workers' in p:
     _require_int(p.workers, 'planner.workers', 0, ' (0: auto)')
 
@@ -530,6 +546,14 @@ def msa_distill_defaults() -> ml_collections.ConfigDict:
   return d
 
 
+def _require_rows_split(rows: int, name: str, config) -> None:
+  """A batch of `rows` sequences is split over every device by rows."""
+  devices = config.parallel.num_data * config.parallel.num_expert
+  _require(rows % devices == 0, name,
+           f'must be a multiple of num_data * num_expert ({devices}): each '
+           f'device takes whole sequences, got {rows}')
+
+
 def _validate_msa_distill(config) -> None:
   d, m = config.msa_distill, config.model
   _require_int(d.steps, 'msa_distill.steps', 0)
@@ -541,6 +565,10 @@ def _validate_msa_distill(config) -> None:
            f'must be > 0, got {d.learning_rate!r}')
   _require_int(d.batch_size, 'msa_distill.batch_size', 1)
   _require_int(d.eval_sequences, 'msa_distill.eval_sequences', 0)
+  if 'parallel' in config:
+    _require_rows_split(d.batch_size, 'msa_distill.batch_size', config)
+    _require_rows_split(d.eval_sequences, 'msa_distill.eval_sequences',
+                        config)
   _require_int(d.log_every, 'msa_distill.log_every', 1)
   path = d.get('text_file', '')
   _require(not path or os.path.isfile(str(path)), 'msa_distill.text_file',

@@ -60,6 +60,20 @@ BAD = [
     ('planner.method', lambda c: setattr(c.planner, 'method', 'bogus'), 'eplb_microstep'),
     ('planner.deadline_ms', lambda c: setattr(c.planner, 'deadline_ms', -1.0), '>= 0'),
     ('planner.num_nodes', lambda c: setattr(c.planner, 'num_nodes', 0), '>= 1'),
+    # Each of these passed validation and failed after the warm start
+    # (planner_setup), or at step 1 (3 nodes of an 8-device ring).
+    ('planner.num_nodes', lambda c: setattr(c.planner, 'num_nodes', 3), 'must divide parallel.num_expert (8)'),
+    ('planner.num_nodes', lambda c: setattr(c.planner, 'num_nodes', 16), 'must divide parallel.num_expert (8)'),
+    ('planner.flops_per_s', lambda c: setattr(c.planner, 'flops_per_s', 0.0), '> 0'),
+    ('planner.intra_node_bw', lambda c: setattr(c.planner, 'intra_node_bw', 0.0), '> 0'),
+    ('planner.inter_node_bw', lambda c: setattr(c.planner, 'inter_node_bw', -1.0), '> 0'),
+    ('planner.overlap', lambda c: setattr(c.planner, 'overlap', 1.5), '[0, 1]'),
+    ('seed', lambda c: setattr(c, 'seed', -1), '>= 0'),
+    # Batches split over the 8 devices by rows (a traceback deep in the
+    # model before; the distillation's after the warm start).
+    ('warmstart.batch_size', lambda c: setattr(c.warmstart, 'batch_size', 6), 'multiple of num_data * num_expert (8)'),
+    ('msa_distill.batch_size', lambda c: (setattr(c.model, 'attention_type', 'msa'), c.msa_distill.update(steps=2, batch_size=3)), 'multiple of num_data * num_expert (8)'),
+    ('msa_distill.eval_sequences', lambda c: (setattr(c.model, 'attention_type', 'msa'), c.msa_distill.update(steps=2, eval_sequences=5)), 'multiple of num_data * num_expert (8)'),
     ('rl.steps', lambda c: setattr(c.rl, 'steps', -1), '>= 0'),
     ('rl.prompts_per_step', lambda c: setattr(c.rl, 'prompts_per_step', 0), '>= 1'),
     ('rl.learning_rate', lambda c: setattr(c.rl, 'learning_rate', 0.0), '> 0'),
