@@ -20,10 +20,12 @@ from absl import app, flags
 
 from foremoe_jax.utils import cli, launcher
 
+# Bounded: absl refuses a bad count as a flag error, before any process.
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2,
-                                      'Processes to start.')
+                                      'Processes to start.', lower_bound=1)
 _DEVICES = flags.DEFINE_integer('devices_per_process', 4,
-                                'Simulated CPU devices per process.')
+                                'Simulated CPU devices per process.',
+                                lower_bound=1)
 
 
 def main(argv):

@@ -217,3 +217,15 @@ def test_a_scratch_run_keeps_its_plots_beside_its_results(tmp_path):
   saved = json.load(open(tmp_path / 'sweep_moves.json'))
   assert saved['result']['summary'] == summary
   assert 'qwen3_30b_a3b' in out.stderr
+
+
+def test_launch_refuses_a_process_count_below_one():
+  """A flag error (absl's line, status 1), not launcher's ValueError
+  traceback."""
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.launch', '--num_processes=0', '--',
+       'experiments.rl_train'], cwd=ROOT, capture_output=True, text=True,
+      timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 1 and 'Traceback' not in out.stderr
+  assert ('flag --num_processes=0: 0 is not a positive integer'
+          in out.stderr)
