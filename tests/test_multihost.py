@@ -19,6 +19,7 @@ import pytest
 import conftest
 import line_sink
 
+from foremoe_jax import config as config_lib
 from foremoe_jax.utils import distributed, launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,15 @@ def test_initialize_from_env_is_a_no_op_without_the_variables():
     distributed.initialize_from_env({
         distributed.COORDINATOR_ENV: 'localhost:1',
         distributed.NUM_PROCESSES_ENV: '2'})
+  # A ConfigError (one line from an entry point), checked before jax's
+  # client is started: not an integer, or an id outside [0, N).
+  for num, index in (('2', 'x'), ('2', '2'), ('0', '0'), ('two', '0')):
+    with pytest.raises(config_lib.ConfigError,
+                       match='must be an integer in'):
+      distributed.initialize_from_env({
+          distributed.COORDINATOR_ENV: 'localhost:1',
+          distributed.NUM_PROCESSES_ENV: num,
+          distributed.PROCESS_ID_ENV: index})
 
 
 def test_launcher_prefixes_output_and_reports_a_failure(tmp_path):

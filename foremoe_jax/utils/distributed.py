@@ -61,16 +61,26 @@ def initialize_from_env(environ=None) -> bool:
   given = [n for n in names if env.get(n)]
   if not given:
     return False
+  # A ConfigError, so an entry point (utils.cli) says it in one line.
+  from foremoe_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
   if len(given) != len(names):
     missing = sorted(set(names) - set(given))
-    raise ValueError(f'distributed run: {", ".join(given)} set but '
-                     f'{", ".join(missing)} missing')
+    raise ConfigError(f'distributed run: {", ".join(given)} set but '
+                      f'{", ".join(missing)} missing')
+  try:
+    num, index = int(env[NUM_PROCESSES_ENV]), int(env[PROCESS_ID_ENV])
+  except ValueError:
+    num = index = -1
+  if not 0 <= index < num:
+    raise ConfigError(
+        f'distributed run: {PROCESS_ID_ENV}={env[PROCESS_ID_ENV]!r} must be '
+        f'an integer in [0, {NUM_PROCESSES_ENV}) and {NUM_PROCESSES_ENV}='
+        f'{env[NUM_PROCESSES_ENV]!r} an integer >= 1')
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # All three given: skip the cluster auto-detection (it would look for
   # SLURM / MPI variables that a local launch may inherit).
-  jax.distributed.initialize(env[COORDINATOR_ENV],
-                             num_processes=int(env[NUM_PROCESSES_ENV]),
-                             process_id=int(env[PROCESS_ID_ENV]),
+  jax.distributed.initialize(env[COORDINATOR_ENV], num_processes=num,
+                             process_id=index,
                              cluster_detection_method='deactivate')
   return True
 
