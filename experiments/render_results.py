@@ -134,12 +134,14 @@ def render_rl_step(res: dict) -> str:
         f"{_f(r['capacity'])} ({_f(r['recompute_capacity'])})",
         _bytes(r['weight_bytes_moved_per_device_per_microstep']),
         _f(r['exposed_transfer_s'], 2),
+        _f(r.get('recompute_plan_s'), 2),
         f"{_f(r['plan_s'], 2)} ({_f(r['plan_wait_s'], 2)})",
         _f(r['reverted_moves'])])
   table = _table(['method', 'step s', 'update s', 'recompute s',
                   'micro-step max/mean (p95)', 'bucket (recompute)',
                   'weights moved / device / micro-step', 'exposed transfer s',
-                  'plan s (wait)', 'slot changes undone'], rows)
+                  'step-level plan s', 'micro-step plan s (wait)',
+                  'slot changes undone'], rows)
   fm = res['methods']['foremoe']
   compiles = res['step_compiles']
   return '\n'.join([

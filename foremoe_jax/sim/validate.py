@@ -56,7 +56,9 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # calibration runs' skews moved off the buckets the methods are judged at
 # (`rl_step.held_out_skews`). 8: each method's recompute timed again alone
 # (`recompute_alone_s`), and every repetition's seconds kept. 9: EPLB-step's
-# even split leaves a packing's filler copies idle (`split.uniform_flows`).
+# even split leaves a packing's filler copies idle (`split.uniform_flows`);
+# the exposed transfer's idle twin keeps the local work, and EPLB-step's
+# recompute alone runs the timed plan (benchmarks/rl_step.py).
 CACHE_FORMAT = 9
 
 
