@@ -17,8 +17,9 @@ Shapes only (no weights allocated; also the cluster simulator's input):
 Cluster: 8 nodes x 8 H100 = 64 devices, mesh 1 data x 64 expert. With
 EP 64 each GPU holds 2 of the 128 experts' homes (+2 redundant slots), so
 the expert master and Adam moments take 5.4 GB a device instead of 43 GB at
-EP 8 (results/simulate_cluster.json); the update's peak is 62.5 GB of an
-80 GB H100 (XLA's compiled step at full depth, results/memory_report.json
+EP 8 (results/simulate_cluster.json); the update's peak is 64.2 GB of an
+80 GB H100 (XLA's compiled step at full depth, the moves in the layers,
+results/memory_report.json
 from experiments.memory_report; remat 'full', fsdp over every device),
 which EP 8 x data 8 would not meet. The all-to-all then crosses nodes,
 which the planner's two tiers (planner.num_nodes = 8) price.

@@ -17,7 +17,7 @@ A placement (for one micro-step) is two arrays:
   (l, d, e) the shares over the slots holding e sum to 1.
 
 Split rule (shared bit-for-bit in spirit with the device code in
-``foremoe_jax.model.expert_parallel``): source d holds n assignments to expert
+``foremoe_jax.model.slot_assignment``): source d holds n assignments to expert
 e, ranked 0..n-1 in token order. The slots holding e, in slot order, have
 inclusive cumulative shares c_1 <= ... <= c_r = 1 (c_0 = 0). Slot i receives
 the ranks ``[round(c_{i-1} n), round(c_i n))`` with round(x) = floor(x + 0.5),

@@ -20,7 +20,8 @@ do it at scale:
 4. The receiver runs only the rows that arrived through the grouped SwiGLU
    (`grouped_swiglu`: a tile loop over the non-empty tiles on CPU, as
    many as the busiest device has so that simulated devices sharing the
-   host's cores keep the straggler's wall-clock; `ragged_dot` on GPU/TPU).
+   host's cores keep the straggler's wall-clock; the Triton grouped
+   matmul on GPU, `ragged_dot` on TPU).
 5. A second ragged all-to-all with the sizes and offsets swapped brings the
    outputs back; the source un-sorts them and sums them with the gates.
 

@@ -2,7 +2,7 @@
 
 A device receives rows labelled with one of its `s` local slots (or -1:
 an empty row of a padded buffer) and runs each through its slot's expert.
-Shared by both dispatch strategies, in three forms:
+Shared by both dispatch strategies, in five forms:
 
 * ``tiles_static``: rows grouped by slot into tiles of `t` rows, one slot
   per tile; a scan over all floor(R / t) + s tiles the buffer can hold.
