@@ -123,6 +123,15 @@ def _per_repetition(res) -> list[str]:
           f" {span('foresight_split')} vs foresight split."]
 
 
+def _step_level_plan(res: dict) -> str:
+  """The demo's step-level plan, made before the recompute (every step
+  waits for it); older records lack it."""
+  t = res.get('recompute_plan_s_median')
+  return '' if t is None else (f'; the step-level plan {_f(1e3 * t)} ms,'
+                               ' made before the recompute starts (on every'
+                               " step's critical path)")
+
+
 def render_rl_step(res: dict) -> str:
   rows = []
   for m, name in _METHOD_NAMES.items():
@@ -999,8 +1008,10 @@ def render_demo(res: dict) -> str:
       f"- Weights moved: {_bytes(res['weight_bytes_moved'])} per device per"
       f" micro-step; gradients returned:"
       f" {_bytes(res['grad_bytes_returned'])}.",
-      f"- Planning: {_f(1e3 * res['plan_s_median'])} ms per step (median);"
-      f" the update waited for its plan on {res['steps_waited_for_plan']} of"
+      f"- Planning (medians): the micro-step plan"
+      f" {_f(1e3 * res['plan_s_median'])} ms, made while the recompute"
+      f" runs{_step_level_plan(res)}; the update waited for it on"
+      f" {res['steps_waited_for_plan']} of"
       f" {n} steps (longest wait {_f(1e3 * res['plan_wait_s_max'], 2)} ms);"
       f" planner fallbacks: {res['plan_fallbacks']}.",
       f"- Slots holding the wrong expert: {res['transfer_id_errors']};"

@@ -14,7 +14,8 @@ def _step(step, **kw):
            microstep_max_over_mean_static=[2.0, 2.0],
            weight_bytes_moved_per_device_per_microstep=1000.0,
            grad_bytes_returned_per_device_per_microstep=500.0,
-           plan_s=0.01, plan_wait_s=0.0, capacity=200, capacity_static=400,
+           plan_s=0.01, plan_wait_s=0.0, recompute_plan_s=0.004,
+           capacity=200, capacity_static=400,
            transfer_id_errors=0, dropped=0, reverted_moves=0,
            replay_logp_gap=1e-6)
   r.update(kw)
@@ -52,6 +53,7 @@ def test_demo_result_reduces_the_steps_by_hand(tmp_path):
         compile_s=19.0 if s == 1 else 0.0,
         microstep_max_over_mean=[1.0, 1.2 if s == 2 else 1.0],
         plan_wait_s=0.05 if s == 5 else 0.0,
+        recompute_plan_s=0.002 * s,
         weight_bytes_moved_per_device_per_microstep=(
             4000.0 if s in (3, 9) else 1000.0),
         reverted_moves=1 if s in (4, 6) else 0,
@@ -72,6 +74,9 @@ def test_demo_result_reduces_the_steps_by_hand(tmp_path):
   assert res['weight_bytes_moved'] == pytest.approx((10 * 1000 + 8000) / 12)
   assert res['steps_waited_for_plan'] == 1
   assert res['plan_wait_s_max'] == pytest.approx(0.05)
+  # The step-level plan, on every step's critical path: 2..24 ms, median
+  # of the 12 counted records 13 ms.
+  assert res['recompute_plan_s_median'] == pytest.approx(0.013)
   assert res['dropped'] == 0  # The replaced record's 5 do not count.
   assert res['reverted_moves'] == 2
   assert res['replay_logp_gap_max'] == pytest.approx(3e-5)
@@ -82,6 +87,7 @@ def test_demo_result_reduces_the_steps_by_hand(tmp_path):
   assert '**0.750**' in text and '2 min 3 s wall-clock' in text
   assert '0.7 s per GRPO step' in text and 'planner fallbacks: 2' in text
   assert '(steps 3-12)' in text
+  assert 'the step-level plan 13.0 ms, made before the recompute' in text
 
 
 def test_demo_result_needs_a_finished_run(tmp_path):
