@@ -1044,17 +1044,32 @@ def _stopped(workdir: str, step: int, phase: str, guard) -> dict:
               signal=guard.signum, exit_code=guard.exit_code)
 
 
-def _greedy_before_rl(workdir: str, evaluate, params, resumed: bool):
+def _greedy_before_rl(workdir: str, evaluate, params, resumed: bool,
+                      num_prompts: int | None = None):
   """Greedy reward of the warm-started policy, kept in greedy_eval.json so a
-  resumed run reports the real before-RL value, not its restored policy's."""
+  resumed run reports the real before-RL value, not its restored policy's.
+
+  num_prompts: the held-out prompts evaluated (config.eval_prompts). A
+  resumed run whose count differs from the one the value was measured on
+  reports None: its after-RL value will be measured on other prompts, and
+  the warm-started policy is no longer at hand to measure again.
+  """
   path = os.path.join(workdir, EVAL_FILE)
   if resumed and os.path.exists(path):
     with open(path) as f:
-      return json.load(f).get('greedy_reward_before_rl')
+      saved = json.load(f)
+    measured_on = saved.get('eval_prompts', num_prompts)
+    if measured_on != num_prompts:
+      print(f'greedy reward before RL was measured on {measured_on} '
+            f'held-out prompts, this run evaluates {num_prompts}: not '
+            'reported (the two would not compare)', flush=True)
+      return None
+    return saved.get('greedy_reward_before_rl')
   value = evaluate(params)
   if distributed.is_primary():
     with open(path, 'w') as f:
-      json.dump({'greedy_reward_before_rl': value}, f)
+      json.dump({'greedy_reward_before_rl': value,
+                 'eval_prompts': num_prompts}, f)
   return value
 
 
@@ -1179,7 +1194,8 @@ def train(config, workdir: str, guard=None) -> dict:
 
     evaluate = greedy_eval(config, task, graphdef, mesh)
     summary = {'greedy_reward_before_rl': _greedy_before_rl(
-        workdir, evaluate, params, resumed)}
+        workdir, evaluate, params, resumed,
+        num_prompts=config.get('eval_prompts', 256))}
     if summary['greedy_reward_before_rl'] is not None:
       print(f"greedy reward after warm start: "
             f"{summary['greedy_reward_before_rl']:.3f}", flush=True)

@@ -8,6 +8,7 @@ run compiles its step programs once; a rerun whose config cannot restore
 the checkpoints leaves config.json as it was; and a rerun's changed fields
 are named against the run's first config, added and removed ones included.
 """
+import functools
 import importlib
 import json
 import os
@@ -125,3 +126,22 @@ def test_config_changes_are_named_against_the_first_config(tmp_path,
     assert 'rl.steps' not in line  # A change a rerun may make.
   assert json.load(open(os.path.join(wd, trainer.CONFIG_FILE)))['rl'][
       'learning_rate'] == 1e-2
+
+
+def test_before_rl_reward_is_not_reported_against_other_prompts(tmp_path,
+                                                                capsys):
+  """eval_prompts may change on resume; the before-RL value, measured on
+  the first run's prompts, is then not reported beside an after-RL value
+  measured on others (the warm-started policy is gone)."""
+  calls = []
+  evaluate = lambda params: calls.append(params) or 0.25
+  before = functools.partial(trainer._greedy_before_rl, str(tmp_path),  # pylint: disable=protected-access
+                             evaluate, 'params')
+  assert before(False, num_prompts=64) == 0.25 and len(calls) == 1
+  assert before(True, num_prompts=64) == 0.25 and len(calls) == 1
+  assert before(True, num_prompts=128) is None and len(calls) == 1
+  assert 'measured on 64 held-out prompts, this run evaluates 128' in (
+      capsys.readouterr().out)
+  # A file from before the count was kept: taken as it is.
+  (tmp_path / trainer.EVAL_FILE).write_text('{"greedy_reward_before_rl": 0.5}')
+  assert before(True, num_prompts=128) == 0.5
