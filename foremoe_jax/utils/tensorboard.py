@@ -7,9 +7,11 @@ record as one histogram of the per-device load per micro-step plus its
 max/mean, an `expert_tokens_LE` record (tokens per MoE layer and expert,
 foresight/expert_load.py) as one histogram per layer plus an image of the
 layer x expert heatmap (the Images tab), and a `samples` record (decoded
-prompts and completions) as a markdown table under the Text tab. `tensorboard --logdir <workdir>/tensorboard` shows the run live.
-Host-side; tensorboardX is imported when the writer is made, and without it
-the writer says so once and writes nothing (metrics.jsonl stays complete).
+prompts and completions) as a markdown table under the Text tab.
+`tensorboard --logdir <workdir>/tensorboard` shows the run live, one run
+per phase. Host-side; tensorboardX is imported when the writer is made,
+and without it the writer says so (unless warn=False) and writes nothing
+(metrics.jsonl stays complete).
 In a multi-process run only process 0 writes.
 
 The trainer gives each phase its own run (`tensorboard/warmstart`,
