@@ -1140,10 +1140,10 @@ def train(config, workdir: str, guard=None) -> dict:
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
   if distributed.is_primary() and not tensorboard.available():
     print(tensorboard.MISSING, file=sys.stderr, flush=True)
-  with contextlib.ExitStack() as closing:
+  with contextlib.ExitStack() as stack:
     # A dataset task's reward workers end with the run; so does the RL
     # phase's TensorBoard writer, however the run ends.
-    closing.enter_context(contextlib.closing(task))
+    stack.enter_context(contextlib.closing(task))
     # Templates in the RL state's layout, so a restore lands on the same
     # shardings (the reference policy is laid out like the params).
     opt_template = step_lib.init_train_state(
@@ -1229,7 +1229,7 @@ def train(config, workdir: str, guard=None) -> dict:
         os.path.join(workdir, expert_load.EXPERT_LOAD_FILE), start)
     # The steps past `start` that a crash logged are hidden in TensorBoard
     # as they are dropped from the .jsonl files above.
-    tb = closing.enter_context(contextlib.closing(
+    tb = stack.enter_context(contextlib.closing(
         _phase_tb(workdir, 'rl', start + 1)))
     writer = metrics_lib.MetricsWriter(workdir, mirror=tb)
     samples_writer = metrics_lib.MetricsWriter(workdir, SAMPLES_FILE,

@@ -140,12 +140,6 @@ class SamplingParams:
                        tuple(int(i) for i in self.stop_ids))
 
   @property
-  def end_ids(self) -> tuple[int, ...]:
-    """Every id that ends a completion: EOS, then the stop ids."""
-    return (self.eos_id,) + tuple(i for i in self.stop_ids
-                                  if i != self.eos_id)
-
-  @property
   def is_greedy(self) -> bool:
     return self.greedy or self.temperature == 0
 

@@ -88,16 +88,14 @@ def flat_fields(config, prefix: str = '') -> list[str]:
 
 
 def _config_file(argv) -> str | None:
-  """The `--config` path of `argv` (`--config=P` or `--config P`), else the
-  flag's default; None when the entry point has no --config."""
+  """The `--config` path of `argv` (`--config=P` or `--config P`; a default
+  is already there, `with_default_config`), else None."""
   for i, a in enumerate(argv[1:], start=1):
     if a.startswith('--config='):
       return a.split('=', 1)[1]
     if a == '--config' and i + 1 < len(argv):
       return argv[i + 1]
-  flag = flags.FLAGS['config'] if 'config' in flags.FLAGS else None
-  return flag.default if flag is not None and isinstance(flag.default, str) \
-      else None
+  return None
 
 
 def missing_config_file(path: str, cwd: str | None = None) -> str | None:
