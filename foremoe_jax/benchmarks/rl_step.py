@@ -132,8 +132,6 @@ def _installed(step_transfer):
   transfers alone (the weights are wrong where a slot waited for a
   remote expert)."""
   def idle(t):
-    if t is None:
-      return None
     return t._replace(**{k: np.full_like(getattr(t, k), off)
                          for k, off in _CROSS_DEVICE if hasattr(t, k)})
   return step_transfer._replace(
