@@ -13,18 +13,20 @@ trainer does:
   -> update: fill slots, M micro-steps with moves between them, gradient
      returns, one optimizer update.
 
-Methods: static EP, EPLB from step-level history, EPLB fed each
-micro-step's loads, foresight_split (the step-level plan from the step's
-exact loads plus a per-micro-step token split, no moves: the simplest use
-of the foresight) and ForeMoE. Per method, interleaved over repetitions:
+Methods: static EP (on the canonical layout: experts computing at home,
+no slots, fill or gradient returns), EPLB from step-level history, EPLB
+fed each micro-step's loads, foresight_split (the step-level plan from the
+step's exact loads plus a per-micro-step token split, no moves: the
+simplest use of the foresight) and ForeMoE. Per method, interleaved over
+repetitions:
 update_s, recompute_s, step_s (everything from planning to the updated
 state: step-level planning, recompute, waiting for the plan, update),
 plan_s and plan_wait_s, the micro-step max/mean device load (mean and
 p95), weight bytes moved per device per micro-step, wire_bytes_over_useful
 (experts the transfer collectives carry over those that had to move; the
 CPU emulation's padded figure beside it), exposed_transfer_s
-(the update minus the same update with the placements already installed:
-no fill, no moves), recompute_alone_s (the same recompute again with no
+(the update minus its twin with every cross-device exchange idled; static
+EP's twin is the same update again: the floor), recompute_alone_s (the same recompute again with no
 planner beside it: here the planner's processes share the cores that are
 the devices, which a cluster's host cores do not), each repetition's
 seconds, the capacity buckets, and the bytes of any all-gather
@@ -217,10 +219,7 @@ def planned_step(prep: Prepared, method: str, state):
   t_plan = time.perf_counter()
   t_rec = clock.wait()
   ctx.recompute_s = t_rec - t0
-  plan = step_lib.StepPlan(
-      step_lib.device_placement(planned.plan.placement, ctx.mesh),
-      step_lib.device_transfer(planned.transfer, ctx.mesh),
-      planned.capacity, planned.cell)
+  plan = trainer.update_plan(ctx, planned)
   return logps, rplan, planned, plan, (t0, t_plan, t_rec)
 
 
@@ -230,8 +229,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   data group 'loads_MGLDE'), the canonical layout's bucket
   ('static_capacity'), each method's host output ('planned': {method:
   PlannedStep}) and the config, for the cluster simulator's validation.
-  calibration_skews: also time the update with the static layout (no
-  planner, no moves) on this batch with its routes replaced by synthetic
+  calibration_skews: also time the update with the static layout in the
+  slots (no planner, no moves: the slot path the other methods run) on this batch with its routes replaced by synthetic
   ones of these skews (`calibrate.skewed_routes`), into
   extras['calibration_runs'] (the loads, bucket and median seconds of
   each), timed in each repetition after the methods: data the simulator
@@ -286,11 +285,15 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
           r['dropped'] = int(m['dropped'])
         # The same update with nothing crossing devices, its plan uploaded
         # inside the timer as the real one's is (`planned_step`).
+        # Static EP moves nothing (the canonical layout): its twin is the
+        # same update again, so its exposed transfer is the measurement's
+        # floor.
         state = jax.tree.map(jnp.copy, state0)
-        idle_host = _installed(planned.transfer)
+        idle_host = (None if isinstance(plan, step_lib.CanonicalLayout)
+                     else _installed(planned.transfer))
         jax.block_until_ready(state)
         t_i = time.perf_counter()
-        installed = dataclasses.replace(
+        installed = plan if idle_host is None else dataclasses.replace(
             plan, placement=step_lib.device_placement(
                 planned.plan.placement, ctx.mesh),
             transfer=step_lib.device_transfer(idle_host, ctx.mesh))

@@ -484,7 +484,7 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
   return out
 
 
-def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
+def update_grads(state: TrainState, batch: dict, logps: dict, plan,
                  *, num_generations: int, eps_low: float, eps_high: float,
                  beta: float, indexer_loss_coef: float = 1.0,
                  balance_loss_coef: float = 0.0,
@@ -505,6 +505,11 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   from them, and plan's fill must start from that placement
   (`schedule.build_step_transfer(start_LS=)`); the ids the slots carry are
   checked every micro-step (transfer_id_errors).
+
+  plan: a StepPlan (slots, moves between micro-steps), or a
+  CanonicalLayout (or its capacity, an int; None: dropless) for static EP
+  with nothing moved: the experts compute at home, differentiated
+  directly, with no slot buffers, fill, returns or flush.
 
   The whole scan runs per device inside one shard_map over the mesh: each
   device holds whole sequences of every micro-batch and accumulates its
@@ -538,6 +543,13 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   _check_scale_factor(loss_agg_mode, loss_scale_factor)
   mesh, moe_segments, slot_dtype = _moe_layers(state.graphdef, state.params)
   _check_rows(batch, mesh)
+  canonical = not isinstance(plan, StepPlan)
+  if canonical:
+    if not isinstance(plan, CanonicalLayout):
+      plan = CanonicalLayout(plan)
+    if 'prefill_slots' in logps:
+      raise ValueError('the recompute prefilled slots for a StepPlan; the '
+                       'canonical layout has none to start from.')
   num_devices = mesh.shape[EXPERT]
   mb = batch['microbatches_Mb']
   num_total = mb.size
@@ -571,13 +583,15 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                 if k in logps})
   extra_specs = {k: P(None, rows) for k in extra}
 
-  def micro_loss(nonexp_l, slot_w, home_acc, experts_l, slot_returns, fills,
+  def micro_loss(nonexp_l, experts_l, slot_w, home_acc, slot_returns, fills,
                  toks, valid, routes, placement, mask, adv, old, ref, rollout,
                  denoms):
-    # The canonical experts do not reach the loss (the slots compute) and
-    # are not differentiated. Their gradient sums so far, home_acc, are:
-    # the slots' returns in the backward (`engine.returns_in_backward`)
-    # make home_acc's cotangent those sums plus what arrived.
+    # With slots (a StepPlan), the canonical experts do not reach the loss
+    # (the slots compute) and are not differentiated. Their gradient sums
+    # so far, home_acc, are: the slots' returns in the backward
+    # (`engine.returns_in_backward`) make home_acc's cotangent those sums
+    # plus what arrived. On the canonical layout (slot_w None) the experts
+    # compute at home and are differentiated themselves.
     params = nnx.merge_state(nonexp_l, experts_l)
     # The indexer KL over the loss's positions (completion tokens), each
     # sequence's token mean over num_total: aggregated like the policy loss.
@@ -587,7 +601,8 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     logp, aux = token_logp(state.graphdef, params, toks, valid, placement,
                            routes, model_capacity(plan), slot_weights=slot_w,
                            indexer_weight_bT=index_w,
-                           slot_returns=(home_acc,) + slot_returns,
+                           slot_returns=(None if home_acc is None
+                                         else (home_acc,) + slot_returns),
                            slot_fills=fills)
     if old is None:  # One epoch: the old policy is this one.
       old = jax.lax.stop_gradient(logp)
@@ -625,8 +640,43 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
                        / mesh.size)
     return total, metrics
 
-  grad_fn = jax.grad(micro_loss, argnums=(0, 1, 2), has_aux=True)
+  # Slots: the non-expert parameters, the slot buffers and the canonical
+  # experts' gradient sums; the canonical layout: the non-expert
+  # parameters and the experts.
+  grad_fn = jax.grad(micro_loss, argnums=(0, 2, 3), has_aux=True)
+  canonical_grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
   share_M = mb.shape[1] / num_total  # Each micro-batch's share of sequences.
+
+  def reduce_step(g_acc, gcanon, metrics_M):
+    # After the last micro-step, per device, on either layout. The one
+    # reduction of the step: non-expert gradients over the mesh, the
+    # experts' over 'data' (each data row moved, or computed with, its own
+    # copies).
+    g_acc = jax.lax.psum(g_acc, rows)
+    gcanon = jax.lax.psum(gcanon, DATA)
+    # Per-device sums of the losses, over the mesh; the rest is already
+    # the same on every device.
+    summed = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
+              'dual_clip_frac', 'indexer_loss')
+    metrics_M = {k: (jax.lax.psum(v, rows) if k in summed else v)
+                 for k, v in metrics_M.items()}
+    metrics_M['transfer_id_errors'] = jax.lax.psum(
+        metrics_M['transfer_id_errors'], EXPERT)
+    # The MoE statistics of every layer and micro-step, reduced at once
+    # (unless the balance loss already reduced them in the loop).
+    counts, probs, valid, dropped, max_rows = metrics_M.pop('moe_sums')
+    if not balance_loss_coef:
+      counts, probs, valid, dropped = jax.lax.psum(
+          (counts, probs, valid, dropped), rows)
+      max_rows = jax.lax.pmax(max_rows, rows)
+    metrics_M['balance_loss'] = share_M * jnp.mean(
+        router_lib.balance_loss_from_sums(probs, valid, counts), axis=-1)
+    metrics_M['dropped'] = dropped.sum(axis=-1)
+    metrics_M['max_rows'] = max_rows.max(axis=-1)
+    for k in ('nonfinite', 'rollout_gap'):
+      if k in metrics_M:
+        metrics_M[k] = jax.lax.pmax(metrics_M[k], rows)
+    return g_acc, gcanon, metrics_M
 
   def local(nonexp_l, experts_l, bt, ex, placement, transfer, denoms,
             prefilled):
@@ -675,7 +725,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
       # (nothing sent: gcanon, passed through).
       fills = (slots, canon, moves) if in_layer else None
       (g, g_slots, gcanon), metrics = grad_fn(
-          nonexp_l, slots[:3], gcanon, experts_l, (tuple(gslots), returns),
+          nonexp_l, experts_l, slots[:3], gcanon, (tuple(gslots), returns),
           fills, toks, valid, routes, pl, mask, adv, old, ref, rollout,
           denoms)
       gcanon = tuple(gcanon)
@@ -712,33 +762,41 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
     # The last micro-step's backward flushed every slot (its gslots are
     # spent): nothing more to return.
     (g_acc, _, _, gcanon), metrics_M = jax.lax.scan(body, carry, xs)
-    # The one reduction of the step: non-expert gradients over the mesh,
-    # the experts' over 'data' (each data row moved its own copies).
-    g_acc = jax.lax.psum(g_acc, rows)
-    gcanon = jax.lax.psum(gcanon, DATA)
-    # Per-device sums of the losses, over the mesh; the rest is already
-    # the same on every device.
-    summed = ('loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
-              'dual_clip_frac', 'indexer_loss')
-    metrics_M = {k: (jax.lax.psum(v, rows) if k in summed else v)
-                 for k, v in metrics_M.items()}
-    metrics_M['transfer_id_errors'] = jax.lax.psum(
-        metrics_M['transfer_id_errors'], EXPERT)
-    # The MoE statistics of every layer and micro-step, reduced at once
-    # (unless the balance loss already reduced them in the loop).
-    counts, probs, valid, dropped, max_rows = metrics_M.pop('moe_sums')
-    if not balance_loss_coef:
-      counts, probs, valid, dropped = jax.lax.psum(
-          (counts, probs, valid, dropped), rows)
-      max_rows = jax.lax.pmax(max_rows, rows)
-    metrics_M['balance_loss'] = share_M * jnp.mean(
-        router_lib.balance_loss_from_sums(probs, valid, counts), axis=-1)
-    metrics_M['dropped'] = dropped.sum(axis=-1)
-    metrics_M['max_rows'] = max_rows.max(axis=-1)
-    for k in ('nonfinite', 'rollout_gap'):
-      if k in metrics_M:
-        metrics_M[k] = jax.lax.pmax(metrics_M[k], rows)
-    return g_acc, gcanon, metrics_M
+    return reduce_step(g_acc, gcanon, metrics_M)
+
+  def local_canonical(nonexp_l, experts_l, bt, ex, denoms):
+    # Static EP as a trainer without slots runs it: every device computes
+    # its home experts, nothing is filled, moved or returned. The experts
+    # are cast to the compute copy's dtype once a step (as the slot path
+    # fills its slots) and made per data row, so each row sums its own
+    # gradients until the one reduction after the last micro-step.
+    nonexp_l = jax.tree.map(lambda x: ep_lib.vary(x, rows), nonexp_l)
+    canon = tuple(ep_lib.vary(w.astype(slot_dtype), (DATA,)) for w in
+                  canonical_experts(experts_l, moe_segments))
+    experts_c = replace_experts(experts_l, moe_segments, canon)
+    acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
+    add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+    def body(carry, xs):
+      g_acc, g_exp = carry
+      toks, valid, routes, mask, adv, old, ref, rollout = xs
+      (g, g_e), metrics = canonical_grad_fn(
+          nonexp_l, experts_c, None, None, None, None, toks, valid, routes,
+          None, mask, adv, old, ref, rollout, denoms)
+      metrics['nonfinite'] = (~(jnp.isfinite(metrics['loss'])
+                                & all_finite((g, g_e)))).astype(jnp.int32)
+      # Nothing travels: no slot can hold a wrong expert.
+      metrics['transfer_id_errors'] = ep_lib.vary(
+          jnp.zeros((), jnp.int32), (EXPERT,))
+      return (add(g_acc, g), add(g_exp, g_e)), metrics
+
+    xs = (bt['tokens_MbT'], bt['valid_MbT'], bt['routes_MLbTK'],
+          bt['loss_mask_MbT'], ex['adv_Mb'], ex.get('old_logp_MbT'),
+          ex.get('ref_logp_MbT'), bt.get('rollout_logp_MbT'))
+    (g_acc, g_exp), metrics_M = jax.lax.scan(
+        body, (acc(nonexp_l), acc(experts_c)), xs)
+    return reduce_step(g_acc, canonical_experts(g_exp, moe_segments),
+                       metrics_M)
 
   metric_keys = ['loss', 'pg_loss', 'kl', 'ratio_mean', 'clip_frac',
                  'dual_clip_frac', 'indexer_loss', 'balance_loss', 'dropped',
@@ -746,18 +804,29 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan: StepPlan,
   if has_rollout:
     metric_keys.append('rollout_gap')
   prefilled = logps.get('prefill_slots')
-  fn = jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
-                _batch_specs(local_batch), extra_specs,
-                placement_specs(plan.placement),
-                _transfer_specs(plan.transfer), {k: P() for k in denoms},
-                None if prefilled is None else (P(None, EXPERT),) * 4),
-      out_specs=(_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
-                 {k: P() for k in metric_keys}))
-  g_nonexp, gcanon, metrics_M = fn(nonexp, experts, local_batch, extra,
-                                   plan.placement, plan.transfer, denoms,
-                                   prefilled)
+  out_specs = (_replicated_specs(nonexp), (P(None, EXPERT),) * 3,
+               {k: P() for k in metric_keys})
+  if canonical:
+    fn = jax.shard_map(
+        local_canonical, mesh=mesh,
+        in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
+                  _batch_specs(local_batch), extra_specs,
+                  {k: P() for k in denoms}),
+        out_specs=out_specs)
+    g_nonexp, gcanon, metrics_M = fn(nonexp, experts, local_batch, extra,
+                                     denoms)
+  else:
+    fn = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(_replicated_specs(nonexp), _expert_state_specs(experts),
+                  _batch_specs(local_batch), extra_specs,
+                  placement_specs(plan.placement),
+                  _transfer_specs(plan.transfer), {k: P() for k in denoms},
+                  None if prefilled is None else (P(None, EXPERT),) * 4),
+        out_specs=out_specs)
+    g_nonexp, gcanon, metrics_M = fn(nonexp, experts, local_batch, extra,
+                                     plan.placement, plan.transfer, denoms,
+                                     prefilled)
   g_experts = replace_experts(experts, moe_segments, gcanon)
   grads = nnx.merge_state(g_nonexp, g_experts)
   per_step = ('dropped', 'max_rows', 'transfer_id_errors', 'nonfinite',

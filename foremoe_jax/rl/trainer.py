@@ -528,15 +528,23 @@ def recompute(ctx: RLContext, state, batch, loads_MGLDE):
                                prefill=prefill), rplan
 
 
+def update_plan(ctx: RLContext, planned: PlannedStep):
+  """What the update reads on device: static EP's canonical layout (its
+  experts compute at home: no slots, fill, moves or returns), else the
+  planned placements and their moves."""
+  if ctx.planner.method == 'static':
+    return step_lib.CanonicalLayout(planned.capacity, planned.cell)
+  return step_lib.StepPlan(
+      step_lib.device_placement(planned.plan.placement, ctx.mesh),
+      step_lib.device_transfer(planned.transfer, ctx.mesh),
+      planned.capacity, planned.cell)
+
+
 def update(ctx: RLContext, state, batch, logps, planned: PlannedStep):
   """Transfer + micro-steps + `rl.num_update_epochs` optimizer updates on
   device, all against the recompute's old log-probs and with the same plan
   (blocking)."""
-  plan = step_lib.StepPlan(
-      step_lib.device_placement(planned.plan.placement, ctx.mesh),
-      step_lib.device_transfer(planned.transfer, ctx.mesh),
-      planned.capacity, planned.cell)
-  state, m = ctx.rl_step.update(state, batch, logps, plan)
+  state, m = ctx.rl_step.update(state, batch, logps, update_plan(ctx, planned))
   return state, distributed.to_host(m)
 
 

@@ -111,6 +111,16 @@ def moving_plan(num_microbatches: int, seed: int = 0) -> step_lib.StepPlan:
                                  Topology(1, NUM_EP, spd), BUDGET)
 
 
+def home_plan(num_microbatches: int) -> step_lib.StepPlan:
+  """Every expert in its home slot every micro-step, nothing moving: static
+  EP through the slots."""
+  placement = placement_lib.stack_placements(
+      [placement_lib.identity_placement(1, NUM_EXPERTS, NUM_EP,
+                                        SLOTS_PER_DEVICE)] * num_microbatches)
+  return step_lib.make_step_plan(placement, NUM_EXPERTS,
+                                 Topology(1, NUM_EP, SLOTS_PER_DEVICE), BUDGET)
+
+
 def grads_fn(**loss_kw):
   """jit(state, batch, plan) -> (grads, metrics): recompute (old
   log-probs, canonical layout) + update_grads."""

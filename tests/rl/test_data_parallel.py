@@ -364,3 +364,32 @@ def test_gradients_are_reduced_once_per_step(dp_run, fsdp, fsdp_axes):
   assert len(rows) == 1 and not rows[0]['in_loop'], rows
   # The loop is really there: the micro-steps' moves run inside it.
   assert hlo.loop_computations(text)
+
+
+def test_static_ep_updates_on_the_canonical_layout(dp_run):
+  """planner.method 'static': the trainer's update runs on the canonical
+  layout (experts differentiated at home, no slots), on (2, 4) equals the
+  reference step, and reduces the experts' gradients over the data rows
+  once, after the micro-step loop."""
+  task = get_task('addition')
+  cfg = _config(2, 4)
+  cfg.planner.method = 'static'
+  mesh = ep.make_mesh(2, 4)
+  run = _trainer_step(cfg, mesh, task, dp_run['ro'], dp_run['mbs'],
+                      dp_run['dp_batch'], logps=dp_run['dp']['logps'])
+  ctx, planned = run['ctx'], run['planned']
+  plan = trainer.update_plan(ctx, planned)
+  assert plan == step_lib.CanonicalLayout(planned.capacity, planned.cell)
+  assert planned.capacity == run['static']
+  _assert_same_step(run, dp_run['ref'], dp_run['ref_params0'])
+  state = _state(cfg, mesh, ctx)
+  text = ctx.rl_step.update.lower(state, dp_run['dp_batch'], {},
+                                  plan).compile().as_text()
+  reduces = hlo.all_reduces(text)
+  assert not [r for r in reduces if r['in_loop'] and
+              any(d.startswith(('f', 'bf')) for d in r['dtypes'])]
+  experts = nnx.split_state(state.params, moe.ExpertWeight, ...)[0]
+  num_experts = sum(x.size for x in jax.tree.leaves(experts)) // 4
+  rows = [r for r in reduces if r['group_size'] == 2
+          and r['elements'] >= num_experts]
+  assert len(rows) == 1 and not rows[0]['in_loop'], rows

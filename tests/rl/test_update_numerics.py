@@ -114,6 +114,53 @@ def test_bf16_keeps_f32_master_moments_and_gradient_sums(setup):
   assert np.linalg.norm(a - b) <= 8 * BF16_EPS * np.linalg.norm(b)
 
 
+def test_canonical_layout_update_equals_the_slot_path(setup):
+  """Static EP on the canonical layout (experts differentiated at home: no
+  slots, fill or returns) gives the slot path's step: the home placement
+  in slots to float32 rounding, and the moving plan (replicas, moves,
+  returns) to f32 sums in another order. In bf16 its M micro-step
+  gradients are summed in float32 (a float64 sum of them bounds it, as
+  for the slots), not in the experts' compute dtype."""
+  tx, batch = setup['tx'], setup['batch']
+  canon = step_lib.CanonicalLayout()
+  state_b = _state(setup, setup['gd_b'], setup['params_b'], tx)
+  state_f = _state(setup, setup['gd_f'], state_b.params, tx)
+  logps = setup['recompute'](state_f, batch, None)
+  home = lib.home_plan(M)
+  for state in (state_f, state_b):
+    g_c, m_c = setup['grads'](state, batch, logps, canon)
+    assert _dtypes(g_c) == {'float32'}
+    assert int(m_c['transfer_id_errors']) == 0 and int(m_c['dropped']) == 0
+    g_h, m_h = setup['grads'](state, batch, logps, home)
+    np.testing.assert_array_equal(m_c['max_rows_M'], m_h['max_rows_M'])
+    scale = lib.tree_max_abs(g_h)
+    assert scale > 1e-4
+    # Same products, same sums: only XLA's fusion choices may round apart.
+    tol = (2 * M * F32_UNIT if state is state_f else BF16_EPS) * scale
+    for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_h)):
+      assert float(jnp.abs(a - b).max()) <= tol
+  g_c, m_c = setup['grads'](state_f, batch, logps, canon)
+  g_m, m_m = setup['grads'](state_f, batch, logps, setup['plan'])
+  np.testing.assert_allclose(m_c['loss'], m_m['loss'], rtol=1e-5,
+                             atol=1e-6 * float(m_m['adv_abs_mean']))
+  scale = lib.tree_max_abs(g_m)
+  for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_m)):
+    assert float(jnp.abs(a - b).max()) <= 1e-5 * scale
+  # bf16 compute, float32 sums over the micro-steps (see the slot test).
+  g_acc, _ = setup['grads'](state_b, batch, logps, canon)
+  per_step = []
+  for i in range(M):
+    keep = (np.arange(M) == i).astype(np.float32)[:, None, None]
+    only = dict(batch, loss_mask_MbT=batch['loss_mask_MbT'] * keep)
+    per_step.append(_leaves64(setup['grads'](state_b, only, logps, canon)[0]))
+  for got, parts in zip(_leaves64(g_acc), zip(*per_step)):
+    exact = np.sum(parts, axis=0)
+    bound = 2 * M * F32_UNIT * np.sum(np.abs(parts), axis=0)
+    assert np.all(np.abs(got - exact) <= bound + 1e-30)
+  with pytest.raises(ValueError, match='canonical layout'):
+    setup['grads'](state_f, batch, dict(logps, prefill_slots=()), canon)
+
+
 def _per_sample(x_MbT, microbatches_Mb):
   out = np.zeros((lib.NUM_SAMPLES,) + x_MbT.shape[2:], np.float64)
   out[np.asarray(microbatches_Mb).ravel()] = np.asarray(
