@@ -230,8 +230,8 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   ('static_capacity'), each method's host output ('planned': {method:
   PlannedStep}) and the config, for the cluster simulator's validation.
   calibration_skews: also time the update with the static layout in the
-  slots (no planner, no moves: the slot path the other methods run) on this batch with its routes replaced by synthetic
-  ones of these skews (`calibrate.skewed_routes`), into
+  slots (no planner, no moves: the slot path the other methods run) on
+  this batch with its routes replaced by synthetic ones of these skews (`calibrate.skewed_routes`), into
   extras['calibration_runs'] (the loads, bucket and median seconds of
   each), timed in each repetition after the methods: data the simulator
   may fit on, disjoint from what it is judged on (the methods' runs on
