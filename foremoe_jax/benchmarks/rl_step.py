@@ -18,7 +18,8 @@ no slots, fill or gradient returns), EPLB from step-level history, EPLB
 fed each micro-step's loads, foresight_split (the step-level plan from the
 step's exact loads plus a per-micro-step token split, no moves: the
 simplest use of the foresight) and ForeMoE. Per method, interleaved over
-repetitions:
+repetitions (each starting at the next method, so none always runs first
+or last):
 update_s, recompute_s, step_s (everything from planning to the updated
 state: step-level planning, recompute, waiting for the plan, update),
 plan_s and plan_wait_s, the micro-step max/mean device load (mean and
@@ -261,7 +262,10 @@ def run(cfg: RLStepBench, log=print, extras: dict | None = None,
   compile_log = compiles_lib.CompileLog().__enter__()
   try:
     for rep in range(cfg.repeats + 1):  # Repetition 0 compiles.
-      for method in METHODS:
+      # Each repetition starts at the next method: none always runs first
+      # (after the calibration runs) or last.
+      first = rep % len(METHODS)
+      for method in METHODS[first:] + METHODS[:first]:
         state = jax.tree.map(jnp.copy, state0)
         jax.block_until_ready(state)
         logps, rplan, planned, plan, (t0, t_plan, t_rec) = planned_step(
