@@ -167,6 +167,10 @@ class Checkpointer:
           dst = os.path.join(aside, f'{step}.{stamp}')
           os.replace(src, dst)
           log(f'moved the unreadable step {step} to {dst}')
+    # The others list the directory only once process 0 has moved them:
+    # a process that reloaded first would still count the moved steps, and
+    # its save of such a step would be refused or race the move.
+    distributed.max_over_processes(0)
     self._mgr.reload()
 
   def steps(self) -> list[int]:

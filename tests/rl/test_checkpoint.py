@@ -73,3 +73,27 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
 def test_empty_directory_restores_nothing(tmp_path):
   assert checkpoint.Checkpointer(str(tmp_path)).restore_latest(
       _tree(0.0)) is None
+
+
+def test_set_aside_waits_for_process_0_before_listing_again(tmp_path,
+                                                            monkeypatch):
+  """In a multi-process run process 0 moves the unreadable steps; every
+  process reloads the directory only after the barrier that follows the
+  move (else it would still list them)."""
+  d = str(tmp_path)
+  ckpt = checkpoint.Checkpointer(d, max_to_keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _tree(float(step)), phase='rl')
+  _truncate_item(d, 2, 'params')
+  events = []
+  resumed = checkpoint.Checkpointer(d)
+  reload = resumed._mgr.reload  # pylint: disable=protected-access
+  monkeypatch.setattr(resumed._mgr, 'reload',  # pylint: disable=protected-access
+                      lambda: (events.append('reload'), reload())[1])
+  monkeypatch.setattr(checkpoint.distributed, 'max_over_processes',
+                      lambda x: (events.append('barrier'), x)[1])
+  real_replace = os.replace
+  monkeypatch.setattr(checkpoint.os, 'replace', lambda a, b: (
+      events.append('move'), real_replace(a, b))[1])
+  assert resumed.restore_latest(_tree(0.0), log=lambda _: None)['step'] == 1
+  assert events == ['move', 'barrier', 'reload']
