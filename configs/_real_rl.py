@@ -33,7 +33,8 @@ docstring says what and why). SMOKE_COMMON, field by field:
       word-problem template, no chat template (that BPE has none).
   `task_kwargs.max_prompt_len`, `task_kwargs.max_completion_len` -> 48, 16:
       the word problems fit; decode and the update scale with them.
-  `task_kwargs.reward_workers` -> 0: two cores, no spare for workers.
+  `task_kwargs.reward_workers`, `task_kwargs.reward_timeout_s` -> 0, off:
+      two cores, no spare for workers (and a time limit needs them).
   `rl.steps` -> 2: the second step reuses the compiled programs, or
       compiles a new capacity bucket (Mixtral's did), which one step never
       shows.
@@ -83,6 +84,7 @@ SMOKE_COMMON = {
     'task_kwargs.max_prompt_len': 48,
     'task_kwargs.max_completion_len': 16,
     'task_kwargs.reward_workers': 0,
+    'task_kwargs.reward_timeout_s': 0.0,
     'rl.steps': 2,
     'rl.prompts_per_step': 4,
     'rl.num_generations': 2,
@@ -144,6 +146,9 @@ def full_config(model: ml_collections.ConfigDict, *, num_data: int,
       # math-verify runs per completion on the host, in every process; 4
       # workers per process leave cores to the host code on an 8-GPU node.
       reward_workers=4,
+      # A verifier call past 30 s (sympy on an adversarial expression) is
+      # stopped and scores 0; math-verify's own 5 s limits cover most.
+      reward_timeout_s=30.0,
       # The warm start (off here: a pretrained checkpoint) trains on the
       # solution only, as SFT on GSM8K does.
       sft_prompt_loss=False,

@@ -40,6 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
       max_completion_len=16,  # EOS included.
       shuffle_seed=0,
       reward_workers=0,  # >0: the verifier runs in that many processes.
+      # > 0 (with workers): a verifier call past it is stopped, scores the
+      # bottom of reward_range.
+      reward_timeout_s=0.0,
       sft_prompt_loss=False,  # Warm start also on the prompt's tokens.
   ))
   c.eval_prompts = 256

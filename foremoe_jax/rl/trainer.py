@@ -645,6 +645,11 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
   rewards = score(ctx, prompts, ro)
   t_scored = time.perf_counter()
   score_s = t_scored - t_score
+  reward_timeouts = ctx.task.last_reward_timeouts
+  if reward_timeouts and distributed.is_primary():
+    lo = ctx.task.reward_range[0]
+    print(f'step {step + 1}: {reward_timeouts} verifier call(s) ran past '
+          f'task_kwargs.reward_timeout_s and scored {lo:g}', flush=True)
   batch['rewards_B'] = distributed.global_array(
       np.asarray(rewards, np.float32), NamedSharding(ctx.mesh, P()))
   # Each process plans against its own clock: one that missed the deadline
@@ -664,6 +669,8 @@ def rl_iteration(ctx: RLContext, state, step: int, rng, key):
       phase='rl', reward_mean=float(rewards.mean()),
       reward_std=float(rewards.std()), kl=float(m['kl']),
       reward_count=int(rewards.size),  # n of reward.png's interval of the mean
+      # Verifier calls stopped at the task's time limit (scored its lowest).
+      reward_timeouts=int(reward_timeouts),
       loss=float(m['loss']), clip_frac=float(m['clip_frac']),
       # Share of tokens (sequences, for GSPO) the dual-clip capped; 0 when off.
       dual_clip_frac=float(m['dual_clip_frac']),

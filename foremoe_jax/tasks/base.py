@@ -102,6 +102,12 @@ class Task(abc.ABC):
     """Lowest and highest reward the verifier gives (plots clip to it)."""
     return (0.0, 1.0)
 
+  @property
+  def last_reward_timeouts(self) -> int:
+    """Verifier calls the last `reward` stopped at its time limit (their
+    completions scored the bottom of `reward_range`); 0 without a limit."""
+    return 0
+
   def references(self, prompts_NP: np.ndarray) -> list[str]:
     """The reference answer of each prompt row, as text (for logs)."""
     raise NotImplementedError

@@ -34,7 +34,9 @@ start. What differs:
   * `reward` decodes each completion to text (up to its EOS) and calls the
     verifier `reward` names (`tasks.rewards`: 'math' for math-verify,
     'exact_match', 'numeric', a registered name or 'pkg.module:function'),
-    in `reward_workers` spawned processes when that is > 0 (`RewardPool`).
+    in `reward_workers` spawned processes when that is > 0 (`RewardPool`);
+    with `reward_timeout_s` > 0 (workers needed) a call that runs longer is
+    stopped and its completion scores the bottom of `reward_range`.
 
 The reference answer of each prompt is kept in a table keyed by the prompt's
 ids, built when the files are read, which is how `reward` finds it from the
@@ -134,6 +136,7 @@ class DatasetTask(Task):
                reward_range: tuple[float, float] = (0.0, 1.0),
                max_prompt_len: int = 64, max_completion_len: int = 32,
                shuffle_seed: int = 0, reward_workers: int = 0,
+               reward_timeout_s: float = 0.0,
                sft_prompt_loss: bool = False):
     if not tokenizer_path:
       raise ValueError('a tokenizer is required (tokenizer_path: a '
@@ -167,8 +170,10 @@ class DatasetTask(Task):
       raise ValueError(str(e)) from None
     self.reward_fn = rewards_lib.get_reward(reward)
     self._reward_name = reward
-    self._scorer = reward_pool.RewardPool(self.reward_fn, reward_workers)
     self._reward_range = (float(reward_range[0]), float(reward_range[1]))
+    self._scorer = reward_pool.RewardPool(
+        self.reward_fn, reward_workers, timeout_s=reward_timeout_s or None,
+        timeout_score=self._reward_range[0])
     self._prompt_len, self._completion_len = max_prompt_len, max_completion_len
     self._template, self._system = prompt_template, system_prompt or None
     # A JSON object on the command line ('{"enable_thinking": false}').
@@ -403,6 +408,10 @@ class DatasetTask(Task):
       texts = [rewards_lib.answer_after_marker(t, self._marker)
                if self._marker in t else t for t in texts]
     return np.array(self._scorer(texts, refs), np.float32)
+
+  @property
+  def last_reward_timeouts(self) -> int:
+    return self._scorer.last_timeouts
 
   def close(self) -> None:
     self._scorer.close()

@@ -384,6 +384,17 @@ def test_reward_workers_give_the_in_process_rewards(data):
     task.close()
   np.testing.assert_array_equal(got[1], got[0])
   np.testing.assert_array_equal(got[0], np.arange(12) % 2)
+  assert tasks[1].last_reward_timeouts == 0
+
+
+def test_reward_timeout_scores_the_bottom_of_the_range(data):
+  task = make(data, reward='math', reward_range=(-1.0, 1.0), reward_workers=1,
+              reward_timeout_s=2.5)
+  assert (task._scorer.timeout_s, task._scorer.timeout_score) == (2.5, -1.0)  # pylint: disable=protected-access
+  task.close()
+  assert make(data)._scorer.timeout_s is None  # 0: no limit.  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match='reward_workers >= 1'):
+    make(data, reward_timeout_s=2.5)
 
 
 def test_chat_template_kwargs_reach_the_template(data, tmp_path):

@@ -1,7 +1,9 @@
-"""RewardPool: worker processes give the in-process scores, in order, and
-survive the signals a preempted job's process group gets."""
+"""RewardPool: worker processes give the in-process scores, in order,
+survive the signals a preempted job's process group gets, and stop a call
+that runs past the time limit without losing the others."""
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -27,8 +29,8 @@ def test_workers_score_like_the_process_itself_in_order():
     assert pool(texts, refs) == want  # math agrees with numeric here.
     # Workers ignore SIGINT (a Ctrl-C reaches the whole process group): the
     # pool still scores afterwards.
-    for pid in list(pool._executor._processes):  # pylint: disable=protected-access
-      os.kill(pid, signal.SIGINT)
+    for w in pool._workers:  # pylint: disable=protected-access
+      os.kill(w.process.pid, signal.SIGINT)
     assert pool(texts[:5], refs[:5]) == want[:5]
   finally:
     pool.close()
@@ -56,3 +58,41 @@ def test_benchmark_workload_and_body():
   assert res['completions'] == 6 and [w['workers'] for w in res['workers']] \
       == [2]
   assert res['in_process_step_s'] > 0 and res['workers'][0]['step_s'] > 0
+
+
+def misbehaving_reward(text: str, ref: str) -> float:
+  """Hangs on 'hang', raises on 'raise', exits on 'die'; else exact match.
+  (Top level: the workers import it by name.)"""
+  if text == 'hang':
+    time.sleep(600)
+  if text == 'raise':
+    raise ZeroDivisionError('boom')
+  if text == 'die':
+    os._exit(3)  # pylint: disable=protected-access
+  return float(text == ref)
+
+
+def test_a_call_past_the_time_limit_is_stopped_and_scored_low():
+  pool = RewardPool(misbehaving_reward, 2, timeout_s=1.0, timeout_score=-1.0)
+  try:
+    texts = ['a', 'hang', 'b', 'x', 'hang', 'c', 'd']
+    refs = ['a', 'z', 'b', 'y', 'q', 'c', 'd']
+    t0 = time.monotonic()
+    assert pool(texts, refs) == [1.0, -1.0, 1.0, 0.0, -1.0, 1.0, 1.0]
+    # Two limits of 1 s, a replacement worker's start-up, never the 600 s.
+    assert time.monotonic() - t0 < 60
+    assert pool.last_timeouts == 2 and pool.num_timeouts == 2
+    # The stopped workers were replaced: the next call scores as usual.
+    assert pool(['a', 'b'], ['a', 'a']) == [1.0, 0.0]
+    assert pool.last_timeouts == 0 and pool.num_timeouts == 2
+    with pytest.raises(RuntimeError, match='(?s)completion 1.*ZeroDivision'):
+      pool(['a', 'raise'], ['a', 'b'])
+    with pytest.raises(RuntimeError, match=r'exited \(code 3\)'):
+      pool(['die'], ['x'])
+    assert pool(['a'], ['a']) == [1.0]  # Restarted after each failure.
+  finally:
+    pool.close()
+  with pytest.raises(ValueError, match='reward_workers >= 1'):
+    RewardPool(misbehaving_reward, 0, timeout_s=1.0)
+  with pytest.raises(ValueError, match='> 0'):
+    RewardPool(misbehaving_reward, 1, timeout_s=0.0)
