@@ -134,6 +134,15 @@ def test_greedy_deterministic_and_equals_full_forward_argmax(setup):
   tokens_BT = recompute_fn(setup.state, np.repeat(setup.prompts_NP, 2, axis=0),
                            jax.random.key(0))
   np.testing.assert_array_equal(tokens_BT, r1.tokens_BT)
+  # ... and so does its prefix form, whatever the width step (one that
+  # leaves a last width short of the buffer's multiple, one of a column).
+  for bucket in (1, 5, 8):
+    prefix_fn = jax.jit(functools.partial(
+        recompute.recompute_decode, setup.graphdef, params=smp.params,
+        bucket=bucket))
+    np.testing.assert_array_equal(
+        prefix_fn(setup.state, np.repeat(setup.prompts_NP, 2, axis=0),
+                  jax.random.key(0)), r1.tokens_BT)
   # One compile per shape: the second call reused the first's executables.
   assert smp._decode._cache_size() == 1 and smp._prefill._cache_size() == 1
 
