@@ -81,7 +81,8 @@ class MemoryBreakdown:
   #                      carried sums and the new sums a micro-step's
   #                      backward writes (their cotangent,
   #                      `engine.returns_in_backward`)
-  slot_weights: float  # two copies of the slot buffers (moved dtype)
+  slot_weights: float  # two copies of the slot buffers (moved dtype); one
+  # of the home experts on the canonical layout
   slot_grads: float  # float32 slot gradient sums
   microstep_grads: float  # one micro-step's float32 gradients of the
   #                         non-expert parameters and the slots, fresh
@@ -109,7 +110,8 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
                   compute_bytes: int | None = None,
                   step_rounds: int | None = None,
                   microstep_rounds: int = 2,
-                  flush: str = 'auto') -> MemoryBreakdown:
+                  flush: str = 'auto',
+                  canonical: bool = False) -> MemoryBreakdown:
   """Per-device bytes of the update (module docstring).
 
   ep: EP devices (experts per device E / ep). capacity_rows: the exact
@@ -118,7 +120,10 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   compute_bytes: the compute dtype's size (default: the model's param
   dtype, bf16 in the real configs). step_rounds, microstep_rounds, flush:
   the transfer budget (default: the trainer's, step_rounds = ep) and the
-  flush's form (`transfer.schedule.flush_form`).
+  flush's form (`transfer.schedule.flush_form`). canonical: static EP's
+  update on the canonical layout (`rl.step.CanonicalLayout`): one compute
+  copy of the home experts in place of the slots (and no slot gradients
+  beside the home sums, no exchange buffers, no transfer schedule).
   """
   cb = model.bytes_per_param if compute_bytes is None else compute_bytes
   tokens = work.tokens_per_device
@@ -129,7 +134,9 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   gathered = nonexp * F32 if fsdp_shards > 1 else 0.0
   experts_here = model.num_moe_layers * (model.num_experts // ep)
   expert_params = experts_here * model.params_per_expert
-  slot_params = model.num_moe_layers * slots_per_device * model.params_per_expert
+  slot_params = model.num_moe_layers * (
+      model.num_experts // ep if canonical else slots_per_device
+  ) * model.params_per_expert
   # Backward keeps: per layer its input residual ('full' remat) or, without
   # remat, the block's activations too (attention q, k, v, output, the FFN
   # input and the expert rows' g, u and product).
@@ -181,13 +188,17 @@ def update_memory(model: ModelShape, work: Workload, *, ep: int,
   schedule = model.num_moe_layers * (rows(r_step, 'fill')
                                      + rows(r_step, 'flush')
                                      + m * rows(microstep_rounds))
+  if canonical:
+    exchange = schedule = 0
   return MemoryBreakdown(
       nonexpert_state=nonexpert_state, nonexpert_grads=nonexpert_grads,
       nonexpert_gathered=gathered,
       expert_state=expert_params * _STATE_BYTES_PER_PARAM,
       expert_grads=2 * expert_params * F32,
-      slot_weights=2 * slot_params * model.bytes_per_param,
-      slot_grads=slot_params * F32,
+      # Two buffers (double-buffered moves); the canonical layout's one copy.
+      slot_weights=(1 if canonical else 2) * slot_params
+      * model.bytes_per_param,
+      slot_grads=0 if canonical else slot_params * F32,
       microstep_grads=(nonexp + slot_params) * F32,
       saved_activations=saved, layer_transient=layer_transient,
       logp_transient=logp_transient, batch=batch, exchange_buffers=exchange,

@@ -81,6 +81,10 @@ class MethodPlan:
   # (the trainer picks one mode's; empty: counted in plan_s already).
   bucket_s: dict = dataclasses.field(default_factory=dict)
   recompute_bucket_s: dict = dataclasses.field(default_factory=dict)
+  # Static EP's update on the canonical layout (`rl.step.CanonicalLayout`,
+  # as the trainer runs it): no slots, fill, moves or returns; `transfer`
+  # is then the home placement's, unused.
+  canonical: bool = False
   # The deadline the update's plan ran under (None: none), and what missed
   # it: layers that took the recompute's step-level plan instead.
   deadline_s: float | None = None
@@ -214,7 +218,8 @@ def _plan_methods(loads_MLDE, history_LE, topo, cost, budget, methods, config,
     planner.history_LE = history_LE
     try:
       mp = MethodPlan(None, None, None, static_cap, 0, 0.0,
-                      recompute_capacity=static_cap)
+                      recompute_capacity=static_cap,
+                      canonical=method == 'static')
       start_LS = None
       # As the trainer orders it (`rl.trainer`): the recompute's step-level
       # plan first, then the update's plan, submitted under the deadline
@@ -407,6 +412,21 @@ def _fill_s(transfer, model, hw, num_dev, num_layers, spd,
     local_D += (fill.local_src_LS[l].reshape(num_dev, spd) >= 0).sum(axis=1)
   return float(_transition_s(fill, model, hw, num_dev)[layers_L].sum()
                + costs.local_copy_time(local_D, model, hw))
+
+
+def canonical_cast_s(model: ModelShape, hw: HardwareProfile,
+                     num_layers: int, num_home: int) -> float:
+  """Static EP on the canonical layout: its home experts cast once a step
+  into their compute copies (`rl.step.update_grads`), a local copy each."""
+  return costs.local_copy_time(np.array([num_layers * num_home]), model, hw)
+
+
+def canonical_sum_s(model: ModelShape, hw: HardwareProfile, num_layers: int,
+                    num_home: int) -> float:
+  """Static EP on the canonical layout, per micro-step: the home experts'
+  float32 gradient sums (read the sum and the new gradient, write the
+  sum), its only bookkeeping (no slots to flush, nothing to return)."""
+  return num_layers * num_home * 3 * model.params_per_expert * 4 / hw.hbm_bw
 
 
 def empty_slots_s(model: ModelShape, hw: HardwareProfile, num_layers: int,
@@ -662,25 +682,29 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
   # Moves into micro-step m + 1: where they run in m's layer steps (fills
   # in its forward, the evicted replicas' returns in its backward), each
   # layer's hides under its own step; elsewhere nothing hides them.
-  steps = mp.transfer.steps
-  in_layers = moves_in_layers(steps, hw)
-  overlap = move_overlap(mp.transfer, hw)
   move_M = np.zeros(num_micro)
   hidden_M = np.zeros(num_micro)
-  for m in range(num_micro - 1):
-    fill_L = _transition_s(steps, model, hw, num_dev, (m,), returns=False)
-    ret_L = _transition_s(steps, model, hw, num_dev, (m,), fills=False)
-    move_M[m] = fill_L.sum() + ret_L.sum()
-    if in_layers:
-      hidden_M[m] = (np.minimum(fill_L, overlap * fwd_window_M[m]).sum()
-                     + np.minimum(ret_L, overlap * bwd_window_M[m]).sum())
+  if mp.canonical:
+    fill_s, flush_s, flush_exposed_s = canonical_cast_s(
+        model, hw, num_layers, num_experts // num_dev), 0.0, 0.0
+  else:
+    steps = mp.transfer.steps
+    in_layers = moves_in_layers(steps, hw)
+    overlap = move_overlap(mp.transfer, hw)
+    for m in range(num_micro - 1):
+      fill_L = _transition_s(steps, model, hw, num_dev, (m,), returns=False)
+      ret_L = _transition_s(steps, model, hw, num_dev, (m,), fills=False)
+      move_M[m] = fill_L.sum() + ret_L.sum()
+      if in_layers:
+        hidden_M[m] = (np.minimum(fill_L, overlap * fwd_window_M[m]).sum()
+                       + np.minimum(ret_L, overlap * bwd_window_M[m]).sum())
+    fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
+    if not mp.prefilled:  # The update's fill starts from empty buffers.
+      fill_s += empty_slots_s(model, hw, num_layers, spd)
+    flush_L = _transition_s(mp.transfer.flush, model, hw, num_dev)
+    flush_s, flush_exposed_s = flush_exposed(flush_L, bwd_window_M[-1],
+                                             overlap)
   exposed_M = move_M - hidden_M
-  fill_s = _fill_s(mp.transfer, model, hw, num_dev, num_layers, spd)
-  if not mp.prefilled:  # The update's fill starts from empty buffers.
-    fill_s += empty_slots_s(model, hw, num_layers, spd)
-  flush_L = _transition_s(mp.transfer.flush, model, hw, num_dev)
-  flush_s, flush_exposed_s = flush_exposed(flush_L, bwd_window_M[-1],
-                                           overlap)
   groups = work.num_devices // num_dev
   expert_params = (model.num_moe_layers * model.params_per_expert
                    * num_experts / num_dev)
@@ -696,9 +720,11 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
             * (1.5 if shards > 1 else 1.0)
             + (costs.allreduce_time(4.0 * expert_params, groups, hw,
                                     stride=num_dev) if groups > 1 else 0.0))
-  hook_s = num_micro * flush_hook_time(mp.transfer.flush, model, hw, spd,
-                                       num_experts // num_dev,
-                                       moves=mp.transfer.steps)
+  hook_s = num_micro * (
+      canonical_sum_s(model, hw, num_layers, num_experts // num_dev)
+      if mp.canonical else
+      flush_hook_time(mp.transfer.flush, model, hw, spd,
+                      num_experts // num_dev, moves=mp.transfer.steps))
   update_s = float(fill_s + (compute_M + a2a_M + exposed_M).sum()
                    + flush_exposed_s + hook_s + optimizer_s + sync_s)
   rec = recompute_time(mp, loads_MLDE, model, work, hw, mode)
@@ -717,7 +743,7 @@ def time_step(mp: MethodPlan, loads_MLDE, model: ModelShape, work: Workload,
       capacity_rows=(mp.capacity[mode] if mode == 'exact'
                      else num_dev * mp.capacity[mode]),
       remat_policy=work.remat_policy, fsdp_shards=shards,
-      **_exchange_rows(mp.transfer))
+      canonical=mp.canonical, **_exchange_rows(mp.transfer))
   return dict(
       update_s=update_s, recompute_s=recompute_s, plan_s=plan_s,
       recompute_plan_s=recompute_plan_s, plan_wait_s=plan_wait_s,

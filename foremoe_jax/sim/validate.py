@@ -58,8 +58,10 @@ CALIBRATION_SKEWS = (0.0, 0.2, 0.4, 0.6)
 # (`recompute_alone_s`), and every repetition's seconds kept. 9: EPLB-step's
 # even split leaves a packing's filler copies idle (`split.uniform_flows`);
 # the exposed transfer's idle twin keeps the local work, and EPLB-step's
-# recompute alone runs the timed plan (benchmarks/rl_step.py).
-CACHE_FORMAT = 9
+# recompute alone runs the timed plan (benchmarks/rl_step.py). 10: static EP
+# updates on the canonical layout (no slots), and the methods' order
+# rotates over repetitions.
+CACHE_FORMAT = 10
 
 
 def _static_plan(loads_MLDE, capacity: int, topo, cost) -> simulate.MethodPlan:
@@ -281,7 +283,8 @@ def validate(bench: rl_step.RLStepBench = rl_step.RLStepBench(repeats=3),
         recompute_plan_s=measured['methods'][method]['recompute_plan_s'],
         # Whether the bench's recompute prefilled the update's slots (its
         # fill then starts from them).
-        prefilled=extras['prefilled'][method])
+        prefilled=extras['prefilled'][method],
+        canonical=method == 'static')  # As the bench's update runs it.
   runs = extras['calibration_runs']
   fit_buckets, judged = held_out_buckets(runs, extras)
   update_fit = refit_compute(kernels, runs, topo, cost, model, work)

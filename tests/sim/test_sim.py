@@ -418,6 +418,33 @@ def test_recompute_runs_the_passes_on_its_placement_by_hand():
       0.25 + one['recompute_s'] + one['plan_wait_s'] + one['update_s'])
 
 
+def test_static_on_the_canonical_layout_by_hand():
+  """Static EP as the trainer runs it (`CanonicalLayout`): the same compute
+  and exchanges as the home placement in slots, but for transfer only the
+  home experts' cast into their compute copies, and per micro-step their
+  f32 gradient sums; one copy of them in memory, no slot gradients,
+  exchange buffers or schedule."""
+  topo = Topology(1, 2, 3)
+  loads, static, _ = _hot_expert_plans(topo)
+  slots = simulate.time_step(static, loads, MODEL, _work(), HW)
+  static.canonical = True
+  canon = simulate.time_step(static, loads, MODEL, _work(), HW)
+  ppe = 3 * 8 * 16
+  # 2 home experts, 1 layer, read + write of 4-byte weights at 1e15 B/s.
+  assert canon['fill_s'] == pytest.approx(2 * 2 * ppe * 4 / 1e15)
+  assert canon['flush_s'] == canon['moves_s'] == 0.0
+  assert canon['flush_hook_s'] == pytest.approx(2 * 2 * 3 * ppe * 4 / 1e15)
+  for k in ('moe_compute_s', 'all_to_all_s', 'optimizer_s', 'grad_sync_s'):
+    assert canon[k] == slots[k]
+  assert canon['update_s'] == pytest.approx(
+      slots['update_s'] - slots['transfer_exposed_s'] - slots['flush_hook_s']
+      + canon['fill_s'] + canon['flush_hook_s'])
+  mem = canon['memory']
+  assert mem['slot_weights'] == 2 * ppe * 4 and mem['slot_grads'] == 0
+  assert mem['exchange_buffers'] == mem['transfer_schedule'] == 0
+  assert mem['microstep_grads'] == (MODEL.nonexpert_params() + 2 * ppe) * 4
+
+
 def test_emulated_exchange_moves_the_per_cell_bound():
   """On CPU every pair moves tokens * min(top_k, s) rows whatever the
   placement: the same all-to-all time for a hot expert and for none."""
