@@ -2,8 +2,8 @@
 
 Sits inside a task's `reward`: a list of (completion text, reference) pairs
 in, one float each out, in order. With `num_workers=0` the calls run in this
-process, one after another; with N > 0 they run in N spawned processes, one
-completion at a time per worker. math-verify parses and compares with sympy
+process, one after another; with N > 0 they run in N spawned processes,
+each sent a few completions at a time. math-verify parses and compares with sympy
 at a few ms a completion, so a step of 1024 long completions costs seconds
 on one core; verl and TRL run their reward functions in workers for the same
 reason.
@@ -15,9 +15,11 @@ worker (the only way to stop arbitrary code, C extensions included; the
 worker is replaced), and the completion scores `timeout_score` (a task
 passes the bottom of its reward range: a verifier that cannot decide has
 not been convinced). `last_timeouts` / `num_timeouts` count them for the
-step's record. One worker per call in flight makes the clock exact: it
-starts when the worker takes the completion, not when it was queued, and a
-worker still starting up (spawn, imports) is not sent work.
+step's record. A worker returns each score as it has it and starts on its
+next completion at once, so a call's clock starts at the previous one's
+score (or at the send): it counts the call itself, not the queue, and a
+worker still starting up (spawn, imports) is not sent work. The
+completions queued behind a stopped call go to the other workers.
 
 Workers are started with 'spawn' (forking a process that runs JAX threads
 is unsafe) and ignore SIGINT and SIGTERM: a Ctrl-C or a scheduler's signal
@@ -44,6 +46,7 @@ from typing import Callable, Sequence
 RewardFn = Callable[[str, str], float]
 
 _READY = 'ready'  # A worker's first message: it can take completions.
+_MAX_BATCH = 8  # Completions sent to a worker at once.
 
 
 def _ignore_signals():
@@ -57,8 +60,9 @@ def _score_all(fn: RewardFn, texts: Sequence[str], refs: Sequence[str]
 
 
 def _worker_main(conn, fn: RewardFn) -> None:
-  """A worker's loop: (index, text, reference) in, (index, score, error
-  text or None) out, until None or the pipe closes."""
+  """A worker's loop: a list of (index, text, reference) in, one (index,
+  score, error text or None) out per item as it is scored, until None or
+  the pipe closes."""
   _ignore_signals()
   conn.send(_READY)
   while True:
@@ -68,11 +72,11 @@ def _worker_main(conn, fn: RewardFn) -> None:
       return
     if msg is None:
       return
-    i, text, ref = msg
-    try:
-      conn.send((i, float(fn(text, ref)), None))
-    except Exception:  # pylint: disable=broad-except
-      conn.send((i, None, traceback.format_exc()))
+    for i, text, ref in msg:
+      try:
+        conn.send((i, float(fn(text, ref)), None))
+      except Exception:  # pylint: disable=broad-except
+        conn.send((i, None, traceback.format_exc()))
 
 
 @dataclasses.dataclass
@@ -80,8 +84,10 @@ class _Worker:
   process: multiprocessing.Process
   conn: multiprocessing.connection.Connection
   ready: bool = False
-  item: int | None = None  # The completion it is scoring.
-  since: float = 0.0  # time.monotonic() when it took it.
+  # The completions sent and not yet scored, the first being scored.
+  items: collections.deque = dataclasses.field(
+      default_factory=collections.deque)
+  since: float = 0.0  # time.monotonic() when it started on items[0].
 
   def stop(self, kill: bool = False) -> None:
     if not kill:
@@ -141,8 +147,8 @@ class RewardPool:
 
   def _died(self, w: _Worker, texts) -> RuntimeError:
     w.process.join(1.0)
-    what = ('while starting' if w.item is None else
-            f'scoring completion {w.item} ({texts[w.item][:200]!r})')
+    what = ('while starting' if not w.items else
+            f'scoring completion {w.items[0]} ({texts[w.items[0]][:200]!r})')
     return RuntimeError(f'a reward worker exited (code {w.process.exitcode}) '
                         f'{what}.')
 
@@ -169,15 +175,20 @@ class RewardPool:
     done = 0
     while done < len(texts):
       for w in self._workers:
-        if w.ready and w.item is None and todo:
-          w.item, w.since = todo.popleft(), time.monotonic()
-          w.conn.send((w.item, texts[w.item], refs[w.item]))
-      busy = [w for w in self._workers if w.item is not None]
+        if w.ready and not w.items and todo:
+          # A few at a time: no round trip between a worker's calls, and
+          # the queue still spreads over the workers at the end.
+          n = max(1, min(_MAX_BATCH, len(todo) // (2 * self.num_workers)))
+          batch = [todo.popleft() for _ in range(n)]
+          w.items.extend(batch)
+          w.since = time.monotonic()
+          w.conn.send([(i, texts[i], refs[i]) for i in batch])
+      busy = [w for w in self._workers if w.items]
       wait_s = None
       if self.timeout_s is not None and busy:
         wait_s = max(0.0, min(w.since for w in busy) + self.timeout_s
                      - time.monotonic())
-      waiting = [w for w in self._workers if w.item is not None or not w.ready]
+      waiting = [w for w in self._workers if w.items or not w.ready]
       ready = multiprocessing.connection.wait([w.conn for w in waiting],
                                               wait_s)
       for w in waiting:
@@ -195,14 +206,17 @@ class RewardPool:
           raise RuntimeError(f'the reward function raised on completion {i} '
                              f'({texts[i][:200]!r}, reference {refs[i]!r}):'
                              f'\n{error}')
-        out[i], w.item, done = score, None, done + 1
+        assert w.items.popleft() == i
+        out[i], w.since, done = score, time.monotonic(), done + 1
       if self.timeout_s is None:
         continue
       now = time.monotonic()
       for k, w in enumerate(self._workers):
-        if w.item is not None and now - w.since >= self.timeout_s:
-          out[w.item], done = self.timeout_score, done + 1
+        if w.items and now - w.since >= self.timeout_s:
+          out[w.items.popleft()], done = self.timeout_score, done + 1
           self.last_timeouts += 1
+          todo.extendleft(reversed(w.items))  # Not started: to the others.
+          w.items.clear()
           w.stop(kill=True)
           self._workers[k] = self._spawn()
     self.num_timeouts += self.last_timeouts
@@ -212,4 +226,4 @@ class RewardPool:
     """Stops the workers (they start again on the next call)."""
     workers, self._workers = self._workers, []
     for w in workers:
-      w.stop(kill=kill or w.item is not None)
+      w.stop(kill=kill or bool(w.items))
