@@ -66,8 +66,11 @@ def test_each_results_file_names_its_command_and_machine():
 
 def _sampler_result(speedup):
   return dict(batch=64, new_tokens=256, cached_tok_s=1000.0 * speedup,
-              cached_no_record_tok_s=1030.0 * speedup, recompute_tok_s=1000.0,
-              speedup=speedup, routing_record_overhead=0.037,
+              cached_no_record_tok_s=1030.0 * speedup,
+              recompute_prefix_tok_s=1000.0, prefix_bucket=16,
+              recompute_tok_s=500.0, speedup=speedup,
+              speedup_vs_whole_buffer=2 * speedup, recompute_agreement=1.0,
+              recompute_prefix_agreement=1.0, routing_record_overhead=0.037,
               routing_record_bytes=67000, routing_record_dtype='int8',
               target_speedup=5.0, target_overhead=0.1)
 

@@ -296,18 +296,21 @@ def test_workload_shapes():
 
 
 def test_grid_smoke_balanced_beats_static():
-  """A small grid end to end: ForeMoE never predicts a slower update than
-  static EP on a skewed trace, and every row carries its speedups."""
+  """A small grid end to end: ForeMoE predicts a faster update than static
+  EP on a skewed trace of a few thousand tokens a micro-step, and every row
+  carries its speedups. (At 256 tokens static's canonical layout wins: the
+  slots' bookkeeping, 0.32 s of flush hooks at Mixtral's experts, outweighs
+  what balance saves, and the plan keeps the experts home.)"""
   from foremoe_jax.sim import cluster  # pylint: disable=import-outside-toplevel
   rows = cluster.run_grid(
       models=('mixtral_8x7b',), device_counts=(8,), profiles=(hardware.H100,),
       modes=('exact',), work_kwargs=dict(num_microsteps=2,
                                           seqs_per_microbatch=1,
-                                          tokens_per_seq=256),
+                                          tokens_per_seq=4096),
       log=lambda *a: None)
   assert {r['method'] for r in rows} == set(simulate.METHODS)
   fore = cluster.find(rows, method='foremoe')
-  assert fore['speedup_update_vs_static'] >= 1.0
+  assert fore['speedup_update_vs_static'] > 1.1
   assert fore['update_s'] == pytest.approx(
       fore['fill_s'] + fore['flush_s'] + fore['moe_compute_s']
       + fore['all_to_all_s'] + fore['nonexpert_s'] + fore['transfer_exposed_s']
