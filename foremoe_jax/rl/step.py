@@ -102,6 +102,21 @@ def model_capacity(plan):
   return (plan.capacity, plan.cell)
 
 
+def _as_layout(plan) -> CanonicalLayout:
+  """A CanonicalLayout as given, or built from its capacity (None:
+  dropless)."""
+  return plan if isinstance(plan, CanonicalLayout) else CanonicalLayout(plan)
+
+
+def _zero_sums(tree):
+  """float32 zeros shaped as `tree`: gradient sums to accumulate into."""
+  return jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), tree)
+
+
+def _add_sums(sums, grads):
+  return jax.tree.map(lambda x, y: x + y.astype(x.dtype), sums, grads)
+
+
 def make_step_plan(placement: placement_lib.Placement, num_experts: int,
                    topo, budget, capacity: int | None = None,
                    cell: int | None = None) -> StepPlan:
@@ -440,8 +455,7 @@ def recompute_logps(state: TrainState, batch: dict, plan=None, *,
   if isinstance(plan, StepPlan):
     placement, transfer = plan.placement, plan.transfer
   else:
-    if not isinstance(plan, CanonicalLayout):
-      plan = CanonicalLayout(plan)
+    plan = _as_layout(plan)
     placement, transfer = None, None
   capacity = model_capacity(plan)
   if prefill and placement is None:
@@ -545,8 +559,7 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan,
   _check_rows(batch, mesh)
   canonical = not isinstance(plan, StepPlan)
   if canonical:
-    if not isinstance(plan, CanonicalLayout):
-      plan = CanonicalLayout(plan)
+    plan = _as_layout(plan)
     if 'prefill_slots' in logps:
       raise ValueError('the recompute prefilled slots for a StepPlan; the '
                        'canonical layout has none to start from.')
@@ -695,8 +708,6 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan,
     slots = transfer_engine.fill_slots_local(start, canon, transfer['fill'],
                                              num_devices=num_devices)
     slots = tuple(ep_lib.vary(w, (DATA,)) for w in slots[:3]) + slots[3:]
-    acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
-    add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
     num_micro = bt['tokens_MbT'].shape[0]
     # The exact exchanges fill micro-step m + 1's slots inside micro-step
@@ -743,18 +754,18 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan,
         next_slots = transfer_engine.fill_slots_local(
             slots, canon, moves, num_devices=num_devices)
       # A slot's gradient has its weights' dtype; it is summed in float32.
-      gslots = add(gslots, tuple(g_slots))
+      gslots = _add_sums(gslots, tuple(g_slots))
       if in_layer:  # The evicted slots' sums went home in the backward.
         gslots = transfer_engine.zero_evicted_local(gslots, moves)
       else:
         gslots, gcanon = transfer_engine.return_grads_local(
             gslots, gcanon, moves, num_devices=num_devices)
-      return (add(g_acc, g), next_slots, gslots, gcanon), metrics
+      return (_add_sums(g_acc, g), next_slots, gslots, gcanon), metrics
 
     # Slot gradients are per data row until the end: so are their sums,
     # summed over 'data' once, after the last micro-step.
-    gcanon0 = tuple(ep_lib.vary(g, (DATA,)) for g in acc(canon))
-    carry = (acc(nonexp_l), slots, acc(slots[:3]), gcanon0)
+    gcanon0 = tuple(ep_lib.vary(g, (DATA,)) for g in _zero_sums(canon))
+    carry = (_zero_sums(nonexp_l), slots, _zero_sums(slots[:3]), gcanon0)
     xs = (bt['tokens_MbT'], bt['valid_MbT'], bt['routes_MLbTK'],
           bt['loss_mask_MbT'], placement, transfer['steps'], ex['adv_Mb'],
           ex.get('old_logp_MbT'), ex.get('ref_logp_MbT'),
@@ -774,8 +785,6 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan,
     canon = tuple(ep_lib.vary(w.astype(slot_dtype), (DATA,)) for w in
                   canonical_experts(experts_l, moe_segments))
     experts_c = replace_experts(experts_l, moe_segments, canon)
-    acc = lambda t: jax.tree.map(lambda x: jnp.zeros_like(x, GRAD_DTYPE), t)
-    add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
     def body(carry, xs):
       g_acc, g_exp = carry
@@ -788,13 +797,13 @@ def update_grads(state: TrainState, batch: dict, logps: dict, plan,
       # Nothing travels: no slot can hold a wrong expert.
       metrics['transfer_id_errors'] = ep_lib.vary(
           jnp.zeros((), jnp.int32), (EXPERT,))
-      return (add(g_acc, g), add(g_exp, g_e)), metrics
+      return (_add_sums(g_acc, g), _add_sums(g_exp, g_e)), metrics
 
     xs = (bt['tokens_MbT'], bt['valid_MbT'], bt['routes_MLbTK'],
           bt['loss_mask_MbT'], ex['adv_Mb'], ex.get('old_logp_MbT'),
           ex.get('ref_logp_MbT'), bt.get('rollout_logp_MbT'))
     (g_acc, g_exp), metrics_M = jax.lax.scan(
-        body, (acc(nonexp_l), acc(experts_c)), xs)
+        body, (_zero_sums(nonexp_l), _zero_sums(experts_c)), xs)
     return reduce_step(g_acc, canonical_experts(g_exp, moe_segments),
                        metrics_M)
 
@@ -979,8 +988,7 @@ class RLStep:
           'the recompute can prefill the update\'s slots only on a StepPlan, '
           'with a forward to run and one update epoch.')
     if not isinstance(plan, StepPlan):
-      plan = (plan if isinstance(plan, CanonicalLayout)
-              else CanonicalLayout(plan))
+      plan = _as_layout(plan)
     out = {}
     if passes['old'] or passes['ref']:
       out = dict(self._recompute(state, batch, plan, prefill=prefill,
