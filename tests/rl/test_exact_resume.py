@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import conftest
 from foremoe_jax import placement as placement_lib
 from foremoe_jax import planner as planner_lib
 from foremoe_jax.utils import tensorboard
@@ -43,8 +44,11 @@ def _env():
   # The runs share the test run's persistent compilation cache (tests/
   # conftest.py, through os.environ): the same programs are compiled once,
   # and a resumed run executes the very programs the uninterrupted one did,
-  # as on one machine.
-  return dict(os.environ, PYTHONPATH=ROOT)
+  # as on one machine. They are bound by running steps, hence the flags
+  # for runs (conftest.CPU_RUN_XLA_FLAGS), the same in all three.
+  return dict(os.environ, PYTHONPATH=ROOT,
+              XLA_FLAGS='--xla_force_host_platform_device_count=8 '
+              + conftest.CPU_RUN_XLA_FLAGS)
 
 
 @pytest.fixture(scope='module')

@@ -4,33 +4,60 @@ import importlib
 import json
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import conftest
 from foremoe_jax.foresight import expert_load
 from foremoe_jax.rl import trainer
 from foremoe_jax.utils import tensorboard
 
 
-def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+# 20 RL steps: two blocks of 10 for the reward's rise, two sample logs, a
+# checkpoint in between (checkpoint_every) and one at the end. Rungs 2x
+# apart, and two pair buckets for the emulated exchange: the balanced
+# steps share one or two update programs instead of compiling one per
+# bucket they touch.
+OVERRIDES = {'task': 'sort', 'warmstart.steps': 100, 'rl.steps': 20,
+             'checkpoint_every': 10, 'eval_prompts': 0,
+             'parallel.capacity_growth': 2.0, 'parallel.cell_growth': 100.0}
+
+
+def _train(workdir, **over):
+  """The main job's command on configs/tiny.py with OVERRIDES; its stdout.
+
+  A subprocess with the flags for runs (conftest.CPU_RUN_XLA_FLAGS): 100
+  warm-start and 20 RL steps are bound by running, not compiling. The
+  runs share the test run's compilation cache, so a resumed run compiles
+  nothing."""
+  flags = [f'--config.{k}={v}' for k, v in {**OVERRIDES, **over}.items()]
+  env = dict(os.environ, PYTHONPATH=ROOT,
+             XLA_FLAGS='--xla_force_host_platform_device_count=8 '
+             + conftest.CPU_RUN_XLA_FLAGS)
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.rl_train', '--config=configs/tiny.py',
+       *flags, f'--workdir={workdir}'], cwd=ROOT, capture_output=True,
+      text=True, timeout=900, env=env)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   cfg = importlib.import_module('configs.tiny').get_config()
-  cfg.task = 'sort'
-  cfg.warmstart.steps = 100
-  # 20 RL steps: two blocks of 10 for the reward's rise, two sample logs,
-  # a checkpoint in between (checkpoint_every) and one at the end.
-  cfg.rl.steps = 20
-  cfg.checkpoint_every = 10
-  cfg.eval_prompts = 0
-  # Rungs 2x apart, and two pair buckets for the emulated exchange: the
-  # balanced steps share one or two update programs instead of compiling
-  # one per bucket they touch.
-  cfg.parallel.capacity_growth = 2.0
-  cfg.parallel.cell_growth = 100.0
+  for k, v in OVERRIDES.items():
+    *path, last = k.split('.')
+    node = cfg
+    for p in path:
+      node = node[p]
+    node[last] = v
   workdir = str(tmp_path)
-  summary = trainer.train(cfg, workdir)
-  out = capsys.readouterr().out
+  out = _train(workdir)
   lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   rl = [l for l in lines if l.get('phase') == 'rl']
   assert len(rl) == 20
@@ -124,8 +151,9 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
 
   # A rerun in the same workdir (as after a crash) resumes from the latest
   # checkpoint: no second warm start, RL continues at step 21.
-  cfg.rl.steps = 21
-  summary = trainer.train(cfg, workdir)
+  out = _train(workdir, **{'rl.steps': 21})
+  assert 'warm start ' not in out
+  summary = json.loads(out.strip().splitlines()[-1])
   steps = [json.loads(l)['step'] for l in open(os.path.join(workdir,
                                                               'metrics.jsonl'))]
   assert steps == list(range(1, 22))
@@ -141,6 +169,7 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
   # Rerunning a finished run changes nothing: no step, no summary of nulls.
   path = os.path.join(workdir, 'summary.json')
   before = open(path, 'rb').read()
+  cfg.rl.steps = 21
   again = trainer.train(cfg, workdir)
   assert again['complete'] and again['step'] == 21
   assert open(path, 'rb').read() == before
