@@ -22,7 +22,6 @@ from pallas_kernels.msa import benchmark_gpu
 from pallas_kernels.msa import gpu_static
 from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import kv_outer
-from pallas_kernels.msa import pallas_path
 
 pytest.importorskip('triton')
 S = jax.ShapeDtypeStruct
@@ -119,19 +118,21 @@ def test_fp8_dots_reach_fp8_tensor_cores_with_the_lowering_fix(monkeypatch):
   assert kernel(bf16).ttir == plain_bf16.ttir
 
 
-def _f32_dkv_kernels():
-  t, g, r, d, c, k = 1024, 2, 16, 128, 128, 8
-  f32 = jnp.float32
+# The bench's shapes, prefill at a shorter length (the kernels' code does
+# not depend on it), decode at its 128k cache and batch 2. The tests
+# below share kernels (compile_sm90 compiles each once a process).
+CFG = benchmark_gpu.GPUBench(tune_len=4096, decode_batch=2)
+F32_LEN = 1024
 
-  def dkv(q, kk, v, sel, lse):
-    return pallas_path.sparse_backward(
-        q, kk, v, sel, jnp.zeros((1,), jnp.int32), None, q, lse, q, None,
-        block_size=c, backend='gpu', interpret=False, parts='dkv')
-  # The dK/dV kernel itself; the per-block sum launch after it is tiny.
-  return [kern for kern in gpu_static.triton_kernels(
-      dkv, S((1, t, g * r, d), f32), S((1, t, g, d), f32),
-      S((1, t, g, d), f32), S((1, g, t, k), jnp.int32),
-      S((1, t, g * r), f32)) if kern.name == 'msa_kv_outer_dkv']
+
+def _f32_dkv_kernels():
+  # The dK/dV kernel itself at gpu-check's f32 site (its tiles' shared
+  # memory depends on the block size and head dim, 128 each, not on the
+  # groups or top-k), whose default tiling the test below compiles too;
+  # the per-block sum launch after it is tiny.
+  fn, args = gpu_static.msa_sites(CFG, f32_len=F32_LEN)['f32 bwd_dkv']
+  return [kern for kern in gpu_static.triton_kernels(fn, *args)
+          if kern.name == 'msa_kv_outer_dkv']
 
 
 def test_the_f32_dkv_tiling_the_h100_refused_is_caught(monkeypatch):
@@ -150,13 +151,10 @@ def test_the_f32_dkv_tiling_the_h100_refused_is_caught(monkeypatch):
 
 
 def test_every_kernel_gpu_check_runs_fits_an_h100():
-  # The bench's shapes at a shorter length (the kernels' code does not
-  # depend on it), without the forward's tune variants (the experiment
-  # compiles those too).
-  cfg = benchmark_gpu.GPUBench(tune_len=4096, decode_lens=(8192,),
-                               decode_batch=2)
+  # Without the forward's tune variants (the experiment compiles those
+  # too).
   sites = {name: site for name, site in gpu_static.msa_sites(
-      cfg, f32_len=1024).items() if '[' not in name}
+      CFG, f32_len=F32_LEN).items() if '[' not in name}
   rows = gpu_static.report(sites)
   summary = gpu_static.summary(rows)
   assert summary['errors'] == [] and summary['over_shared_memory'] == []
@@ -186,7 +184,7 @@ def test_every_kernel_gpu_check_runs_fits_an_h100():
                      for site in ('bwd_dkv', 'bwd_dkv_parts2'))
   assert dkv2['grid'][2] == 2 * dkv['grid'][2]
   assert dkv2['spill_store_bytes'] < dkv['spill_store_bytes']
-  assert main['launches'] == 1 and main['grid'][:2] == [1, cfg.groups]
+  assert main['launches'] == 1 and main['grid'][:2] == [1, CFG.groups]
   # The dK/dV per-block sums: one launch, no spill (it replaced an XLA
   # loop of data-dependent trip count, a host sync per step on a GPU).
   (total,) = [r for r in by_site['bwd_dkv']
@@ -200,7 +198,7 @@ def test_every_kernel_gpu_check_runs_fits_an_h100():
       'msa_kv_outer_combine'}
   (dec,) = [r for r in by_site['decode']
             if r['kernel'] == 'msa_kv_outer_decode']
-  assert dec['grid'] == [cfg.decode_batch, cfg.groups, cfg.top_k]
+  assert dec['grid'] == [CFG.decode_batch, CFG.groups, CFG.top_k]
   assert dec['spill_store_bytes'] == 0
 
 
@@ -223,8 +221,7 @@ def test_decode_topk_takes_only_the_real_rows():
   # scores in registers: w = the G = 4 real rows, one program a sequence.
   # A tile of 8 of the score tile's 16 rows took twice the programs, half
   # on padding, and spilled.
-  cfg = benchmark_gpu.GPUBench(decode_batch=2)
-  (site,) = [v for n, v in gpu_static.msa_sites(cfg).items() if n == 'decode']
+  site = gpu_static.msa_sites(CFG)['decode']
   (topk,) = [kern for kern in gpu_static.triton_kernels(site[0], *site[1])
              if kern.name == 'msa_index_topk']
   assert topk.grid[:2] == (2, 1)
