@@ -27,8 +27,6 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 from absl import flags, logging  # pylint: disable=g-import-not-at-top
 
 from foremoe_jax import config as config_lib
-from foremoe_jax import hf
-from foremoe_jax.rl import trainer
 from foremoe_jax.utils import cli, distributed, host_memory
 from foremoe_jax.utils.preemption import PreemptionGuard
 from foremoe_jax.utils.run_info import print_run_info
@@ -50,8 +48,12 @@ def main(argv):
   if config.get('init_from_hf'):
     # The checkpoint fixes the architecture (as the trainer applies it), so
     # the checks and the printed config are those of the model that runs.
+    from foremoe_jax import hf  # pylint: disable=g-import-not-at-top
     config.model = hf.model_config_from_hf(config.init_from_hf, config.model)
   config_lib.validate_config(config)  # Before any work (cli.run).
+  # jax and the model load after the checks: a bad flag or config is its
+  # line at once, not after the seconds these imports take.
+  from foremoe_jax.rl import trainer  # pylint: disable=g-import-not-at-top
   # One of several processes (experiments.launch, a cluster): join them
   # before any jax work; a no-op when run alone.
   distributed.initialize_from_env()
