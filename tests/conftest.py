@@ -55,16 +55,15 @@ def _jaxlib_before(major: int, minor: int) -> bool:
 # 4.3 s -> 2.8 s to compile, the same 0.3 s to run; tests/rl/test_step.py
 # with tests/model/test_remat.py: 218 s -> 170 s). jaxlib 0.11 dropped the
 # flag, and XLA aborts on a flag it does not know, hence the version test.
-if _jaxlib_before(0, 11):
-  CPU_TEST_XLA_FLAGS += ' --xla_cpu_use_fusion_emitters=false'
-# XLA:CPU splits each program's LLVM module into parts it compiles on
+#
+# XLA:CPU also splits each program's LLVM module into parts it compiles on
 # threads of their own. The suite runs two workers on two cores, so the
 # threads only contend: one part took 8-11% less CPU (tests/model/
 # test_transformer.py, test_remat.py with rl/test_update_numerics.py,
-# paired runs). Named for the jaxlib it was measured on: XLA aborts on a
-# flag it does not know.
+# paired runs); named for the jaxlib it was measured on, as above.
 if _jaxlib_before(0, 11):
-  CPU_TEST_XLA_FLAGS += ' --xla_cpu_parallel_codegen_split_count=1'
+  CPU_TEST_XLA_FLAGS += (' --xla_cpu_use_fusion_emitters=false'
+                         ' --xla_cpu_parallel_codegen_split_count=1')
 # Subprocesses that run a job for many steps (tests/rl/test_exact_resume.py
 # runs rl_train three times, two of them on the first's compiled programs)
 # are bound by running, not compiling: at level 1 a tiny RL step ran 4-5x

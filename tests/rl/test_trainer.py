@@ -50,12 +50,7 @@ def _train(workdir, **over):
 
 def test_short_run_reward_rises_and_writes_outputs(tmp_path):
   cfg = importlib.import_module('configs.tiny').get_config()
-  for k, v in OVERRIDES.items():
-    *path, last = k.split('.')
-    node = cfg
-    for p in path:
-      node = node[p]
-    node[last] = v
+  cfg.update_from_flattened_dict(OVERRIDES)
   workdir = str(tmp_path)
   out = _train(workdir)
   lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
