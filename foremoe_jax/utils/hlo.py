@@ -6,6 +6,7 @@ any conditional.
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -36,10 +37,13 @@ _CALLED = re.compile(r'(?:calls|to_apply|body|condition)=%([^\s,)]+)'
                      r'|branch_computations=\{([^}]*)\}')
 _ALL_REDUCE = re.compile(r'%([^\s=]+) = (.+?) all-reduce(?:-start)?\(')
 _SHAPE = re.compile(r'([a-z0-9]+)\[([0-9,]*)\]')
+_MATMUL = re.compile(r' (?:dot|convolution)\(')
 
 
+@functools.lru_cache(maxsize=4)
 def _computations(hlo_text: str) -> dict[str, list[str]]:
-  """Computation name -> its instruction lines."""
+  """Computation name -> its instruction lines (shared by the calls on one
+  text, which only read it: a compiled step's text is megabytes)."""
   out, name = {}, None
   for line in hlo_text.split('\n'):
     m = _COMPUTATION.match(line)
@@ -55,6 +59,8 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
 
 
 def _called(line: str) -> list[str]:
+  if '=%' not in line and 'branch_computations=' not in line:
+    return []  # (An instruction's own name is '%x = ...', with a space.)
   names = []
   for m in _CALLED.finditer(line):
     if m.group(1):
@@ -139,15 +145,16 @@ def compute_computations(hlo_text: str) -> set[str]:
   not listed here (the body of a loop of transfers alone) can overlap no
   matmul, since a loop's collectives cannot leave its body."""
   comps = _computations(hlo_text)
+  own = {c: any(_MATMUL.search(line) for line in lines)
+         for c, lines in comps.items()}
+  callees = {c: {f for line in lines for f in _called(line)}
+             for c, lines in comps.items()}
   has_dot = {}
 
   def dots(c):
     if c not in has_dot:
       has_dot[c] = False  # Cycles (there are none) count as no matmul.
-      has_dot[c] = any(
-          re.search(r' (?:dot|convolution)\(', line)
-          or any(dots(f) for f in _called(line))
-          for line in comps.get(c, ()))
+      has_dot[c] = own.get(c, False) or any(dots(f) for f in callees.get(c, ()))
     return has_dot[c]
   return {c for c in comps if dots(c)}
 

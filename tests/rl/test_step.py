@@ -595,8 +595,9 @@ def test_compiled_prefill_and_flush_sit_in_no_conditional(setup,
                                            ).compile().as_text()
   apart = [c for c in hlo.collectives(apart_text)
            if c['kind'] == 'all-to-all']
-  no_matmul = lambda cs, t: sum(c['computation'] not in
-                                hlo.compute_computations(t) for c in cs)
+  def no_matmul(cs, t):
+    computes = hlo.compute_computations(t)
+    return sum(c['computation'] not in computes for c in cs)
   assert len(apart) == len(found)
   assert no_matmul(apart, apart_text) == no_matmul(found, text) + 7
   # And the numbers are the CPU emulation's (fills in place, returns
