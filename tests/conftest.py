@@ -65,14 +65,23 @@ if _jaxlib_before(0, 11):
   CPU_TEST_XLA_FLAGS += (' --xla_cpu_use_fusion_emitters=false'
                          ' --xla_cpu_parallel_codegen_split_count=1')
 # Subprocesses that run a job for many steps (tests/rl/test_exact_resume.py
-# runs rl_train three times, two of them on the first's compiled programs)
-# are bound by running, not compiling: at level 1 a tiny RL step ran 4-5x
+# runs rl_train twice, the second on the first's compiled programs) are
+# bound by running, not compiling: at level 1 a tiny RL step ran 4-5x
 # faster than at 0 and compiled about as fast, with the same numbers (the
 # run's metrics were equal), 45% less CPU over one cold and one warm run.
 # Compile-bound test files took 1.5-1.8x longer at level 1, so the suite
 # itself keeps level 0.
 CPU_RUN_XLA_FLAGS = CPU_TEST_XLA_FLAGS.replace(
     'optimization_level=0', 'optimization_level=1')
+
+
+def cpu_run_env(root: str) -> dict:
+  """The environment of such a subprocess: this one's (the run's
+  compilation cache included), the repository `root` on the path, 8
+  devices and CPU_RUN_XLA_FLAGS."""
+  return dict(os.environ, PYTHONPATH=root,
+              XLA_FLAGS='--xla_force_host_platform_device_count=8 '
+              + CPU_RUN_XLA_FLAGS)
 if (os.environ['JAX_PLATFORMS'] == 'cpu'
     and 'xla_backend_optimization_level' not in os.environ['XLA_FLAGS']):
   os.environ['XLA_FLAGS'] += ' ' + CPU_TEST_XLA_FLAGS

@@ -45,10 +45,8 @@ def _env():
   # conftest.py, through os.environ): the same programs are compiled once,
   # and a resumed run executes the very programs the uninterrupted one did,
   # as on one machine. They are bound by running steps, hence the flags
-  # for runs (conftest.CPU_RUN_XLA_FLAGS), the same in all three.
-  return dict(os.environ, PYTHONPATH=ROOT,
-              XLA_FLAGS='--xla_force_host_platform_device_count=8 '
-              + conftest.CPU_RUN_XLA_FLAGS)
+  # for runs (conftest.CPU_RUN_XLA_FLAGS), the same in both.
+  return conftest.cpu_run_env(ROOT)
 
 
 @pytest.fixture(scope='module')

@@ -37,13 +37,10 @@ def _train(workdir, **over):
   runs share the test run's compilation cache, so a resumed run compiles
   nothing."""
   flags = [f'--config.{k}={v}' for k, v in {**OVERRIDES, **over}.items()]
-  env = dict(os.environ, PYTHONPATH=ROOT,
-             XLA_FLAGS='--xla_force_host_platform_device_count=8 '
-             + conftest.CPU_RUN_XLA_FLAGS)
   out = subprocess.run(
       [sys.executable, '-m', 'experiments.rl_train', '--config=configs/tiny.py',
        *flags, f'--workdir={workdir}'], cwd=ROOT, capture_output=True,
-      text=True, timeout=900, env=env)
+      text=True, timeout=900, env=conftest.cpu_run_env(ROOT))
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   return out.stdout
 
