@@ -398,17 +398,33 @@ def _layer_fill_exact(slots, canon, t, me, spd: int, exchange: str):
   stages = t['send_LPDR'].shape[0]
   tree = stages > 1
   new = slots if tree else _local_copies(slots, canon, t, spd)
-  for p in range(stages):
+
+  def stage(p, new):
     src = new if tree else slots
     dst_R = t['recv_LPDR'][p, 0]
     send_R = t['send_LPDR'][p, 0]
-    got = _exchange(lambda i, src=src, send_R=send_R: _pick(src, canon,
-                                                           send_R[i]),
+    got = _exchange(lambda i: _pick(src, canon, send_R[i]),
                     send_R.shape[0], _my_counts(t, p), me, exchange,
                     dst_R.shape[0])
     at_R = jnp.where(dst_R >= 0, dst_R, spd)  # Unused rows: dropped.
-    new = jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new, got)
+    return jax.tree.map(lambda x, v: x.at[at_R].set(v, mode='drop'), new,
+                        got)
+  new = _stages(stages, stage, new, exchange)
   return _local_copies(new, canon, t, spd) if tree else new
+
+
+def _stages(num_stages: int, stage, carry, exchange: str):
+  """stage(p, carry) for p in range(num_stages), in order. The CPU
+  emulation runs them as one loop: a tree's stages are the same program
+  on other rows, and unrolled (ceil(log2(R + 1)) of them, each a loop of
+  shift rounds) they made most of the RL update's compile. The exchanges
+  a scheduler may overlap with compute ('ragged', and the stand-ins that
+  show its program) stay unrolled, outside any loop of their own."""
+  if exchange == 'emulated' and num_stages > 1:
+    return jax.lax.fori_loop(0, num_stages, stage, carry)
+  for p in range(num_stages):
+    carry = stage(p, carry)
+  return carry
 
 
 def _add_into(gslots, gcanon, index, value, into_slots: bool = True):
@@ -436,13 +452,16 @@ def _layer_returns_exact(gslots, gcanon, t, me, spd: int, exchange: str):
   stages = t['ret_send_LPDR'].shape[0]
   tree = stages > 1  # Only a tree adds into slots.
   gslots, gcanon = _local_returns(gslots, gcanon, t, spd, into_slots=tree)
-  for p in range(stages):
+
+  def stage(p, carry):
+    gslots, gcanon = carry
     send_R = t['ret_send_LPDR'][p, 0]
     dst_R = t['ret_recv_LPDR'][p, 0]
-    got = _exchange(lambda i, gslots=gslots, send_R=send_R: jax.tree.map(
-        lambda g: g[send_R[i]], gslots), send_R.shape[0],
-                    _my_counts(t, p, 'ret_'), me, exchange, dst_R.shape[0])
-    gslots, gcanon = _add_into(gslots, gcanon, dst_R, got, into_slots=tree)
+    got = _exchange(lambda i: jax.tree.map(lambda g: g[send_R[i]], gslots),
+                    send_R.shape[0], _my_counts(t, p, 'ret_'), me, exchange,
+                    dst_R.shape[0])
+    return _add_into(gslots, gcanon, dst_R, got, into_slots=tree)
+  gslots, gcanon = _stages(stages, stage, (gslots, gcanon), exchange)
   return _zero_evicted(gslots, t, spd), gcanon
 
 

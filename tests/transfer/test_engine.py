@@ -7,6 +7,7 @@ match, and the gradients the slots accumulated must reach the canonical
 experts exactly once (checked against a numpy segment sum).
 """
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,6 +136,57 @@ def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode, exchange,
     np.testing.assert_allclose(got, want, atol=1e-5)
   for g in gslots:
     assert float(jnp.abs(g).max()) == 0.0  # The flush empties every slot.
+
+
+def _count_eqns(jaxpr, primitive: str) -> int:
+  """Equations of `primitive` in a jaxpr and every jaxpr nested in it (loop
+  bodies, branches, shard_map): each is a copy in the program."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == primitive
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          count += _count_eqns(sub.jaxpr, primitive)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          count += _count_eqns(sub, primitive)
+  return count
+
+
+def test_emulated_tree_is_one_stage_of_program(mesh):
+  """The CPU emulation runs a broadcast tree's (first fill) and a reduction
+  tree's (flush) stages as one loop: its program holds one stage's shift
+  rounds, the D - 1 ppermutes per leaf of the `lax.switch` over shifts,
+  however many stages the budget makes (unrolled, each stage was a copy:
+  most of the RL update's compile). The stand-in for the GPU's ragged
+  exchange ('a2a') keeps them unrolled, each stage its own collective."""
+  spd, num_experts, num_layers = 2, 8, 2
+  topo = Topology(1, D, spd)
+  se_MLS = random_placements(np.random.default_rng(0), 2, num_layers,
+                             num_experts, topo.num_slots)
+  budget = schedule.TransferBudget(step_rounds=32 * spd,
+                                   microstep_rounds=4 * spd)
+  st = schedule.build_step_transfer(se_MLS, num_experts, topo, budget)
+  fill_t = engine.device_transition(st.fill)
+  flush_t = engine.device_transition(st.flush)
+  stages = (fill_t['count_LPDD'].shape[1], flush_t['ret_count_LPDD'].shape[1])
+  assert min(stages) >= 4
+  canon = (jnp.zeros((num_layers, num_experts, 3, 2)),
+           jnp.zeros((num_layers, num_experts, 2)))
+  gslots = tuple(jnp.zeros((num_layers, topo.num_slots) + w.shape[2:])
+                 for w in canon)
+
+  def count(exchange, primitive):
+    fill = jax.make_jaxpr(lambda c, t: engine.fill_slots(
+        None, c, t, mesh=mesh, exchange=exchange))(canon, fill_t)
+    flush = jax.make_jaxpr(lambda g, c, t: engine.return_grads(
+        g, c, t, mesh=mesh, exchange=exchange))(gslots, canon, flush_t)
+    return (_count_eqns(fill.jaxpr, primitive),
+            _count_eqns(flush.jaxpr, primitive))
+  # Weights and ids travel in a fill (3 leaves), gradients in a flush (2).
+  assert count('emulated', 'ppermute') == ((D - 1) * 3, (D - 1) * 2)
+  # The a2a stand-in: each stage's all-to-all of each leaf, unrolled.
+  assert count('a2a', 'all_to_all') == (stages[0] * 3, stages[1] * 2)
 
 
 def test_id_check_catches_a_wrong_schedule(mesh):
