@@ -70,7 +70,8 @@ Everything here runs per device under `jax.shard_map` over the ('data',
 'data', so every data row moves the same weights over its own 'expert' ring.
 The MoE layers' buffers are stacked ([L, ...] leaves, as the model stores
 its layers) and a transition runs as one scan over the layers, so compile
-time does not grow with depth. The `*_local` functions are the per-device
+time does not grow with depth (nor, in the CPU emulation, with a tree's
+stages: one loop runs them, `_stages`). The `*_local` functions are the per-device
 bodies, for callers already inside a shard_map over the mesh.
 
 Shape letters: L MoE layers, S slots (global), s slots per device, h
