@@ -68,6 +68,74 @@ MISSING = ('tensorboardX is not installed: no TensorBoard events (pip install '
            'tensorboardX); the .jsonl files have every metric')
 
 
+class _EventFile:
+  """One event file written on the caller's thread: an event is in the
+  file when its add_* returns, and on disk after `flush`.
+
+  tensorboardX's SummaryWriter hands events to a queue that a thread of
+  its own writes out, and its flush flushes the file, not the queue: a
+  step logged and flushed could still be in the queue when the process
+  died (or when a reader looked; a test saw a step missing). The same
+  file format, from tensorboardX's own writer of event records and its
+  summary builders, and the same methods as the SummaryWriter calls used
+  here.
+  """
+
+  def __init__(self, logdir: str, purge_step: int | None):
+    # pylint: disable=g-import-not-at-top
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2
+    from tensorboardX import summary
+    self._pb, self._summary = event_pb2, summary
+    os.makedirs(logdir, exist_ok=True)
+    # The file name holds the creation time in seconds; a second writer
+    # made within the same second (a rerun, a test) would write over the
+    # first's file. The nanoseconds in the suffix keep them apart and order
+    # them (`read_scalars`). The file starts with its version event.
+    self._file = EventsWriter(os.path.join(logdir, 'events'),
+                              f'.{time.time_ns()}')
+    if purge_step is not None:
+      # What TensorBoard reads as a restart at purge_step: it hides the
+      # earlier files' events at that step or later (as SummaryWriter's
+      # purge_step writes it).
+      self._event(self._pb.Event(step=purge_step,
+                                 file_version='brain.Event:2'))
+      self._event(self._pb.Event(step=purge_step, session_log=self._pb.SessionLog(
+          status=self._pb.SessionLog.START)))
+    # TensorBoard's default histogram buckets (SummaryWriter's 'tensorflow'
+    # bins): +-1e-12 growing by 10% to 1e20, and 0.
+    edges, v = [], 1e-12
+    while v < 1e20:
+      edges.append(v)
+      v *= 1.1
+    self._bins = [-e for e in reversed(edges)] + [0] + edges
+
+  def _event(self, event):
+    event.wall_time = time.time()
+    self._file.write_event(event)
+
+  def _add(self, summary, step: int):
+    self._event(self._pb.Event(summary=summary, step=int(step)))
+
+  def add_scalar(self, tag: str, value: float, step: int):
+    self._add(self._summary.scalar(tag, value), step)
+
+  def add_histogram(self, tag: str, values, step: int):
+    self._add(self._summary.histogram(tag, values, self._bins), step)
+
+  def add_image(self, tag: str, image, step: int, dataformats: str):
+    self._add(self._summary.image(tag, image, dataformats=dataformats), step)
+
+  def add_text(self, tag: str, text: str, step: int):
+    self._add(self._summary.text(tag, text), step)
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+
 class TensorBoardWriter:
 
   def __init__(self, workdir: str, subdir: str = TB_DIR, *,
@@ -86,20 +154,12 @@ class TensorBoardWriter:
     if not distributed.is_primary():  # Process 0 logs for all.
       self._w = None
       return
-    try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-    except ImportError:
+    if not available():
       if warn:
         print(MISSING, file=sys.stderr, flush=True)
       self._w = None
       return
-    # The file name holds the creation time in seconds; a second writer
-    # made within the same second (a rerun, a test) would write over the
-    # first's file. The nanoseconds in the suffix keep them apart and order
-    # them (`read_scalars`).
-    self._w = tensorboardX.SummaryWriter(
-        self.logdir, flush_secs=10, purge_step=purge_step,
-        filename_suffix=f'.{time.time_ns()}')
+    self._w = _EventFile(self.logdir, purge_step)
 
   def write(self, step: int, record: dict) -> None:
     if self._w is None:
@@ -124,6 +184,7 @@ class TensorBoardWriter:
           self._w.add_scalar(f'{phase}/{name}/{i}', float(v), step)
     # On disk each step, as metrics.jsonl is: a crash must not lose steps
     # its checkpoint holds (the resumed run does not log them again).
+    # `_EventFile` writes as it is called, so this flush has all of them.
     self._w.flush()
 
   def _samples(self, step, samples):

@@ -1,4 +1,6 @@
 """TensorBoard events: every number of a record comes back from the files."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -47,3 +49,25 @@ def test_a_resumed_writer_hides_the_steps_it_logs_again(tmp_path):
   assert got['rl/loss'] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
                             (5, 50.0), (6, 60.0)]
   first.close()
+
+
+def test_each_step_is_on_disk_when_write_returns(tmp_path):
+  """What a crash right after `write` leaves: every step written so far,
+  read back from the file before the writer is closed (the trainer's
+  resume relies on it: a step its checkpoint holds is not logged again).
+  Every kind of event the writer makes, a histogram and an image among
+  them, goes through the same path: the caller's thread, no other (a
+  writer thread's queue was where a step could wait, unwritten, after
+  its flush)."""
+  threads = threading.active_count()
+  w = tensorboard.TensorBoardWriter(str(tmp_path), 'tb/rl')
+  logdir = str(tmp_path / 'tb' / 'rl')
+  for step in range(1, 21):
+    w.write(step, {'phase': 'rl', 'loss': float(step),
+                   'device_load_MD': [[1.0, 3.0], [2.0, 2.0]],
+                   'expert_tokens_LE': [[1, 2, 3, 4], [4, 3, 2, 1]]})
+    got = tensorboard.read_scalars(logdir)
+    assert got['rl/loss'] == [(s, float(s)) for s in range(1, step + 1)]
+    assert got['rl/device_load_max_over_mean/microstep_0'][-1] == (step, 1.5)
+  assert threading.active_count() == threads
+  w.close()
