@@ -98,10 +98,10 @@ class _EventFile:
       # What TensorBoard reads as a restart at purge_step: it hides the
       # earlier files' events at that step or later (as SummaryWriter's
       # purge_step writes it).
-      self._event(self._pb.Event(step=purge_step,
-                                 file_version='brain.Event:2'))
-      self._event(self._pb.Event(step=purge_step, session_log=self._pb.SessionLog(
-          status=self._pb.SessionLog.START)))
+      pb = self._pb
+      self._event(pb.Event(step=purge_step, file_version='brain.Event:2'))
+      self._event(pb.Event(step=purge_step, session_log=pb.SessionLog(
+          status=pb.SessionLog.START)))
     # TensorBoard's default histogram buckets (SummaryWriter's 'tensorflow'
     # bins): +-1e-12 growing by 10% to 1e20, and 0.
     edges, v = [], 1e-12
