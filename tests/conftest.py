@@ -82,6 +82,8 @@ def cpu_run_env(root: str) -> dict:
   return dict(os.environ, PYTHONPATH=root,
               XLA_FLAGS='--xla_force_host_platform_device_count=8 '
               + CPU_RUN_XLA_FLAGS)
+
+
 if (os.environ['JAX_PLATFORMS'] == 'cpu'
     and 'xla_backend_optimization_level' not in os.environ['XLA_FLAGS']):
   os.environ['XLA_FLAGS'] += ' ' + CPU_TEST_XLA_FLAGS

@@ -71,8 +71,8 @@ Everything here runs per device under `jax.shard_map` over the ('data',
 The MoE layers' buffers are stacked ([L, ...] leaves, as the model stores
 its layers) and a transition runs as one scan over the layers, so compile
 time does not grow with depth (nor, in the CPU emulation, with a tree's
-stages: one loop runs them, `_stages`). The `*_local` functions are the per-device
-bodies, for callers already inside a shard_map over the mesh.
+stages: one loop runs them, `_stages`). The `*_local` functions are the
+per-device bodies, for callers already inside a shard_map over the mesh.
 
 Shape letters: L MoE layers, S slots (global), s slots per device, h
 canonical experts per device, D EP devices, R rounds, X... any expert

@@ -141,16 +141,10 @@ def test_slots_hold_planned_experts_and_gradients_go_home(mesh, mode, exchange,
 def _count_eqns(jaxpr, primitive: str) -> int:
   """Equations of `primitive` in a jaxpr and every jaxpr nested in it (loop
   bodies, branches, shard_map): each is a copy in the program."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == primitive
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          count += _count_eqns(sub.jaxpr, primitive)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          count += _count_eqns(sub, primitive)
-  return count
+  return sum((eqn.primitive.name == primitive)
+             + sum(_count_eqns(sub, primitive)
+                   for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
 
 
 def test_emulated_tree_is_one_stage_of_program(mesh):
