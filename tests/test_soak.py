@@ -54,10 +54,10 @@ def test_short_soak_run_prints_its_growth_and_plot(tmp_path):
   cmd = [sys.executable, '-m', 'experiments.soak', '--steps=8',
          '--warmup_steps=3', '--json', f'--workdir={tmp_path}',
          f'--results_dir={tmp_path}', '--config.rl.prompts_per_step=8',
-         # Four samples a prompt (tiny's 8): the same loop, with half the
-         # rows to sample and train each step.
-         '--config.rl.num_generations=4',
-         '--config.planner.method=eplb_step',
+         # The programs of tests/test_entry_points.py's preempted run (its
+         # task, batch, planner and buckets): the run's compilation cache
+         # holds them once, for whichever of the two compiles second.
+         '--config.task=sort', '--config.planner.method=eplb_step',
          # One capacity and one pair bucket: every step runs one update
          # program (a compile per bucket costs more than the whole short
          # run's steps, and EPLB-step's buckets change step to step).

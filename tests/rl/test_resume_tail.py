@@ -23,16 +23,17 @@ def _config(**over):
   cfg = importlib.import_module('configs.tiny').get_config()
   cfg.task = 'sort'
   cfg.warmstart.steps = 2
-  cfg.warmstart.batch_size = 8
   cfg.rl.steps = 2
   cfg.rl.prompts_per_step = 8
-  cfg.rl.num_generations = 4
-  cfg.rl.num_microbatches = 2
   cfg.checkpoint_every = 1
   cfg.eval_prompts = 4
   cfg.sample_log_every = 0
   cfg.planner.deadline_ms = 600000
-  # One capacity and one pair bucket: every step runs the same programs.
+  # One capacity and one pair bucket: every step runs the same programs,
+  # and they are those of tests/test_entry_points.py's preempted run (its
+  # model, batch, planner and buckets), which the run's compilation cache
+  # holds once.
+  cfg.planner.method = 'eplb_step'
   cfg.parallel.capacity_factors = (100,)
   cfg.parallel.cell_factors = (100,)
   for k, v in over.items():
