@@ -84,6 +84,29 @@ def cpu_run_env(root: str) -> dict:
               + CPU_RUN_XLA_FLAGS)
 
 
+# configs/tiny.py's job as several tests run it at the suite's XLA flags:
+# tests/test_entry_points.py's preempted run, test_soak's job, and the
+# in-process trainer runs of tests/rl/test_nonfinite.py and
+# test_resume_tail.py. The same settings make the same programs, which the
+# run's compilation cache (below) compiles once for all of them. One
+# capacity and one pair bucket: every step runs one update program.
+SHARED_TINY_RUN = {'task': 'sort', 'rl.prompts_per_step': 8,
+                   'planner.method': 'eplb_step',
+                   'parallel.capacity_factors': (100,),
+                   'parallel.cell_factors': (100,)}
+
+
+def shared_tiny_run_flags() -> list[str]:
+  """SHARED_TINY_RUN as an entry point's --config.* flags."""
+  return [f'--config.{k}={v}' for k, v in SHARED_TINY_RUN.items()]
+
+
+def apply_shared_tiny_run(cfg):
+  """SHARED_TINY_RUN set on a configs/tiny.py ConfigDict, in place."""
+  cfg.update_from_flattened_dict(SHARED_TINY_RUN)
+  return cfg
+
+
 if (os.environ['JAX_PLATFORMS'] == 'cpu'
     and 'xla_backend_optimization_level' not in os.environ['XLA_FLAGS']):
   os.environ['XLA_FLAGS'] += ' ' + CPU_TEST_XLA_FLAGS

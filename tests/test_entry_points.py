@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,13 +89,10 @@ def preempted_run(tmp_path_factory):
   # with more; what is read here (the steps, the stop, the resume) does
   # not depend on how far it trained.
   flags = [f'--workdir={workdir}', '--config.warmstart.steps=2',
-           '--config.rl.prompts_per_step=8', '--config.eval_prompts=0',
-           '--config.checkpoint_every=100', '--config.task=sort',
-           '--config.planner.method=eplb_step',
-           # One capacity and one pair bucket: one update program for
-           # every step, not one compile per bucket.
-           '--config.parallel.capacity_factors=(100,)',
-           '--config.parallel.cell_factors=(100,)']
+           '--config.eval_prompts=0', '--config.checkpoint_every=100',
+           # Task sort, EPLB-step, one capacity and pair bucket: the
+           # programs other tests' runs share (conftest.SHARED_TINY_RUN).
+           *conftest.shared_tiny_run_flags()]
   # The trace is of step 2, the first step with no compiles: a trace of
   # step 1 also records every compile of the run's programs, which costs
   # seconds to write and is no more a profile of the step.

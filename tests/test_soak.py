@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import conftest
+
 from foremoe_jax.benchmarks import soak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,16 +55,12 @@ def test_device_bytes_counts_a_buffer():
 def test_short_soak_run_prints_its_growth_and_plot(tmp_path):
   cmd = [sys.executable, '-m', 'experiments.soak', '--steps=8',
          '--warmup_steps=3', '--json', f'--workdir={tmp_path}',
-         f'--results_dir={tmp_path}', '--config.rl.prompts_per_step=8',
-         # The programs of tests/test_entry_points.py's preempted run (its
-         # task, batch, planner and buckets): the run's compilation cache
-         # holds them once, for whichever of the two compiles second.
-         '--config.task=sort', '--config.planner.method=eplb_step',
-         # One capacity and one pair bucket: every step runs one update
-         # program (a compile per bucket costs more than the whole short
-         # run's steps, and EPLB-step's buckets change step to step).
-         '--config.parallel.capacity_factors=(100,)',
-         '--config.parallel.cell_factors=(100,)']
+         f'--results_dir={tmp_path}',
+         # The programs other tests' runs share (conftest.SHARED_TINY_RUN):
+         # one update program for every step (a compile per bucket costs
+         # more than the whole short run's steps, and EPLB-step's buckets
+         # change step to step).
+         *conftest.shared_tiny_run_flags()]
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   assert out.returncode == 0, out.stderr[-3000:]

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
+
 from foremoe_jax.rl import step as step_lib
 from foremoe_jax.rl import trainer
 import rl_testlib as lib
@@ -43,19 +45,13 @@ def test_update_flags_exactly_the_micro_steps_that_saw_a_nan():
 
 def test_trainer_stops_on_a_nan_reward_without_checkpointing_it(tmp_path,
                                                                 monkeypatch):
-  cfg = importlib.import_module('configs.tiny').get_config()
-  cfg.task = 'sort'
+  # The programs other tests' runs share (conftest.SHARED_TINY_RUN).
+  cfg = conftest.apply_shared_tiny_run(
+      importlib.import_module('configs.tiny').get_config())
   cfg.warmstart.steps = 10
   cfg.rl.steps = 4
-  cfg.rl.prompts_per_step = 8
   cfg.checkpoint_every = 1
   cfg.eval_prompts = 0
-  # The programs of tests/test_entry_points.py's preempted run (its model,
-  # batch, planner and buckets): the run's compilation cache holds them
-  # once, for whichever of the two compiles second.
-  cfg.planner.method = 'eplb_step'
-  cfg.parallel.capacity_factors = (100,)
-  cfg.parallel.cell_factors = (100,)
   calls = []
   real_score = trainer.score
 

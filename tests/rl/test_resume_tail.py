@@ -16,26 +16,22 @@ import re
 
 import pytest
 
+import conftest
+
 from foremoe_jax.rl import checkpoint, trainer
 
 
 def _config(**over):
-  cfg = importlib.import_module('configs.tiny').get_config()
-  cfg.task = 'sort'
+  # Every step runs the same programs, those other tests' runs share
+  # (conftest.SHARED_TINY_RUN).
+  cfg = conftest.apply_shared_tiny_run(
+      importlib.import_module('configs.tiny').get_config())
   cfg.warmstart.steps = 2
   cfg.rl.steps = 2
-  cfg.rl.prompts_per_step = 8
   cfg.checkpoint_every = 1
   cfg.eval_prompts = 4
   cfg.sample_log_every = 0
   cfg.planner.deadline_ms = 600000
-  # One capacity and one pair bucket: every step runs the same programs,
-  # and they are those of tests/test_entry_points.py's preempted run (its
-  # model, batch, planner and buckets), which the run's compilation cache
-  # holds once.
-  cfg.planner.method = 'eplb_step'
-  cfg.parallel.capacity_factors = (100,)
-  cfg.parallel.cell_factors = (100,)
   for k, v in over.items():
     *path, last = k.split('.')
     node = cfg
