@@ -6,8 +6,12 @@ under every policy. Reported per policy: XLA's memory analysis of the
 compiled step (temporaries are where saved activations live) and the
 largest gradient difference from the 'none' policy, which must be zero up
 to float reassociation: remat changes what is stored, never the numbers.
-It also reports the bytes the forward pass saves for the backward pass
-(`jax.ad_checkpoint.print_saved_residuals`), which is what a policy changes.
+It also reports the bytes the forward pass saves for the backward pass,
+which is what a policy changes: the leaves of the pullback `jax.vjp`
+returns, read while the step is traced, so one trace gives both the
+compiled step and its residuals (the same account as
+`jax.ad_checkpoint.print_saved_residuals`, which would trace the model a
+second time).
 """
 from __future__ import annotations
 
@@ -62,6 +66,10 @@ def _residual_bytes(params, loss) -> int:
   return total
 
 
+def _nbytes(x) -> int:
+  return int(np.prod(x.shape)) * x.dtype.itemsize
+
+
 def report(model_cfg, mesh, tokens_BT) -> dict:
   """{policy: {temp_bytes, argument_bytes, output_bytes,
   saved_residual_bytes, loss, grad_max_abs_diff_vs_none}} for every policy.
@@ -77,7 +85,17 @@ def report(model_cfg, mesh, tokens_BT) -> dict:
     cfg = model_cfg.copy_and_resolve_references()
     cfg.remat_policy = policy
     params, loss_of = loss_fn(cfg, mesh, tokens_BT)
-    compiled = jax.jit(jax.value_and_grad(loss_of)).lower(params).compile()
+    residuals = []
+
+    def loss_and_grad(params, loss_of=loss_of, residuals=residuals):
+      loss, pullback = jax.vjp(loss_of, params)
+      # The pullback is a pytree whose leaves are what the forward keeps
+      # for the backward: their shapes are known here, at trace time.
+      residuals.extend(jax.tree.leaves(pullback))
+      (grads,) = pullback(jnp.ones_like(loss))
+      return loss, grads
+
+    compiled = jax.jit(loss_and_grad).lower(params).compile()
     mem = compiled.memory_analysis()
     loss, grads = compiled(params)
     grads = [np.asarray(g) for g in jax.tree.leaves(grads)]
@@ -88,6 +106,6 @@ def report(model_cfg, mesh, tokens_BT) -> dict:
         temp_bytes=int(getattr(mem, 'temp_size_in_bytes', -1)),
         argument_bytes=int(getattr(mem, 'argument_size_in_bytes', -1)),
         output_bytes=int(getattr(mem, 'output_size_in_bytes', -1)),
-        saved_residual_bytes=_residual_bytes(params, loss_of),
+        saved_residual_bytes=sum(_nbytes(r) for r in residuals),
         loss=float(loss), grad_max_abs_diff_vs_none=diff)
   return out
