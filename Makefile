@@ -19,12 +19,17 @@ venv: $(STAMP)
 # The bytecode matters where PYTHONDONTWRITEBYTECODE is set: no process
 # would cache what it compiles, and each would compile jax again (+6 s).
 # A file that does not compile (a package's test data) is left as source,
-# as pip leaves it.
+# as pip leaves it. Left out: what no process here imports, the packages'
+# own test suites (scipy's, sympy's, ...), pip, setuptools and debugpy (the
+# notebook kernel does not load it): a quarter of the work (25 -> 19.5 s,
+# 45 -> 33 CPU-s on a 2-core host).
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -e '.[test]'
-	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
+	$(PY) -m compileall -q -j 0 \
+	  -x '/tests/|/site-packages/(pip|setuptools|debugpy)/' \
+	  $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 demo: venv
