@@ -14,12 +14,16 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, 'notebooks', '*.ipynb')))
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs_in_a_kernel_with_inline_plots(path, monkeypatch):
+def test_notebook_runs_in_a_kernel_with_inline_plots(path, monkeypatch,
+                                                     tmp_path):
   nbclient = pytest.importorskip('nbclient')
   nbformat = pytest.importorskip('nbformat')
   # The kernel inherits this environment: the repository on its path and
-  # 8 simulated devices before jax is imported.
+  # 8 simulated devices before jax is imported. Its temporary files (the
+  # quickstart's workdir, 3 MB) go to the test's folder, not to /tmp,
+  # where every run used to leave one.
   monkeypatch.setenv('PYTHONPATH', ROOT)
+  monkeypatch.setenv('TMPDIR', str(tmp_path))
   monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8 '
                      + conftest.CPU_TEST_XLA_FLAGS)
   # The quickstart's RL section on a small budget (two warm-start steps:
