@@ -66,10 +66,6 @@ def _residual_bytes(params, loss) -> int:
   return total
 
 
-def _nbytes(x) -> int:
-  return int(np.prod(x.shape)) * x.dtype.itemsize
-
-
 def report(model_cfg, mesh, tokens_BT) -> dict:
   """{policy: {temp_bytes, argument_bytes, output_bytes,
   saved_residual_bytes, loss, grad_max_abs_diff_vs_none}} for every policy.
@@ -106,6 +102,7 @@ def report(model_cfg, mesh, tokens_BT) -> dict:
         temp_bytes=int(getattr(mem, 'temp_size_in_bytes', -1)),
         argument_bytes=int(getattr(mem, 'argument_size_in_bytes', -1)),
         output_bytes=int(getattr(mem, 'output_size_in_bytes', -1)),
-        saved_residual_bytes=sum(_nbytes(r) for r in residuals),
+        saved_residual_bytes=sum(int(r.size) * r.dtype.itemsize
+                                 for r in residuals),
         loss=float(loss), grad_max_abs_diff_vs_none=diff)
   return out
