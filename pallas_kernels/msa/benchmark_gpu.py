@@ -143,14 +143,18 @@ TUNE = (
 # pipelining (146 registers, 24 KiB: three blocks per SM; four, at 119
 # registers, with the causal compare in every block, one loop body); 64-row
 # tiles unpipelined (three blocks); 64-row tiles in 64-key dots; the
-# default with the compare in every block (209 registers).
+# default with the compare in every block (209 registers); and the same
+# launch on Mosaic GPU (index_mosaic.py: TMA copies, double-buffered key
+# blocks, one warpgroup MMA per block), whose speed decides whether the
+# index branch leaves Triton.
 INDEX_VARIANTS = ({'blocks_per_program': 32},
                   {'row_tile': 64, 'key_sub': 32, 'num_stages': 1},
                   {'row_tile': 64, 'key_sub': 32, 'num_stages': 1,
                    'causal_every_block': True},
                   {'row_tile': 64, 'num_stages': 1},
                   {'row_tile': 64, 'key_sub': 64},
-                  {'causal_every_block': True})
+                  {'causal_every_block': True},
+                  {'kernel': 'mosaic'})
 
 
 def index_variant_label(kw: dict) -> str:

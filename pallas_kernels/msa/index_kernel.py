@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.msa import index_mosaic
 from pallas_kernels.msa import kernel_common as kc
 from pallas_kernels.msa import xla
 
@@ -316,10 +317,10 @@ def _score_tile_rows(row_tile: int, rows: int) -> int:
 def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
                     block_size: int, interpret: bool, row_tile: int,
                     blocks_per_program: int | None, max_score_bytes: int,
-                    fp8_scores: bool):
+                    fp8_scores: bool, min_rows: int = 16):
   """The score launch's operands and tiling: (qi_BQI, ki_BSI, valid_BS,
   offset_B, tiling), the index inputs cast (fp8: scaled, `to_fp8`) and
-  padded to the tiles."""
+  padded to the tiles; a tile has at least min_rows rows."""
   b, t, g, di = qi_BTGI.shape
   s = ki_BSI.shape[1]
   dtype = _score_dtype(qi_BTGI.dtype, ki_BSI.dtype, fp8_scores)
@@ -348,7 +349,7 @@ def _index_operands(qi_BTGI, ki_BSI, offset_B, kv_valid_BS, *,
   offset_B = jnp.broadcast_to(jnp.asarray(offset_B, jnp.int32), (b,))
   rows = t * g
   row_tile, key_sub, stages = score_tiling(dtype, block_size, row_tile)
-  m = _score_tile_rows(row_tile, rows)
+  m = max(min_rows, _score_tile_rows(row_tile, rows))
   rp = kc.round_up(rows, m)
   qi = jnp.pad(qi_BTGI.astype(dtype).reshape(b, rows, di),
                ((0, 0), (0, rp - rows), (0, ip - di)))
@@ -377,7 +378,8 @@ def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                  fp8_scores: bool = False, num_warps: int = 4,
                  key_sub: int | None = None,
                  num_stages: int | None = None,
-                 causal_every_block: bool = False) -> list:
+                 causal_every_block: bool = False,
+                 kernel: str = 'triton') -> list:
   """The first launch alone: per row chunk, the f32 block scores [B, Np,
   rows of the chunk] (rows are (token, group) pairs; -inf past a row's
   diagonal). Arguments as in select_blocks_BGTK; num_warps: the score
@@ -386,12 +388,36 @@ def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   for smaller [rows, keys] f32 logits in registers; num_stages: Triton's
   (`score_tiling`'s by default), 1 for less shared memory;
   causal_every_block: the causal compare in every block, not only the
-  diagonal ones (one loop body: fewer registers; the same scores)."""
+  diagonal ones (one loop body: fewer registers; the same scores).
+  kernel: 'triton' (this module's launch) or 'mosaic' (index_mosaic.py:
+  TMA and warpgroup MMAs on Hopper; bf16 inputs, tiles of at least 64
+  rows; the Triton-only knobs above do not apply to it)."""
+  if kernel not in ('triton', 'mosaic'):
+    raise ValueError(f"kernel must be 'triton' or 'mosaic', got {kernel!r}.")
+  mosaic = kernel == 'mosaic'
+  if mosaic and (fp8_scores
+                 or index_dtype(qi_BTGI.dtype, ki_BSI.dtype) != jnp.bfloat16):
+    raise ValueError(
+        'the Mosaic score launch takes bf16 index inputs without '
+        f'fp8_scores; got qi {qi_BTGI.dtype}, ki {ki_BSI.dtype}, '
+        f'fp8_scores={fp8_scores}.')
   qi, ki, valid, offset_B, tl = _index_operands(
       qi_BTGI, ki_BSI, offset_B, kv_valid_BS, block_size=block_size,
       interpret=interpret, row_tile=row_tile,
       blocks_per_program=blocks_per_program,
-      max_score_bytes=max_score_bytes, fp8_scores=fp8_scores)
+      max_score_bytes=max_score_bytes, fp8_scores=fp8_scores,
+      min_rows=index_mosaic.MIN_ROWS if mosaic else 16)
+  if mosaic:
+    # wgmma reads the keys as its [Ip, C] operand: transposed once here.
+    ki_BIS = ki.transpose(0, 2, 1)
+    bias_BS = jnp.where(valid > 0, 0.0, NEG_INF).astype(jnp.float32)
+    return [index_mosaic.scores_call(
+        offset_B, qi[:, r0:r0 + tl['chunk']], ki_BIS, bias_BS,
+        n_blocks_p=tl['n_p'], block_size=block_size,
+        groups=qi_BTGI.shape[2], row_base=r0, row_tile=tl['m'],
+        blocks_per_program=tl['nb'], scale=tl['scale'],
+        interpret=interpret)
+            for r0 in range(0, qi.shape[1], tl['chunk'])]
   precision = kc.gpu_precision_for(tl['dtype'], interpret)
   return [_scores_call(offset_B, qi[:, r0:r0 + tl['chunk']], ki, valid,
                        n_blocks_p=tl['n_p'], block_size=block_size,
@@ -449,7 +475,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                        topk_rows: int | None = None,
                        max_score_bytes: int = 2**28,
                        topk: str = 'pallas',
-                       fp8_scores: bool = False) -> jax.Array:
+                       fp8_scores: bool = False,
+                       scores_kernel: str = 'triton') -> jax.Array:
   """Selection int32 [B, G, T, K] for queries at positions t + offset_B[b].
 
   Equal to reference.selection_BGTK up to the summation order of the index
@@ -466,6 +493,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   an approximate selection, within the margin rule at eps_scale 2^-3
   (docs/design.md §6.8) rather than 2^-7; for prefill, since quantizing a
   decode cache every step would reread it.
+  scores_kernel: the score launch's lowering, 'triton' or 'mosaic'
+  (index_scores' `kernel`).
   The two launches are index_scores and index_topk (the GPU bench times
   them apart).
   """
@@ -479,7 +508,7 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
                         row_tile=row_tile,
                         blocks_per_program=blocks_per_program,
                         max_score_bytes=max_score_bytes,
-                        fp8_scores=fp8_scores)
+                        fp8_scores=fp8_scores, kernel=scores_kernel)
   dtype = _score_dtype(qi_BTGI.dtype, ki_BSI.dtype, fp8_scores)
   return index_topk(scores, offset_B, t=t, groups=g,
                     num_keys=ki_BSI.shape[1], block_size=block_size,

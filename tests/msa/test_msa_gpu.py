@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import msa_testlib as lib
+from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference as ref
 from pallas_kernels.msa import select_kernel
@@ -62,6 +63,29 @@ def test_bf16_index_on_exact_inputs_equals_reference_slot_for_slot(name):
                                    q_offset=o))(qi.astype(jnp.float32),
                                                 ki.astype(jnp.float32))
   np.testing.assert_array_equal(np.asarray(sel), np.asarray(want))
+
+
+@pytest.mark.parametrize('name', sorted(GPU_SHAPES))
+def test_mosaic_score_launch_on_exact_inputs_equals_reference(name):
+  # index_mosaic.py compiled by Mosaic GPU (TMA, wgmma): the same slots as
+  # the reference, and the same block scores as the Triton launch.
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
+  qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=1)
+  off = jnp.full((b,), o, jnp.int32)
+  sel = jax.jit(functools.partial(
+      index_kernel.select_blocks_BGTK, block_size=c, top_k=k,
+      interpret=False, scores_kernel='mosaic'))(qi, ki, off)
+  want = jax.jit(functools.partial(ref.selection_BGTK, block_size=c, top_k=k,
+                                   q_offset=o))(qi.astype(jnp.float32),
+                                                ki.astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(sel), np.asarray(want))
+  scores = {kernel: np.concatenate([np.asarray(x) for x in jax.jit(
+      functools.partial(index_kernel.index_scores, block_size=c,
+                        interpret=False, kernel=kernel))(qi, ki, off)], 2)
+            for kernel in ('mosaic', 'triton')}
+  rows = t * g
+  np.testing.assert_array_equal(scores['mosaic'][..., :rows],
+                                scores['triton'][..., :rows])
 
 
 def test_bf16_index_on_random_inputs_keeps_the_margin_rule():
