@@ -1110,7 +1110,10 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                  ' tuned forward.' if 'best' in tune
                  else '. None beat the default.')
               + (f" Not timed (budget): {len(tune['not_timed'])}."
-                 if tune.get('not_timed') else '')]
+                 if tune.get('not_timed') else '')
+              + (f" Not run at these shapes: {len(tune['not_applicable'])}"
+                 f" ({', '.join(f'`{k}`' for k in tune['not_applicable'])})."
+                 if tune.get('not_applicable') else '')]
   done = [r for r in rows if 'speedup' in r]
   if done:
     cols = [('dense prefill ms (cuDNN)', lambda r: _ms(r['dense_s'])),

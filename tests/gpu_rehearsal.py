@@ -168,18 +168,18 @@ class Rehearsal:
     self._undo.append(lambda: mlir.register_lowering(
         pc.pallas_call_p, original, platform='cpu'))
 
-    # Mosaic GPU kernels (plgpu.kernel: index_mosaic.py) do not lower
-    # through pallas_call's rule above, and interpreting is chosen when
-    # they are traced: they are traced for jax's GPU interpreter (shared
-    # memory, barriers and TMA simulated), as this jax's interpreter takes
-    # them. They are not recorded, as step 3 compiles with Triton; their
-    # CUDA lowering is tested in tests/msa/test_msa_index_mosaic.py.
+    # Mosaic GPU kernels (plgpu.kernel: index_mosaic.py, kv_outer_mosaic.py)
+    # do not lower through pallas_call's rule above, and interpreting is
+    # chosen when they are traced: they are traced for jax's GPU
+    # interpreter (shared memory, barriers and TMA simulated), as this
+    # jax's interpreter takes them. They are not recorded, as step 3
+    # compiles with Triton; their CUDA lowering is tested in tests/msa
+    # (test_msa_index_mosaic.py, test_msa_kv_outer_mosaic.py).
     from pallas_kernels.msa import index_mosaic  # pylint: disable=g-import-not-at-top
-    for fn in ('interpret_params', 'named_layouts'):
-      compiled = getattr(index_mosaic, fn)
-      setattr(index_mosaic, fn, lambda interpret, f=compiled: f(True))
-      self._undo.append(functools.partial(setattr, index_mosaic, fn,
-                                          compiled))
+    params = index_mosaic.interpret_params
+    index_mosaic.interpret_params = lambda interpret: params(True)
+    self._undo.append(functools.partial(setattr, index_mosaic,
+                                        'interpret_params', params))
 
     # The branch a GPU compile takes.
     platform_dependent = jax.lax.platform_dependent

@@ -228,10 +228,11 @@ def scores_call(offset_B, qi_BQI, kiT_BIS, bias_BS, *, n_blocks_p: int,
   if sp % (nb * block_size) or n_blocks_p % nb:
     raise ValueError(f'keys ({sp}) and blocks ({n_blocks_p}) must be '
                      f'multiples of the chunk of {nb} blocks.')
+  params = interpret_params(interpret)
   kernel = functools.partial(_scores_body, block_size=block_size,
                              groups=groups, row_base=row_base, scale=scale,
                              n_key_blocks=sp // block_size,
-                             layouts=named_layouts(bool(interpret)))
+                             layouts=named_layouts(params is not False))
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((b, n_blocks_p, q), jnp.float32),
@@ -247,6 +248,6 @@ def scores_call(offset_B, qi_BQI, kiT_BIS, bias_BS, *, n_blocks_p: int,
       ],
       grid=(b, q // row_tile, n_blocks_p // nb),
       grid_names=('b', 'i', 'j'),
-      interpret=interpret_params(interpret),
+      interpret=params,
   )(offset_B, qi_BQI, kiT_BIS, bias_BS.reshape(b, sp // block_size,
                                                block_size))

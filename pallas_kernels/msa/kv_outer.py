@@ -67,6 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.msa import kernel_common as kc
+from pallas_kernels.msa import kv_outer_mosaic
 
 NEG_INF = float('-inf')
 
@@ -101,6 +102,10 @@ class ForwardConfig:
     forward_plan's XLA-built tables (tile rows, work items, pair table)
     instead of `decode_partials`, which reads the selection itself: the
     decode step as it was, for the GPU bench to time beside the default.
+  kernel: 'triton', or 'mosaic' (kv_outer_mosaic.py: the tiles' queries
+    gathered by TMA, the dots on warpgroup MMAs; bf16, 64-row tiles, so
+    q_per_tile defaults to 64 / Rp; needs pair_order). Prefill only: one
+    query per sequence keeps `decode_partials`.
   """
   q_per_tile: int | None = None
   tiles_per_program: int | None = None
@@ -111,11 +116,18 @@ class ForwardConfig:
   pair_order: bool = False
   fused_combine: bool = False
   tiled_decode: bool = False
+  kernel: str = 'triton'
 
   def __post_init__(self):
     if self.fused_combine and not self.pair_order:
       raise ValueError('fused_combine merges pair-order partials: it needs '
                        'pair_order=True.')
+    if self.kernel not in ('triton', 'mosaic'):
+      raise ValueError(f"kernel must be 'triton' or 'mosaic', got "
+                       f'{self.kernel!r}.')
+    if self.kernel == 'mosaic' and not self.pair_order:
+      raise ValueError('the Mosaic forward writes pair-order partials: it '
+                       'needs pair_order=True.')
 
   def label(self) -> str:
     """A short name of the non-default knobs ('default' when none)."""
@@ -706,6 +718,26 @@ def _query_chunk(config: ForwardConfig, q: int, g: int, k: int, rp: int,
       q, (2**30 // (g * k * rp * dp * 2)) // q * q)
 
 
+def _tile_queries(config: ForwardConfig, heads_p: int, dtype) -> int:
+  """Queries per tile under `config` (its kernel's default if unset)."""
+  if config.q_per_tile:
+    return config.q_per_tile
+  if config.kernel == 'mosaic':
+    return max(1, kv_outer_mosaic.TILE_ROWS // heads_p)
+  return _queries_per_tile(heads_p, dtype)
+
+
+def unsupported(config: ForwardConfig, *, heads_p: int, head_dim_p: int,
+                block_size: int, dtype) -> str | None:
+  """Why `config`'s forward cannot run at these padded shapes (None: it
+  can); only the Mosaic kernel has such limits."""
+  if config.kernel != 'mosaic':
+    return None
+  return kv_outer_mosaic.unsupported(
+      heads_p, head_dim_p, block_size,
+      _tile_queries(config, heads_p, dtype), dtype)
+
+
 def forward_plan(sel_BGTK, *, n_blocks: int, heads_p: int, head_dim_p: int,
                  dtype, config: ForwardConfig | None = None) -> list:
   """The forward's work, per query chunk (XLA, no kernel): a list of
@@ -719,7 +751,7 @@ def forward_plan(sel_BGTK, *, n_blocks: int, heads_p: int, head_dim_p: int,
   """
   config = config or ForwardConfig()
   b, g, t, k = sel_BGTK.shape
-  q = config.q_per_tile or _queries_per_tile(heads_p, dtype)
+  q = _tile_queries(config, heads_p, dtype)
 
   def chunk(tiles, items):
     _, tile_q, pair = tiles
@@ -773,6 +805,15 @@ def forward_partials(plan: list, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
   Dp] or (pair_order) pair order [B, G, P*Rp + 1, Dp]."""
   config = config or ForwardConfig()
   g, rp = q_BTGRD.shape[2:4]
+  if config.kernel == 'mosaic':
+    n_blocks = k_BSGD.shape[1] // block_size
+    return [kv_outer_mosaic.forward_call(
+        off_B, items, rows, out_rows, pair, _query_view(q_BTGRD), k_BSGD,
+        v_BSGD, valid_BS, block_size=block_size, rows_per_token=g * rp,
+        scale=scale, interpret=interpret,
+        window=config.tiles_per_program or _per_program(rows.shape[2],
+                                                        n_blocks))
+            for items, rows, out_rows, pair in plan]
   call = functools.partial(_forward_call, off_B=off_B,
                            q_BXD=_query_view(q_BTGRD), k_BSGD=k_BSGD,
                            v_BSGD=v_BSGD, valid_BS=valid_BS,

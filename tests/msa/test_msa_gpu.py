@@ -17,6 +17,7 @@ import pytest
 
 import msa_testlib as lib
 from pallas_kernels.msa import index_kernel
+from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference as ref
 from pallas_kernels.msa import select_kernel
@@ -215,6 +216,31 @@ def test_tuned_forward_variants_match_reference(name):
         interpret=False, kv_config=config))(q, kk, v, sel)
     lib.assert_close(got[0], want[0], 2e-2, f'out {config.label()}')
     lib.assert_close(got[1], want[1], 2e-2, f'lse {config.label()}')
+
+
+@pytest.mark.parametrize('name', ['real_heads_2k', 'real_heads_chunk'])
+def test_mosaic_forward_matches_reference_and_triton(name):
+  # kv_outer_mosaic.py compiled by Mosaic GPU (TMA gathers, wgmma), with
+  # XLA's merge and the fused one: the reference's output and LSE, and the
+  # Triton forward's to bf16 rounding (P rounds alike; sums may not).
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, seed=3)
+  q, kk, v = (x.astype(jnp.bfloat16) for x in (q, kk, v))
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  off = jnp.full((b,), o, jnp.int32)
+  f32 = lambda x: x.astype(jnp.float32)
+  want = jax.jit(functools.partial(ref.sparse_attention, block_size=c,
+                                   q_offset=o))(f32(q), f32(kk), f32(v), sel)
+  run = lambda cfg: jax.jit(lambda q, k_, v_, sel: pallas_path.sparse_forward(
+      q, k_, v_, sel, off, None, block_size=c, backend='gpu',
+      interpret=False, kv_config=cfg))(q, kk, v, sel)
+  triton = run(kv_outer.ForwardConfig(pair_order=True))
+  for fused in (False, True):
+    got = run(kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
+                                     fused_combine=fused))
+    lib.assert_close(got[0], want[0], 2e-2, f'out fused={fused}')
+    lib.assert_close(got[1], want[1], 2e-2, f'lse fused={fused}')
+    lib.assert_close(got[0], triton[0], 2e-2, f'vs triton fused={fused}')
 
 
 def test_xla_topk_selection_equals_the_pallas_topk_in_decode():
