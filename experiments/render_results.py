@@ -1110,10 +1110,7 @@ def render_gpu_check(results_dir: str, name: str) -> str:
                  ' tuned forward.' if 'best' in tune
                  else '. None beat the default.')
               + (f" Not timed (budget): {len(tune['not_timed'])}."
-                 if tune.get('not_timed') else '')
-              + (f" Not run at these shapes: {len(tune['not_applicable'])}"
-                 f" ({', '.join(f'`{k}`' for k in tune['not_applicable'])})."
-                 if tune.get('not_applicable') else '')]
+                 if tune.get('not_timed') else '')]
   done = [r for r in rows if 'speedup' in r]
   if done:
     cols = [('dense prefill ms (cuDNN)', lambda r: _ms(r['dense_s'])),
@@ -1226,6 +1223,10 @@ def render_gpu_check(results_dir: str, name: str) -> str:
       None)
   if prof and prof.get('profiles'):
     lines += ['', _profile_table(prof)]
+  mos = bench.get('mosaic') or [
+      r for r in bench.get('partial', []) if r.get('phase') == 'mosaic']
+  if mos:
+    lines += ['', _mosaic_table(mos)]
   # A forward+backward cut off inside a measured prefill row says so too.
   cut = [(r.get('phase', '?'), r) for r in [*rows, *decode]
          if 'skipped' in r or 'error' in r]
@@ -1270,6 +1271,37 @@ def _grouped_gemm_text(gemm: dict) -> str:
     text += '\n\nNot timed: ' + '; '.join(
         f'`{k}` ({str(v)[:80]})' for k, v in gemm['errors'].items()) + '.'
   return text
+
+
+def _mosaic_table(rows: list[dict]) -> str:
+  """The bench's mosaic phase: the Mosaic GPU kernels beside the Triton
+  ones (a speedup shows only where the results agreed)."""
+  cell = lambda r, key, fmt=_f: fmt(r[key]) if key in r else '-'
+  table = _table(
+      ['tokens', 'index scores ms (Triton / Mosaic)', 'speedup',
+       'main ms (Triton / Mosaic)', 'speedup', 'Mosaic main TFLOP/s',
+       'MSA vs cuDNN (Triton / Mosaic)'],
+      [[_f(r['seq_len']),
+        f"{cell(r, 'index_scores_s', _ms)} / "
+        f"{cell(r, 'index_scores_mosaic_s', _ms)}",
+        cell(r, 'index_scores_mosaic_speedup'),
+        f"{cell(r, 'main_s', _ms)} / {cell(r, 'main_mosaic_s', _ms)}",
+        cell(r, 'main_mosaic_speedup'), cell(r, 'main_mosaic_tflops'),
+        f"{cell(r, 'speedup')} / {cell(r, 'speedup_mosaic')}"]
+       for r in rows if 'seq_len' in r])
+  notes = []
+  for r in rows:
+    for key, what in (('mosaic_wrong', 'disagreed with Triton'),
+                      ('mosaic_not_applicable', 'not run'),
+                      ('kernel_errors', 'failed'), ('error', 'stopped'),
+                      ('skipped', 'skipped')):
+      if r.get(key):
+        val = r[key]
+        val = ', '.join(val) if isinstance(val, (list, dict)) else val
+        notes.append(f"{_f(r.get('seq_len', 0))} tokens, {what}: {val}")
+  return ('The Mosaic GPU kernels (index_mosaic, kv_outer_mosaic) beside the'
+          ' Triton ones, timed together:\n\n' + table
+          + (''.join(f'\n- {n}' for n in notes) if notes else ''))
 
 
 def _profile_table(prof: dict) -> str:

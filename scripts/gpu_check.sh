@@ -10,7 +10,9 @@
 #      (the bf16 kernels against the dense reference), the tune phase (the
 #      KV-outer forward's variants at 32k), then the targets cheapest
 #      first: prefill 32k (each kernel, stage and variant timed), decode
-#      128k at batch 8, forward+backward at 32k, prefill 128k, vs cuDNN.
+#      128k at batch 8, forward+backward at 32k, prefill 128k, vs cuDNN;
+#      then a trace of one call each, and the Mosaic GPU kernels beside
+#      the Triton ones at 32k and 128k.
 #      It gets BUDGET less TESTS_TIME_LIMIT: a soft deadline 75 s before
 #      its end, past which it starts no phase, and a hard timeout 15 s
 #      before it;

@@ -72,21 +72,22 @@ def _every_phase_ran_and_reported(out: dict, rows: list[dict], text: str):
   time, in process, would prove the same at the same cost."""
   assert [r['phase'] for r in rows] == ['ceilings', 'check', 'tune',
                                         'prefill', 'decode', 'train',
-                                        'profile']
+                                        'profile', 'mosaic']
   assert out['order'] == ['prefill 128', 'decode 128', 'train 128',
-                          'profile 128']
+                          'profile 128', 'mosaic 128']
+  # The Mosaic phase: the score launch timed beside Triton's and equal to
+  # it; the forward not run at the dry run's 2 heads a group, and said so.
+  mos, = out['mosaic']
+  assert mos['index_scores_s'] > 0 and mos['index_scores_mosaic_s'] > 0
+  assert mos['index_scores_mosaic_speedup'] > 0 and mos['mosaic_wrong'] == []
+  assert '8-row parts' in mos['mosaic_not_applicable']
+  assert 'kernel_errors' not in mos
   assert out['reference_check']['selection_margin_violations'] == 0
   assert out['reference_check']['fp8_margin_violations'] == 0
   assert out['reference_check']['max_abs_err'] < 2e-2  # bf16 inputs
   # Every variant timed beside the default, one default per group.
   tune = out['tune']
-  # Every variant timed, or said not to apply at the dry run's shapes (the
-  # Mosaic forward's 64-row tiles need 8 heads a group; it has 2).
-  assert set(tune['speedup_vs_default']) | set(tune['not_applicable']) == {
-      c.label() for c in bg.TUNE}
-  assert set(tune['not_applicable']) == {
-      c.label() for c in bg.TUNE if c.kernel == 'mosaic'}
-  assert all('8-row parts' in why for why in tune['not_applicable'].values())
+  assert set(tune['speedup_vs_default']) == {c.label() for c in bg.TUNE}
   assert tune['not_timed'] == [] and tune['wrong'] == []
   assert max(tune['max_abs_diff_vs_default'].values()) <= bg.TUNE_TOLERANCE
   assert len(tune['default_s']) == -(-len(bg.TUNE) // DRY.tune_group)
@@ -130,7 +131,8 @@ def _every_phase_ran_and_reported(out: dict, rows: list[dict], text: str):
   assert 'flip rate 0' in text, text
   assert 'Not measured' not in text
   assert 'Index score launch at 128 tokens' in text, text
-  assert 'Not run at these shapes: 2 (`' in text, text
+  assert 'The Mosaic GPU kernels (index_mosaic, kv_outer_mosaic)' in text
+  assert '128 tokens, not run: the Mosaic KV-outer forward needs' in text
   assert 'Wall time per phase, compiles included: ceilings' in text, text
   assert 'train 128 ' in text.split('Wall time per phase')[1], text
   assert "Where one call's time goes (cpu trace of 3" in text, text

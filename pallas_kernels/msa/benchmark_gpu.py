@@ -130,11 +130,6 @@ TUNE = (
     kv_outer.ForwardConfig(pair_order=True, prefetch=True, query_chunk=2048),
     kv_outer.ForwardConfig(pair_order=True, prefetch=True,
                            tiles_per_program=32),
-    # The same work on Mosaic GPU (kv_outer_mosaic.py: TMA gathers, warpgroup
-    # MMAs, 64-row tiles), with XLA's merge and with the fused one.
-    kv_outer.ForwardConfig(pair_order=True, kernel='mosaic'),
-    kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
-                           fused_combine=True),
 )
 
 # Prefill: the index score launch's tilings timed beside its default at
@@ -148,18 +143,14 @@ TUNE = (
 # pipelining (146 registers, 24 KiB: three blocks per SM; four, at 119
 # registers, with the causal compare in every block, one loop body); 64-row
 # tiles unpipelined (three blocks); 64-row tiles in 64-key dots; the
-# default with the compare in every block (209 registers); and the same
-# launch on Mosaic GPU (index_mosaic.py: TMA copies, double-buffered key
-# blocks, one warpgroup MMA per block), whose speed decides whether the
-# index branch leaves Triton.
+# default with the compare in every block (209 registers).
 INDEX_VARIANTS = ({'blocks_per_program': 32},
                   {'row_tile': 64, 'key_sub': 32, 'num_stages': 1},
                   {'row_tile': 64, 'key_sub': 32, 'num_stages': 1,
                    'causal_every_block': True},
                   {'row_tile': 64, 'num_stages': 1},
                   {'row_tile': 64, 'key_sub': 64},
-                  {'causal_every_block': True},
-                  {'kernel': 'mosaic'})
+                  {'causal_every_block': True})
 
 
 def index_variant_label(kw: dict) -> str:
@@ -520,21 +511,11 @@ def tune(cfg: GPUBench, clock: _Clock) -> dict:
   default = _main_branch(cfg, off)
   start = time.monotonic()
   ratio, secs, diff, defaults, todo = {}, {}, {}, [], list(TUNE)
-  not_applicable = {}
   compile_s = {}
   while (todo and clock.ok() and
          time.monotonic() - start < cfg.tune_budget_s):
     group, todo = todo[:cfg.tune_group], todo[cfg.tune_group:]
     fns = {'default': (default, (q, k, v, sel))}
-    for c in list(group):
-      # A kernel that cannot run at these shapes (the Mosaic forward's
-      # 64-row tiles need 8 heads a group) is said so, not timed.
-      reason = kv_outer.unsupported(c, heads_p=kc.next_pow2(
-          cfg.heads_per_group), head_dim_p=kc.next_pow2(cfg.head_dim),
-                                    block_size=cfg.block_size, dtype=q.dtype)
-      if reason:
-        not_applicable[c.label()] = reason
-        group.remove(c)
     fns.update({c.label(): (_main_branch(cfg, off, c), (q, k, v, sel))
                 for c in group})
     outs = {}
@@ -558,8 +539,7 @@ def tune(cfg: GPUBench, clock: _Clock) -> dict:
          'default_s': defaults, 'max_abs_diff_vs_default': diff,
          'compile_s': compile_s,
          'wrong': sorted(set(secs) - set(ratio)),
-         'not_timed': [c.label() for c in todo],
-         'not_applicable': not_applicable}
+         'not_timed': [c.label() for c in todo]}
   best = max(ratio, key=ratio.get, default=None)
   if best is not None and ratio[best] > 1.0:
     row['best'] = best
@@ -833,6 +813,101 @@ def decode(cfg: GPUBench, s: int, impl: str,
   return row
 
 
+# The Mosaic GPU kernels' forward (kv_outer_mosaic.py), with the fused
+# merge; timed in the `mosaic` phase.
+MOSAIC_FORWARD = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
+                                        fused_combine=True)
+
+
+def mosaic(cfg: GPUBench, t: int) -> dict:
+  """The Mosaic GPU kernels beside the Triton ones at t: the index score
+  launch (index_mosaic.py) against the Triton launch, the KV-outer forward
+  (kv_outer_mosaic.py, with XLA's merge and the fused one) against the
+  default, and MSA end to end on both against cuDNN, in one interleaved
+  measurement.
+
+  The last phase of a run: these kernels had run only in jax's GPU
+  interpreter, and a launch that faults can leave the device unusable for
+  the rest of the process. A speedup counts only where the results agree:
+  the scores equal (`scores_equal`), the outputs within TUNE_TOLERANCE of
+  the Triton ones' (MSA end to end too: equal scores give the same
+  selection); otherwise the name is listed under `mosaic_wrong`. Where
+  the forward cannot run at the bench's shapes (the dry run's 2 heads a
+  group), `mosaic_not_applicable` says why and only the scores are timed.
+  """
+  q, k, v, qi, ki = _inputs(cfg, 1, t, t)
+  off = jnp.zeros((1,), jnp.int32)
+  errors = {}
+  sel, _ = _selection(cfg, qi, ki, off, errors)
+  scores = lambda kernel: lambda qi, ki: index_kernel.index_scores(
+      qi, ki, off, block_size=cfg.block_size, interpret=cfg.interpret,
+      kernel=kernel)
+  fns = {'index_scores': (scores('triton'), (qi, ki)),
+         'index_scores_mosaic': (scores('mosaic'), (qi, ki))}
+  heads_p, dim_p = kc.next_pow2(cfg.heads_per_group), kc.next_pow2(
+      cfg.head_dim)
+  why = kv_outer.unsupported(MOSAIC_FORWARD, heads_p=heads_p,
+                             head_dim_p=dim_p, block_size=cfg.block_size,
+                             dtype=q.dtype)
+  if why is None:
+    msa = functools.partial(pallas_path.msa_attention, q_offset=0,
+                            backend='gpu', interpret=cfg.interpret,
+                            block_size=cfg.block_size, top_k=cfg.top_k)
+    unfused = dataclasses.replace(MOSAIC_FORWARD, fused_combine=False)
+    fns.update({
+        'dense': (functools.partial(dense_prefill,
+                                    implementation=cfg.dense_impl),
+                  (q, k, v)),
+        'msa': (msa, (q, k, v, qi, ki)),
+        'msa_mosaic': (functools.partial(msa, scores_kernel='mosaic',
+                                         kv_config=MOSAIC_FORWARD),
+                       (q, k, v, qi, ki)),
+        'main': (_main_branch(cfg, off), (q, k, v, sel)),
+        'main_mosaic': (_main_branch(cfg, off, MOSAIC_FORWARD),
+                        (q, k, v, sel)),
+        'main_mosaic_xla_merge': (_main_branch(cfg, off, unfused),
+                                  (q, k, v, sel))})
+  compile_s, outs = {}, {}
+  med, spread, errs = _measure(cfg, fns, compile_s, outputs=outs)
+  errors.update(errs)
+  row = {'seq_len': t, 'spread': spread, 'compile_s': compile_s}
+  row.update({f'{name}_s': sec for name, sec in med.items()})
+  if why is not None:
+    row['mosaic_not_applicable'] = why
+  agree, wrong = {}, []
+  if {'index_scores', 'index_scores_mosaic'} <= set(outs):
+    agree['index_scores_mosaic'] = scores_equal(
+        outs['index_scores_mosaic'], outs['index_scores'])
+  for name, base in (('main_mosaic', 'main'), ('main_mosaic_xla_merge', 'main'),
+                     ('msa_mosaic', 'msa')):
+    if {name, base} <= set(outs):
+      diff = float(jnp.max(jnp.abs(outs[name][0].astype(jnp.float32) -
+                                   outs[base][0].astype(jnp.float32))))
+      row[f'{name}_max_abs_diff'] = diff
+      agree[name] = diff <= TUNE_TOLERANCE
+  wrong = sorted(name for name, ok in agree.items() if not ok)
+  for key, num, den in (('speedup', 'dense', 'msa'),
+                        ('speedup_mosaic', 'dense', 'msa_mosaic'),
+                        ('msa_mosaic_speedup', 'msa', 'msa_mosaic'),
+                        ('index_scores_mosaic_speedup', 'index_scores',
+                         'index_scores_mosaic'),
+                        ('main_mosaic_speedup', 'main', 'main_mosaic'),
+                        ('main_mosaic_xla_merge_speedup', 'main',
+                         'main_mosaic_xla_merge')):
+    if den in wrong:
+      continue
+    if (ratio := _ratio(med, num, den)) is not None:
+      row[key] = ratio
+  if 'main_mosaic' in med:
+    row['main_mosaic_tflops'] = (prefill_flops(cfg, t)[1] - 2 *
+                                 cfg.index_dim * t / 2 * t * cfg.groups) / \
+        med['main_mosaic'] / 1e12
+  row['mosaic_wrong'] = wrong
+  if errors:
+    row['kernel_errors'] = errors
+  return row
+
+
 PROFILE_CALLS = 3  # back-to-back calls per trace
 
 
@@ -914,8 +989,11 @@ def schedule(cfg: GPUBench) -> list[tuple[str, int]]:
   falls, so the cheaper target measurements go first: prefill up to
   train_max_len, then decode, then forward+backward (the most compiles),
   then the longer prefill rows (128k: the costliest dense calls), and
-  last, being no target, a kernel-by-kernel trace of one prefill and one
-  decode step (`profile`).
+  then, being no target, a kernel-by-kernel trace of one prefill and one
+  decode step (`profile`), and last the Mosaic GPU kernels beside the
+  Triton ones at train_max_len and the longest prefill (`mosaic`: they
+  had never run on a GPU, and a faulting launch could spoil what follows
+  it in the process).
   """
   short = [t for t in cfg.seq_lens if t <= cfg.train_max_len]
   long = [t for t in cfg.seq_lens if t > cfg.train_max_len]
@@ -923,7 +1001,8 @@ def schedule(cfg: GPUBench) -> list[tuple[str, int]]:
           [('decode', s) for s in cfg.decode_lens] +
           [('train', t) for t in short] +
           [('prefill', t) for t in long] +
-          [('profile', t) for t in short[-1:]])
+          [('profile', t) for t in short[-1:]] +
+          [('mosaic', t) for t in short[-1:] + long[-1:]])
 
 
 # Fields of a train row that name its own run, not a measurement: kept
@@ -983,9 +1062,10 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
       'prefill': lambda t: prefill(cfg, t, best),
       'decode': lambda s: decode(cfg, s, decode_impl, best),
       'train': lambda t: train(cfg, t, best),
-      'profile': lambda t: profile(cfg, t, decode_impl)}
+      'profile': lambda t: profile(cfg, t, decode_impl),
+      'mosaic': lambda t: mosaic(cfg, t)}
   length = {'prefill': 'seq_len', 'decode': 'cache_len', 'train': 'seq_len',
-            'profile': 'seq_len'}
+            'profile': 'seq_len', 'mosaic': 'seq_len'}
   done_rows = {name: [] for name in measure}
   for name, n in schedule(cfg):
     done_rows[name].append(_phase(name, lambda f=measure[name], n=n: f(n),
@@ -1010,6 +1090,8 @@ def run(cfg: GPUBench, log=_log_row, deadline: float | None = None) -> dict:
       # Diagnostic, not a target: a trace that fails (no CUPTI) leaves the
       # run complete, with its error in this row.
       'profile': done_rows['profile'][0] if done_rows['profile'] else None,
+      # Diagnostic too: kernels not yet the default.
+      'mosaic': done_rows['mosaic'],
       'complete': all('skipped' not in r and 'error' not in r and
                       'kernel_errors' not in r
                       for r in [ceil, chk, tun, *done_rows['prefill'],

@@ -351,16 +351,16 @@ _sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
                   top_k, q_offset, backend, interpret, kv_valid_BS=None,
                   gpu_kernels='kv_outer', topk='pallas', kv_config=None,
-                  fp8_scores=False):
+                  fp8_scores=False, scores_kernel='triton'):
   """Kernel (a) then kernels (b)/(c): (out_BTHD, {'sel_BGTK', 'lse_BTH'}).
 
   gpu_kernels: on the GPU backend, 'kv_outer' (two-launch selection,
   kv_outer.py), 'token' (the fused selection and per-token kernels) or
   'tiles' (two-launch selection, then union tiles for the forward and dQ,
   KV-outer dK/dV).
-  topk ('pallas' / 'xla'), fp8_scores (index_kernel.select_blocks_BGTK)
-  and kv_config (kv_outer.ForwardConfig) pick the GPU variants
-  benchmark_gpu times.
+  topk ('pallas' / 'xla'), fp8_scores, scores_kernel ('triton' /
+  'mosaic': index_kernel.select_blocks_BGTK) and kv_config
+  (kv_outer.ForwardConfig) pick the GPU variants benchmark_gpu times.
   """
   check_block_size(block_size, backend)
   b = q_BTHD.shape[0]
@@ -369,7 +369,7 @@ def msa_attention(q_BTHD, k_BSGD, v_BSGD, qi_BTGI, ki_BSI, *, block_size,
       jax.lax.stop_gradient(qi_BTGI), jax.lax.stop_gradient(ki_BSI), off_B,
       block_size=block_size, top_k=top_k, backend=backend, interpret=interpret,
       kv_valid_BS=kv_valid_BS, gpu_method=_selector(gpu_kernels), topk=topk,
-      fp8_scores=fp8_scores)
+      fp8_scores=fp8_scores, scores_kernel=scores_kernel)
   out, lse = sparse_attention(q_BTHD, k_BSGD, v_BSGD, sel, off_B, block_size,
                               backend, interpret, kv_valid_BS, gpu_kernels,
                               kv_config)

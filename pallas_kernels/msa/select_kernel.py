@@ -236,7 +236,8 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
                        chunk_blocks: int = CHUNK_BLOCKS, kv_valid_BS=None,
                        gpu_method: str = 'two_pass',
                        topk: str = 'pallas',
-                       fp8_scores: bool = False) -> jax.Array:
+                       fp8_scores: bool = False,
+                       scores_kernel: str = 'triton') -> jax.Array:
   """Selection [B, G, T, K] for queries at positions t + offset_B[b].
 
   Any T and S work: queries and keys are zero-padded to whole tiles and the
@@ -245,15 +246,18 @@ def select_blocks_BGTK(qi_BTGI, ki_BSI, offset_B, *, block_size: int,
   gpu_method: on the GPU backend, 'two_pass' (index_kernel.py: a tensor-core
   score launch, then a top-k launch; dots in bf16 when qi and ki are bf16)
   or 'fused' (this module's running-table kernel, f32 dots: the oracle).
-  topk, fp8_scores: the two-launch selector's options
+  topk, fp8_scores, scores_kernel: the two-launch selector's options
   (index_kernel.select_blocks_BGTK).
   """
   if backend == 'gpu' and gpu_method == 'two_pass':
     return index_kernel.select_blocks_BGTK(
         qi_BTGI, ki_BSI, offset_B, kv_valid_BS, block_size=block_size,
-        top_k=top_k, interpret=interpret, topk=topk, fp8_scores=fp8_scores)
+        top_k=top_k, interpret=interpret, topk=topk, fp8_scores=fp8_scores,
+        scores_kernel=scores_kernel)
   if fp8_scores:
     raise ValueError('fp8_scores needs the two-pass GPU selector.')
+  if scores_kernel != 'triton':
+    raise ValueError('scores_kernel needs the two-pass GPU selector.')
   if gpu_method not in ('two_pass', 'fused'):
     raise ValueError(f"gpu_method must be 'two_pass' or 'fused', got "
                      f'{gpu_method!r}.')

@@ -16,6 +16,7 @@ import pytest
 import msa_testlib as lib
 from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import index_mosaic
+from pallas_kernels.msa import select_kernel
 
 
 def _scores(qi, ki, off, valid, c, **kw):
@@ -90,6 +91,11 @@ def test_unsupported_inputs_are_refused_with_the_reason():
   with pytest.raises(ValueError, match="'triton' or 'mosaic'"):
     index_kernel.index_scores(qi, ki, off, block_size=16, interpret=True,
                               kernel='cuda')
+  with pytest.raises(ValueError, match='two-pass GPU selector'):
+    select_kernel.select_blocks_BGTK(qi, ki, off, block_size=16, top_k=2,
+                                     backend='gpu', interpret=True,
+                                     gpu_method='fused',
+                                     scores_kernel='mosaic')
   with pytest.raises(ValueError, match='multiple of 64 rows'):
     index_mosaic.check_shapes(rows=128, index_dim_p=128, block_size=128,
                               row_tile=32)
