@@ -198,12 +198,14 @@ def test_targets_read_the_rows_they_name():
 
 def test_the_cheaper_targets_are_measured_first():
   # The lent GPU's run: the 32k prefill, then decode at 128k, then
-  # forward+backward at 32k, the costly 128k prefill, and last a trace of
-  # one call each (a diagnostic, no target).
+  # forward+backward at 32k, the costly 128k prefill, then a trace of
+  # one call each (a diagnostic, no target), and last the Mosaic GPU
+  # kernels beside the Triton ones (never run on a GPU before).
   cfg = bg.GPUBench(seq_lens=(32768, 131072), decode_lens=(131072,))
   assert bg.schedule(cfg) == [('prefill', 32768), ('decode', 131072),
                               ('train', 32768), ('prefill', 131072),
-                              ('profile', 32768)]
+                              ('profile', 32768), ('mosaic', 32768),
+                              ('mosaic', 131072)]
   # Every target's length is measured by some phase of the schedule.
   lengths = {(p, n) for p, n in bg.schedule(cfg)}
   for _, phase, n, *_ in bg.TARGETS:
@@ -252,8 +254,9 @@ def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
   out = bg.run(cfg, log=printed.append)
   assert calls == [('prefill', 32768), ('decode', 131072), ('train', 32768)]
   assert [r['phase'] for r in printed][3:] == ['prefill', 'decode', 'train',
-                                              'prefill', 'profile']
-  assert all(r['skipped'] == 'deadline' for r in printed[-2:])
+                                              'prefill', 'profile', 'mosaic',
+                                              'mosaic']
+  assert all(r['skipped'] == 'deadline' for r in printed[-4:])
   assert not out['complete']
   # The final JSON: the train fields joined the 32k prefill row, and both
   # spreads survive.
@@ -268,7 +271,7 @@ def test_a_run_cut_by_its_time_limit_still_reports_the_targets_it_reached(
   assert {t['what']: t['measured'] for t in bg.targets(out)} == want
   # Killed inside the 128k prefill: only the printed rows before it.
   partial = {'error': 'no final JSON line in the bench log',
-             'partial': printed[:-2]}
+             'partial': printed[:-4]}
   assert {t['what']: t['measured'] for t in bg.targets(partial)} == want
   summary = {'gpu_check': 'fail', 'setup': {}, 'tests': {},
              'bench_msa': partial}
