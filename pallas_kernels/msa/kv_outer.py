@@ -104,8 +104,9 @@ class ForwardConfig:
     decode step as it was, for the GPU bench to time beside the default.
   kernel: 'triton', or 'mosaic' (kv_outer_mosaic.py: the tiles' queries
     gathered by TMA, the dots on warpgroup MMAs; bf16, 64-row tiles, so
-    q_per_tile defaults to 64 / Rp; needs pair_order). Prefill only: one
-    query per sequence keeps `decode_partials`.
+    q_per_tile defaults to 64 / Rp; needs pair_order; `prefetch` is its
+    double-buffered gather). Prefill only: one query per sequence keeps
+    `decode_partials`.
   """
   q_per_tile: int | None = None
   tiles_per_program: int | None = None
@@ -810,7 +811,7 @@ def forward_partials(plan: list, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
     return [kv_outer_mosaic.forward_call(
         off_B, items, rows, out_rows, pair, _query_view(q_BTGRD), k_BSGD,
         v_BSGD, valid_BS, block_size=block_size, rows_per_token=g * rp,
-        scale=scale, interpret=interpret,
+        scale=scale, interpret=interpret, prefetch=config.prefetch,
         window=config.tiles_per_program or _per_program(rows.shape[2],
                                                         n_blocks))
             for items, rows, out_rows, pair in plan]

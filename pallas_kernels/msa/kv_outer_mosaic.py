@@ -124,7 +124,7 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
   blk, first, count = blk_gmem[item], first_gmem[item], count_gmem[item]
   n = jnp.where(blk >= 0, count, 0)
   c, rp = block_size, heads_p
-  w, q_lanes = q_smem.shape[0], src_smem.shape[1]
+  w, q_lanes = q_smem.shape[1], src_smem.shape[1]
   window = src_smem.shape[0]
   start = pl.multiple_of(jnp.maximum(blk, 0) * c, c)
   offset = off_gmem[bb]
@@ -148,15 +148,28 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
   kpos_C = start + _cols_iota(c, layouts)
   lane_W = jax.lax.div(_rows_iota(w, layouts), rp)
 
-  def tile(i, carry):
-    srcs = [src_smem[i, lane] for lane in range(q_lanes)]
-    for lane, src in enumerate(srcs):
+  slots = q_smem.shape[0]  # 2: tile i+1's gather overlaps tile i's work
+
+  def gather(i, slot):
+    for lane in range(q_lanes):
       # A dead lane reads row 0 (masked): every tile waits for Q copies.
       # (Rows of a lane start at a multiple of Rp: the TMA copy's
       # layout inference must be told.)
-      row0 = pl.multiple_of(jnp.maximum(src, 0), rp)
+      row0 = pl.multiple_of(jnp.maximum(src_smem[i, lane], 0), rp)
       plgpu.copy_gmem_to_smem(q_gmem.at[bb, pl.ds(row0, rp)],
-                              q_smem.at[pl.ds(lane * rp, rp)], q_bar)
+                              q_smem.at[slot, pl.ds(lane * rp, rp)],
+                              q_bar.at[slot])
+
+  if slots == 2:
+    @pl.when(n > 0)
+    def _():
+      gather(0, 0)
+
+  def tile(i, carry):
+    slot = jax.lax.rem(i, slots)
+    if slots == 1:
+      gather(i, 0)
+    srcs = [src_smem[i, lane] for lane in range(q_lanes)]
     # Each row's position: its lane's token (the lanes' rows are
     # contiguous), before every key for a dead lane.
     qpos_W = jnp.full((w,), _DEAD, jnp.int32)
@@ -164,13 +177,18 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
       tok = jnp.where(src >= 0, offset + jax.lax.div(src, rows_per_token),
                       _DEAD)
       qpos_W = jnp.where(lane_W == lane, tok, qpos_W)
-    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(q_bar.at[slot])
 
     def scores(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, kT_smem)
+      plgpu.wgmma(acc_ref, q_smem.at[slot], kT_smem)
       plgpu.wgmma_wait(0)
       return acc_ref[...]
     s_WC = pl.run_scoped(scores, plgpu.ACC((w, c), jnp.float32)) * scale
+    if slots == 2:
+      # The other slot was last read by tile i-1's S, which is done.
+      @pl.when(i + 1 < n)
+      def _():
+        gather(i + 1, 1 - slot)
     s_WC = s_WC + jax.lax.broadcast_in_dim(bias_C, (w, c), [1])
     see_WC = (jax.lax.broadcast_in_dim(kpos_C, (w, c), [1])
               <= jax.lax.broadcast_in_dim(qpos_W, (w, c), [0]))
@@ -224,7 +242,8 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
 def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
                  k_BSGD, v_BSGD, valid_BS, *, block_size: int,
                  rows_per_token: int, scale: float, window: int,
-                 interpret) -> tuple[jax.Array, jax.Array]:
+                 interpret, prefetch: bool = True
+                 ) -> tuple[jax.Array, jax.Array]:
   """kv_outer._forward_call's pair-order partials on Mosaic GPU: (o [B, G,
   P*Rp, Dp] in q's dtype, lse [B, G, P*Rp] f32), without the Triton
   kernel's spare last row (dead lanes write nothing here; the TMA unit
@@ -232,7 +251,9 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
   tile count) [B, G, U]; rows / out_rows: each tile row's query-view row
   and pair-order row (-1: empty); pair: the flat lane (tile * Q + lane)
   of each (token, slot) pair (-1: none); window: the most tiles an item
-  has."""
+  has; prefetch: gather tile i+1's queries into a second buffer while
+  tile i's softmax, P V and writes run (else each tile waits for its own
+  gather)."""
   b, g, n_tiles, w = rows_BGJW.shape
   n_pairs = pair_BGP.shape[-1]
   x, dp = q_BXD.shape[1:]
@@ -269,12 +290,14 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
           plgpu.SMEM((block_size,), jnp.float32),
           plgpu.SMEM((window, q_lanes), jnp.int32),
           plgpu.SMEM((window, q_lanes), jnp.int32),
-          plgpu.SMEM((w, dp), q_BXD.dtype, transforms=_transforms(dp)),
+          plgpu.SMEM((2 if prefetch else 1, w, dp), q_BXD.dtype,
+                     transforms=_transforms(dp)),
           plgpu.SMEM((w, dp), q_BXD.dtype, transforms=_transforms(dp)),
           plgpu.SMEM((w,), jnp.float32),
           plgpu.Barrier(num_arrivals=3 + 2 * -(-window // _TABLE_ROWS),
                         num_barriers=1),
-          plgpu.Barrier(num_arrivals=q_lanes, num_barriers=1),
+          plgpu.Barrier(num_arrivals=q_lanes,
+                        num_barriers=2 if prefetch else 1),
           # P's shared-memory copy, interpreted only (_forward_body).
           *([plgpu.SMEM((w, block_size), q_BXD.dtype,
                         transforms=_transforms(block_size))]

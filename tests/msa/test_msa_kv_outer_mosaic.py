@@ -6,13 +6,11 @@ pair-order forward, the output bit for bit (both round P to bf16 before
 its MMA) and the log-sum-exp to an ulp, and
 the dense reference to bf16 rounding, with -1 slots, padding keys, a
 chunked-prefill offset, query chunks and blocks split over several work
-items; the interpreter's race detector finds no TMA copy into a buffer
-still being read; and it lowers for CUDA at
+items, with the interpreter's race detector on; and it lowers for CUDA at
 the GPU bench's shapes (Mosaic GPU's layout inference and TMA rules run
 here; PTX is made on the GPU).
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ from pallas_kernels.msa import reference as ref
 
 # (b, t, s, g, r, d, di, c, k, q_offset): 6 heads a group pad to 8 (the
 # layout's row tile), so a 64-row tile is 8 queries.
-SHAPE = (1, 40, 100, 2, 6, 16, 8, 16, 4, 60)
+SHAPE = (1, 32, 100, 2, 6, 16, 8, 16, 4, 68)
 
 
 def _case(seed=0):
@@ -43,25 +41,37 @@ def _case(seed=0):
   return q, kk, v, jnp.asarray(sel), jnp.asarray(valid)
 
 
-def test_equals_the_triton_forward_and_the_reference():
-  # Two query chunks, blocks split into items of 2 tiles, the fused merge.
-  knobs = {'query_chunk': 24, 'tiles_per_program': 2, 'fused_combine': True}
+def test_equals_the_triton_forward_and_the_reference(monkeypatch):
+  """With and without the double-buffered gather, in jax's GPU interpreter
+  with its happens-before race detector on. jax 0.11's detector finds a
+  TMA copy into shared memory that threads may still be reading (it
+  caught one in the score launch); it runs TMA stores at once, so the wait
+  before o_smem is rewritten rests on the code, not on this test. Two
+  query chunks, blocks split into items of 2 tiles, the fused merge."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
+  params = index_mosaic.interpret_params
+  monkeypatch.setattr(index_mosaic, 'interpret_params', lambda interpret: (
+      type(params(True))(detect_races=True) if interpret else False))
   q, kk, v, sel, valid = _case()
   b, _, _, _, _, _, _, c, _, o = SHAPE
   off = jnp.full((b,), o, jnp.int32)
+  knobs = {'query_chunk': 16, 'tiles_per_program': 2, 'fused_combine': True}
 
   def run(**kw):
-    cfg = kv_outer.ForwardConfig(pair_order=True, **knobs, **kw)
+    cfg = kv_outer.ForwardConfig(pair_order=True, **{**knobs, **kw})
     return jax.jit(lambda q, k_, v_, sel: pallas_path.sparse_forward(
         q, k_, v_, sel, off, valid, block_size=c, backend='gpu',
         interpret=True, kv_config=cfg))(q, kk, v, sel)
 
-  got, triton = run(kernel='mosaic'), run(q_per_tile=8)
-  # The outputs bit for bit; the log-sum-exps to an ulp (m + log l, scaled
-  # in another order).
-  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(triton[0]))
-  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(triton[1]),
-                             rtol=1e-6)
+  triton = run(q_per_tile=8)
+  for prefetch in (True, False):
+    got = run(kernel='mosaic', prefetch=prefetch)
+    assert not gpu_interpret.get_races().races_found, prefetch
+    # The outputs bit for bit; the log-sum-exps to an ulp (m + log l,
+    # scaled in another order).
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(triton[0]))
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(triton[1]),
+                               rtol=1e-6)
   f32 = lambda x: x.astype(jnp.float32)
   want = ref.sparse_attention(f32(q), f32(kk), f32(v), sel, block_size=c,
                               q_offset=o, kv_valid_BS=valid)
@@ -70,39 +80,6 @@ def test_equals_the_triton_forward_and_the_reference():
   lib.assert_close(got[0], want[0], 2e-2, 'out')
   lib.assert_close(jnp.where(finite, got[1], 0), jnp.where(finite, want[1], 0),
                    1e-4, 'lse')
-
-
-def test_no_data_race_in_the_interpreter():
-  """jax's GPU interpreter with its happens-before race detector, over a
-  block split into items of 2 tiles. jax 0.11's detector finds a TMA copy
-  into shared memory that threads may still be reading (it caught one in
-  the score launch); it runs TMA stores at once, so the wait before o_smem
-  is rewritten rests on the code, not on this test."""
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  q, kk, v, sel, valid = _case(seed=1)
-  b, t, s, g, r, d, _, c, k, o = SHAPE
-  rp, dp = 8, 16
-  qg = pallas_path._to_gpu_q(q, g, rp, dp)  # pylint: disable=protected-access
-  pad = lambda x: pallas_path._pad_axis(x, 3, dp)  # pylint: disable=protected-access
-  config = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
-                                  tiles_per_program=2)
-  plan = kv_outer.forward_plan(sel, n_blocks=-(-s // c), heads_p=rp,
-                               head_dim_p=dp, dtype=jnp.bfloat16,
-                               config=config)
-  sp = -(-s // c) * c
-  kp, vp = (jnp.pad(pad(x), ((0, 0), (0, sp - s), (0, 0), (0, 0)))
-            for x in (kk, v))
-  valid_p = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, sp - s)))
-  params = type(index_mosaic.interpret_params(True))(detect_races=True)
-  (items, rows, out_rows, pair), = plan
-  o_out, lse = kv_outer_mosaic.forward_call(
-      jnp.full((b,), o, jnp.int32), items, rows, out_rows, pair,
-      qg.reshape(b, -1, dp), kp, vp, valid_p, block_size=c,
-      rows_per_token=g * rp, scale=1 / math.sqrt(d), window=2,
-      interpret=params)
-  jax.block_until_ready((o_out, lse))
-  assert not gpu_interpret.get_races().races_found
-  assert np.isfinite(np.asarray(lse)).any()
 
 
 def test_unsupported_inputs_are_refused_with_the_reason():
@@ -125,13 +102,15 @@ def test_lowers_for_cuda_at_real_shapes():
   windows (tables copied in 256-row parts), one Mosaic GPU call per query
   chunk beside the plan's and the combine's XLA."""
   b, t, g, r, d, c, k = 1, 2048, 4, 16, 128, 128, 16
-  cfg = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic')
-  f = functools.partial(pallas_path.sparse_forward, block_size=c,
-                        backend='gpu', interpret=False, kv_config=cfg)
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  text = jax.jit(f).trace(
-      bf16(b, t, g * r, d), bf16(b, t, g, d), bf16(b, t, g, d),
-      jax.ShapeDtypeStruct((b, g, t, k), jnp.int32),
-      jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
-          lowering_platforms=('cuda',)).as_text()
-  assert 'mosaic_gpu' in text
+  for prefetch in (True, False):
+    cfg = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
+                                 prefetch=prefetch)
+    f = functools.partial(pallas_path.sparse_forward, block_size=c,
+                          backend='gpu', interpret=False, kv_config=cfg)
+    text = jax.jit(f).trace(
+        bf16(b, t, g * r, d), bf16(b, t, g, d), bf16(b, t, g, d),
+        jax.ShapeDtypeStruct((b, g, t, k), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
+            lowering_platforms=('cuda',)).as_text()
+    assert 'mosaic_gpu' in text
