@@ -59,6 +59,7 @@ def test_a_broken_kernel_costs_only_its_own_timing(tmp_path, monkeypatch):
   monkeypatch.setattr(bg, 'decode',
                       lambda cfg, s, impl, tuned: {'cache_len': s})
   monkeypatch.setattr(bg, 'profile', lambda cfg, t, impl: {'profiles': {}})
+  monkeypatch.setattr(bg, 'mosaic', lambda cfg, t: {})
   monkeypatch.setattr(bg, 'INDEX_VARIANTS', ())
   out = bg.run(TINY, log=lambda row: None)
   pre = out['results'][0]
