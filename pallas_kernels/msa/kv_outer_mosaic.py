@@ -20,15 +20,20 @@ GPU lowering:
   registers; P from registers), with the block-local softmax between them;
   the causal compare uses each row's position, built from the Q lane
   scalars, not loaded per row;
-- the partial output goes out in pair order (kv_outer's `pair_order`: a
-  (token, slot) pair's Rp rows at row pair * Rp), one TMA copy per lane;
+- the partial output, staged in the tile's query buffer, goes out in pair
+  order (kv_outer's `pair_order`: a (token, slot) pair's Rp rows at row
+  pair * Rp), one TMA copy per lane;
   the log-sum-exps in tile order, one copy per tile (a lane's Rp f32 are
   below the 128 bytes jax 0.10's TMA lowering takes), put in pair order by
   an XLA gather of 1/Dp of the output's size.
 
 A tile is 64 rows, one warpgroup MMA's M: at Rp = 16 that is 4 queries.
 The [64, C] scores and the [64, Dp] output accumulator then fit one
-warpgroup's registers (at 128 rows they would spill).
+warpgroup's registers (at 128 rows they would spill). A program is one
+warpgroup; at C = Dp = 128 its shared memory is K and V (64 KiB), two
+query buffers (32 KiB), the tables and the bias: about 100 KiB, so two
+programs share an SM (227 KiB) and one's MMAs overlap the other's
+softmax.
 
 Same partials as kv_outer._forward_kernel with pair_order (to bf16
 rounding: P is rounded to bf16 before its MMA in both), merged by the same
@@ -110,7 +115,7 @@ def _cols_iota(n: int, layouts: bool):
 def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
                   dst_gmem, q_gmem, kT_gmem, v_gmem, bias_gmem, o_gmem,
                   lse_gmem, kT_smem, v_smem, bias_smem, src_smem, dst_smem,
-                  q_smem, o_smem, lse_smem, kv_bar, q_bar, p_smem=None, *,
+                  q_smem, lse_smem, kv_bar, q_bar, p_smem=None, *,
                   block_size: int,
                   heads_p: int, rows_per_token: int, scale: float,
                   n_items: int, layouts: bool):
@@ -168,6 +173,8 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
   def tile(i, carry):
     slot = jax.lax.rem(i, slots)
     if slots == 1:
+      # Tile i-1's partials, staged in this buffer, have left it.
+      plgpu.wait_smem_to_gmem(0)
       gather(i, 0)
     srcs = [src_smem[i, lane] for lane in range(q_lanes)]
     # Each row's position: its lane's token (the lanes' rows are
@@ -185,7 +192,10 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
       return acc_ref[...]
     s_WC = pl.run_scoped(scores, plgpu.ACC((w, c), jnp.float32)) * scale
     if slots == 2:
-      # The other slot was last read by tile i-1's S, which is done.
+      # The other slot held tile i-1's queries (its S is done) and then its
+      # partials (their copies out are awaited here).
+      plgpu.wait_smem_to_gmem(0)
+
       @pl.when(i + 1 < n)
       def _():
         gather(i + 1, 1 - slot)
@@ -218,9 +228,11 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
     lse_W = jnp.where(seen_W, m_W + jnp.log(jnp.where(seen_W, l_W, 1.0)),
                       NEG_INF)
 
-    # The previous tile's copies out of o_smem and lse_smem are done before
-    # they are overwritten.
-    plgpu.wait_smem_to_gmem(0)
+    # The partials are staged in this tile's query buffer (S, its only
+    # reader, is done): no buffer of their own, so two programs fit an
+    # SM's shared memory. The previous tile's copies out (of lse_smem too)
+    # were awaited above.
+    o_smem = q_smem.at[slot]
     o_smem[...] = out_WD.astype(o_smem.dtype)
     lse_smem[...] = lse_W
     plgpu.commit_smem()
@@ -292,7 +304,6 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
           plgpu.SMEM((window, q_lanes), jnp.int32),
           plgpu.SMEM((2 if prefetch else 1, w, dp), q_BXD.dtype,
                      transforms=_transforms(dp)),
-          plgpu.SMEM((w, dp), q_BXD.dtype, transforms=_transforms(dp)),
           plgpu.SMEM((w,), jnp.float32),
           plgpu.Barrier(num_arrivals=3 + 2 * -(-window // _TABLE_ROWS),
                         num_barriers=1),
