@@ -129,6 +129,28 @@ def exact_index_inputs(b, t, s, g, di, *, seed=0):
   return draw(kq, (b, t, g, di)), draw(kk, (b, s, di))
 
 
+def masked_block_max_BNQ(qi_BTGI, ki_BSI, block_size, q_offset_B,
+                         valid_BS):
+  """The index score launch's output by numpy: per (token, group) row and
+  key block, scale x the max of the exact logits over the block's keys
+  that are valid and not after the row's token, -inf where none is;
+  block-major f32 [B, N, T*G]."""
+  b, t, g, di = qi_BTGI.shape
+  s = ki_BSI.shape[1]
+  n = -(-s // block_size)
+  logits = np.einsum('btgi,bsi->btgs', np.asarray(qi_BTGI, np.float32),
+                     np.asarray(ki_BSI, np.float32))
+  qpos = np.asarray(q_offset_B)[:, None] + np.arange(t)[None, :]
+  see = valid_BS[:, None, :] & (np.arange(s)[None, None, :] <= qpos[..., None])
+  masked = np.where(see[:, :, None, :], logits, -np.inf)
+  masked = np.pad(masked, ((0, 0), (0, 0), (0, 0), (0, n * block_size - s)),
+                  constant_values=-np.inf)
+  best = masked.reshape(b, t, g, n, block_size).max(-1)  # [B, T, G, N]
+  want = np.where(np.isneginf(best), -np.inf,
+                  best.astype(np.float32) * np.float32(1 / np.sqrt(di)))
+  return want.transpose(0, 3, 1, 2).reshape(b, n, t * g)
+
+
 def selection_margin_report(sel_BGTK, scores_BGTN, qi_BTGI, ki_BSI,
                             block_size, top_k, q_offset, eps_scale=2.0**-7):
   """(violations, flip_rate) of a selection against exact block scores.

@@ -193,19 +193,25 @@ def test_backward_is_deterministic():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
 
 
+def _bf16_forward_case(name, seed=0):
+  """(q, k, v in bf16, the reference selection, offsets, block size, the
+  f32 reference's (out, lse)) at GPU_SHAPES[name]."""
+  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
+  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, seed=seed)
+  q, kk, v = (x.astype(jnp.bfloat16) for x in (q, kk, v))
+  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
+  f32 = lambda x: x.astype(jnp.float32)
+  want = jax.jit(functools.partial(ref.sparse_attention, block_size=c,
+                                   q_offset=o))(f32(q), f32(kk), f32(v), sel)
+  return q, kk, v, sel, jnp.full((b,), o, jnp.int32), c, want
+
+
 @pytest.mark.parametrize('name', ['ragged_chunk', 'real_heads_2k'])
 def test_tuned_forward_variants_match_reference(name):
   # What the bench's tune phase times must be right first (it also checks
   # each against the default before it counts one's time).
   from pallas_kernels.msa import benchmark_gpu  # pylint: disable=g-import-not-at-top
-  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
-  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di)
-  q, kk, v = (x.astype(jnp.bfloat16) for x in (q, kk, v))
-  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
-  off = jnp.full((b,), o, jnp.int32)
-  f32 = lambda x: x.astype(jnp.float32)
-  want = jax.jit(functools.partial(ref.sparse_attention, block_size=c,
-                                   q_offset=o))(f32(q), f32(kk), f32(v), sel)
+  q, kk, v, sel, off, c, want = _bf16_forward_case(name)
   # The first few (the bench's first group) and every one that changes
   # the tiling; the bench checks the rest against the default itself.
   configs = [c for i, c in enumerate(benchmark_gpu.TUNE)
@@ -223,14 +229,7 @@ def test_mosaic_forward_matches_reference_and_triton(name):
   # kv_outer_mosaic.py compiled by Mosaic GPU (TMA gathers, wgmma), with
   # XLA's merge and the fused one: the reference's output and LSE, and the
   # Triton forward's to bf16 rounding (P rounds alike; sums may not).
-  b, t, s, g, r, d, di, c, k, o = GPU_SHAPES[name]
-  q, kk, v, qi, ki, _ = lib.make_inputs(b, t, s, g, r, d, di, seed=3)
-  q, kk, v = (x.astype(jnp.bfloat16) for x in (q, kk, v))
-  sel = ref.selection_BGTK(qi, ki, block_size=c, top_k=k, q_offset=o)
-  off = jnp.full((b,), o, jnp.int32)
-  f32 = lambda x: x.astype(jnp.float32)
-  want = jax.jit(functools.partial(ref.sparse_attention, block_size=c,
-                                   q_offset=o))(f32(q), f32(kk), f32(v), sel)
+  q, kk, v, sel, off, c, want = _bf16_forward_case(name, seed=3)
   run = lambda cfg: jax.jit(lambda q, k_, v_, sel: pallas_path.sparse_forward(
       q, k_, v_, sel, off, None, block_size=c, backend='gpu',
       interpret=False, kv_config=cfg))(q, kk, v, sel)

@@ -45,17 +45,7 @@ def test_block_scores_equal_numpy_and_the_triton_launch(kw):
   off = np.asarray(o, np.int32)
   got = _scores(qi, ki, off, jnp.asarray(valid), c, kernel='mosaic', **kw)
   n = -(-s // c)
-  logits = np.einsum('btgi,bsi->btgs', np.asarray(qi, np.float32),
-                     np.asarray(ki, np.float32))
-  qpos = off[:, None] + np.arange(t)[None, :]
-  see = valid[:, None, :] & (np.arange(s)[None, None, :] <= qpos[..., None])
-  masked = np.where(see[:, :, None, :], logits, -np.inf)
-  masked = np.pad(masked, ((0, 0), (0, 0), (0, 0), (0, n * c - s)),
-                  constant_values=-np.inf)
-  best = masked.reshape(b, t, g, n, c).max(-1)  # [B, T, G, N]
-  want = np.where(np.isneginf(best), -np.inf,
-                  best.astype(np.float32) * np.float32(1 / np.sqrt(di)))
-  want_BNQ = want.transpose(0, 3, 1, 2).reshape(b, n, t * g)
+  want_BNQ = lib.masked_block_max_BNQ(qi, ki, c, off, valid)
   assert np.isfinite(want_BNQ).any() and np.isneginf(want_BNQ).any()
   np.testing.assert_array_equal(got[:, :n, :t * g], want_BNQ)
   assert np.all(np.isneginf(got[:, n:, :t * g]))  # Padding blocks.
