@@ -814,10 +814,9 @@ def decode(cfg: GPUBench, s: int, impl: str,
 
 
 # The Mosaic GPU kernels' forward (kv_outer_mosaic.py), with the fused
-# merge and the double-buffered gather; timed in the `mosaic` phase beside
-# itself without either.
+# merge; timed in the `mosaic` phase beside itself with XLA's.
 MOSAIC_FORWARD = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
-                                        fused_combine=True, prefetch=True)
+                                        fused_combine=True)
 
 
 def mosaic(cfg: GPUBench, t: int) -> dict:
@@ -855,7 +854,6 @@ def mosaic(cfg: GPUBench, t: int) -> dict:
                             backend='gpu', interpret=cfg.interpret,
                             block_size=cfg.block_size, top_k=cfg.top_k)
     unfused = dataclasses.replace(MOSAIC_FORWARD, fused_combine=False)
-    unprefetched = dataclasses.replace(MOSAIC_FORWARD, prefetch=False)
     fns.update({
         'dense': (functools.partial(dense_prefill,
                                     implementation=cfg.dense_impl),
@@ -868,9 +866,7 @@ def mosaic(cfg: GPUBench, t: int) -> dict:
         'main_mosaic': (_main_branch(cfg, off, MOSAIC_FORWARD),
                         (q, k, v, sel)),
         'main_mosaic_xla_merge': (_main_branch(cfg, off, unfused),
-                                  (q, k, v, sel)),
-        'main_mosaic_no_prefetch': (_main_branch(cfg, off, unprefetched),
-                                    (q, k, v, sel))})
+                                  (q, k, v, sel))})
   compile_s, outs = {}, {}
   med, spread, errs = _measure(cfg, fns, compile_s, outputs=outs)
   errors.update(errs)
@@ -883,7 +879,6 @@ def mosaic(cfg: GPUBench, t: int) -> dict:
     agree['index_scores_mosaic'] = scores_equal(
         outs['index_scores_mosaic'], outs['index_scores'])
   for name, base in (('main_mosaic', 'main'), ('main_mosaic_xla_merge', 'main'),
-                     ('main_mosaic_no_prefetch', 'main'),
                      ('msa_mosaic', 'msa')):
     if {name, base} <= set(outs):
       diff = float(jnp.max(jnp.abs(outs[name][0].astype(jnp.float32) -
@@ -898,9 +893,7 @@ def mosaic(cfg: GPUBench, t: int) -> dict:
                          'index_scores_mosaic'),
                         ('main_mosaic_speedup', 'main', 'main_mosaic'),
                         ('main_mosaic_xla_merge_speedup', 'main',
-                         'main_mosaic_xla_merge'),
-                        ('main_mosaic_no_prefetch_speedup', 'main',
-                         'main_mosaic_no_prefetch')):
+                         'main_mosaic_xla_merge')):
     if den in wrong:
       continue
     if (ratio := _ratio(med, num, den)) is not None:

@@ -67,7 +67,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.msa import kernel_common as kc
-from pallas_kernels.msa import kv_outer_mosaic
 
 NEG_INF = float('-inf')
 
@@ -104,9 +103,9 @@ class ForwardConfig:
     decode step as it was, for the GPU bench to time beside the default.
   kernel: 'triton', or 'mosaic' (kv_outer_mosaic.py: the tiles' queries
     gathered by TMA, the dots on warpgroup MMAs; bf16, 64-row tiles, so
-    q_per_tile defaults to 64 / Rp; needs pair_order; `prefetch` is its
-    double-buffered gather). Prefill only: one query per sequence keeps
-    `decode_partials`.
+    q_per_tile defaults to 64 / Rp; needs pair_order; its gather is
+    always double-buffered, so `prefetch`, Triton's, has no effect).
+    Prefill only: one query per sequence keeps `decode_partials`.
   """
   q_per_tile: int | None = None
   tiles_per_program: int | None = None
@@ -719,12 +718,20 @@ def _query_chunk(config: ForwardConfig, q: int, g: int, k: int, rp: int,
       q, (2**30 // (g * k * rp * dp * 2)) // q * q)
 
 
+def _mosaic():
+  """kv_outer_mosaic, imported when first used: jax's Mosaic GPU package
+  costs every process that imports this module (each training run) a
+  quarter of a second."""
+  from pallas_kernels.msa import kv_outer_mosaic  # pylint: disable=g-import-not-at-top
+  return kv_outer_mosaic
+
+
 def _tile_queries(config: ForwardConfig, heads_p: int, dtype) -> int:
   """Queries per tile under `config` (its kernel's default if unset)."""
   if config.q_per_tile:
     return config.q_per_tile
   if config.kernel == 'mosaic':
-    return max(1, kv_outer_mosaic.TILE_ROWS // heads_p)
+    return max(1, _mosaic().TILE_ROWS // heads_p)
   return _queries_per_tile(heads_p, dtype)
 
 
@@ -734,7 +741,7 @@ def unsupported(config: ForwardConfig, *, heads_p: int, head_dim_p: int,
   can); only the Mosaic kernel has such limits."""
   if config.kernel != 'mosaic':
     return None
-  return kv_outer_mosaic.unsupported(
+  return _mosaic().unsupported(
       heads_p, head_dim_p, block_size,
       _tile_queries(config, heads_p, dtype), dtype)
 
@@ -808,10 +815,10 @@ def forward_partials(plan: list, q_BTGRD, k_BSGD, v_BSGD, off_B, valid_BS,
   g, rp = q_BTGRD.shape[2:4]
   if config.kernel == 'mosaic':
     n_blocks = k_BSGD.shape[1] // block_size
-    return [kv_outer_mosaic.forward_call(
+    return [_mosaic().forward_call(
         off_B, items, rows, out_rows, pair, _query_view(q_BTGRD), k_BSGD,
         v_BSGD, valid_BS, block_size=block_size, rows_per_token=g * rp,
-        scale=scale, interpret=interpret, prefetch=config.prefetch,
+        scale=scale, interpret=interpret,
         window=config.tiles_per_program or _per_program(rows.shape[2],
                                                         n_blocks))
             for items, rows, out_rows, pair in plan]

@@ -15,7 +15,8 @@ GPU lowering:
   writes);
 - a tile's rows are Q queries x the group's Rp heads, and each query's Rp
   rows are contiguous in the query view [T*G*Rp, Dp]: the gather is Q TMA
-  copies of [Rp, Dp], straight into the swizzled layout wgmma reads;
+  copies of [Rp, Dp], straight into the swizzled layout wgmma reads, into
+  one of two buffers, so the next tile's gather overlaps this one's work;
 - S = Q K^T and O = P V are warpgroup MMAs (bf16 in, f32 accumulated in
   registers; P from registers), with the block-local softmax between them;
   the causal compare uses each row's position, built from the Q lane
@@ -153,7 +154,6 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
   kpos_C = start + _cols_iota(c, layouts)
   lane_W = jax.lax.div(_rows_iota(w, layouts), rp)
 
-  slots = q_smem.shape[0]  # 2: tile i+1's gather overlaps tile i's work
 
   def gather(i, slot):
     for lane in range(q_lanes):
@@ -165,17 +165,14 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
                               q_smem.at[slot, pl.ds(lane * rp, rp)],
                               q_bar.at[slot])
 
-  if slots == 2:
-    @pl.when(n > 0)
-    def _():
-      gather(0, 0)
+  # Two query buffers: tile i+1's gather runs while tile i's softmax, P V
+  # and writes do.
+  @pl.when(n > 0)
+  def _():
+    gather(0, 0)
 
   def tile(i, carry):
-    slot = jax.lax.rem(i, slots)
-    if slots == 1:
-      # Tile i-1's partials, staged in this buffer, have left it.
-      plgpu.wait_smem_to_gmem(0)
-      gather(i, 0)
+    slot = jax.lax.rem(i, 2)
     srcs = [src_smem[i, lane] for lane in range(q_lanes)]
     # Each row's position: its lane's token (the lanes' rows are
     # contiguous), before every key for a dead lane.
@@ -191,14 +188,13 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
       plgpu.wgmma_wait(0)
       return acc_ref[...]
     s_WC = pl.run_scoped(scores, plgpu.ACC((w, c), jnp.float32)) * scale
-    if slots == 2:
-      # The other slot held tile i-1's queries (its S is done) and then its
-      # partials (their copies out are awaited here).
-      plgpu.wait_smem_to_gmem(0)
+    # The other buffer held tile i-1's queries (its S is done) and then its
+    # partials (their copies out are awaited here).
+    plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(i + 1 < n)
-      def _():
-        gather(i + 1, 1 - slot)
+    @pl.when(i + 1 < n)
+    def _():
+      gather(i + 1, 1 - slot)
     s_WC = s_WC + jax.lax.broadcast_in_dim(bias_C, (w, c), [1])
     see_WC = (jax.lax.broadcast_in_dim(kpos_C, (w, c), [1])
               <= jax.lax.broadcast_in_dim(qpos_W, (w, c), [0]))
@@ -254,8 +250,7 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
 def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
                  k_BSGD, v_BSGD, valid_BS, *, block_size: int,
                  rows_per_token: int, scale: float, window: int,
-                 interpret, prefetch: bool = True
-                 ) -> tuple[jax.Array, jax.Array]:
+                 interpret) -> tuple[jax.Array, jax.Array]:
   """kv_outer._forward_call's pair-order partials on Mosaic GPU: (o [B, G,
   P*Rp, Dp] in q's dtype, lse [B, G, P*Rp] f32), without the Triton
   kernel's spare last row (dead lanes write nothing here; the TMA unit
@@ -263,9 +258,7 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
   tile count) [B, G, U]; rows / out_rows: each tile row's query-view row
   and pair-order row (-1: empty); pair: the flat lane (tile * Q + lane)
   of each (token, slot) pair (-1: none); window: the most tiles an item
-  has; prefetch: gather tile i+1's queries into a second buffer while
-  tile i's softmax, P V and writes run (else each tile waits for its own
-  gather)."""
+  has."""
   b, g, n_tiles, w = rows_BGJW.shape
   n_pairs = pair_BGP.shape[-1]
   x, dp = q_BXD.shape[1:]
@@ -302,13 +295,11 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
           plgpu.SMEM((block_size,), jnp.float32),
           plgpu.SMEM((window, q_lanes), jnp.int32),
           plgpu.SMEM((window, q_lanes), jnp.int32),
-          plgpu.SMEM((2 if prefetch else 1, w, dp), q_BXD.dtype,
-                     transforms=_transforms(dp)),
+          plgpu.SMEM((2, w, dp), q_BXD.dtype, transforms=_transforms(dp)),
           plgpu.SMEM((w,), jnp.float32),
           plgpu.Barrier(num_arrivals=3 + 2 * -(-window // _TABLE_ROWS),
                         num_barriers=1),
-          plgpu.Barrier(num_arrivals=q_lanes,
-                        num_barriers=2 if prefetch else 1),
+          plgpu.Barrier(num_arrivals=q_lanes, num_barriers=2),
           # P's shared-memory copy, interpreted only (_forward_body).
           *([plgpu.SMEM((w, block_size), q_BXD.dtype,
                         transforms=_transforms(block_size))]

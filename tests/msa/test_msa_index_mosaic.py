@@ -26,10 +26,7 @@ def _scores(qi, ki, off, valid, c, **kw):
   return np.concatenate([np.asarray(x) for x in out], axis=2)
 
 
-@pytest.mark.parametrize('kw', [
-    dict(row_tile=64, blocks_per_program=2),
-    dict(row_tile=64, max_score_bytes=2048, blocks_per_program=4)])
-def test_block_scores_equal_numpy_and_the_triton_launch(kw):
+def test_block_scores_equal_numpy_and_the_triton_launch():
   """scale x the max of the exact logits over the block's keys that are
   valid and not after the row's token, -inf where none is. Two sequences
   at chunked-prefill offsets, 3 groups (64-row tiles straddle 16-key
@@ -37,6 +34,7 @@ def test_block_scores_equal_numpy_and_the_triton_launch(kw):
   ones with it), padding keys in the middle (a whole block of them),
   key chunks of 2 blocks (one past the keys: it writes -inf without a
   read), and row chunks of 64 rows (a row base)."""
+  kw = dict(row_tile=64, max_score_bytes=2048, blocks_per_program=2)
   b, t, s, g, di, c, o = 2, 40, 75, 3, 24, 16, (29, 11)
   qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=11)
   valid = np.ones((b, s), bool)

@@ -42,8 +42,7 @@ def _case(seed=0):
 
 
 def test_equals_the_triton_forward_and_the_reference(monkeypatch):
-  """With and without the double-buffered gather, in jax's GPU interpreter
-  with its happens-before race detector on. jax 0.11's detector finds a
+  """In jax's GPU interpreter with its happens-before race detector on. jax 0.11's detector finds a
   TMA copy into shared memory that threads may still be reading (it
   caught one in the score launch); it runs TMA stores at once, so the wait
   before o_smem is rewritten rests on the code, not on this test. Two
@@ -63,15 +62,13 @@ def test_equals_the_triton_forward_and_the_reference(monkeypatch):
         q, k_, v_, sel, off, valid, block_size=c, backend='gpu',
         interpret=True, kv_config=cfg))(q, kk, v, sel)
 
-  triton = run(q_per_tile=8)
-  for prefetch in (True, False):
-    got = run(kernel='mosaic', prefetch=prefetch)
-    assert not gpu_interpret.get_races().races_found, prefetch
-    # The outputs bit for bit; the log-sum-exps to an ulp (m + log l,
-    # scaled in another order).
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(triton[0]))
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(triton[1]),
-                               rtol=1e-6)
+  triton, got = run(q_per_tile=8), run(kernel='mosaic')
+  assert not gpu_interpret.get_races().races_found
+  # The outputs bit for bit; the log-sum-exps to an ulp (m + log l, scaled
+  # in another order).
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(triton[0]))
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(triton[1]),
+                             rtol=1e-6)
   f32 = lambda x: x.astype(jnp.float32)
   want = ref.sparse_attention(f32(q), f32(kk), f32(v), sel, block_size=c,
                               q_offset=o, kv_valid_BS=valid)
@@ -103,14 +100,12 @@ def test_lowers_for_cuda_at_real_shapes():
   chunk beside the plan's and the combine's XLA."""
   b, t, g, r, d, c, k = 1, 2048, 4, 16, 128, 128, 16
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  for prefetch in (True, False):
-    cfg = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic',
-                                 prefetch=prefetch)
-    f = functools.partial(pallas_path.sparse_forward, block_size=c,
-                          backend='gpu', interpret=False, kv_config=cfg)
-    text = jax.jit(f).trace(
-        bf16(b, t, g * r, d), bf16(b, t, g, d), bf16(b, t, g, d),
-        jax.ShapeDtypeStruct((b, g, t, k), jnp.int32),
-        jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
-            lowering_platforms=('cuda',)).as_text()
-    assert 'mosaic_gpu' in text
+  cfg = kv_outer.ForwardConfig(pair_order=True, kernel='mosaic')
+  f = functools.partial(pallas_path.sparse_forward, block_size=c,
+                        backend='gpu', interpret=False, kv_config=cfg)
+  text = jax.jit(f).trace(
+      bf16(b, t, g * r, d), bf16(b, t, g, d), bf16(b, t, g, d),
+      jax.ShapeDtypeStruct((b, g, t, k), jnp.int32),
+      jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
+          lowering_platforms=('cuda',)).as_text()
+  assert 'mosaic_gpu' in text
