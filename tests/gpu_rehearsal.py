@@ -175,10 +175,10 @@ class Rehearsal:
     # jax's interpreter takes them. They are not recorded, as step 3
     # compiles with Triton; their CUDA lowering is tested in tests/msa
     # (test_msa_index_mosaic.py, test_msa_kv_outer_mosaic.py).
-    from pallas_kernels.msa import index_mosaic  # pylint: disable=g-import-not-at-top
-    params = index_mosaic.interpret_params
-    index_mosaic.interpret_params = lambda interpret: params(True)
-    self._undo.append(functools.partial(setattr, index_mosaic,
+    from pallas_kernels.msa import mosaic_common  # pylint: disable=g-import-not-at-top
+    params = mosaic_common.interpret_params
+    mosaic_common.interpret_params = lambda interpret: params(True)
+    self._undo.append(functools.partial(setattr, mosaic_common,
                                         'interpret_params', params))
 
     # The branch a GPU compile takes.

@@ -244,6 +244,11 @@ def prefill_flops(cfg: GPUBench, n: int) -> tuple[float, float]:
   return dense, msa
 
 
+def index_flops(cfg: GPUBench, n: int) -> float:
+  """The index branch's score dots in prefill_flops' msa count."""
+  return 2 * cfg.index_dim * n / 2 * n * cfg.groups
+
+
 def decode_flops(cfg: GPUBench, n: int) -> tuple[float, float]:
   """(dense, msa) FLOPs of one new token against a cache of n, all groups."""
   r, d, di = cfg.heads_per_group, cfg.head_dim, cfg.index_dim
@@ -639,7 +644,7 @@ def prefill(cfg: GPUBench, t: int,
       keep=lambda name: name.startswith('index_scores'))
   errors.update(errs)
   dense_f, msa_f = prefill_flops(cfg, t)
-  index_f = 2 * cfg.index_dim * t / 2 * t * cfg.groups
+  index_f = index_flops(cfg, t)
   row = {'seq_len': t, 'flop_ratio': dense_f / msa_f, 'spread': spread,
          'compile_s': compile_s}
   row.update({f'{name}_s': sec for name, sec in med.items()})
@@ -874,7 +879,7 @@ def mosaic(cfg: GPUBench, t: int) -> dict:
   row.update({f'{name}_s': sec for name, sec in med.items()})
   if why is not None:
     row['mosaic_not_applicable'] = why
-  agree, wrong = {}, []
+  agree = {}
   if {'index_scores', 'index_scores_mosaic'} <= set(outs):
     agree['index_scores_mosaic'] = scores_equal(
         outs['index_scores_mosaic'], outs['index_scores'])
@@ -899,9 +904,8 @@ def mosaic(cfg: GPUBench, t: int) -> dict:
     if (ratio := _ratio(med, num, den)) is not None:
       row[key] = ratio
   if 'main_mosaic' in med:
-    row['main_mosaic_tflops'] = (prefill_flops(cfg, t)[1] - 2 *
-                                 cfg.index_dim * t / 2 * t * cfg.groups) / \
-        med['main_mosaic'] / 1e12
+    main_f = prefill_flops(cfg, t)[1] - index_flops(cfg, t)
+    row['main_mosaic_tflops'] = main_f / med['main_mosaic'] / 1e12
   row['mosaic_wrong'] = wrong
   if errors:
     row['kernel_errors'] = errors

@@ -394,9 +394,10 @@ def index_scores(qi_BTGI, ki_BSI, offset_B, kv_valid_BS=None, *,
   if kernel not in ('triton', 'mosaic'):
     raise ValueError(f"kernel must be 'triton' or 'mosaic', got {kernel!r}.")
   mosaic = kernel == 'mosaic'
-  # Imported here: jax's Mosaic GPU package costs every process that
-  # imports this module (each training run) a quarter of a second.
-  from pallas_kernels.msa import index_mosaic  # pylint: disable=g-import-not-at-top
+  if mosaic:
+    # Imported here: jax's Mosaic GPU package costs every process that
+    # imports this module (each training run) a quarter of a second.
+    from pallas_kernels.msa import index_mosaic  # pylint: disable=g-import-not-at-top
   if mosaic and (fp8_scores
                  or index_dtype(qi_BTGI.dtype, ki_BSI.dtype) != jnp.bfloat16):
     raise ValueError(

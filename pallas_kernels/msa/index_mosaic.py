@@ -45,38 +45,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.msa import mosaic_common as mc
+
 NEG_INF = float('-inf')
 MIN_ROWS = 64  # wgmma's M: one warpgroup's MMA covers 64 rows at a time.
 _SLOTS = 2     # key blocks in shared memory: one read by the MMA, one loading
-# jax 0.10's Mosaic GPU: its interpreter lacks rules for the layout-naming
-# ops, its parameters' class is not exported, and plgpu.load takes the
-# index apart (jax 0.11, the GPU machine's, deprecates that).
-_OLD_MOSAIC_API = not hasattr(plgpu, 'InterpretGPUParams')
-
-
-def interpret_params(interpret):
-  """`interpret` as plgpu.kernel takes it: jax's GPU interpreter (simulated
-  shared memory, barriers and TMA) for True, the hardware for False; an
-  InterpretGPUParams (e.g. with detect_races) is passed on as it is.
-  jax 0.10 does not export the parameters' class, hence the fallback."""
-  if not interpret:
-    return False
-  if not isinstance(interpret, bool):
-    return interpret
-  params = getattr(plgpu, 'InterpretGPUParams', None)
-  if params is None:
-    from jax._src.pallas.mosaic_gpu.interpret import params as mod  # pylint: disable=g-import-not-at-top
-    params = mod.InterpretGPUParams
-  return params()
-
-
-def _smem_transforms(minor: int):
-  """Tiling and swizzle of a bf16 operand whose minor dimension holds
-  `minor` elements: the widest swizzle (128 bytes, 64 elements) it
-  fills."""
-  swizzle = min(128, minor * 2)
-  return (plgpu.TilingTransform((8, swizzle // 2)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 def check_shapes(rows: int, index_dim_p: int, block_size: int,
@@ -95,32 +68,6 @@ def check_shapes(rows: int, index_dim_p: int, block_size: int,
         f'{block_size}, index dim {index_dim_p}.')
 
 
-def named_layouts(interpreted: bool) -> bool:
-  """Whether the kernel names its register layouts (see _scores_body):
-  always when compiled, and in jax 0.11's interpreter."""
-  return not (interpreted and _OLD_MOSAIC_API)
-
-
-def _load_columns(ref, layouts: bool):
-  """A [C] vector from shared memory, laid out as the columns of a wgmma
-  accumulator (to broadcast over its rows); a plain read without
-  `layouts` (see _scores_body)."""
-  if not layouts:
-    return ref[...]
-  layout = plgpu.Layout.WGMMA.reduce(0)
-  if _OLD_MOSAIC_API:  # jax 0.10's load takes the index apart; 0.11 not.
-    return plgpu.load(ref, (), layout=layout)
-  return plgpu.load(ref, layout=layout)
-
-
-def _iota(shape, dim: int, layouts: bool):
-  """broadcasted_iota in a wgmma accumulator's layout."""
-  if not layouts:
-    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
-  return plgpu.broadcasted_iota(jnp.int32, shape, dim,
-                                layout=plgpu.Layout.WGMMA)
-
-
 def _scores_body(offset_gmem, qi_gmem, kiT_gmem, bias_gmem, out_gmem,
                  q_smem, k_smem, bias_smem, out_smem, q_bar, k_bars, *,
                  block_size: int, groups: int, row_base: int, scale: float,
@@ -128,10 +75,7 @@ def _scores_body(offset_gmem, qi_gmem, kiT_gmem, bias_gmem, out_gmem,
   """One program: row tile i of batch b against key chunk j (nb blocks),
   grid (B, row tiles, key chunks), one warpgroup.
 
-  `layouts`: whether the register layouts are named (plgpu.load and
-  plgpu.broadcasted_iota). jax 0.10's GPU interpreter has no rule for
-  either, and the plain ops give the same values where layouts do not
-  exist; compiled, and in jax 0.11's interpreter, they are named."""
+  `layouts`: mosaic_common.named_layouts'."""
   bb = jax.lax.axis_index('b')
   ii = jax.lax.axis_index('i')
   jj = jax.lax.axis_index('j')
@@ -188,11 +132,11 @@ def _scores_body(offset_gmem, qi_gmem, kiT_gmem, bias_gmem, out_gmem,
         plgpu.wgmma_wait(0)
         return acc_ref[...]
       logits_MC = pl.run_scoped(dot, plgpu.ACC((m, c), jnp.float32))
-      bias_C = _load_columns(bias_smem.at[jb], layouts)
+      bias_C = mc.load_columns(bias_smem.at[jb], layouts)
       logits_MC = logits_MC + jax.lax.broadcast_in_dim(bias_C, (m, c), [1])
       if causal:
-        row_MC = _iota((m, c), 0, layouts)
-        col_MC = _iota((m, c), 1, layouts)
+        row_MC = mc.iota((m, c), 0, layouts)
+        col_MC = mc.iota((m, c), 1, layouts)
         qpos_MC = offset + jax.lax.div(row0 + row_MC, groups)
         kpos_MC = key0 + jb * c + col_MC
         logits_MC = jnp.where(kpos_MC <= qpos_MC, logits_MC, NEG_INF)
@@ -228,19 +172,19 @@ def scores_call(offset_B, qi_BQI, kiT_BIS, bias_BS, *, n_blocks_p: int,
   if sp % (nb * block_size) or n_blocks_p % nb:
     raise ValueError(f'keys ({sp}) and blocks ({n_blocks_p}) must be '
                      f'multiples of the chunk of {nb} blocks.')
-  params = interpret_params(interpret)
+  params = mc.interpret_params(interpret)
   kernel = functools.partial(_scores_body, block_size=block_size,
                              groups=groups, row_base=row_base, scale=scale,
                              n_key_blocks=sp // block_size,
-                             layouts=named_layouts(params is not False))
+                             layouts=mc.named_layouts(params is not False))
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((b, n_blocks_p, q), jnp.float32),
       scratch_types=[
           plgpu.SMEM((row_tile, ip), jnp.bfloat16,
-                     transforms=_smem_transforms(ip)),
+                     transforms=mc.smem_transforms(ip)),
           plgpu.SMEM((_SLOTS, ip, block_size), jnp.bfloat16,
-                     transforms=_smem_transforms(block_size)),
+                     transforms=mc.smem_transforms(block_size)),
           plgpu.SMEM((nb, block_size), jnp.float32),
           plgpu.SMEM((nb, row_tile), jnp.float32),
           plgpu.Barrier(num_arrivals=2, num_barriers=1),

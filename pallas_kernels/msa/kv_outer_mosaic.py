@@ -57,18 +57,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.msa import index_mosaic
+from pallas_kernels.msa import mosaic_common as mc
 
 NEG_INF = float('-inf')
 TILE_ROWS = 64
 _DEAD = -(2**30)  # a dead lane's token: before every key, so all masked
 _TABLE_ROWS = 256  # the most rows (tiles) of a table one TMA copy moves
-
-
-def _transforms(minor: int):
-  swizzle = min(128, minor * 2)
-  return (plgpu.TilingTransform((8, swizzle // 2)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 def unsupported(heads_p: int, head_dim_p: int, block_size: int,
@@ -95,22 +89,6 @@ def check_shapes(heads_p: int, head_dim_p: int, block_size: int,
   reason = unsupported(heads_p, head_dim_p, block_size, q_per_tile, dtype)
   if reason:
     raise ValueError(reason)
-
-
-def _rows_iota(n: int, layouts: bool):
-  """0..n-1 laid out as a wgmma accumulator's rows (a [n] row vector)."""
-  if not layouts:
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-  return plgpu.broadcasted_iota(jnp.int32, (n,), 0,
-                                layout=plgpu.Layout.WGMMA.reduce(1))
-
-
-def _cols_iota(n: int, layouts: bool):
-  """0..n-1 laid out as a wgmma accumulator's columns."""
-  if not layouts:
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-  return plgpu.broadcasted_iota(jnp.int32, (n,), 0,
-                                layout=plgpu.Layout.WGMMA.reduce(0))
 
 
 def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
@@ -150,9 +128,9 @@ def _forward_body(off_gmem, blk_gmem, first_gmem, count_gmem, src_gmem,
     plgpu.barrier_wait(kv_bar)
 
   # Read once: nothing rewrites the block's buffers in this program.
-  bias_C = index_mosaic._load_columns(bias_smem, layouts)  # pylint: disable=protected-access
-  kpos_C = start + _cols_iota(c, layouts)
-  lane_W = jax.lax.div(_rows_iota(w, layouts), rp)
+  bias_C = mc.load_columns(bias_smem, layouts)
+  kpos_C = start + mc.iota((c,), 0, layouts, mc.ACC_COLS)
+  lane_W = jax.lax.div(mc.iota((w,), 0, layouts, mc.ACC_ROWS), rp)
 
 
   def gather(i, slot):
@@ -276,12 +254,12 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
   dst_BGJQ = jnp.pad(out_rows_BGJW[..., ::rp], pad, constant_values=-1)
   kT_BGDS = k_BSGD.transpose(0, 2, 3, 1)
   bias_BS = jnp.where(valid_BS > 0, 0.0, NEG_INF).astype(jnp.float32)
-  params = index_mosaic.interpret_params(interpret)
+  params = mc.interpret_params(interpret)
   interpreted = params is not False
   kernel = functools.partial(
       _forward_body, block_size=block_size, heads_p=rp,
       rows_per_token=rows_per_token, scale=scale, n_items=n_items,
-      layouts=index_mosaic.named_layouts(interpreted))
+      layouts=mc.named_layouts(interpreted))
   o, lse_BGJW = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((b, g, n_pairs * rp, dp),
@@ -289,20 +267,20 @@ def forward_call(off_B, items, rows_BGJW, out_rows_BGJW, pair_BGP, q_BXD,
                 jax.ShapeDtypeStruct((b, g, n_tiles, w), jnp.float32)],
       scratch_types=[
           plgpu.SMEM((dp, block_size), q_BXD.dtype,
-                     transforms=_transforms(block_size)),
+                     transforms=mc.smem_transforms(block_size)),
           plgpu.SMEM((block_size, dp), q_BXD.dtype,
-                     transforms=_transforms(dp)),
+                     transforms=mc.smem_transforms(dp)),
           plgpu.SMEM((block_size,), jnp.float32),
           plgpu.SMEM((window, q_lanes), jnp.int32),
           plgpu.SMEM((window, q_lanes), jnp.int32),
-          plgpu.SMEM((2, w, dp), q_BXD.dtype, transforms=_transforms(dp)),
+          plgpu.SMEM((2, w, dp), q_BXD.dtype, transforms=mc.smem_transforms(dp)),
           plgpu.SMEM((w,), jnp.float32),
           plgpu.Barrier(num_arrivals=3 + 2 * -(-window // _TABLE_ROWS),
                         num_barriers=1),
           plgpu.Barrier(num_arrivals=q_lanes, num_barriers=2),
           # P's shared-memory copy, interpreted only (_forward_body).
           *([plgpu.SMEM((w, block_size), q_BXD.dtype,
-                        transforms=_transforms(block_size))]
+                        transforms=mc.smem_transforms(block_size))]
             if interpreted else []),
       ],
       grid=(b, g, n_items),

@@ -16,6 +16,7 @@ import pytest
 import msa_testlib as lib
 from pallas_kernels.msa import index_kernel
 from pallas_kernels.msa import index_mosaic
+from pallas_kernels.msa import mosaic_common
 from pallas_kernels.msa import select_kernel
 
 
@@ -113,7 +114,7 @@ def test_no_data_race_between_the_key_copies_and_the_dots():
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
   b, t, s, g, di, c = 1, 64, 64, 2, 16, 16
   qi, ki = lib.exact_index_inputs(b, t, s, g, di, seed=2)
-  params = type(index_mosaic.interpret_params(True))(detect_races=True)
+  params = type(mosaic_common.interpret_params(True))(detect_races=True)
   out = index_mosaic.scores_call(
       jnp.zeros((b,), jnp.int32), qi.reshape(b, t * g, di),
       ki.transpose(0, 2, 1), jnp.zeros((b, s), jnp.float32), n_blocks_p=4,

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import msa_testlib as lib
-from pallas_kernels.msa import index_mosaic
 from pallas_kernels.msa import kv_outer
 from pallas_kernels.msa import kv_outer_mosaic
+from pallas_kernels.msa import mosaic_common
 from pallas_kernels.msa import pallas_path
 from pallas_kernels.msa import reference as ref
 
@@ -48,8 +48,8 @@ def test_equals_the_triton_forward_and_the_reference(monkeypatch):
   before o_smem is rewritten rests on the code, not on this test. Two
   query chunks, blocks split into items of 2 tiles, the fused merge."""
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret  # pylint: disable=g-import-not-at-top
-  params = index_mosaic.interpret_params
-  monkeypatch.setattr(index_mosaic, 'interpret_params', lambda interpret: (
+  params = mosaic_common.interpret_params
+  monkeypatch.setattr(mosaic_common, 'interpret_params', lambda interpret: (
       type(params(True))(detect_races=True) if interpret else False))
   q, kk, v, sel, valid = _case()
   b, _, _, _, _, _, _, c, _, o = SHAPE
